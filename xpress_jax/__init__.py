@@ -1,0 +1,48 @@
+"""xpress-jax: the XPress refiner head (speculative decoding) in JAX.
+
+Quickstart::
+
+    import jax, jax.numpy as jnp, xpress_jax as xj
+    cfg = xj.HeadConfig(vocab_size=V, hidden_size=H, block_size=16)
+    params = xj.init_params(cfg, jax.random.key(0), dtype=jnp.bfloat16)
+    refine = jax.jit(xj.refine, static_argnames=xj.STATIC_ARGNAMES)
+    draft = refine(params, logits, h, anchors, config=cfg)   # [N, B-1] int32
+"""
+
+from .config import HeadConfig
+from .head import XPressHead, hidden_input, latent
+from .params import (
+    HYBRID_KEY_MAP,
+    PARAM_NAMES,
+    check_params,
+    config_from_params,
+    fold_causal_mixer,
+    init_params,
+    param_shapes,
+    params_from_state_dict,
+)
+from .refine import BACKENDS, INVALID_TOKEN, refine
+
+#: The keyword arguments of `refine` that must be static under ``jax.jit``.
+STATIC_ARGNAMES = ("num_passes", "topc", "max_num_reqs", "config", "backend", "interpret")
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "HeadConfig",
+    "XPressHead",
+    "HYBRID_KEY_MAP",
+    "PARAM_NAMES",
+    "STATIC_ARGNAMES",
+    "BACKENDS",
+    "INVALID_TOKEN",
+    "check_params",
+    "config_from_params",
+    "fold_causal_mixer",
+    "hidden_input",
+    "init_params",
+    "latent",
+    "param_shapes",
+    "params_from_state_dict",
+    "refine",
+]

@@ -1,0 +1,316 @@
+"""The head's parameters: names, shapes, layouts, initialisation and loading.
+
+Params are a plain dict pytree (serving form: mixer folded, matrices laid out
+for ``x @ W``). With V vocab, H hidden, B block, r rank, M mlp hidden:
+
+=================  ===========  ===============================================
+name               shape        meaning (PyTorch source in HYBRID_KEY_MAP names)
+=================  ===========  ===============================================
+``w1``             [V, r]       token embedding (``w1.weight``, same layout)
+``down_h``         [H, r]       per-slot hidden projection (``down_h.weight``.T)
+``down_g``         [H, r]       block-mean hidden projection (``down_g.weight``.T)
+``in_proj_hidden`` [2r, r]      ``in_proj.weight[:, :2r].T``, acts on the hidden
+                                cache; applied once per call
+``in_proj_token``  [r, r]       ``in_proj.weight[:, 2r:].T``, acts on ``w1[prev]``;
+                                applied every pass
+``mix``            [B, B, r]    folded causal mixer, ``mix[k, j, c] = Lf[c, k, j]``
+                                with ``Lf = raw * tril + I`` (``mix.L`` is raw)
+``mlp_gate``       [r, M]       ``mlp.gate_proj.weight``.T
+``mlp_up``         [r, M]       ``mlp.up_proj.weight``.T
+``mlp_down``       [M, r]       ``mlp.down_proj.weight``.T
+``w2``             [V, r]       readout (``w2.weight``, same layout): bias = lat @ w2.T
+=================  ===========  ===============================================
+
+All params share one floating dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from .config import HeadConfig
+
+__all__ = [
+    "HYBRID_KEY_MAP",
+    "PARAM_NAMES",
+    "param_shapes",
+    "init_params",
+    "fold_causal_mixer",
+    "params_from_state_dict",
+    "check_params",
+    "config_from_params",
+]
+
+# Source (checkpoint) name -> the reference module's attribute, as in the
+# reference head. "__raw_mix_L__" marks the raw mixer that the loader folds once.
+HYBRID_KEY_MAP = {
+    "w1.weight": "w1.weight",
+    "down_h.weight": "down_h.weight",
+    "down_g.weight": "down_g.weight",
+    "in_proj.weight": "in_proj.weight",
+    "mix.L": "__raw_mix_L__",
+    "mlp.gate_proj.weight": "mlp_gate.weight",
+    "mlp.up_proj.weight": "mlp_up.weight",
+    "mlp.down_proj.weight": "mlp_down.weight",
+    "w2.weight": "w2.weight",
+}
+
+PARAM_NAMES = (
+    "w1",
+    "down_h",
+    "down_g",
+    "in_proj_hidden",
+    "in_proj_token",
+    "mix",
+    "mlp_gate",
+    "mlp_up",
+    "mlp_down",
+    "w2",
+)
+
+
+def param_shapes(config: HeadConfig) -> dict[str, tuple[int, ...]]:
+    """The shape of every param for ``config`` (see the module docstring)."""
+    V, H, B, r, M = (
+        config.vocab_size,
+        config.hidden_size,
+        config.block_size,
+        config.rank,
+        config.mlp_hidden,
+    )
+    return {
+        "w1": (V, r),
+        "down_h": (H, r),
+        "down_g": (H, r),
+        "in_proj_hidden": (2 * r, r),
+        "in_proj_token": (r, r),
+        "mix": (B, B, r),
+        "mlp_gate": (r, M),
+        "mlp_up": (r, M),
+        "mlp_down": (M, r),
+        "w2": (V, r),
+    }
+
+
+def source_shapes(config: HeadConfig) -> dict[str, tuple[int, ...]]:
+    """The shape of every source tensor (HYBRID_KEY_MAP names, PyTorch layouts)."""
+    V, H, B, r, M = (
+        config.vocab_size,
+        config.hidden_size,
+        config.block_size,
+        config.rank,
+        config.mlp_hidden,
+    )
+    return {
+        "w1.weight": (V, r),
+        "down_h.weight": (r, H),
+        "down_g.weight": (r, H),
+        "in_proj.weight": (r, 3 * r),
+        "mix.L": (r, B, B),
+        "mlp.gate_proj.weight": (M, r),
+        "mlp.up_proj.weight": (M, r),
+        "mlp.down_proj.weight": (r, M),
+        "w2.weight": (V, r),
+    }
+
+
+def fold_causal_mixer(raw_L: Any) -> jax.Array:
+    """Serving form of the causal mixer: ``raw_L * tril + I`` ([r, B, B] -> [r, B, B]).
+
+    Training computes ``x + (raw_L * tril) @ x`` per rank channel; the folded
+    matrix ``Lf`` gives the same result as one product ``Lf @ x``. Computed in
+    float64 where enabled (else float32) and rounded once to ``raw_L``'s dtype,
+    which equals the reference's in-dtype ``raw * tril + eye``.
+    """
+    raw = jnp.asarray(raw_L)
+    if raw.ndim != 3 or raw.shape[1] != raw.shape[2]:
+        raise ValueError(f"raw_L must have shape [r, B, B], got {raw.shape}")
+    B = raw.shape[-1]
+    tril = jnp.tril(jnp.ones((B, B), raw.dtype))
+    eye = jnp.eye(B, dtype=raw.dtype)
+    return raw * tril + eye
+
+
+def _fold_np(raw: np.ndarray) -> np.ndarray:
+    """NumPy twin of `fold_causal_mixer` (exact: the sum is formed in float64, rounded once)."""
+    B = raw.shape[-1]
+    wide = raw.astype(np.float64) * np.tril(np.ones((B, B))) + np.eye(B)
+    return wide.astype(raw.dtype)
+
+
+def init_params(
+    config: HeadConfig,
+    key: jax.Array,
+    dtype: Any = jnp.float32,
+    *,
+    std: float = 0.02,
+    mix_std: float | None = None,
+) -> dict[str, jax.Array]:
+    """Random params in serving form (normal(0, std) weights, a random folded mixer).
+
+    ``mix_std`` (default ``std``) scales the raw mixer before folding. Larger
+    ``std`` makes the refiner change more of the drafter's tokens.
+    """
+    if not isinstance(config, HeadConfig):
+        raise TypeError(f"config must be a HeadConfig, got {type(config).__name__}")
+    dtype = jnp.dtype(dtype)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"dtype must be a floating dtype, got {dtype}")
+    shapes = param_shapes(config)
+    keys = jax.random.split(key, len(PARAM_NAMES))
+    params = {}
+    for k, name in zip(keys, PARAM_NAMES):
+        if name == "mix":
+            r, B = config.rank, config.block_size
+            raw = jax.random.normal(k, (r, B, B), jnp.float32) * (std if mix_std is None else mix_std)
+            params[name] = jnp.transpose(fold_causal_mixer(raw.astype(dtype)), (1, 2, 0))
+        else:
+            params[name] = (jax.random.normal(k, shapes[name], jnp.float32) * std).astype(dtype)
+    return params
+
+
+def _to_numpy(t: Any) -> np.ndarray:
+    """NumPy view of a numpy/JAX/torch tensor; torch bf16 goes through an int16 view."""
+    if hasattr(t, "detach") and hasattr(t, "numpy"):  # torch.Tensor, without importing torch
+        t = t.detach().cpu()
+        if str(t.dtype) == "torch.bfloat16":
+            import torch  # only reached when the caller already holds torch tensors
+
+            return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+        return t.numpy()
+    return np.asarray(t)
+
+
+def params_from_state_dict(
+    tensors: Mapping[str, Any],
+    config: HeadConfig,
+    *,
+    dtype: Any = None,
+) -> dict[str, jax.Array]:
+    """Params from the head's source tensors (HYBRID_KEY_MAP names, no prefix).
+
+    ``tensors`` maps ``w1.weight``, ``down_h.weight``, ``down_g.weight``,
+    ``in_proj.weight``, ``mix.L`` (the RAW mixer), ``mlp.{gate,up,down}_proj.weight``
+    and ``w2.weight`` to arrays in PyTorch layouts (numpy, JAX or torch). The raw
+    mixer is folded exactly once here. ``dtype`` (default: the source's common
+    dtype) is the params' dtype. Missing, unexpected and mis-shaped keys are all
+    reported by name in one ``ValueError``.
+    """
+    if not isinstance(config, HeadConfig):
+        raise TypeError(f"config must be a HeadConfig, got {type(config).__name__}")
+    if not isinstance(tensors, Mapping):
+        raise TypeError(f"tensors must be a mapping of name -> array, got {type(tensors).__name__}")
+    expected = source_shapes(config)
+    missing = sorted(set(expected) - set(tensors))
+    extra = sorted(set(tensors) - set(expected))
+    arrays = {k: _to_numpy(tensors[k]) for k in expected if k in tensors}
+    bad_shape = [
+        f"{k}: expected {expected[k]}, got {tuple(a.shape)}"
+        for k, a in arrays.items()
+        if tuple(a.shape) != expected[k]
+    ]
+    bad_dtype = [
+        f"{k}: {a.dtype}"
+        for k, a in arrays.items()
+        if not (np.issubdtype(a.dtype, np.floating) or a.dtype == ml_dtypes.bfloat16)
+    ]
+    problems = []
+    if missing:
+        problems.append(f"missing keys: {missing}")
+    if extra:
+        problems.append(f"unexpected keys: {extra}")
+    if bad_shape:
+        problems.append("shape mismatch: " + "; ".join(bad_shape))
+    if bad_dtype:
+        problems.append("non-floating tensors: " + "; ".join(bad_dtype))
+    if problems:
+        raise ValueError("params_from_state_dict: " + " | ".join(problems))
+
+    if dtype is None:
+        dtypes = {a.dtype for a in arrays.values()}
+        if len(dtypes) != 1:
+            raise ValueError(
+                f"source tensors have mixed dtypes {sorted(map(str, dtypes))}; pass dtype= explicitly"
+            )
+        dtype = dtypes.pop()
+    dtype = jnp.dtype(dtype)
+    r = config.rank
+    in_proj = arrays["in_proj.weight"]
+    out = {
+        "w1": arrays["w1.weight"],
+        "down_h": arrays["down_h.weight"].T,
+        "down_g": arrays["down_g.weight"].T,
+        "in_proj_hidden": in_proj[:, : 2 * r].T,
+        "in_proj_token": in_proj[:, 2 * r :].T,
+        "mix": _fold_np(arrays["mix.L"]).transpose(1, 2, 0),
+        "mlp_gate": arrays["mlp.gate_proj.weight"].T,
+        "mlp_up": arrays["mlp.up_proj.weight"].T,
+        "mlp_down": arrays["mlp.down_proj.weight"].T,
+        "w2": arrays["w2.weight"],
+    }
+    return {k: jnp.asarray(np.ascontiguousarray(v).astype(dtype)) for k, v in out.items()}
+
+
+def config_from_params(params: Mapping[str, Any], **kwargs: Any) -> HeadConfig:
+    """The `HeadConfig` implied by the params' shapes (``kwargs`` set topc etc.)."""
+    check_params(params)
+    V, r = params["w1"].shape
+    H = params["down_h"].shape[0]
+    B = params["mix"].shape[0]
+    M = params["mlp_gate"].shape[1]
+    return HeadConfig(vocab_size=V, hidden_size=H, block_size=B, rank=r, mlp_hidden=M, **kwargs)
+
+
+def check_params(params: Mapping[str, Any], config: HeadConfig | None = None) -> None:
+    """Raise ``ValueError``/``TypeError`` naming the first bad param (name, shape or dtype).
+
+    Shapes are checked against ``config`` when given, else against each other.
+    Works on arrays and on ``jax.ShapeDtypeStruct``s (no values are read).
+    """
+    if not isinstance(params, Mapping):
+        raise TypeError(f"params must be a dict of arrays, got {type(params).__name__}")
+    missing = [k for k in PARAM_NAMES if k not in params]
+    extra = sorted(set(params) - set(PARAM_NAMES))
+    if missing or extra:
+        raise ValueError(f"params: missing {missing}, unexpected {extra}")
+    for k in PARAM_NAMES:
+        if not hasattr(params[k], "shape") or not hasattr(params[k], "dtype"):
+            raise TypeError(f"params[{k!r}] must be an array, got {type(params[k]).__name__}")
+    if config is None:
+        V, r = params["w1"].shape if len(params["w1"].shape) == 2 else (None, None)
+        if V is None:
+            raise ValueError(f"params['w1'] must be [V, r], got shape {params['w1'].shape}")
+        H = params["down_h"].shape[0] if len(params["down_h"].shape) == 2 else -1
+        B = params["mix"].shape[0] if len(params["mix"].shape) == 3 else -1
+        M = params["mlp_gate"].shape[1] if len(params["mlp_gate"].shape) == 2 else -1
+        expected = {
+            "w1": (V, r),
+            "down_h": (H, r),
+            "down_g": (H, r),
+            "in_proj_hidden": (2 * r, r),
+            "in_proj_token": (r, r),
+            "mix": (B, B, r),
+            "mlp_gate": (r, M),
+            "mlp_up": (r, M),
+            "mlp_down": (M, r),
+            "w2": (V, r),
+        }
+    else:
+        expected = param_shapes(config)
+    for k in PARAM_NAMES:
+        if tuple(params[k].shape) != expected[k]:
+            raise ValueError(f"params[{k!r}] has shape {tuple(params[k].shape)}, expected {expected[k]}")
+    dtype = jnp.dtype(params["w1"].dtype)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"params must be floating, params['w1'] is {dtype}")
+    for k in PARAM_NAMES:
+        if jnp.dtype(params[k].dtype) != dtype:
+            raise TypeError(
+                f"params[{k!r}] has dtype {jnp.dtype(params[k].dtype)}, but params['w1'] is {dtype}; "
+                "all params must share one dtype"
+            )

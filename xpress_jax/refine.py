@@ -1,0 +1,249 @@
+"""`refine`: K greedy Jacobi passes of the XPress head, jit-able with static shapes.
+
+The pure-jnp path here is the CPU/TPU implementation and the oracle for the
+Pallas kernels (``pallas_kernels``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .config import HeadConfig
+from .head import _dot, acc_dtype, hidden_input, latent
+from .params import check_params
+
+__all__ = ["refine", "INVALID_TOKEN", "BACKENDS"]
+
+#: Token written to every draft slot of a row whose anchor or prev id lies outside [0, V)
+#: (only reachable under ``jit``; concrete calls raise instead).
+INVALID_TOKEN = -1
+
+BACKENDS = ("auto", "xla", "pallas")
+
+
+def _is_concrete(x: Any) -> bool:
+    return not isinstance(x, jax.core.Tracer)
+
+
+def _clean(s: jax.Array) -> jax.Array:
+    """The non-finite rule: NaN scores count as -inf (they never win; +inf does)."""
+    return jnp.where(jnp.isnan(s), jnp.array(-jnp.inf, s.dtype), s)
+
+
+def _round_sum(a: jax.Array, b: jax.Array) -> jax.Array:
+    """``float(dtype(a + b))``: the sum formed in the accumulation dtype, rounded to the logits' dtype."""
+    acc = acc_dtype(a.dtype)
+    return _clean((a.astype(acc) + b.astype(acc)).astype(a.dtype))
+
+
+def _validate(params, logits, h, anchors, prev_ids, num_passes, topc, max_num_reqs, backend):
+    check_params(params)
+    V, r = params["w1"].shape
+    H = params["down_h"].shape[0]
+    B = params["mix"].shape[0]
+    dtype = jnp.dtype(params["w1"].dtype)
+    for name, x, nd in (("logits", logits, 3), ("h", h, 3), ("anchors", anchors, 1)):
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+        if len(x.shape) != nd:
+            raise ValueError(f"{name} must have {nd} dims, got shape {tuple(x.shape)}")
+    N = logits.shape[0]
+    if logits.shape[1] != B:
+        raise ValueError(
+            f"logits has block size {logits.shape[1]} (shape {tuple(logits.shape)}), "
+            f"but the head's block_size is {B}"
+        )
+    if logits.shape[2] != V:
+        raise ValueError(f"logits has vocab {logits.shape[2]}, but the head's vocab_size is {V}")
+    if tuple(h.shape) != (N, B, H):
+        raise ValueError(f"h must have shape {(N, B, H)} (N, block_size, hidden_size), got {tuple(h.shape)}")
+    if tuple(anchors.shape) != (N,):
+        raise ValueError(f"anchors must have shape ({N},), got {tuple(anchors.shape)}")
+    if jnp.dtype(logits.dtype) != dtype:
+        raise TypeError(f"logits dtype {jnp.dtype(logits.dtype)} must equal the params' dtype {dtype}")
+    if jnp.dtype(h.dtype) != dtype:
+        raise TypeError(f"h dtype {jnp.dtype(h.dtype)} must equal the params' dtype {dtype}")
+    if not jnp.issubdtype(anchors.dtype, jnp.integer):
+        raise TypeError(f"anchors must be integer token ids, got dtype {jnp.dtype(anchors.dtype)}")
+    if prev_ids is not None:
+        if not hasattr(prev_ids, "shape") or tuple(prev_ids.shape) != (N,):
+            raise ValueError(f"prev_ids must have shape ({N},), got {getattr(prev_ids, 'shape', prev_ids)}")
+        if not jnp.issubdtype(prev_ids.dtype, jnp.integer):
+            raise TypeError(f"prev_ids must be integer token ids, got dtype {jnp.dtype(prev_ids.dtype)}")
+    if isinstance(num_passes, bool) or not isinstance(num_passes, (int, np.integer)) or num_passes < 1:
+        raise ValueError(f"num_passes must be a positive int, got {num_passes!r}")
+    if isinstance(topc, bool) or not isinstance(topc, (int, np.integer)):
+        raise TypeError(f"topc must be an int (0 = full vocabulary), got {topc!r}")
+    if not 0 <= topc <= V:
+        raise ValueError(f"topc must be in [0, vocab_size={V}], got {topc}")
+    if isinstance(max_num_reqs, bool) or not isinstance(max_num_reqs, (int, np.integer)) or max_num_reqs < 1:
+        raise ValueError(f"max_num_reqs must be a positive int, got {max_num_reqs!r}")
+    if N > max_num_reqs:
+        raise ValueError(f"logits has N={N} blocks, more than max_num_reqs={max_num_reqs}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    for name, ids in (("anchors", anchors), ("prev_ids", prev_ids)):
+        if ids is not None and _is_concrete(ids):
+            a = np.asarray(ids)
+            bad = np.nonzero((a < 0) | (a >= V))[0]
+            if bad.size:
+                raise ValueError(
+                    f"{name} has token ids outside [0, {V}) at rows {bad[:8].tolist()}"
+                    f"{' ...' if bad.size > 8 else ''}: values {a[bad[:8]].tolist()}"
+                )
+
+
+def refine(
+    params: Mapping[str, jax.Array],
+    logits: jax.Array,
+    h: jax.Array,
+    anchors: jax.Array,
+    prev_ids: jax.Array | None = None,
+    *,
+    num_passes: int | None = None,
+    topc: int | None = None,
+    max_num_reqs: int | None = None,
+    config: HeadConfig | None = None,
+    backend: str = "auto",
+    interpret: bool = False,
+) -> jax.Array:
+    """Refine N draft blocks with K greedy Jacobi passes; returns the draft [N, B-1] int32.
+
+    Args:
+      params: the head's params (see `xpress_jax.params`), all of one dtype.
+      logits: [N, B, V] drafter logits (slot 0's row is unused), params' dtype.
+      h: [N, B, H] drafter hidden states, params' dtype.
+      anchors: [N] int, the verified token of each block (slot 0).
+      prev_ids: [N] int, the token before each anchor; defaults to ``anchors``
+        (what vLLM's speculator passes).
+      num_passes: K >= 1 (default: ``config.num_passes``, else 6).
+      topc: 0 = exact full-vocabulary scoring; C in [1, V] = score only each draft
+        slot's C largest base logits (default: ``config.topc``, else 512).
+      max_num_reqs: largest accepted N (default: ``config.max_num_reqs``, else 256).
+      config: optional `HeadConfig` supplying the defaults above; its sizes must match the params.
+      backend: ``"xla"`` (pure jnp), ``"pallas"`` (Pallas kernels) or ``"auto"``.
+      interpret: run Pallas kernels in interpret mode (CPU tests).
+
+    Tie and value rules: a slot's score is ``float(dtype(base + bias))`` (the sum
+    rounded to the logits' dtype before comparing); the largest score wins and
+    ties go to the lowest vocab id, in both modes. In top-C mode the candidate set
+    is each slot's C largest base logits, lowest vocab ids first among values tied
+    at the C-th place; the block starts from the full-vocab argmax of the base
+    logits. NaN (in base logits or sums) counts as -inf; +inf wins; a row with no
+    score above -inf picks its lowest-id candidate (vocab id 0 in full-vocab mode).
+
+    Invalid ids: with concrete ``anchors``/``prev_ids``, ids outside [0, V) raise
+    ``ValueError``. Under ``jit`` (traced ids) such a row is never read out of
+    range; all its draft slots are `INVALID_TOKEN` (-1), so padded rows can be
+    marked with anchor -1.
+
+    Use under jit with ``static_argnames=("num_passes", "topc", "max_num_reqs",
+    "config", "backend", "interpret")``.
+    """
+    if config is not None:
+        if not isinstance(config, HeadConfig):
+            raise TypeError(f"config must be a HeadConfig, got {type(config).__name__}")
+        check_params(params, config)
+    defaults = config if config is not None else HeadConfig(vocab_size=2**31 - 1, hidden_size=1)
+    num_passes = defaults.num_passes if num_passes is None else num_passes
+    topc = defaults.topc if topc is None else topc
+    max_num_reqs = defaults.max_num_reqs if max_num_reqs is None else max_num_reqs
+    _validate(params, logits, h, anchors, prev_ids, num_passes, topc, max_num_reqs, backend)
+    if prev_ids is None:
+        prev_ids = anchors
+    ops = _select_ops(backend, interpret)
+    return _refine(ops, params, logits, h, anchors, prev_ids, int(num_passes), int(topc))
+
+
+class _JnpOps:
+    """The pure-jnp implementation of every per-pass step (the kernels' oracle)."""
+
+    name = "xla"
+
+    @staticmethod
+    def latent_pass(params, xh, blk, prev_ids):
+        """[N,B,r], [N,B] int32, [N] int32 -> [N, B-1, r]: latents of the draft slots."""
+        prev = jnp.concatenate([prev_ids[:, None], blk[:, :-1]], axis=1)
+        return latent(params, xh, prev)
+
+    @staticmethod
+    def full_vocab_pick(base, lat, w2):
+        """[rows,V], [rows,r], [V,r] -> [rows] int32: argmax_v dtype(base + lat @ w2.T), lowest id on ties."""
+        bias = _dot(lat, w2.T, acc_dtype(base.dtype)).astype(base.dtype)
+        return jnp.argmax(_round_sum(base, bias), axis=-1).astype(jnp.int32)
+
+    @staticmethod
+    def select_candidates(base, c):
+        """[rows,V] -> (cand [rows,C] int32, base_c [rows,C], argmax [rows] int32)."""
+        clean = _clean(base)
+        base_c, cand = jax.lax.top_k(clean, c)
+        return cand.astype(jnp.int32), base_c, jnp.argmax(clean, axis=-1).astype(jnp.int32)
+
+    @staticmethod
+    def topc_pick(base_c, cand, lat, w2c):
+        """[rows,C], [rows,C] int32, [rows,r], [rows,C,r] -> [rows] int32 vocab ids."""
+        acc = acc_dtype(base_c.dtype)
+        bias_c = jnp.einsum(
+            "nr,ncr->nc", lat, w2c, precision=jax.lax.Precision.HIGHEST, preferred_element_type=acc
+        ).astype(base_c.dtype)
+        s = _round_sum(base_c, bias_c)
+        best = jnp.max(s, axis=-1, keepdims=True)
+        big = jnp.iinfo(jnp.int32).max
+        return jnp.min(jnp.where(s == best, cand, big), axis=-1).astype(jnp.int32)
+
+
+def _select_ops(backend: str, interpret: bool):
+    if backend == "xla":
+        return _JnpOps
+    try:
+        from pallas_kernels import api as pallas_api
+    except ImportError:
+        pallas_api = None
+    if backend == "pallas":
+        if pallas_api is None:
+            raise ValueError("backend='pallas' needs the pallas_kernels package, which is not importable")
+        return pallas_api.ops(interpret=interpret)
+    # auto: Pallas on a supported GPU, else the jnp path.
+    if pallas_api is not None and (interpret or pallas_api.gpu_supported()):
+        return pallas_api.ops(interpret=interpret)
+    return _JnpOps
+
+
+def _refine(ops, params, logits, h, anchors, prev_ids, num_passes, topc):
+    N, B, V = logits.shape
+    r = params["w1"].shape[1]
+    rows = N * (B - 1)
+    anchors = anchors.astype(jnp.int32)
+    prev_ids = prev_ids.astype(jnp.int32)
+    valid = (anchors >= 0) & (anchors < V) & (prev_ids >= 0) & (prev_ids < V)
+    anchors = jnp.where(valid, anchors, 0)
+    prev_ids = jnp.where(valid, prev_ids, 0)
+
+    xh = hidden_input(params, h)  # [N, B, r], once per call
+    base = logits[:, 1:, :].reshape(rows, V)
+
+    if topc:
+        cand, base_c, start = ops.select_candidates(base, topc)
+        w2c = jnp.take(params["w2"], cand, axis=0)  # [rows, C, r], once per call
+
+        def pick(lat):
+            return ops.topc_pick(base_c, cand, lat, w2c)
+
+    else:
+        start = jnp.argmax(_clean(base), axis=-1).astype(jnp.int32)
+
+        def pick(lat):
+            return ops.full_vocab_pick(base, lat, params["w2"])
+
+    blk = jnp.concatenate([anchors[:, None], start.reshape(N, B - 1)], axis=1)
+
+    def one_pass(_, blk):
+        lat = ops.latent_pass(params, xh, blk, prev_ids).reshape(rows, r)
+        return blk.at[:, 1:].set(pick(lat).reshape(N, B - 1))
+
+    blk = jax.lax.fori_loop(0, num_passes, one_pass, blk)
+    return jnp.where(valid[:, None], blk[:, 1:], INVALID_TOKEN)
