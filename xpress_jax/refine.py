@@ -184,8 +184,16 @@ class _JnpOps:
         return cand.astype(jnp.int32), base_c, jnp.argmax(clean, axis=-1).astype(jnp.int32)
 
     @staticmethod
+    def topc_prepare(w2, cand):
+        """Once per call: what `topc_pick` reads for the candidates' readout rows (here w2c = w2[cand])."""
+        return jnp.take(w2, cand, axis=0)  # [rows, C, r]
+
+    @staticmethod
     def topc_pick(base_c, cand, lat, w2c):
-        """[rows,C], [rows,C] int32, [rows,r], [rows,C,r] -> [rows] int32 vocab ids."""
+        """[rows,C], [rows,C] int32, [rows,r], topc_prepare(...) -> [rows] int32 vocab ids.
+
+        ``s = dtype(base_c + dtype(lat . w2[cand]))``; the largest s wins, lowest vocab id on ties.
+        """
         acc = acc_dtype(base_c.dtype)
         bias_c = jnp.einsum(
             "nr,ncr->nc", lat, w2c, precision=jax.lax.Precision.HIGHEST, preferred_element_type=acc
@@ -228,7 +236,7 @@ def _refine(ops, params, logits, h, anchors, prev_ids, num_passes, topc):
 
     if topc:
         cand, base_c, start = ops.select_candidates(base, topc)
-        w2c = jnp.take(params["w2"], cand, axis=0)  # [rows, C, r], once per call
+        w2c = ops.topc_prepare(params["w2"], cand)  # once per call
 
         def pick(lat):
             return ops.topc_pick(base_c, cand, lat, w2c)
