@@ -1,0 +1,144 @@
+"""Bad input is refused with an error naming the argument."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import xpress_jax as xj
+
+from conftest import SMALL, make_head, make_inputs
+
+
+@pytest.fixture(scope="module")
+def setup():
+    cfg = xj.HeadConfig(**SMALL)
+    return cfg, make_head(cfg), make_inputs(cfg, 3)
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="vocab_size"):
+        xj.HeadConfig(vocab_size=0, hidden_size=4)
+    with pytest.raises(TypeError, match="block_size"):
+        xj.HeadConfig(vocab_size=10, hidden_size=4, block_size=True)
+    with pytest.raises(TypeError, match="rank"):
+        xj.HeadConfig(vocab_size=10, hidden_size=4, rank="256")
+    with pytest.raises(ValueError, match="block_size"):
+        xj.HeadConfig(vocab_size=10, hidden_size=4, block_size=1)
+    with pytest.raises(ValueError, match="topc"):
+        xj.HeadConfig(vocab_size=10, hidden_size=4, topc=11)
+    with pytest.raises(ValueError, match="num_passes"):
+        xj.HeadConfig(vocab_size=10, hidden_size=4, num_passes=0)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        xj.HeadConfig(vocab_size=10, hidden_size=4, topc=0).rank = 3
+
+
+def test_from_hf_config_reads_vllm_fields():
+    cfg = xj.HeadConfig.from_hf_config(
+        {"vocab_size": 1000, "hidden_size": 64, "num_speculative_steps": 7, "xpress_rank": 32,
+         "xpress_mlp_hidden": 48, "xpress_topc": 100, "xpress_num_passes": 3, "max_num_seqs": 9,
+         "unrelated": "ignored"}
+    )
+    assert (cfg.block_size, cfg.rank, cfg.mlp_hidden, cfg.topc, cfg.num_passes, cfg.max_num_reqs) == (8, 32, 48, 100, 3, 9)
+    assert xj.HeadConfig.from_hf_config({"vocab_size": 1000, "hidden_size": 64, "xpress_block_size": 12,
+                                          "num_speculative_steps": 7}).block_size == 12
+    d = xj.HeadConfig.from_hf_config({"vocab_size": 151936, "hidden_size": 4096})
+    assert (d.block_size, d.rank, d.mlp_hidden, d.topc, d.num_passes, d.max_num_reqs) == (16, 256, 512, 512, 6, 256)
+    assert xj.HeadConfig.from_hf_config(cfg.to_hf_config()) == cfg
+    with pytest.raises(ValueError, match="hidden_size"):
+        xj.HeadConfig.from_hf_config({"vocab_size": 10})
+    with pytest.raises(ValueError, match="xpress_topc|topc"):
+        xj.HeadConfig.from_hf_config({"vocab_size": 10, "hidden_size": 4, "xpress_topc": 20})
+    hash(cfg)
+
+
+def test_shape_errors(setup):
+    cfg, params, (logits, h, a, p) = setup
+    kw = dict(num_passes=2, topc=0)
+    with pytest.raises(ValueError, match="logits"):
+        xj.refine(params, logits[..., :-1], h, a, p, **kw)
+    with pytest.raises(ValueError, match="block size|block_size"):
+        xj.refine(params, logits[:, :-1], h[:, :-1], a, p, **kw)
+    with pytest.raises(ValueError, match="logits"):
+        xj.refine(params, logits[0], h, a, p, **kw)
+    with pytest.raises(ValueError, match="h must"):
+        xj.refine(params, logits, h[..., :-1], a, p, **kw)
+    with pytest.raises(ValueError, match="h must"):
+        xj.refine(params, logits, h[:2], a, p, **kw)
+    with pytest.raises(ValueError, match="anchors"):
+        xj.refine(params, logits, h, a[:2], p, **kw)
+    with pytest.raises(ValueError, match="prev_ids"):
+        xj.refine(params, logits, h, a, p[:, None], **kw)
+
+
+def test_dtype_errors(setup):
+    cfg, params, (logits, h, a, p) = setup
+    kw = dict(num_passes=2, topc=0)
+    with pytest.raises(TypeError, match="logits dtype"):
+        xj.refine(params, logits.astype(jnp.bfloat16), h, a, p, **kw)
+    with pytest.raises(TypeError, match="h dtype"):
+        xj.refine(params, logits, h.astype(jnp.bfloat16), a, p, **kw)
+    with pytest.raises(TypeError, match="anchors"):
+        xj.refine(params, logits, h, a.astype(jnp.float32), p, **kw)
+    with pytest.raises(TypeError, match="prev_ids"):
+        xj.refine(params, logits, h, a, p.astype(jnp.float32), **kw)
+    mixed = dict(params, w2=params["w2"].astype(jnp.bfloat16))
+    with pytest.raises(TypeError, match="w2"):
+        xj.refine(mixed, logits, h, a, p, **kw)
+
+
+def test_param_errors(setup):
+    cfg, params, (logits, h, a, p) = setup
+    kw = dict(num_passes=2, topc=0)
+    with pytest.raises(ValueError, match="mlp_up"):
+        xj.refine(dict(params, mlp_up=params["mlp_up"][:, :-1]), logits, h, a, p, **kw)
+    missing = dict(params)
+    del missing["mix"]
+    with pytest.raises(ValueError, match="mix"):
+        xj.refine(missing, logits, h, a, p, **kw)
+    other = xj.HeadConfig(**dict(SMALL, rank=SMALL["rank"] + 1))
+    with pytest.raises(ValueError, match="in_proj|w1"):
+        xj.refine(params, logits, h, a, p, config=other, **kw)
+
+
+def test_block_size_and_max_num_reqs(setup):
+    cfg, params, _ = setup
+    logits, h, a, p = make_inputs(cfg, cfg.max_num_reqs + 1)
+    with pytest.raises(ValueError, match="max_num_reqs"):
+        xj.refine(params, logits, h, a, p, config=cfg)
+    xj.refine(params, logits, h, a, p, config=cfg, max_num_reqs=cfg.max_num_reqs + 1, topc=0, num_passes=1)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.0, True, "6"])
+def test_num_passes_must_be_positive_int(setup, bad):
+    cfg, params, x = setup
+    with pytest.raises(ValueError, match="num_passes"):
+        xj.refine(params, *x, num_passes=bad, topc=0)
+
+
+def test_topc_range(setup):
+    cfg, params, x = setup
+    with pytest.raises(ValueError, match="topc"):
+        xj.refine(params, *x, num_passes=1, topc=cfg.vocab_size + 1)
+    with pytest.raises(ValueError, match="topc"):
+        xj.refine(params, *x, num_passes=1, topc=-1)
+    with pytest.raises(TypeError, match="topc"):
+        xj.refine(params, *x, num_passes=1, topc=3.0)
+
+
+def test_backend_name(setup):
+    cfg, params, x = setup
+    with pytest.raises(ValueError, match="backend"):
+        xj.refine(params, *x, num_passes=1, topc=0, backend="cuda")
+
+
+def test_errors_also_under_jit(setup):
+    cfg, params, (logits, h, a, p) = setup
+    f = jax.jit(xj.refine, static_argnames=xj.STATIC_ARGNAMES)
+    with pytest.raises(ValueError, match="h must"):
+        f(params, logits, h[:, :, :-1], a, p, num_passes=1, topc=0)
+    with pytest.raises(ValueError, match="num_passes"):
+        f(params, logits, h, a, p, num_passes=0, topc=0)
