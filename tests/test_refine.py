@@ -297,3 +297,23 @@ def test_bf16_refine_runs_and_returns_int32(small_cfg):
     for topc in (0, 5):
         out = refine_jit(params, *x, num_passes=2, topc=topc)
         assert out.dtype == jnp.int32 and out.shape == (2, small_cfg.block_size - 1)
+
+
+def test_bucketed_refiner_pads_masks_and_never_retraces(small_cfg):
+    params = make_head(small_cfg)
+    server = xj.BucketedRefiner(params, small_cfg, buckets=(2, 4, 8), num_passes=3, topc=0)
+    server.warmup()
+    for n, bucket in ((1, 2), (3, 4), (4, 4), (7, 8)):
+        x = make_inputs(small_cfg, bucket, seed=n)
+        with jax.no_tracing():  # bucket-sized buffers with n real rows: no trace at all
+            full = server(*x)
+        ref = np.asarray(xj.refine(params, *[a[:n] for a in x], num_passes=3, topc=0))
+        np.testing.assert_array_equal(np.asarray(full)[:n], ref)
+        masked = np.asarray(server._fn(server.params, *x, jnp.int32(n)))
+        np.testing.assert_array_equal(masked[:n], ref)
+        assert np.all(masked[n:] == xj.INVALID_TOKEN)
+        out = server(*[a[:n] for a in x])  # any N: padded here
+        assert out.shape == (n, small_cfg.block_size - 1)
+        np.testing.assert_array_equal(np.asarray(out), ref)
+    with pytest.raises(ValueError, match="N=9"):
+        server.bucket_for(9)

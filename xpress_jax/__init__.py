@@ -9,6 +9,7 @@ Quickstart::
     draft = refine(params, logits, h, anchors, config=cfg)   # [N, B-1] int32
 """
 
+from .checkpoint import load_params, save_params
 from .config import HeadConfig
 from .head import XPressHead, hidden_input, latent
 from .params import (
@@ -22,9 +23,8 @@ from .params import (
     params_from_state_dict,
 )
 from .refine import BACKENDS, INVALID_TOKEN, refine
-
-#: The keyword arguments of `refine` that must be static under ``jax.jit``.
-STATIC_ARGNAMES = ("num_passes", "topc", "max_num_reqs", "config", "backend", "interpret")
+from .refine import STATIC as STATIC_ARGNAMES
+from .serving import BucketedRefiner
 
 __version__ = "0.1.0"
 
@@ -35,6 +35,7 @@ __all__ = [
     "PARAM_NAMES",
     "STATIC_ARGNAMES",
     "BACKENDS",
+    "BucketedRefiner",
     "INVALID_TOKEN",
     "check_params",
     "config_from_params",
@@ -45,4 +46,5 @@ __all__ = [
     "param_shapes",
     "params_from_state_dict",
     "refine",
+    "load_params", "save_params",
 ]

@@ -24,6 +24,9 @@ INVALID_TOKEN = -1
 
 BACKENDS = ("auto", "xla", "pallas")
 
+#: The keyword arguments of `refine` that must be static under ``jax.jit``.
+STATIC = ("num_passes", "topc", "max_num_reqs", "config", "backend", "interpret")
+
 
 def _is_concrete(x: Any) -> bool:
     return not isinstance(x, jax.core.Tracer)

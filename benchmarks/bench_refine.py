@@ -1,0 +1,180 @@
+"""Refine benchmark: device time per refine and one call's wall latency, per backend and mode.
+
+    PYTHONPATH=$PWD python3 -m benchmarks.bench_refine --out results/   # on a GPU
+
+Sweeps N (blocks per call) x topc x backend at serving shapes (V=151936,
+H=4096, B=16, r=256, mlp=512, C=512, K=6, bf16). Device time per refine:
+M refines chained inside one jit (call i's output feeds call i+1's anchors, and
+a one-element in-place write of it into the logits and h, so nothing can be
+hoisted out of the loop), divided by M; median of R repeats after a warm-up.
+Wall latency: one jitted call, host clock around dispatch + block_until_ready,
+median of 20. Writes bench.json, bench.md (table) and bench.png (time vs N).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import xpress_jax as xj
+
+SERVING = dict(vocab_size=151936, hidden_size=4096, block_size=16, rank=256, mlp_hidden=512,
+               topc=512, num_passes=6, max_num_reqs=256)
+
+
+def make_problem(cfg, n, seed=0, dtype=jnp.bfloat16, std=0.02):
+    kp, kl, kh, ka = jax.random.split(jax.random.key(seed), 4)
+    params = xj.init_params(cfg, kp, dtype=dtype, std=std)
+    logits = (jax.random.normal(kl, (n, cfg.block_size, cfg.vocab_size), jnp.float32) * 2).astype(dtype)
+    h = jax.random.normal(kh, (n, cfg.block_size, cfg.hidden_size), jnp.float32).astype(dtype)
+    anchors = jax.random.randint(ka, (n,), 0, cfg.vocab_size, jnp.int32)
+    return params, logits, h, anchors
+
+
+def chained(cfg, m, **kw):
+    """jit(M refines in a fori_loop), each depending on the previous one's output."""
+
+    def run(params, logits, h, anchors):
+        def body(i, carry):
+            logits, h, anchors, acc = carry
+            out = xj.refine(params, logits, h, anchors, config=cfg, **kw)
+            tok = out[:, -1]
+            # Tiny in-place writes that make logits and h depend on the last output.
+            bump = (tok[0] % 2).astype(logits.dtype)
+            logits = logits.at[0, 0, 0].add(bump)
+            h = h.at[0, 0, 0].add(bump)
+            return logits, h, tok, acc + out.sum()
+
+        return jax.lax.fori_loop(0, m, body, (logits, h, anchors, jnp.int32(0)))[3]
+
+    return jax.jit(run)
+
+
+def time_device(fn, args, reps):
+    fn(*args).block_until_ready()  # compile + warm-up
+    fn(*args).block_until_ready()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn(*args).block_until_ready()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def chain_length(n, topc, backend):
+    if backend == "xla" and topc:  # lax.top_k: ~0.7 ms (N=1) .. ~100 ms (N=256) per call
+        return {1: 20, 4: 10, 16: 5, 64: 3, 256: 2}.get(n, 2)
+    return {1: 200, 4: 200, 16: 100, 64: 40, 256: 12}.get(n, 10)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--n", default="1,4,16,64,256")
+    ap.add_argument("--topc", default="512,0")
+    ap.add_argument("--backends", default="xla,pallas")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
+    ap.add_argument("--small", action="store_true", help="tiny shapes (smoke test on CPU)")
+    args = ap.parse_args(argv)
+    shape = dict(SERVING)
+    if args.small:
+        shape.update(vocab_size=4099, hidden_size=128, rank=64, mlp_hidden=128, topc=64)
+    cfg = xj.HeadConfig(**shape)
+    ns = [int(x) for x in args.n.split(",")]
+    topcs = [int(x) for x in args.topc.split(",")]
+    backends = args.backends.split(",")
+    dev = jax.devices()[0]
+    meta = dict(date=time.strftime("%Y-%m-%d"), device=dev.device_kind, platform=dev.platform,
+                jax=jax.__version__, shape=shape, K=cfg.num_passes, dtype="bfloat16")
+    print(f"# refine benchmark {meta['date']} on {dev.device_kind}, jax {jax.__version__}", flush=True)
+    rows = []
+    for n in ns:
+        problem = make_problem(cfg, n)
+        for topc in topcs:
+            outs = {}
+            for backend in backends:
+                kw = dict(topc=topc, backend=backend)
+                single = jax.jit(lambda p, l, h, a: xj.refine(p, l, h, a, config=cfg, **kw))
+                t0 = time.perf_counter()
+                outs[backend] = np.asarray(single(*problem).block_until_ready())
+                compile_s = time.perf_counter() - t0
+                walls = []
+                for _ in range(20):
+                    t0 = time.perf_counter()
+                    single(*problem).block_until_ready()
+                    walls.append(time.perf_counter() - t0)
+                m = chain_length(n, topc, backend) if not args.small else 3
+                t = time_device(chained(cfg, m, **kw), problem, args.reps)
+                row = dict(N=n, topc=topc, backend=backend, device_us=t / m * 1e6,
+                           wall_us=statistics.median(walls) * 1e6, chain=m, compile_s=compile_s)
+                if backend != backends[0]:
+                    ref = outs[backends[0]]
+                    row["agree"] = float(np.mean(outs[backend] == ref))
+                    row["disagree_tokens"] = int(np.sum(outs[backend] != ref))
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "bench.json"), "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    md = to_markdown(meta, rows, backends)
+    with open(os.path.join(args.out, "bench.md"), "w") as f:
+        f.write(md)
+    plot(rows, os.path.join(args.out, "bench.png"), meta)
+    print(md)
+
+
+def to_markdown(meta, rows, backends):
+    lines = [f"Device: {meta['device']}, JAX {meta['jax']}, {meta['date']}, K={meta['K']}, bf16, "
+             f"V={meta['shape']['vocab_size']} H={meta['shape']['hidden_size']} B={meta['shape']['block_size']} "
+             f"r={meta['shape']['rank']} mlp={meta['shape']['mlp_hidden']}", "",
+             "| mode | N | " + " | ".join(f"{b} device µs | {b} wall µs" for b in backends) + " | agreement |",
+             "|---|---:|" + "---:|---:|" * len(backends) + "---:|"]
+    keys = sorted({(r["topc"], r["N"]) for r in rows}, key=lambda k: (-k[0], k[1]))
+    for topc, n in keys:
+        cells = []
+        agree = ""
+        for b in backends:
+            r = next((r for r in rows if r["topc"] == topc and r["N"] == n and r["backend"] == b), None)
+            cells.append(f"{r['device_us']:.0f} | {r['wall_us']:.0f}" if r else "- | -")
+            if r and "agree" in r:
+                agree = f"{r['agree']:.2%} ({r['disagree_tokens']} differ)"
+        mode = "full vocab" if topc == 0 else f"top-{topc}"
+        lines.append(f"| {mode} | {n} | " + " | ".join(cells) + f" | {agree} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows, path, meta):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot", file=sys.stderr)
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for (backend, topc) in sorted({(r["backend"], r["topc"]) for r in rows}):
+        pts = sorted((r["N"], r["device_us"]) for r in rows if r["backend"] == backend and r["topc"] == topc)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
+                label=f"{backend}, {'full vocab' if topc == 0 else f'top-{topc}'}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("N (blocks per call)")
+    ax.set_ylabel("device µs per refine (K=6)")
+    ax.set_title(f"xpress-jax refine, {meta['device']}, JAX {meta['jax']}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
