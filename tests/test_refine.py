@@ -114,6 +114,7 @@ def test_determinism(small_cfg):
     for topc in (0, 13):
         outs = [np.asarray(refine_jit(params, *x, num_passes=3, topc=topc)) for _ in range(3)]
         outs.append(np.asarray(xj.refine(params, *x, num_passes=3, topc=topc)))
+        outs.append(np.asarray(refine_jit(params, *x, num_passes=3, topc=topc, unroll=True)))
         for o in outs[1:]:
             np.testing.assert_array_equal(o, outs[0])
 

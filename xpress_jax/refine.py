@@ -25,7 +25,7 @@ INVALID_TOKEN = -1
 BACKENDS = ("auto", "xla", "pallas")
 
 #: The keyword arguments of `refine` that must be static under ``jax.jit``.
-STATIC = ("num_passes", "topc", "max_num_reqs", "config", "backend", "interpret")
+STATIC = ("num_passes", "topc", "max_num_reqs", "config", "backend", "interpret", "unroll")
 
 
 def _is_concrete(x: Any) -> bool:
@@ -113,6 +113,7 @@ def refine(
     config: HeadConfig | None = None,
     backend: str = "auto",
     interpret: bool = False,
+    unroll: bool = False,
 ) -> jax.Array:
     """Refine N draft blocks with K greedy Jacobi passes; returns the draft [N, B-1] int32.
 
@@ -130,6 +131,7 @@ def refine(
       config: optional `HeadConfig` supplying the defaults above; its sizes must match the params.
       backend: ``"xla"`` (pure jnp), ``"pallas"`` (Pallas kernels) or ``"auto"``.
       interpret: run Pallas kernels in interpret mode (CPU tests).
+      unroll: unroll the K passes instead of a ``lax.fori_loop`` (same tokens).
 
     Tie and value rules: a slot's score is ``float(dtype(base + bias))`` (the sum
     rounded to the logits' dtype before comparing); the largest score wins and
@@ -159,7 +161,7 @@ def refine(
     if prev_ids is None:
         prev_ids = anchors
     ops = _select_ops(backend, interpret)
-    return _refine(ops, params, logits, h, anchors, prev_ids, int(num_passes), int(topc))
+    return _refine(ops, params, logits, h, anchors, prev_ids, int(num_passes), int(topc), bool(unroll))
 
 
 class _JnpOps:
@@ -224,7 +226,7 @@ def _select_ops(backend: str, interpret: bool):
     return _JnpOps
 
 
-def _refine(ops, params, logits, h, anchors, prev_ids, num_passes, topc):
+def _refine(ops, params, logits, h, anchors, prev_ids, num_passes, topc, unroll=False):
     N, B, V = logits.shape
     r = params["w1"].shape[1]
     rows = N * (B - 1)
@@ -256,5 +258,5 @@ def _refine(ops, params, logits, h, anchors, prev_ids, num_passes, topc):
         lat = ops.latent_pass(params, xh, blk, prev_ids).reshape(rows, r)
         return blk.at[:, 1:].set(pick(lat).reshape(N, B - 1))
 
-    blk = jax.lax.fori_loop(0, num_passes, one_pass, blk)
+    blk = jax.lax.fori_loop(0, num_passes, one_pass, blk, unroll=unroll)
     return jnp.where(valid[:, None], blk[:, 1:], INVALID_TOKEN)
