@@ -70,7 +70,7 @@ def time_device(fn, args, reps):
 
 
 def chain_length(n, topc, backend):
-    if backend == "xla" and topc:  # lax.top_k: ~0.7 ms (N=1) .. ~100 ms (N=256) per call
+    if backend.startswith("xla") and topc:  # lax.top_k: ~0.7 ms (N=1) .. ~100 ms (N=256) per call
         return {1: 20, 4: 10, 16: 5, 64: 3, 256: 2}.get(n, 2)
     return {1: 200, 4: 200, 16: 100, 64: 40, 256: 12}.get(n, 10)
 
@@ -79,7 +79,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", default="1,4,16,64,256")
     ap.add_argument("--topc", default="512,0")
-    ap.add_argument("--backends", default="xla,pallas")
+    ap.add_argument("--backends", default="xla,pallas",
+                    help="comma list of xla|pallas, each optionally +unroll (passes unrolled)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     ap.add_argument("--small", action="store_true", help="tiny shapes (smoke test on CPU)")
@@ -101,7 +102,8 @@ def main(argv=None):
         for topc in topcs:
             outs = {}
             for backend in backends:
-                kw = dict(topc=topc, backend=backend)
+                name, _, flag = backend.partition("+")
+                kw = dict(topc=topc, backend=name, unroll=flag == "unroll")
                 single = jax.jit(lambda p, l, h, a: xj.refine(p, l, h, a, config=cfg, **kw))
                 t0 = time.perf_counter()
                 outs[backend] = np.asarray(single(*problem).block_until_ready())
