@@ -27,9 +27,17 @@ def acc_dtype(dtype: Any) -> jnp.dtype:
     return jnp.dtype(jnp.float64) if jnp.dtype(dtype) == jnp.float64 else jnp.dtype(jnp.float32)
 
 
+def precision_for(dtype: Any) -> jax.lax.Precision | None:
+    """HIGHEST for float32/64 operands (no TF32 on GPUs); default for 16-bit operands.
+
+    HIGHEST on bf16 operands can make XLA pick a slower float32 GEMM; bf16 products
+    are exact in float32 anyway.
+    """
+    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype).itemsize >= 4 else None
+
+
 def _dot(a: jax.Array, b: jax.Array, acc: jnp.dtype) -> jax.Array:
-    # HIGHEST keeps float32 products exact float32 on GPUs (no TF32); no-op for bf16.
-    return jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST, preferred_element_type=acc)
+    return jnp.matmul(a, b, precision=precision_for(a.dtype), preferred_element_type=acc)
 
 
 def hidden_cache(params: Params, h: jax.Array) -> jax.Array:
@@ -59,9 +67,7 @@ def latent(params: Params, xh: jax.Array, prev: jax.Array) -> jax.Array:
     acc = acc_dtype(cd)
     e = jnp.take(params["w1"], prev, axis=0, mode="clip")  # [N, B, r]
     x = xh.astype(acc) + _dot(e, params["in_proj_token"], acc)
-    u = jnp.einsum(
-        "kjc,njc->nkc", params["mix"].astype(acc), x, precision=jax.lax.Precision.HIGHEST
-    )[:, 1:]
+    u = jnp.einsum("kjc,njc->nkc", params["mix"].astype(acc), x, precision=precision_for(acc))[:, 1:]
     uc = u.astype(cd)
     gate = _dot(uc, params["mlp_gate"], acc)
     up = _dot(uc, params["mlp_up"], acc)

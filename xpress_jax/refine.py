@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .config import HeadConfig
-from .head import _dot, acc_dtype, hidden_input, latent
+from .head import _dot, acc_dtype, hidden_input, latent, precision_for
 from .params import check_params
 
 __all__ = ["refine", "INVALID_TOKEN", "BACKENDS"]
@@ -201,7 +201,7 @@ class _JnpOps:
         """
         acc = acc_dtype(base_c.dtype)
         bias_c = jnp.einsum(
-            "nr,ncr->nc", lat, w2c, precision=jax.lax.Precision.HIGHEST, preferred_element_type=acc
+            "nr,ncr->nc", lat, w2c, precision=precision_for(lat.dtype), preferred_element_type=acc
         ).astype(base_c.dtype)
         s = _round_sum(base_c, bias_c)
         best = jnp.max(s, axis=-1, keepdims=True)

@@ -1,0 +1,247 @@
+"""Orbax checkpoints of the head: params plus the `HeadConfig` that sizes them.
+
+Layout (one Orbax composite checkpoint, restorable with plain Orbax too)::
+
+    DST/
+      _CHECKPOINT_METADATA
+      params/      StandardSave of the params dict (serving form, one dtype)
+      xpress/      JsonSave: {"format", "format_version", "config", "dtype", "metadata"}
+
+`load_params` reads the JSON item first, builds the abstract target
+(``jax.ShapeDtypeStruct`` per param from `param_shapes` of the stored config and
+the stored dtype) and restores the arrays against it, so a checkpoint whose
+arrays disagree with its config is refused instead of restored as stored.
+
+Writes are atomic: `save_params` writes into a temporary folder beside ``path``
+and renames it into place at the end; on any exception the temporary folder
+is removed and an existing ``path`` is left as it was. Orbax is imported
+lazily, so ``import xpress_jax`` stays light.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+import jax
+import jax.numpy as jnp
+
+from .config import HeadConfig
+from .params import PARAM_NAMES, check_params, param_shapes
+
+__all__ = [
+    "FORMAT",
+    "FORMAT_VERSION",
+    "save_params",
+    "load_params",
+    "read_checkpoint_info",
+    "staged_directory",
+    "write_checkpoint",
+    "is_checkpoint",
+    "stored_param_metadata",
+]
+
+FORMAT = "xpress-jax/refiner-head"
+FORMAT_VERSION = 1
+_PARAMS = "params"
+_INFO = "xpress"
+
+
+def _ocp():
+    import orbax.checkpoint as ocp
+
+    return ocp
+
+
+@contextlib.contextmanager
+def _checkpointer():
+    ocp = _ocp()
+    handlers = {_PARAMS: ocp.StandardCheckpointHandler(), _INFO: ocp.JsonCheckpointHandler()}
+    ckptr = ocp.Checkpointer(ocp.CompositeCheckpointHandler(**handlers))
+    try:
+        yield ckptr
+    finally:
+        ckptr.close()
+
+
+@contextlib.contextmanager
+def staged_directory(path: str | os.PathLike, *, overwrite: bool = False) -> Iterator[Path]:
+    """Yield a not-yet-existing path to write a directory into; move it to ``path`` on success.
+
+    The staging area is a hidden temporary folder beside ``path`` (same
+    filesystem, so the final step is a rename). On an exception inside the
+    block it is removed and ``path`` is untouched. With ``overwrite`` an
+    existing ``path`` is replaced only after the new directory is complete.
+    """
+    path = Path(path).expanduser().absolute()
+    if (path.exists() or path.is_symlink()) and not overwrite:
+        raise FileExistsError(f"{path} already exists (pass overwrite=True / --force to replace it)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    root = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    staged = root / "new"
+    try:
+        yield staged
+        if not staged.exists():
+            raise RuntimeError(f"nothing was written to the staging path {staged}")
+        if path.exists() or path.is_symlink():
+            if not overwrite:
+                raise FileExistsError(f"{path} appeared while writing; not replacing it")
+            old = root / "old"
+            os.replace(path, old)
+            try:
+                os.replace(staged, path)
+            except BaseException:
+                os.replace(old, path)
+                raise
+        else:
+            os.replace(staged, path)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _info(config: HeadConfig, dtype: Any, metadata: Mapping[str, Any] | None) -> dict:
+    from . import __version__
+
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "config": dataclasses.asdict(config),
+        "hf_config": config.to_hf_config(),
+        "dtype": jnp.dtype(dtype).name,
+        "param_names": list(PARAM_NAMES),
+        "xpress_jax_version": __version__,
+        "metadata": dict(metadata or {}),
+    }
+
+
+def write_checkpoint(
+    path: str | os.PathLike,
+    config: HeadConfig,
+    params: Mapping[str, Any],
+    *,
+    metadata: Mapping[str, Any] | None = None,
+) -> Path:
+    """Write the checkpoint at ``path``, which must not exist (not atomic: see `save_params`)."""
+    if not isinstance(config, HeadConfig):
+        raise TypeError(f"config must be a HeadConfig, got {type(config).__name__}")
+    check_params(params, config)
+    path = Path(path).expanduser().absolute()
+    if path.exists():
+        raise FileExistsError(f"{path} already exists")
+    arrays = {k: jnp.asarray(params[k]) for k in PARAM_NAMES}
+    ocp = _ocp()
+    with _checkpointer() as ckptr:
+        ckptr.save(
+            path,
+            args=ocp.args.Composite(
+                **{
+                    _PARAMS: ocp.args.StandardSave(arrays),
+                    _INFO: ocp.args.JsonSave(_info(config, arrays["w1"].dtype, metadata)),
+                }
+            ),
+        )
+    return path
+
+
+def save_params(
+    path: str | os.PathLike,
+    config: HeadConfig,
+    params: Mapping[str, Any],
+    *,
+    metadata: Mapping[str, Any] | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Save ``params`` (serving form, checked against ``config``) and ``config`` as an Orbax checkpoint.
+
+    ``metadata`` (JSON-serialisable) is stored beside the config, e.g. where the
+    params came from. Atomic: see `staged_directory`. Returns the absolute path.
+    """
+    if not isinstance(config, HeadConfig):
+        raise TypeError(f"config must be a HeadConfig, got {type(config).__name__}")
+    check_params(params, config)
+    with staged_directory(path, overwrite=overwrite) as staged:
+        write_checkpoint(staged, config, params, metadata=metadata)
+    return Path(path).expanduser().absolute()
+
+
+def is_checkpoint(path: str | os.PathLike) -> bool:
+    """Whether ``path`` looks like a checkpoint written by `save_params` (no arrays are read)."""
+    path = Path(path).expanduser()
+    return path.is_dir() and (path / _INFO).is_dir() and (path / _PARAMS).is_dir()
+
+
+def read_checkpoint_info(path: str | os.PathLike) -> tuple[HeadConfig, dict]:
+    """The stored `HeadConfig` and the whole info record (format, dtype, metadata); reads no arrays."""
+    path = Path(path).expanduser().absolute()
+    if not path.exists():
+        raise FileNotFoundError(f"no checkpoint at {path}")
+    if not is_checkpoint(path):
+        raise ValueError(
+            f"{path} is not an xpress-jax head checkpoint (expected the Orbax items {_PARAMS!r} and {_INFO!r}); "
+            "convert a PyTorch checkpoint with `xpress-convert SRC DST`"
+        )
+    ocp = _ocp()
+    try:
+        with _checkpointer() as ckptr:
+            info = ckptr.restore(path, args=ocp.args.Composite(**{_INFO: ocp.args.JsonRestore()}))[_INFO]
+    except Exception as e:
+        raise ValueError(f"{path}: cannot read the checkpoint's {_INFO!r} item: {e}") from e
+    if not isinstance(info, dict) or info.get("format") != FORMAT:
+        raise ValueError(f"{path}: unknown checkpoint format {info.get('format') if isinstance(info, dict) else info!r}")
+    if info.get("format_version", 0) > FORMAT_VERSION:
+        raise ValueError(
+            f"{path}: checkpoint format version {info['format_version']} is newer than this xpress-jax reads "
+            f"({FORMAT_VERSION}); upgrade xpress-jax"
+        )
+    try:
+        config = HeadConfig(**info["config"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{path}: the stored config is invalid: {e}") from e
+    return config, info
+
+
+def load_params(path: str | os.PathLike, dtype: Any = None) -> tuple[HeadConfig, dict[str, jax.Array]]:
+    """Restore ``(config, params)`` from a checkpoint written by `save_params` / ``xpress-convert``.
+
+    The params are restored against an abstract target built from the stored
+    config (shapes) and dtype, on the default device; ``dtype`` (optional) casts
+    them afterwards. The result is ready for ``refine(params, ..., config=config)``.
+    """
+    config, info = read_checkpoint_info(path)
+    path = Path(path).expanduser().absolute()
+    stored = jnp.dtype(info["dtype"])
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    abstract = {
+        name: jax.ShapeDtypeStruct(shape, stored, sharding=sharding) for name, shape in param_shapes(config).items()
+    }
+    ocp = _ocp()
+    try:
+        with _checkpointer() as ckptr:
+            restored = ckptr.restore(path, args=ocp.args.Composite(**{_PARAMS: ocp.args.StandardRestore(abstract)}))
+        restored = restored[_PARAMS]
+    except Exception as e:
+        raise ValueError(f"{path}: cannot restore the params against the stored config {config}: {e}") from e
+    params = {k: restored[k] for k in PARAM_NAMES}
+    check_params(params, config)
+    if dtype is not None:
+        dtype = jnp.dtype(dtype)
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise TypeError(f"dtype must be a floating dtype, got {dtype}")
+        params = {k: v.astype(dtype) for k, v in params.items()}
+    return config, params
+
+
+def stored_param_metadata(path: str | os.PathLike) -> dict[str, tuple[tuple[int, ...], str]]:
+    """``{name: (shape, dtype name)}`` of the stored arrays, from Orbax metadata (no arrays read)."""
+    path = Path(path).expanduser().absolute()
+    with _checkpointer() as ckptr:
+        meta = ckptr.metadata(path).item_metadata[_PARAMS]
+    if meta is None:
+        raise ValueError(f"{path}: the checkpoint has no readable {_PARAMS!r} metadata")
+    tree = meta.tree
+    return {k: (tuple(v.shape), jnp.dtype(v.dtype).name) for k, v in tree.items()}
