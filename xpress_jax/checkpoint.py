@@ -219,13 +219,26 @@ def load_params(path: str | os.PathLike, dtype: Any = None) -> tuple[HeadConfig,
     abstract = {
         name: jax.ShapeDtypeStruct(shape, stored, sharding=sharding) for name, shape in param_shapes(config).items()
     }
+    # Compare the abstract target with Orbax's metadata first: a clear message, and no failed restore.
+    try:
+        on_disk = stored_param_metadata(path)
+    except Exception as e:
+        raise ValueError(f"{path}: cannot read the params' metadata: {e}") from e
+    bad = [
+        f"{k}: stored {on_disk[k][0] if k in on_disk else 'nothing'} {on_disk[k][1] if k in on_disk else ''}, "
+        f"expected {a.shape} {stored.name}"
+        for k, a in abstract.items()
+        if k not in on_disk or on_disk[k] != (tuple(a.shape), stored.name)
+    ]
+    if bad:
+        raise ValueError(f"{path}: cannot restore the params against the stored config {config}: " + "; ".join(bad))
     ocp = _ocp()
     try:
         with _checkpointer() as ckptr:
             restored = ckptr.restore(path, args=ocp.args.Composite(**{_PARAMS: ocp.args.StandardRestore(abstract)}))
-        restored = restored[_PARAMS]
     except Exception as e:
-        raise ValueError(f"{path}: cannot restore the params against the stored config {config}: {e}") from e
+        raise ValueError(f"{path}: cannot restore the params: {e}") from e
+    restored = restored[_PARAMS]
     params = {k: restored[k] for k in PARAM_NAMES}
     check_params(params, config)
     if dtype is not None:

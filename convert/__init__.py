@@ -1,0 +1,38 @@
+"""Checkpoint conversion: PyTorch XPress checkpoints (as vLLM loads them) -> Orbax.
+
+Library::
+
+    from convert import convert_checkpoint
+    report = convert_checkpoint("drafter/", "head_ckpt/", dtype="bfloat16", verify=True)
+    print("\\n".join(report.lines()))
+
+    import xpress_jax as xj
+    config, params = xj.load_params("head_ckpt/")
+
+Command line: ``xpress-convert SRC DST [...]`` and ``xpress-convert inspect PATH``
+(`convert.cli`); also ``python -m convert``.
+"""
+
+from .convert import ConvertReport, convert_checkpoint, mixer_looks_folded, resolve_config
+from .errors import ConversionError, VerificationError
+from .inspection import format_inspect, inspect_path
+from .safetensors_io import SafetensorsError, SafetensorsFile, load_file, save_file
+from .sources import HEAD_PREFIXES, open_source, select_head
+
+__all__ = [
+    "HEAD_PREFIXES",
+    "ConversionError",
+    "ConvertReport",
+    "SafetensorsError",
+    "SafetensorsFile",
+    "VerificationError",
+    "convert_checkpoint",
+    "format_inspect",
+    "inspect_path",
+    "load_file",
+    "mixer_looks_folded",
+    "open_source",
+    "resolve_config",
+    "save_file",
+    "select_head",
+]

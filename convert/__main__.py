@@ -1,0 +1,7 @@
+"""``python -m convert`` = ``xpress-convert``."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())
