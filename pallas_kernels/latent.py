@@ -1,0 +1,325 @@
+"""Latent pass of the XPress head: the jnp reference, the Pallas-Triton kernel and its wrapper.
+
+One pass turns the current block into the draft slots' latents::
+
+    prev[n, 0] = prev_ids[n];  prev[n, b] = blk[n, b-1]            (b >= 1)
+    x[n, b]    = xh[n, b] + w1[prev[n, b]] @ in_proj_token          [N, B, r]
+    u[n, k, c] = sum_{j <= k} mix[k, j, c] * x[n, j, c]             (folded causal mixer)
+    lat[n, k]  = u[n, k] + (silu(u[n, k] @ mlp_gate) * (u[n, k] @ mlp_up)) @ mlp_down
+    return lat[:, 1:]                                               [N, B-1, r]
+
+``xh`` is the pass-invariant hidden half of ``in_proj``, computed once per call by
+`xpress_jax.head.hidden_input`. Precision (as `xpress_jax.head.latent`): matmul
+operands in the params' dtype ``cd`` with float32 accumulation (``Precision.HIGHEST``:
+float32 params use IEEE float32 products on the GPU, not TF32); ``x``, ``u``, the
+mixer and SwiGLU's elementwise work in float32; ``u`` and the SwiGLU activation are
+rounded to ``cd`` as matmul operands; the latent is rounded to ``cd`` once at the end.
+
+Kernel layout
+-------------
+grid = ``cdiv(N, blocks_per_program)``; each program owns ``blocks_per_program``
+whole blocks, i.e. ``R = blocks_per_program * Bp`` rows, ``Bp`` = B rounded up to a
+power of two (padded slots and blocks past N are masked: they load zeros and are
+never stored). All refs are whole arrays indexed with row/column index vectors, so
+B, r, M need not be powers of two (``rp``/``Mp`` = padded widths, masked loads).
+
+1. ids: slot 0 reads ``prev_ids[n]``, slot b >= 1 reads ``blk[n, b-1]``; clamped to [0, V).
+2. ``x = xh + sum_k w1[ids, k-chunk] @ in_proj_token[k-chunk, :]`` (K tiled by ``k_block``,
+   the w1 rows gathered chunk by chunk).
+3. mixer: ``u += mix[:, j, :] * x[row j of each block]`` for j < B, float32.
+4. SwiGLU tiled over the hidden dim by ``h_block``: ``acc += act_h @ mlp_down[h-chunk]``;
+   ``lat = u + acc`` rounded to ``cd``; rows of slots 1..B-1 are scattered to the output.
+
+Untiled, the 256x512 weights as dot operands need ~272 KB of shared memory (more
+than an H200 block may use). Tiled at the bf16 default (k_block = h_block = 64,
+2 stages) an offline sm_90a compile (Triton 3.9 + ptxas, not XLA's own Triton)
+reports 108 KB shared memory and 107 registers, no spills; see `default_config`.
+
+Exactness: interpret mode is NOT bit-identical to `reference` in general. The
+float32 sums are grouped differently: K chunks of ``k_block`` in ``x``, hidden
+chunks of ``h_block`` in the down projection, the mixer summed j = 0, 1, ... in
+order, and per-block dot shapes. XLA:CPU's own float32 dot already changes its
+bits with the batch shape (a [B, r] @ [r, r] per block differs from the same rows
+inside a [N*B, r] @ [r, r]), so no spelling of the reference pins the order.
+Measured in interpret mode (random weights std ~0.2, unit activations): float32
+max error <= 4e-7 of the output's max magnitude; bf16 bit-identical at r <= 64,
+at r=256, M=512 0.03-0.3% of elements differ, <= 0.05% by more than 1 ulp (all
+of them small values next to larger ones). The tests bound this (float32 <= 1e-6
+relative; bf16 <= 1 ulp on >= 99.9% of elements) and check that the refined
+tokens are identical. On the GPU the reference's XLA/cuBLAS order differs too.
+
+Float64 params fall back to `reference` (no float64 tensor-core path worth
+having here). B < 2 or N = 0 returns an empty array without launching.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from xpress_jax.head import latent as _head_latent
+
+from . import common
+
+__all__ = ["LatentConfig", "default_config", "reference", "latent_pass"]
+
+_HI = jax.lax.Precision.HIGHEST
+
+
+@dataclasses.dataclass(frozen=True)
+class LatentConfig:
+    """Static block configuration of the latent kernel (hashable: a jit static arg).
+
+    blocks_per_program: blocks (of B slots) per program; rows per dot = this * Bp.
+    k_block:  K chunk of ``w1[ids] @ in_proj_token`` (power of two, >= 16).
+    h_block:  SwiGLU hidden chunk (power of two, >= 16).
+    num_warps, num_stages: Triton compiler params.
+    """
+
+    blocks_per_program: int = 1
+    k_block: int = 64
+    h_block: int = 64
+    num_warps: int = 8
+    num_stages: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("blocks_per_program", "k_block", "h_block", "num_warps", "num_stages"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}={v!r} must be a positive int")
+        for name in ("blocks_per_program", "k_block", "h_block", "num_warps"):
+            v = getattr(self, name)
+            if v & (v - 1):
+                raise ValueError(f"{name}={v} must be a power of two")
+        for name in ("k_block", "h_block"):
+            if getattr(self, name) < 16:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 16 (tensor-core dot minimum)")
+
+
+def default_config(n: int, dtype: Any) -> LatentConfig:
+    """Block config for N blocks of params dtype ``dtype`` (tune with benchmarks/dev_latent.py).
+
+    Chosen from an offline sm_90a compile (Triton 3.9 + ptxas, not XLA's own
+    Triton): bf16 with 1 block/program, k_block = h_block = 64, 8 warps, 2 stages
+    needs 108 KB shared memory and 107 registers; 2 blocks/program 118 KB / 180
+    registers, no spills. Larger N batches blocks so each program reuses the
+    weights it stages for more rows (fewer L2 reads of the ~0.9 MB of weights).
+    float32 (IEEE products, no tensor cores) uses 32-wide chunks and 1 block per
+    program: 116 KB, 158 registers.
+    """
+    if jnp.dtype(dtype).itemsize >= 4:
+        return LatentConfig(blocks_per_program=1, k_block=32, h_block=32, num_warps=8, num_stages=2)
+    return LatentConfig(blocks_per_program=1 if n < 128 else 2, k_block=64, h_block=64,
+                        num_warps=8, num_stages=2)
+
+
+def _prev(blk: jax.Array, prev_ids: jax.Array) -> jax.Array:
+    """Predecessor ids [N, B]: slot 0 reads ``prev_ids``, slot b >= 1 reads ``blk[:, b-1]``."""
+    return jnp.concatenate([prev_ids[:, None].astype(blk.dtype), blk[:, :-1]], axis=1)
+
+
+def reference(params: Mapping[str, jax.Array], xh: jax.Array, blk: jax.Array,
+              prev_ids: jax.Array) -> jax.Array:
+    """The jnp oracle: `xpress_jax.head.latent` on the predecessors built from ``blk`` -> [N, B-1, r]."""
+    return _head_latent(params, xh, _prev(blk, prev_ids))
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, int(x) - 1).bit_length()
+
+
+def _latent_kernel(
+    ids_ref,  # [N*B] int32, blk flattened
+    prev_ref,  # [N] int32
+    xh_ref,  # [N*B, r] cd
+    w1_ref,  # [V, r] cd
+    wt_ref,  # [r, r] cd (in_proj_token)
+    mix_ref,  # [B, B, r] cd (mix[k, j, c])
+    wg_ref,  # [r, M] cd
+    wu_ref,  # [r, M] cd
+    wd_ref,  # [M, r] cd
+    o_ref,  # [N*(B-1), r] cd
+    *,
+    n: int,
+    b: int,
+    bp: int,
+    bpp: int,
+    v: int,
+    r: int,
+    rp: int,
+    m: int,
+    mp: int,
+    kb: int,
+    hb: int,
+):
+    f32 = jnp.float32
+    cd = o_ref.dtype
+    rows = bpp * bp
+    pid = pl.program_id(0)
+
+    ri = jnp.arange(rows, dtype=jnp.int32)
+    slot = ri % bp  # [R]
+    blk_i = pid * bpp + ri // bp  # [R]
+    valid = (slot < b) & (blk_i < n)  # [R]
+    col = jnp.arange(rp, dtype=jnp.int32)  # [rp]
+    col_ok = col < r
+
+    # 1. predecessor ids: slot 0 <- prev_ids[n], slot s >= 1 <- blk[n, s-1]; clip like jnp.take(mode="clip").
+    blk_c = jnp.where(valid, blk_i, 0)
+    from_blk = valid & (slot >= 1)
+    pid_blk = plt.load(ids_ref.at[jnp.where(from_blk, blk_c * b + slot - 1, 0)], mask=from_blk, other=0)
+    pid_prev = plt.load(prev_ref.at[blk_c], mask=valid & (slot == 0), other=0)
+    ids = jnp.clip(jnp.where(slot == 0, pid_prev, pid_blk), 0, v - 1)  # [R]
+
+    # 2. x = xh + w1[ids] @ in_proj_token, K tiled.
+    xrow = jnp.where(valid, blk_c * b + slot, 0)
+    xh = plt.load(xh_ref.at[xrow[:, None], col[None, :]],
+                  mask=valid[:, None] & col_ok[None, :], other=0)  # [R, rp]
+    kk = jnp.arange(kb, dtype=jnp.int32)
+    k_mask = r % kb != 0
+
+    def k_step(i, acc):
+        kc = i * kb + kk  # [kb]
+        e = plt.load(w1_ref.at[ids[:, None], kc[None, :]],
+                     mask=(kc < r)[None, :] if k_mask else None, other=0 if k_mask else None)  # [R, kb]
+        w = plt.load(wt_ref.at[kc[:, None], col[None, :]],
+                     mask=(kc < r)[:, None] & col_ok[None, :] if (k_mask or rp != r) else None,
+                     other=0 if (k_mask or rp != r) else None)  # [kb, rp]
+        return acc + jnp.dot(e, w, precision=_HI, preferred_element_type=f32)
+
+    acc_x = jax.lax.fori_loop(0, pl.cdiv(r, kb), k_step, jnp.zeros((rows, rp), f32))
+    x = xh.astype(f32) + acc_x  # [R, rp]
+
+    # 3. folded causal mixer, per rank channel, float32: u[k] = sum_j mix[k, j] * x[j].
+    kslot = jnp.arange(bp, dtype=jnp.int32)
+    mix_mask = (kslot < b)[:, None] & col_ok[None, :] if (bp != b or rp != r) else None
+
+    def mix_step(j, u):
+        mj = plt.load(mix_ref.at[kslot[:, None], j, col[None, :]], mask=mix_mask,
+                      other=0 if mix_mask is not None else None).astype(f32)  # [bp, rp]
+        if bpp == 1:
+            xj = jnp.sum(jnp.where(slot[:, None] == j, x, 0.0), axis=0)  # [rp]
+            return u + mj * xj[None, :]
+        x3 = x.reshape(bpp, bp, rp)
+        xj = jnp.sum(jnp.where(slot.reshape(bpp, bp, 1) == j, x3, 0.0), axis=1)  # [bpp, rp]
+        return u + (mj[None, :, :] * xj[:, None, :]).reshape(rows, rp)
+
+    u = jax.lax.fori_loop(0, b, mix_step, jnp.zeros((rows, rp), f32))  # [R, rp]
+    uc = u.astype(cd)
+
+    # 4. SwiGLU tiled over the hidden dim, then the residual.
+    hh = jnp.arange(hb, dtype=jnp.int32)
+    h_mask = m % hb != 0
+    r_mask = rp != r
+
+    def h_step(i, acc):
+        hc = i * hb + hh  # [hb]
+        gu_mask = col_ok[:, None] & (hc < m)[None, :] if (h_mask or r_mask) else None
+        oth = 0 if gu_mask is not None else None
+        wg = plt.load(wg_ref.at[col[:, None], hc[None, :]], mask=gu_mask, other=oth)  # [rp, hb]
+        wu = plt.load(wu_ref.at[col[:, None], hc[None, :]], mask=gu_mask, other=oth)
+        gate = jnp.dot(uc, wg, precision=_HI, preferred_element_type=f32)  # [R, hb]
+        up = jnp.dot(uc, wu, precision=_HI, preferred_element_type=f32)
+        act = (jax.nn.silu(gate) * up).astype(cd)
+        d_mask = (hc < m)[:, None] & col_ok[None, :] if (h_mask or r_mask) else None
+        wd = plt.load(wd_ref.at[hc[:, None], col[None, :]], mask=d_mask,
+                      other=0 if d_mask is not None else None)  # [hb, rp]
+        return acc + jnp.dot(act, wd, precision=_HI, preferred_element_type=f32)
+
+    acc = jax.lax.fori_loop(0, pl.cdiv(m, hb), h_step, jnp.zeros((rows, rp), f32))
+    lat = (u + acc).astype(cd)
+
+    # Rows of slots 1..B-1 go to out[n*(B-1) + slot-1]. Masked lanes point one past the
+    # end: never written on the GPU, dropped by interpret mode's scatter (an in-bounds
+    # dummy row could collide with a real row of the same store and lose the write).
+    keep = valid & (slot >= 1)
+    orow = jnp.where(keep, blk_c * (b - 1) + slot - 1, n * (b - 1))
+    plt.store(o_ref.at[orow[:, None], col[None, :]], lat,
+              mask=keep[:, None] & col_ok[None, :])
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "interpret"))
+def _latent_pallas(xh, blk, prev_ids, w1, wt, mix, wg, wu, wd, *, cfg: LatentConfig, interpret: bool):
+    n, b = blk.shape
+    v, r = w1.shape
+    m = wg.shape[1]
+    cd = w1.dtype
+    rp = max(16, _next_pow2(r))
+    mp = max(16, _next_pow2(m))
+    bp = _next_pow2(b)
+    kb = min(cfg.k_block, rp)
+    hb = min(cfg.h_block, mp)
+    bpp = cfg.blocks_per_program
+    kernel = functools.partial(
+        _latent_kernel, n=n, b=b, bp=bp, bpp=bpp, v=v, r=r, rp=rp, m=m, mp=mp, kb=kb, hb=hb)
+    call = common.pallas_call(
+        kernel,
+        name="xpress_latent_pass",
+        out_shape=jax.ShapeDtypeStruct((n * (b - 1), r), cd),
+        grid=(pl.cdiv(n, bpp),),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        interpret=interpret,
+    )
+    out = call(
+        blk.reshape(n * b).astype(jnp.int32),
+        prev_ids.astype(jnp.int32),
+        xh.reshape(n * b, r),
+        w1, wt, mix, wg, wu, wd,
+    )
+    return out.reshape(n, b - 1, r)
+
+
+def latent_pass(
+    params: Mapping[str, jax.Array],
+    xh: jax.Array,
+    blk: jax.Array,
+    prev_ids: jax.Array,
+    *,
+    interpret: bool = False,
+    config: LatentConfig | None = None,
+    blocks_per_program: int | None = None,
+    k_block: int | None = None,
+    h_block: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> jax.Array:
+    """[N,B,r], [N,B] int32, [N] int32 -> [N, B-1, r]: the draft slots' latents (see module doc).
+
+    Same semantics as ``xpress_jax.refine._JnpOps.latent_pass``. Block config: a
+    `LatentConfig`, else `default_config` for this N and dtype; the keyword
+    arguments override single fields. Float64 params use `reference`.
+    """
+    w1 = params["w1"]
+    n, b = blk.shape
+    v, r = w1.shape
+    if tuple(xh.shape) != (n, b, r):
+        raise ValueError(f"xh.shape={tuple(xh.shape)} must be (N, B, r)={(n, b, r)}")
+    if tuple(prev_ids.shape) != (n,):
+        raise ValueError(f"prev_ids.shape={tuple(prev_ids.shape)} must be (N,)=({n},)")
+    if tuple(params["mix"].shape) != (b, b, r):
+        raise ValueError(f"params['mix'].shape={tuple(params['mix'].shape)} must be (B, B, r)={(b, b, r)}")
+    cd = jnp.dtype(w1.dtype)
+    if jnp.dtype(xh.dtype) != cd:
+        raise TypeError(f"xh.dtype={jnp.dtype(xh.dtype)} must equal the params' dtype {cd}")
+    if n == 0 or b < 2:
+        return jnp.zeros((n, max(b - 1, 0), r), cd)
+    if cd == jnp.float64:
+        return reference(params, xh, blk, prev_ids)
+    cfg = config if config is not None else default_config(n, cd)
+    overrides = {
+        k: val for k, val in (("blocks_per_program", blocks_per_program), ("k_block", k_block),
+                              ("h_block", h_block), ("num_warps", num_warps),
+                              ("num_stages", num_stages)) if val is not None
+    }
+    if overrides:
+        cfg = dataclasses.replace(cfg, **overrides)
+    return _latent_pallas(
+        xh, blk, prev_ids, w1, params["in_proj_token"], params["mix"], params["mlp_gate"],
+        params["mlp_up"], params["mlp_down"], cfg=cfg, interpret=bool(interpret))
