@@ -1,0 +1,428 @@
+"""Full-vocabulary pick: ``argmax_v float(dtype(base + dtype(lat @ w2.T)))``, lowest vocab id on ties.
+
+Reference (the spec): `xpress_jax.refine._JnpOps.full_vocab_pick`. Value rules
+(from `refine._round_sum` / `_clean`): the bias is accumulated in float32 and
+rounded to the logits' dtype, the sum ``base + bias`` is formed in float32 and
+rounded to the logits' dtype *before* comparing, NaN counts as -inf, the
+largest score wins, ties go to the lowest vocab id. The [rows, V] sum is never
+stored.
+
+Two Pallas-Triton variants (the GPU measurement decides which one serves):
+
+* ``"add_argmax"``: ``bias = dtype(lat @ w2.T)`` by an XLA dot (the same op as the
+  reference, so it is bit-exact wherever XLA computes that dot the same way),
+  then a Pallas add+argmax kernel over vocab tiles.
+* ``"fused"``: one Pallas kernel computes ``lat_tile @ w2_tile.T`` on the tensor
+  cores (float32 accumulation), rounds it, adds base, rounds again and keeps the
+  per-row best of its tiles; the bias never exists in HBM. Its float32 dot may
+  sum in another order than XLA's, so a score within an ulp of a rounding
+  boundary can round differently (tokens differ only at such near ties).
+
+Both are two launches: stage 1 (grid ``(row tiles, vocab parts)``; dim 0 is
+launched fastest, so the row tiles that share a w2 tile run together and w2 is
+read from HBM about once) writes each part's best value and its lowest vocab id
+to ``[parts, rows_pad]``; stage 2 (`combine_partials`, shared with the top-C
+pick) keeps the largest value, lowest id on ties. A part is ``v_steps``
+consecutive vocab tiles of ``v_tile`` columns looped inside one program.
+
+Float64 falls back to the jnp reference (Triton's argmax-style reductions and
+float64 dots are not worth supporting for a dtype nobody serves in).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from . import common
+
+__all__ = [
+    "FullVocabConfig",
+    "VARIANTS",
+    "default_config",
+    "full_vocab_pick",
+    "combine_partials",
+    "reference",
+]
+
+VARIANTS = ("add_argmax", "fused")
+
+#: Index of a lane that must never win (masked columns, padded parts).
+_BIG = 2**31 - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class FullVocabConfig:
+    """Static block sizes of one full-vocab variant (hashable: a jit static arg).
+
+    row_tile: rows per program (power of two; rows are masked to the real count).
+    v_tile: vocab columns per step (power of two; the vocab tail is masked).
+    v_steps: vocab tiles looped inside one program (a "part"); parts = cdiv(V, v_tile * v_steps).
+    k_tile: fused only: rank columns per dot step (power of two; 0 = the whole rank). Lowered
+      to the largest power of two dividing the rank if needed (r = 256 in serving; an odd
+      rank would mean k_tile = 1).
+    num_warps, num_stages: Triton launch parameters of stage 1.
+    combine: ``"pallas"`` (the `combine_partials` kernel) or ``"xla"`` (a jnp reduction).
+    hold_lat: fused only: load the program's latent tile once, before the vocab loop (it is
+      loop-invariant; Triton keeps it in shared memory, row_tile * r values), instead of once
+      per vocab tile (then the rank loop is a `fori_loop` that Triton can pipeline).
+    """
+
+    row_tile: int = 16
+    v_tile: int = 128
+    v_steps: int = 1
+    k_tile: int = 0
+    num_warps: int = 4
+    num_stages: int = 1
+    combine: str = "pallas"
+    hold_lat: bool = True
+
+    def check(self) -> None:
+        for name in ("row_tile", "v_tile"):
+            v = getattr(self, name)
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"{name}={v} must be a power of two")
+        if self.k_tile < 0 or (self.k_tile and self.k_tile & (self.k_tile - 1)):
+            raise ValueError(f"k_tile={self.k_tile} must be 0 or a power of two")
+        if self.v_steps < 1:
+            raise ValueError(f"v_steps={self.v_steps} must be >= 1")
+        if self.combine not in ("pallas", "xla"):
+            raise ValueError(f"combine={self.combine!r} must be 'pallas' or 'xla'")
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _k_tile(k_tile: int, rank: int) -> int:
+    """The rank chunk actually used: a power of two that divides ``rank`` (so no rank mask), <= k_tile."""
+    low = rank & -rank  # largest power of two dividing rank
+    return min(k_tile, low) if k_tile else low
+
+
+def default_config(rows: int, vocab: int, rank: int, dtype, variant: str) -> FullVocabConfig:
+    """Heuristic block sizes (a starting point; benchmarks/dev_pick.py measures alternatives)."""
+    itemsize = jnp.dtype(dtype).itemsize
+    hold_lat = True
+    if variant == "fused":
+        # Shared memory (Triton 3.9 offline compile for sm_90a, bf16, r=256, 8 warps): the held
+        # latent tile [128, 256] is 64 KB, each w2 stage [64, 256] 32 KB -> ~147 KB, 80 regs.
+        # (128 x 128 tiles with 2 stages need ~224 KB of the 227 KB an H200 block may have.)
+        row_tile = min(64 if itemsize >= 4 else 128, max(16, _next_pow2(rows)))
+        v_tile = 64
+        k_tile = 64 if itemsize >= 4 else 0
+        num_warps = 8 if row_tile >= 64 else 4
+        num_stages = 1 if itemsize >= 4 else 2
+        hold_lat = row_tile * rank * itemsize <= 64 * 1024
+    elif variant == "add_argmax":
+        row_tile = min(16, _next_pow2(rows))
+        v_tile = 1024 if itemsize <= 2 else 512
+        k_tile = 0
+        num_warps = 8
+        num_stages = 1
+    else:
+        raise ValueError(f"variant={variant!r} must be one of {VARIANTS}")
+    # Enough programs to fill an H200 (132 SMs) a few times; the rest goes into v_steps
+    # so that stage 2 reads few partials.
+    programs = _cdiv(rows, row_tile) * _cdiv(vocab, v_tile)
+    v_steps = 1
+    while v_steps < 16 and programs // (2 * v_steps) >= 1024:
+        v_steps *= 2
+    return FullVocabConfig(row_tile, v_tile, v_steps, k_tile, num_warps, num_stages, hold_lat=hold_lat)
+
+
+def reference(base: jax.Array, lat: jax.Array, w2: jax.Array) -> jax.Array:
+    """The jnp oracle, `refine._JnpOps.full_vocab_pick`."""
+    from xpress_jax.refine import _JnpOps
+
+    return _JnpOps.full_vocab_pick(base, lat, w2)
+
+
+# ---------------------------------------------------------------------------
+# Shared in-kernel helpers.
+
+
+def _iota(n: int) -> jax.Array:
+    return jax.lax.broadcasted_iota(jnp.int32, (n,), 0)
+
+
+def _score(base: jax.Array, bias: jax.Array, dtype) -> jax.Array:
+    """float32 of ``dtype(float32(base) + float32(bias))`` with NaN -> -inf."""
+    s = (base.astype(jnp.float32) + bias.astype(jnp.float32)).astype(dtype).astype(jnp.float32)
+    return jnp.where(s != s, -jnp.inf, s)
+
+
+def _best(s: jax.Array, ids: jax.Array, axis: int):
+    """Max of ``s`` along ``axis`` and the lowest id attaining it (``ids`` = _BIG never wins)."""
+    m = jnp.max(s, axis=axis)
+    idx = jnp.min(jnp.where(s == jnp.expand_dims(m, axis), ids, _BIG), axis=axis)
+    return m, idx
+
+
+def _merge(best, bidx, m, idx):
+    """Keep the larger value; on equal values the lower id (order-independent)."""
+    take = (m > best) | ((m == best) & (idx < bidx))
+    return jnp.where(take, m, best), jnp.where(take, idx, bidx)
+
+
+# ---------------------------------------------------------------------------
+# Stage 1 kernels.
+
+
+def _add_argmax_kernel(
+    base_ref,  # [rows, V] whole array
+    bias_ref,  # [rows, V] whole array
+    mv_ref,  # [row_tile] block of [parts, rows_pad] float32: best score
+    mi_ref,  # [row_tile] block of [parts, rows_pad] int32: its lowest vocab id
+    *,
+    rows: int,
+    vocab: int,
+    row_tile: int,
+    v_tile: int,
+    v_steps: int,
+    dtype,
+):
+    i, j = pl.program_id(0), pl.program_id(1)
+    r0 = i * row_tile
+    row_ok = (r0 + _iota(row_tile)) < rows
+
+    def step(t, carry):
+        v0 = (j * v_steps + t) * v_tile
+        cols = v0 + _iota(v_tile)
+        col_ok = cols < vocab
+        mask = row_ok[:, None] & col_ok[None, :]
+        idx = (pl.ds(r0, row_tile), pl.ds(v0, v_tile))
+        b = plt.load(base_ref.at[idx], mask=mask, other=0.0)
+        c = plt.load(bias_ref.at[idx], mask=mask, other=0.0)
+        s = jnp.where(col_ok[None, :], _score(b, c, dtype), -jnp.inf)
+        ids = jnp.where(col_ok, cols, _BIG)
+        m, k = _best(s, jnp.broadcast_to(ids[None, :], s.shape), axis=1)
+        return _merge(*carry, m, k)
+
+    init = (jnp.full((row_tile,), -jnp.inf, jnp.float32), jnp.full((row_tile,), _BIG, jnp.int32))
+    best, bidx = jax.lax.fori_loop(0, v_steps, step, init)
+    mv_ref[...] = best
+    mi_ref[...] = bidx
+
+
+def _fused_kernel(
+    base_ref,  # [rows, V] whole array
+    lat_ref,  # [rows, r] whole array
+    w2_ref,  # [V, r] whole array
+    mv_ref,  # [row_tile] block of [parts, rows_pad] float32
+    mi_ref,  # [row_tile] block of [parts, rows_pad] int32
+    *,
+    rows: int,
+    vocab: int,
+    rank: int,
+    row_tile: int,
+    v_tile: int,
+    v_steps: int,
+    k_tile: int,
+    hold_lat: bool,
+    dtype,
+):
+    i, j = pl.program_id(0), pl.program_id(1)
+    r0 = i * row_tile
+    row_ok = (r0 + _iota(row_tile)) < rows
+    n_k = rank // k_tile
+    precision = jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+    lat_mask = jnp.broadcast_to(row_ok[:, None], (row_tile, k_tile))
+
+    def load_lat(k0):
+        return plt.load(lat_ref.at[pl.ds(r0, row_tile), pl.ds(k0, k_tile)], mask=lat_mask, other=0.0)
+
+    # hold_lat: the latent tile is loop-invariant, load it once (n_k chunks of [row_tile, k_tile]).
+    held = [load_lat(kk * k_tile) for kk in range(n_k)] if hold_lat else None
+
+    def step(t, carry):
+        v0 = (j * v_steps + t) * v_tile
+        cols = v0 + _iota(v_tile)
+        col_ok = cols < vocab
+        w_mask = jnp.broadcast_to(col_ok[:, None], (v_tile, k_tile))
+
+        def k_step(kk, acc, x=None):
+            k0 = kk * k_tile  # k_tile divides rank: no rank mask
+            x = load_lat(k0) if x is None else x  # [row_tile, k_tile]
+            w = plt.load(w2_ref.at[pl.ds(v0, v_tile), pl.ds(k0, k_tile)], mask=w_mask, other=0.0)  # [v_tile, k_tile]
+            return acc + jax.lax.dot_general(
+                x, w, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
+            )
+
+        acc = jnp.zeros((row_tile, v_tile), jnp.float32)
+        if hold_lat:
+            for kk in range(n_k):
+                acc = k_step(kk, acc, held[kk])
+        elif n_k == 1:
+            acc = k_step(0, acc)
+        else:
+            acc = jax.lax.fori_loop(0, n_k, k_step, acc)
+        bias = acc.astype(dtype)
+        b = plt.load(
+            base_ref.at[pl.ds(r0, row_tile), pl.ds(v0, v_tile)],
+            mask=row_ok[:, None] & col_ok[None, :],
+            other=0.0,
+        )
+        s = jnp.where(col_ok[None, :], _score(b, bias, dtype), -jnp.inf)
+        ids = jnp.where(col_ok, cols, _BIG)
+        m, k = _best(s, jnp.broadcast_to(ids[None, :], s.shape), axis=1)
+        return _merge(*carry, m, k)
+
+    init = (jnp.full((row_tile,), -jnp.inf, jnp.float32), jnp.full((row_tile,), _BIG, jnp.int32))
+    best, bidx = jax.lax.fori_loop(0, v_steps, step, init)
+    mv_ref[...] = best
+    mi_ref[...] = bidx
+
+
+# ---------------------------------------------------------------------------
+# Stage 2: reduce the parts.
+
+
+def _combine_kernel(
+    mv_ref,  # [parts, rows_pad] float32, whole array
+    mi_ref,  # [parts, rows_pad] int32, whole array
+    o_ref,  # [row_tile] block of [rows_pad] int32
+    *,
+    parts: int,
+    row_tile: int,
+    part_tile: int,
+):
+    r0 = pl.program_id(0) * row_tile
+    shape = (part_tile, row_tile)
+
+    def step(t, carry):
+        p0 = t * part_tile
+        ok = jnp.broadcast_to(((p0 + _iota(part_tile)) < parts)[:, None], shape)
+        idx = (pl.ds(p0, part_tile), pl.ds(r0, row_tile))
+        v = plt.load(mv_ref.at[idx], mask=ok, other=-jnp.inf)
+        ix = plt.load(mi_ref.at[idx], mask=ok, other=_BIG)
+        v = jnp.where(ok, v, -jnp.inf)
+        ix = jnp.where(ok, ix, _BIG)
+        m, k = _best(v, ix, axis=0)
+        return _merge(*carry, m, k)
+
+    init = (jnp.full((row_tile,), -jnp.inf, jnp.float32), jnp.full((row_tile,), _BIG, jnp.int32))
+    n_t = _cdiv(parts, part_tile)
+    _, bidx = step(0, init) if n_t == 1 else jax.lax.fori_loop(0, n_t, step, init)
+    o_ref[...] = bidx
+
+
+def _combine_row_tile(rows_pad: int) -> int:
+    # rows_pad is a multiple of the stage-1 row tile (a power of two); use up to 128 rows.
+    t = 1
+    while t < 128 and rows_pad % (2 * t) == 0:
+        t *= 2
+    return t
+
+
+def combine_partials(mv: jax.Array, mi: jax.Array, *, interpret: bool = False, how: str = "pallas") -> jax.Array:
+    """[parts, rows_pad] float32 best values + int32 ids -> [rows_pad] int32.
+
+    The largest value wins, the lowest id among equal values (so "earliest vocab
+    tile" in full-vocab mode and "lowest vocab id" in top-C mode alike).
+    """
+    parts, rows_pad = mv.shape
+    if how == "xla":
+        m, k = _best(mv, mi, axis=0)
+        return k
+    if parts == 1:
+        return mi[0]
+    row_tile = _combine_row_tile(rows_pad)
+    # Up to 16K partials per load: few sequential steps even for ~2K parts (N=1, 64-wide tiles).
+    part_tile = min(_next_pow2(parts), max(1, 16384 // row_tile))
+    kernel = functools.partial(_combine_kernel, parts=parts, row_tile=row_tile, part_tile=part_tile)
+    return common.pallas_call(
+        kernel,
+        name="xpress_pick_combine",
+        num_warps=8 if part_tile * row_tile >= 8192 else 4,
+        num_stages=1,
+        interpret=interpret,
+        grid=(rows_pad // row_tile,),
+        in_specs=[pl.no_block_spec, pl.no_block_spec],
+        out_specs=pl.BlockSpec((row_tile,), lambda i: (i,)),
+        out_shape=jax.ShapeDtypeStruct((rows_pad,), jnp.int32),
+    )(mv, mi)
+
+
+# ---------------------------------------------------------------------------
+# Wrappers.
+
+
+def _check_shapes(base, lat, w2):
+    if base.ndim != 2 or lat.ndim != 2 or w2.ndim != 2:
+        raise ValueError(f"need base [rows,V], lat [rows,r], w2 [V,r]; got {base.shape=} {lat.shape=} {w2.shape=}")
+    rows, vocab = base.shape
+    if lat.shape[0] != rows or w2.shape != (vocab, lat.shape[1]):
+        raise ValueError(f"shapes disagree: {base.shape=} {lat.shape=} {w2.shape=}")
+    if not (base.dtype == lat.dtype == w2.dtype):
+        raise ValueError(f"dtypes must agree: {base.dtype=} {lat.dtype=} {w2.dtype=}")
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "variant", "config"))
+def full_vocab_pick(
+    base: jax.Array,
+    lat: jax.Array,
+    w2: jax.Array,
+    *,
+    interpret: bool = False,
+    variant: str = "add_argmax",
+    config: FullVocabConfig | None = None,
+) -> jax.Array:
+    """[rows,V], [rows,r], [V,r] -> [rows] int32: argmax_v float(dtype(base + dtype(lat @ w2.T))).
+
+    Lowest vocab id on ties, NaN counts as -inf (a row of -inf/NaN picks id 0).
+    ``variant``: ``"add_argmax"`` (XLA dot + Pallas add/argmax) or ``"fused"``
+    (Pallas matmul with an add/argmax epilogue). ``config``: block sizes
+    (default: `default_config`). Float64 uses the jnp reference.
+    """
+    _check_shapes(base, lat, w2)
+    if variant not in VARIANTS:
+        raise ValueError(f"variant={variant!r} must be one of {VARIANTS}")
+    dtype = jnp.dtype(base.dtype)
+    if dtype == jnp.float64:
+        return reference(base, lat, w2)
+    rows, vocab = base.shape
+    rank = lat.shape[1]
+    cfg = config or default_config(rows, vocab, rank, dtype, variant)
+    cfg.check()
+    parts = _cdiv(vocab, cfg.v_tile * cfg.v_steps)
+    row_tiles = _cdiv(rows, cfg.row_tile)
+    rows_pad = row_tiles * cfg.row_tile
+    out_shape = (
+        jax.ShapeDtypeStruct((parts, rows_pad), jnp.float32),
+        jax.ShapeDtypeStruct((parts, rows_pad), jnp.int32),
+    )
+    out_spec = pl.BlockSpec((None, cfg.row_tile), lambda i, j: (j, i))
+    statics = dict(rows=rows, vocab=vocab, row_tile=cfg.row_tile, v_tile=cfg.v_tile, v_steps=cfg.v_steps, dtype=dtype)
+    if variant == "add_argmax":
+        acc = jnp.float32
+        bias = jnp.dot(lat, w2.T, precision=jax.lax.Precision.HIGHEST, preferred_element_type=acc).astype(dtype)
+        kernel = functools.partial(_add_argmax_kernel, **statics)
+        operands = (base, bias)
+        name = "xpress_full_vocab_add_argmax"
+    else:
+        k_tile = _k_tile(cfg.k_tile, rank)
+        kernel = functools.partial(_fused_kernel, rank=rank, k_tile=k_tile, hold_lat=cfg.hold_lat, **statics)
+        operands = (base, lat, w2)
+        name = "xpress_full_vocab_fused"
+    mv, mi = common.pallas_call(
+        kernel,
+        name=name,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        interpret=interpret,
+        grid=(row_tiles, parts),
+        in_specs=[pl.no_block_spec] * len(operands),
+        out_specs=(out_spec, out_spec),
+        out_shape=out_shape,
+    )(*operands)
+    return combine_partials(mv, mi, interpret=interpret, how=cfg.combine)[:rows]

@@ -1,0 +1,208 @@
+"""Top-C pick: the best of each row's C candidates, ``s = float(dtype(base_c + dtype(w2[cand] . lat)))``.
+
+Reference (the spec): `xpress_jax.refine._JnpOps.topc_prepare` / ``topc_pick``.
+Rules: the dot accumulates in float32 and is rounded to the logits' dtype; the
+sum is formed in float32 and rounded to the logits' dtype before comparing;
+NaN counts as -inf; the largest score wins; ties go to the **lowest vocab id**
+among the tied candidates (never the candidate position, which is arbitrary);
+a row whose scores are all -inf picks its lowest-id candidate.
+
+Hook pair, as `refine._refine` calls it:
+
+* `topc_prepare(w2, cand, materialize=False)` runs once per call. By default it
+  returns ``w2`` itself and the pick kernel gathers the candidates' w2 rows
+  (``r`` contiguous values each) straight from it, so ``w2[cand]`` [rows, C, r]
+  is never stored. ``materialize=True`` returns ``w2[cand]`` (one XLA gather per
+  call); the kernel then reads it contiguously. benchmarks/dev_pick.py measures both.
+* `topc_pick(base_c, cand, lat, prepared)` runs once per pass.
+
+Kernel: grid ``(rows, splits)``, dim 0 launched fastest. Program (n, j) loops over
+``c_steps`` tiles of ``c_tile`` candidates of row n (the tail of C is masked),
+computes each candidate's bias as a float32 multiply-and-sum over the rank (in
+``k_tile`` chunks; one row's latent against C different w2 rows is a
+matrix-vector product, so there is nothing for the tensor cores), and keeps the
+best (value, lowest vocab id). With ``splits == 1`` that is the answer (one
+launch); otherwise `full_vocab.combine_partials` reduces the splits (a second
+launch, but ``rows * splits`` programs keep the GPU busy at small N).
+
+The bias sums in another order than XLA's einsum, so a bias within an ulp of a
+rounding boundary can round differently: tokens can differ from the reference
+only at such near ties. Float64 falls back to the jnp reference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from . import common
+from .full_vocab import _BIG, _best, _cdiv, _iota, _k_tile, _merge, _next_pow2, _score, combine_partials
+
+__all__ = ["TopCConfig", "default_config", "topc_prepare", "topc_pick", "reference_prepare", "reference_pick"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TopCConfig:
+    """Static block sizes of the top-C pick (hashable: a jit static arg).
+
+    c_tile: candidates per step (power of two). c_steps: steps per program.
+    k_tile: rank chunk per step (power of two; 0 = the whole rank), lowered to the largest
+      power of two dividing the rank if needed.
+    splits = cdiv(C, c_tile * c_steps) programs per row (1 = no combine launch).
+    combine: ``"pallas"`` or ``"xla"`` reduction of the splits.
+    """
+
+    c_tile: int = 64
+    c_steps: int = 8
+    k_tile: int = 0
+    num_warps: int = 4
+    num_stages: int = 1
+    combine: str = "pallas"
+
+    def check(self) -> None:
+        for name in ("c_tile",):
+            v = getattr(self, name)
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"{name}={v} must be a power of two")
+        if self.k_tile < 0 or (self.k_tile and self.k_tile & (self.k_tile - 1)):
+            raise ValueError(f"k_tile={self.k_tile} must be 0 or a power of two")
+        if self.c_steps < 1:
+            raise ValueError(f"c_steps={self.c_steps} must be >= 1")
+        if self.combine not in ("pallas", "xla"):
+            raise ValueError(f"combine={self.combine!r} must be 'pallas' or 'xla'")
+
+
+def default_config(rows: int, c: int, rank: int, dtype) -> TopCConfig:
+    """Heuristic: one program per row when there are enough rows, else split C over programs."""
+    c_tile = min(64, _next_pow2(c))
+    k_tile = 64 if jnp.dtype(dtype).itemsize >= 4 else 128
+    tiles = _cdiv(c, c_tile)
+    splits = 1
+    while splits < tiles and rows * splits < 512:
+        splits *= 2
+    return TopCConfig(c_tile=c_tile, c_steps=_cdiv(tiles, splits), k_tile=k_tile, num_warps=4, num_stages=2)
+
+
+def reference_prepare(w2: jax.Array, cand: jax.Array) -> jax.Array:
+    from xpress_jax.refine import _JnpOps
+
+    return _JnpOps.topc_prepare(w2, cand)
+
+
+def reference_pick(base_c, cand, lat, w2c) -> jax.Array:
+    from xpress_jax.refine import _JnpOps
+
+    return _JnpOps.topc_pick(base_c, cand, lat, w2c)
+
+
+def topc_prepare(w2: jax.Array, cand: jax.Array, *, materialize: bool = False) -> jax.Array:
+    """Once per call: ``w2`` itself (the kernel gathers rows), or ``w2[cand]`` [rows, C, r] if ``materialize``."""
+    if materialize or jnp.dtype(w2.dtype) == jnp.float64:
+        return reference_prepare(w2, cand)
+    return w2
+
+
+def _topc_kernel(
+    base_ref,  # [rows, C] whole array
+    cand_ref,  # [rows, C] int32 whole array
+    lat_ref,  # [rows, r] whole array
+    w_ref,  # [V, r] (gather) or [rows, C, r] (materialised), whole array
+    mv_ref,  # [] block of [splits, rows_pad] float32: best score
+    mi_ref,  # [] block of [splits, rows_pad] int32: its lowest vocab id
+    *,
+    c: int,
+    rank: int,
+    c_tile: int,
+    c_steps: int,
+    k_tile: int,
+    gather: bool,
+    dtype,
+):
+    n, j = pl.program_id(0), pl.program_id(1)
+    n_k = rank // k_tile
+    xs = [lat_ref[n, pl.ds(kk * k_tile, k_tile)].astype(jnp.float32) for kk in range(n_k)]  # k_tile divides r
+
+    def step(t, carry):
+        c0 = (j * c_steps + t) * c_tile
+        ok = (c0 + _iota(c_tile)) < c
+        ids = plt.load(cand_ref.at[n, pl.ds(c0, c_tile)], mask=ok, other=0)  # [c_tile]
+        ids = jnp.where(ok, ids, 0)
+        b = plt.load(base_ref.at[n, pl.ds(c0, c_tile)], mask=ok, other=0.0)  # [c_tile]
+        acc = jnp.zeros((c_tile,), jnp.float32)
+        for kk in range(n_k):  # static: the rank is small (256)
+            k0 = kk * k_tile
+            if gather:
+                w = w_ref[ids, pl.ds(k0, k_tile)]  # [c_tile, k_tile] row gather (masked lanes read row 0)
+            else:
+                mask = jnp.broadcast_to(ok[:, None], (c_tile, k_tile))
+                w = plt.load(w_ref.at[n, pl.ds(c0, c_tile), pl.ds(k0, k_tile)], mask=mask, other=0.0)
+            acc = acc + jnp.sum(w.astype(jnp.float32) * xs[kk][None, :], axis=1)
+        s = jnp.where(ok, _score(b, acc.astype(dtype), dtype), -jnp.inf)
+        m, k = _best(s, jnp.where(ok, ids, _BIG), axis=0)
+        return _merge(*carry, m, k)
+
+    init = (jnp.array(-jnp.inf, jnp.float32), jnp.array(_BIG, jnp.int32))
+    best, bidx = step(0, init) if c_steps == 1 else jax.lax.fori_loop(0, c_steps, step, init)
+    mv_ref[...] = best
+    mi_ref[...] = bidx
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "config"))
+def topc_pick(
+    base_c: jax.Array,
+    cand: jax.Array,
+    lat: jax.Array,
+    prepared: jax.Array,
+    *,
+    interpret: bool = False,
+    config: TopCConfig | None = None,
+) -> jax.Array:
+    """[rows,C], [rows,C] int, [rows,r], topc_prepare(...) -> [rows] int32 vocab ids.
+
+    ``prepared`` is ``w2`` [V, r] (rows gathered in the kernel) or ``w2[cand]``
+    [rows, C, r]. Candidate ids must lie in [0, V).
+    """
+    if base_c.ndim != 2 or cand.shape != base_c.shape or lat.ndim != 2 or lat.shape[0] != base_c.shape[0]:
+        raise ValueError(
+            f"need base_c [rows,C], cand [rows,C], lat [rows,r]; got {base_c.shape=} {cand.shape=} {lat.shape=}"
+        )
+    rows, c = base_c.shape
+    rank = lat.shape[1]
+    gather = prepared.ndim == 2
+    if (gather and prepared.shape[1] != rank) or (not gather and prepared.shape != (rows, c, rank)):
+        raise ValueError(f"prepared must be w2 [V, {rank}] or w2[cand] {(rows, c, rank)}; got {prepared.shape}")
+    if not (base_c.dtype == lat.dtype == prepared.dtype):
+        raise ValueError(f"dtypes must agree: {base_c.dtype=} {lat.dtype=} {prepared.dtype=}")
+    dtype = jnp.dtype(base_c.dtype)
+    if dtype == jnp.float64:
+        w2c = jnp.take(prepared, cand, axis=0) if gather else prepared
+        return reference_pick(base_c, cand, lat, w2c)
+    cfg = config or default_config(rows, c, rank, dtype)
+    cfg.check()
+    k_tile = _k_tile(cfg.k_tile, rank)
+    splits = _cdiv(c, cfg.c_tile * cfg.c_steps)
+    kernel = functools.partial(
+        _topc_kernel, c=c, rank=rank, c_tile=cfg.c_tile, c_steps=cfg.c_steps, k_tile=k_tile, gather=gather, dtype=dtype
+    )
+    rows_pad = _cdiv(rows, 16) * 16  # padding rows are never written; combine_partials gets >= 16-row tiles
+    out_spec = pl.BlockSpec((None, None), lambda n, j: (j, n))
+    mv, mi = common.pallas_call(
+        kernel,
+        name="xpress_topc_pick" + ("" if gather else "_w2c"),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        interpret=interpret,
+        grid=(rows, splits),
+        in_specs=[pl.no_block_spec] * 4,
+        out_specs=(out_spec, out_spec),
+        out_shape=(
+            jax.ShapeDtypeStruct((splits, rows_pad), jnp.float32),
+            jax.ShapeDtypeStruct((splits, rows_pad), jnp.int32),
+        ),
+    )(base_c, cand.astype(jnp.int32), lat, prepared)
+    return combine_partials(mv, mi, interpret=interpret, how=cfg.combine)[:rows]

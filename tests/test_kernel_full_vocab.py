@@ -1,0 +1,198 @@
+"""Full-vocab pick kernels (pallas_kernels.full_vocab) against the jnp oracle.
+
+`TestFullVocabPick` runs the kernels for real (GPU only); its twin
+`TestFullVocabPickInterpret` runs the same tests on CPU in interpret mode.
+`TestFullVocabLowering` lowers every kernel for an H200 on CPU.
+
+Exactness. The outputs are token ids: demanded equal. ``add_argmax`` computes
+the bias with the oracle's own XLA dot, so in interpret mode it must equal the
+oracle on every row of random inputs. The ``fused`` kernel (and anything on a
+GPU) sums the float32 dot in its own order, so a bias within an ulp of a
+rounding boundary may round the other way; there we demand equality on every
+row that is not such a near tie (`_near_tie_rows` bounds the float32
+accumulation error and checks whether the oracle's winner could lose), and
+demand strict equality on "dyadic" inputs whose dot products are exact in any
+summation order (which also produce many genuine ties).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from pallas_kernels import common
+from pallas_kernels import full_vocab as fv
+
+DTYPES = [jnp.float32, jnp.bfloat16]
+TRITON_CALL = "__gpu$xla.gpu.triton"
+
+# (rows, V, r, config): rows = N*(B-1): N=1,B=16 / N=5,B=6 (B not a power of two) / N=5,B=16.
+SHAPES = [
+    (15, 1000, 32, None),
+    (25, 1337, 64, fv.FullVocabConfig(row_tile=16, v_tile=128, v_steps=3, k_tile=16, hold_lat=False)),
+    (75, 2053, 32, fv.FullVocabConfig(row_tile=32, v_tile=256, v_steps=1, combine="xla")),
+]
+
+
+def _np(x):
+    return np.asarray(x.astype(jnp.float32) if x.dtype == jnp.bfloat16 else x).astype(np.float64)
+
+
+def _near_tie_rows(base, lat, w2, winner) -> np.ndarray:
+    """Rows where another float32 summation order could change the pick.
+
+    Bounds every achievable score in [lo, hi] (accumulation error <= (r+2) u sum|terms|,
+    then the monotone roundings), and flags a row unless the oracle's winner w beats
+    every other column v in every realisation (lo[w] > hi[v], or >= when v > w).
+    """
+    dt = {jnp.dtype(jnp.float32): np.float32, jnp.dtype(jnp.bfloat16): ml_dtypes.bfloat16}[jnp.dtype(base.dtype)]
+    b, x, w = _np(base), _np(lat), _np(w2)
+    bias = x @ w.T
+    err = 2 * (x.shape[1] + 2) * 2.0**-24 * (np.abs(x) @ np.abs(w).T)
+
+    def score(bb):
+        with np.errstate(invalid="ignore", over="ignore"):
+            s = (b.astype(np.float32) + bb.astype(np.float32).astype(dt).astype(np.float32)).astype(dt)
+            s = s.astype(np.float64)
+        return np.where(np.isnan(s), -np.inf, s)
+
+    with np.errstate(invalid="ignore"):
+        lo, hi = score(bias - err), score(bias + err)
+    rows = np.arange(b.shape[0])
+    w_lo = lo[rows, winner][:, None]
+    cols = np.arange(b.shape[1])[None, :]
+    beats = (w_lo > hi) | ((w_lo >= hi) & (cols > winner[:, None])) | (cols == winner[:, None])
+    return ~beats.all(axis=1)
+
+
+def _random_inputs(rows, vocab, rank, dtype, seed):
+    k = jax.random.split(jax.random.key(seed), 3)
+    base = jax.random.normal(k[0], (rows, vocab), jnp.float32).astype(dtype)
+    lat = jax.random.normal(k[1], (rows, rank), jnp.float32).astype(dtype)
+    w2 = (0.1 * jax.random.normal(k[2], (vocab, rank), jnp.float32)).astype(dtype)
+    return base, lat, w2
+
+
+def _dyadic_inputs(rows, vocab, rank, dtype, seed):
+    """lat in {-4..4}/8, w2 in {-4..4}/16: every partial sum is a multiple of 2^-7 below 2^5,
+    exact in float32 in any order; base in {-8..8}/4 gives many tied scores."""
+    k = jax.random.split(jax.random.key(seed), 3)
+    base = (jax.random.randint(k[0], (rows, vocab), -8, 9) / 4).astype(dtype)
+    lat = (jax.random.randint(k[1], (rows, rank), -4, 5) / 8).astype(dtype)
+    w2 = (jax.random.randint(k[2], (vocab, rank), -4, 5) / 16).astype(dtype)
+    return base, lat, w2
+
+
+class TestFullVocabPick:
+    INTERPRET = False
+
+    def setup_method(self):
+        if not self.INTERPRET and not common.gpu_supported():
+            pytest.skip("needs a CUDA GPU; TestFullVocabPickInterpret runs these tests on CPU")
+
+    def pick(self, base, lat, w2, variant, config=None):
+        return fv.full_vocab_pick(base, lat, w2, interpret=self.INTERPRET, variant=variant, config=config)
+
+    @pytest.mark.parametrize("variant", fv.VARIANTS)
+    @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+    @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"rows{s[0]}-V{s[1]}-r{s[2]}")
+    def test_matches_reference(self, shape, dtype, variant):
+        rows, vocab, rank, config = shape
+        # Random normal inputs.
+        base, lat, w2 = _random_inputs(rows, vocab, rank, dtype, seed=rows + vocab)
+        ref = np.asarray(fv.reference(base, lat, w2))
+        got = np.asarray(self.pick(base, lat, w2, variant, config))
+        assert got.dtype == np.int32 and got.shape == (rows,)
+        if self.INTERPRET and variant == "add_argmax":
+            np.testing.assert_array_equal(got, ref)  # same XLA dot: bit-exact
+        else:
+            near = _near_tie_rows(base, lat, w2, ref)
+            assert near.mean() < 0.1, f"{near.sum()} near ties of {rows}: the check would be vacuous"
+            np.testing.assert_array_equal(got[~near], ref[~near])
+        # Dyadic inputs: exact dot in any order, many ties -> strict equality for every variant.
+        base, lat, w2 = _dyadic_inputs(rows, vocab, rank, dtype, seed=rows)
+        ref = np.asarray(fv.reference(base, lat, w2))
+        np.testing.assert_array_equal(np.asarray(self.pick(base, lat, w2, variant, config)), ref)
+
+    @pytest.mark.parametrize("variant", fv.VARIANTS)
+    @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+    def test_ties_and_nonfinite(self, dtype, variant):
+        # rows = 5 blocks of B=6; V=1000 is not a multiple of the 128-wide tile;
+        # 2 tiles per part -> parts [0,256) [256,512) [512,768) [768,1000).
+        rows, vocab, rank = 25, 1000, 16
+        cfg = fv.FullVocabConfig(row_tile=16, v_tile=128, v_steps=2)
+        base = np.full((rows, vocab), -5.0, np.float32)
+        lat = np.zeros((rows, rank), np.float32)
+        w2 = np.zeros((vocab, rank), np.float32)
+        inf, nan = np.inf, np.nan
+        expect = {}
+        base[0, [3, 7]] = 2; expect[0] = 3  # tie inside one tile
+        base[1, [900, 130, 999]] = 2; expect[1] = 130  # tie across tiles and parts, and at the last column
+        base[2, [999, 500]] = 2; expect[2] = 500  # tie at the last column of V
+        base[3, 999] = 3; expect[3] = 999  # the winner is the last column
+        base[4, 5] = nan; base[4, 10] = 1; expect[4] = 10  # NaN never wins
+        base[5, [600, 200]] = inf; expect[5] = 200  # +inf wins, lowest id among them
+        base[6] = -inf; expect[6] = 0  # all -inf -> id 0
+        base[7] = nan; expect[7] = 0  # all NaN -> id 0
+        base[8] = -inf; base[8, 0] = nan; expect[8] = 0
+        base[9] = -inf; base[9, 998] = -1e30; expect[9] = 998
+        # Rounding tie: 1 + 2^-10 rounds to 1 in bf16 (tie -> id 20), stays larger in float32 (id 40).
+        base[10, [20, 40]] = 1.0; lat[10, 0] = 2.0**-10; w2[40, 0] = 1.0
+        expect[10] = 20 if dtype == jnp.bfloat16 else 40
+        # inf * 0 in the dot -> NaN bias; +inf base + -inf bias -> NaN: all count as -inf -> id 0.
+        base[11, 50] = inf; lat[11, 1] = inf; w2[50, 1] = -1.0; expect[11] = 0
+        rng = np.random.default_rng(0)
+        base[12:] = rng.integers(0, 4, (rows - 12, vocab))  # massive ties: the lowest id of the max
+        for r in range(12, rows):
+            expect[r] = int(np.argmax(base[r]))
+        base, lat, w2 = (jnp.asarray(a).astype(dtype) for a in (base, lat, w2))
+        ref = np.asarray(fv.reference(base, lat, w2))
+        got = np.asarray(self.pick(base, lat, w2, variant, cfg))
+        want = np.array([expect[r] for r in range(rows)])
+        np.testing.assert_array_equal(ref, want)  # the oracle obeys the rules as stated
+        np.testing.assert_array_equal(got, want)
+
+    def test_float64_falls_back_to_reference(self):
+        with jax.enable_x64(True):
+            base, lat, w2 = _random_inputs(15, 300, 8, jnp.float64, seed=3)
+            for variant in fv.VARIANTS:
+                f = functools.partial(fv.full_vocab_pick, interpret=self.INTERPRET, variant=variant)
+                np.testing.assert_array_equal(np.asarray(f(base, lat, w2)), np.asarray(fv.reference(base, lat, w2)))
+                assert "pallas_call" not in str(jax.make_jaxpr(f)(base, lat, w2))
+
+    def test_bad_arguments(self):
+        base, lat, w2 = _random_inputs(15, 300, 8, jnp.float32, seed=4)
+        with pytest.raises(ValueError, match="row_tile"):
+            self.pick(base, lat, w2, "fused", fv.FullVocabConfig(row_tile=12))
+        with pytest.raises(ValueError, match="variant"):
+            self.pick(base, lat, w2, "nope")
+        with pytest.raises(ValueError, match="shapes"):
+            self.pick(base, lat, w2[:-1], "fused")
+
+
+class TestFullVocabPickInterpret(TestFullVocabPick):
+    INTERPRET = True
+
+
+class TestFullVocabLowering:
+    """Every kernel lowers to Triton for an H200 at serving shapes (catches what interpret mode accepts)."""
+
+    @pytest.mark.parametrize("variant", fv.VARIANTS)
+    @pytest.mark.parametrize("rows,dtype", [(15, jnp.bfloat16), (3840, jnp.bfloat16), (240, jnp.float32)])
+    def test_lowers_at_serving_shapes(self, variant, rows, dtype):
+        V, r = 151936, 256
+        args = (jax.ShapeDtypeStruct((rows, V), dtype), jax.ShapeDtypeStruct((rows, r), dtype),
+                jax.ShapeDtypeStruct((V, r), dtype))
+        for combine, calls in (("pallas", 2), ("xla", 1)):
+            cfg = dataclasses.replace(fv.default_config(rows, V, r, dtype, variant), combine=combine)
+            f = functools.partial(fv.full_vocab_pick, variant=variant, config=cfg)
+            hlo = common.lower_triton(f, *args).as_text()
+            assert hlo.count(TRITON_CALL) == calls, (variant, combine)
+            assert f"xpress_full_vocab_{variant}" in hlo
+

@@ -1,0 +1,207 @@
+"""Top-C pick kernel (pallas_kernels.topc_pick) against the jnp oracle hook pair.
+
+`TestTopCPick` runs the kernel for real (GPU only); its twin `TestTopCPickInterpret`
+runs the same tests on CPU in interpret mode; `TestTopCLowering` lowers it for an
+H200 on CPU.
+
+Exactness: the kernel sums each candidate's dot in its own order (the oracle is
+an XLA einsum), so a bias within an ulp of a rounding boundary may round the
+other way. Picks are demanded equal on every row that is not such a near tie
+(`_near_tie_rows`), and on every row of "dyadic" inputs whose dot products are
+exact in any order (these also produce many genuine ties).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from pallas_kernels import common
+from pallas_kernels import topc_pick as tp
+
+DTYPES = [jnp.float32, jnp.bfloat16]
+TRITON_CALL = "__gpu$xla.gpu.triton"
+
+# (rows, V, C, r, config): rows = N*(B-1) with N=1,B=16 / N=5,B=6 / N=3,B=16; C = 100 and 512.
+SHAPES = [
+    (15, 1000, 100, 32, None),
+    (25, 5000, 512, 64, tp.TopCConfig(c_tile=64, c_steps=3, k_tile=16)),  # 3 splits, the last partial
+    (45, 3000, 100, 32, tp.TopCConfig(c_tile=32, c_steps=4, combine="xla")),  # 1 split, tail masked
+]
+
+
+def _np(x):
+    return np.asarray(x.astype(jnp.float32) if x.dtype == jnp.bfloat16 else x).astype(np.float64)
+
+
+def _near_tie_rows(base_c, cand, lat, w2, winner) -> np.ndarray:
+    """Rows where another float32 summation order could change the pick (see test_kernel_full_vocab)."""
+    dt = {jnp.dtype(jnp.float32): np.float32, jnp.dtype(jnp.bfloat16): ml_dtypes.bfloat16}[jnp.dtype(base_c.dtype)]
+    b, c, x, w = _np(base_c), np.asarray(cand), _np(lat), _np(w2)
+    wc = w[c]  # [rows, C, r]
+    bias = np.einsum("ncr,nr->nc", wc, x)
+    err = 2 * (x.shape[1] + 2) * 2.0**-24 * np.einsum("ncr,nr->nc", np.abs(wc), np.abs(x))
+
+    def score(bb):
+        with np.errstate(invalid="ignore", over="ignore"):
+            s = (b.astype(np.float32) + bb.astype(np.float32).astype(dt).astype(np.float32)).astype(dt)
+        s = s.astype(np.float64)
+        return np.where(np.isnan(s), -np.inf, s)
+
+    with np.errstate(invalid="ignore"):
+        lo, hi = score(bias - err), score(bias + err)
+    pos = np.argmax(c == winner[:, None], axis=1)  # the winner's candidate position
+    w_lo = np.take_along_axis(lo, pos[:, None], axis=1)
+    beats = (w_lo > hi) | ((w_lo >= hi) & (c > winner[:, None])) | (c == winner[:, None])
+    return ~beats.all(axis=1)
+
+
+def _candidates(base, c, seed):
+    """The C largest base logits as refine takes them, then shuffled: candidate order is arbitrary."""
+    base_c, cand = jax.lax.top_k(base, c)
+    perm = jax.random.permutation(jax.random.key(seed), c)
+    return base_c[:, perm], cand[:, perm].astype(jnp.int32)
+
+
+def _inputs(rows, vocab, c, rank, dtype, seed, dyadic=False):
+    k = jax.random.split(jax.random.key(seed), 3)
+    if dyadic:  # every partial sum of lat . w2 row is exact in float32; many tied scores
+        base = (jax.random.randint(k[0], (rows, vocab), -8, 9) / 4).astype(dtype)
+        lat = (jax.random.randint(k[1], (rows, rank), -4, 5) / 8).astype(dtype)
+        w2 = (jax.random.randint(k[2], (vocab, rank), -4, 5) / 16).astype(dtype)
+    else:
+        base = jax.random.normal(k[0], (rows, vocab), jnp.float32).astype(dtype)
+        lat = jax.random.normal(k[1], (rows, rank), jnp.float32).astype(dtype)
+        w2 = (0.1 * jax.random.normal(k[2], (vocab, rank), jnp.float32)).astype(dtype)
+    base_c, cand = _candidates(base, c, seed)
+    return base_c, cand, lat, w2
+
+
+def _reference(base_c, cand, lat, w2):
+    return np.asarray(tp.reference_pick(base_c, cand, lat, tp.reference_prepare(w2, cand)))
+
+
+class TestTopCPick:
+    INTERPRET = False
+
+    def setup_method(self):
+        if not self.INTERPRET and not common.gpu_supported():
+            pytest.skip("needs a CUDA GPU; TestTopCPickInterpret runs these tests on CPU")
+
+    def pick(self, base_c, cand, lat, w2, materialize, config=None):
+        prepared = tp.topc_prepare(w2, cand, materialize=materialize)
+        return tp.topc_pick(base_c, cand, lat, prepared, interpret=self.INTERPRET, config=config)
+
+    @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+    @pytest.mark.parametrize(
+        "shape,materialize",
+        [(s, False) for s in SHAPES] + [(SHAPES[1], True)],
+        ids=lambda p: f"rows{p[0]}-V{p[1]}-C{p[2]}-r{p[3]}" if isinstance(p, tuple) else ("w2c" if p else "gather"),
+    )
+    def test_matches_reference(self, shape, dtype, materialize):
+        rows, vocab, c, rank, config = shape
+        args = _inputs(rows, vocab, c, rank, dtype, seed=rows + c)
+        ref = _reference(*args)
+        got = np.asarray(self.pick(*args, materialize, config))
+        assert got.dtype == np.int32 and got.shape == (rows,)
+        near = _near_tie_rows(*args, ref)
+        assert near.mean() < 0.1, f"{near.sum()} near ties of {rows}: the check would be vacuous"
+        np.testing.assert_array_equal(got[~near], ref[~near])
+        args = _inputs(rows, vocab, c, rank, dtype, seed=rows, dyadic=True)
+        np.testing.assert_array_equal(np.asarray(self.pick(*args, materialize, config)), _reference(*args))
+
+    @pytest.mark.parametrize(
+        "dtype,materialize",
+        [(jnp.float32, False), (jnp.bfloat16, False), (jnp.bfloat16, True)],
+        ids=["float32-gather", "bfloat16-gather", "bfloat16-w2c"],
+    )
+    def test_ties_and_nonfinite(self, dtype, materialize):
+        # rows = 5 blocks of B=6; C=100 candidates in tiles of 16, 2 tiles per split -> 4 splits, the last partial.
+        rows, vocab, c, rank = 25, 1000, 100, 16
+        cfg = tp.TopCConfig(c_tile=16, c_steps=2, k_tile=8)
+        rng = np.random.default_rng(0)
+        special = [1, 2, 3, 5, 9, 20, 40, 50, 77, 200, 400, 500, 600, 700]  # placed by hand below
+        pool = np.setdiff1d(np.arange(vocab), special)
+        cand = np.stack([rng.permutation(pool)[:c] for _ in range(rows)]).astype(np.int32)
+        base_c = np.full((rows, c), -5.0, np.float32)
+        lat = np.zeros((rows, rank), np.float32)
+        w2 = np.zeros((vocab, rank), np.float32)
+        inf, nan = np.inf, np.nan
+        expect = {}
+
+        # Ties broken by vocab id, not by candidate position: id 9 sits after id 700.
+        cand[0, [2, 90]] = [700, 9]; base_c[0, [2, 90]] = 2; expect[0] = 9
+        cand[1, [0, 99]] = [5, 3]; base_c[1, [0, 99]] = 2; expect[1] = 3  # tie at the last position (tail tile)
+        cand[2, [10, 40, 70]] = [600, 400, 500]; base_c[2, [10, 40, 70]] = 2; expect[2] = 400  # across splits
+        cand[3, 99] = 77; base_c[3, 99] = 3; expect[3] = 77  # the winner is the last candidate
+        cand[4, [1, 2]] = [1, 2]; base_c[4, 1] = nan; base_c[4, 2] = 1; expect[4] = 2  # NaN never wins
+        cand[5, [60, 6]] = [600, 200]; base_c[5, [60, 6]] = inf; expect[5] = 200  # +inf, lowest id
+        base_c[6] = -inf; expect[6] = int(cand[6].min())  # all -inf -> lowest-id candidate
+        base_c[7] = nan; expect[7] = int(cand[7].min())  # all NaN -> lowest-id candidate
+        base_c[8] = -inf; base_c[8, 0] = nan; base_c[8, 50] = -1e30; expect[8] = int(cand[8, 50])
+        # Rounding tie: 1 + 2^-10 rounds to 1 in bf16 (tie -> id 20), stays larger in float32 (id 40).
+        cand[9, [3, 80]] = [40, 20]; base_c[9, [3, 80]] = 1.0; lat[9, 0] = 2.0**-10; w2[40, 0] = 1.0
+        expect[9] = 20 if dtype == jnp.bfloat16 else 40
+        # inf * 0 in the dot -> NaN bias; +inf base + -inf bias -> NaN: all -inf -> lowest-id candidate.
+        cand[10, 5] = 50; base_c[10, 5] = inf; lat[10, 1] = inf; w2[50, 1] = -1.0; expect[10] = int(cand[10].min())
+        base_c[11:] = rng.integers(0, 4, (rows - 11, c))  # massive ties: the lowest id of the max
+        for r in range(11, rows):
+            expect[r] = int(cand[r][base_c[r] == base_c[r].max()].min())
+        for r in range(rows):  # keep ids distinct within a row (a real candidate set)
+            assert len(set(cand[r].tolist())) == c, r
+        args = tuple(jnp.asarray(a).astype(dtype) for a in (base_c,)) + (jnp.asarray(cand),) + tuple(
+            jnp.asarray(a).astype(dtype) for a in (lat, w2))
+        want = np.array([expect[r] for r in range(rows)])
+        np.testing.assert_array_equal(_reference(*args), want)  # the oracle obeys the rules as stated
+        np.testing.assert_array_equal(np.asarray(self.pick(*args, materialize, cfg)), want)
+
+    def test_prepare(self):
+        base_c, cand, lat, w2 = _inputs(15, 300, 20, 8, jnp.float32, seed=5)
+        assert tp.topc_prepare(w2, cand) is w2  # the kernel gathers w2 rows itself
+        np.testing.assert_array_equal(np.asarray(tp.topc_prepare(w2, cand, materialize=True)),
+                                      np.asarray(tp.reference_prepare(w2, cand)))
+
+    def test_float64_falls_back_to_reference(self):
+        with jax.enable_x64(True):
+            base_c, cand, lat, w2 = _inputs(15, 300, 20, 8, jnp.float64, seed=3)
+            prepared = tp.topc_prepare(w2, cand)  # float64: always the materialised w2[cand]
+            f = functools.partial(tp.topc_pick, interpret=self.INTERPRET)
+            np.testing.assert_array_equal(np.asarray(f(base_c, cand, lat, prepared)), _reference(base_c, cand, lat, w2))
+            assert "pallas_call" not in str(jax.make_jaxpr(f)(base_c, cand, lat, prepared))
+
+    def test_bad_arguments(self):
+        base_c, cand, lat, w2 = _inputs(15, 300, 20, 8, jnp.float32, seed=4)
+        with pytest.raises(ValueError, match="c_tile"):
+            self.pick(base_c, cand, lat, w2, False, tp.TopCConfig(c_tile=24))
+        with pytest.raises(ValueError, match="prepared"):
+            tp.topc_pick(base_c, cand, lat, w2[:, :4], interpret=self.INTERPRET)
+
+
+class TestTopCPickInterpret(TestTopCPick):
+    INTERPRET = True
+
+
+class TestTopCLowering:
+    """The kernel lowers to Triton for an H200 at serving shapes, both forms of `prepared`."""
+
+    @pytest.mark.parametrize("materialize", [False, True], ids=["gather", "w2c"])
+    @pytest.mark.parametrize("rows", [15, 3840])
+    def test_lowers_at_serving_shapes(self, materialize, rows):
+        V, C, r, dt = 151936, 512, 256, jnp.bfloat16
+        S = jax.ShapeDtypeStruct
+        prepared = S((rows, C, r), dt) if materialize else S((V, r), dt)
+        args = (S((rows, C), dt), S((rows, C), jnp.int32), S((rows, r), dt), prepared)
+        cfg = tp.default_config(rows, C, r, dt)
+        splits = -(-C // (cfg.c_tile * cfg.c_steps))
+        hlo = common.lower_triton(functools.partial(tp.topc_pick, config=cfg), *args).as_text()
+        assert hlo.count(TRITON_CALL) == (1 if splits == 1 else 2)
+        assert "xpress_topc_pick" in hlo
+        # A single split is one launch; several add the combine kernel.
+        one = tp.TopCConfig(c_tile=64, c_steps=8, k_tile=128)
+        hlo = common.lower_triton(functools.partial(tp.topc_pick, config=one), *args).as_text()
+        assert hlo.count(TRITON_CALL) == 1
