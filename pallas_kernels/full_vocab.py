@@ -39,6 +39,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from xpress_jax.head import precision_for
+
 from . import common
 
 __all__ = [
@@ -405,7 +407,7 @@ def full_vocab_pick(
     statics = dict(rows=rows, vocab=vocab, row_tile=cfg.row_tile, v_tile=cfg.v_tile, v_steps=cfg.v_steps, dtype=dtype)
     if variant == "add_argmax":
         acc = jnp.float32
-        bias = jnp.dot(lat, w2.T, precision=jax.lax.Precision.HIGHEST, preferred_element_type=acc).astype(dtype)
+        bias = jnp.dot(lat, w2.T, precision=precision_for(dtype), preferred_element_type=acc).astype(dtype)
         kernel = functools.partial(_add_argmax_kernel, **statics)
         operands = (base, bias)
         name = "xpress_full_vocab_add_argmax"

@@ -113,7 +113,7 @@ def refine(
     config: HeadConfig | None = None,
     backend: str = "auto",
     interpret: bool = False,
-    unroll: bool = False,
+    unroll: bool | None = None,
 ) -> jax.Array:
     """Refine N draft blocks with K greedy Jacobi passes; returns the draft [N, B-1] int32.
 
@@ -131,7 +131,8 @@ def refine(
       config: optional `HeadConfig` supplying the defaults above; its sizes must match the params.
       backend: ``"xla"`` (pure jnp), ``"pallas"`` (Pallas kernels) or ``"auto"``.
       interpret: run Pallas kernels in interpret mode (CPU tests).
-      unroll: unroll the K passes instead of a ``lax.fori_loop`` (same tokens).
+      unroll: unroll the K passes instead of a ``lax.fori_loop`` (same tokens). Default:
+        unrolled on GPUs (an XLA while loop costs several µs per iteration there), a loop elsewhere.
 
     Tie and value rules: a slot's score is ``float(dtype(base + bias))`` (the sum
     rounded to the logits' dtype before comparing); the largest score wins and
@@ -161,6 +162,8 @@ def refine(
     if prev_ids is None:
         prev_ids = anchors
     ops = _select_ops(backend, interpret)
+    if unroll is None:
+        unroll = jax.default_backend() == "gpu"
     return _refine(ops, params, logits, h, anchors, prev_ids, int(num_passes), int(topc), bool(unroll))
 
 
