@@ -80,7 +80,8 @@ def main(argv=None):
     ap.add_argument("--n", default="1,4,16,64,256")
     ap.add_argument("--topc", default="512,0")
     ap.add_argument("--backends", default="xla,pallas",
-                    help="comma list of xla|pallas, each optionally +unroll (passes unrolled)")
+                    help="comma list of xla | pallas | pallas:<steps> (e.g. pallas:latent+pick), each optionally "
+                         "@loop (passes in a lax.fori_loop instead of unrolled)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     ap.add_argument("--small", action="store_true", help="tiny shapes (smoke test on CPU)")
@@ -102,8 +103,8 @@ def main(argv=None):
         for topc in topcs:
             outs = {}
             for backend in backends:
-                name, _, flag = backend.partition("+")
-                kw = dict(topc=topc, backend=name, unroll=flag == "unroll")
+                name, _, flag = backend.partition("@")
+                kw = dict(topc=topc, backend=name, unroll=False if flag == "loop" else None)
                 single = jax.jit(lambda p, l, h, a: xj.refine(p, l, h, a, config=cfg, **kw))
                 t0 = time.perf_counter()
                 outs[backend] = np.asarray(single(*problem).block_until_ready())

@@ -43,7 +43,21 @@ def topc_config(rows: int, c: int, rank: int, dtype) -> topc_pick.TopCConfig:
 
 
 @functools.lru_cache(maxsize=None)
-def ops(*, interpret: bool = False):
+def ops(*, interpret: bool = False, steps: tuple[str, ...] | None = None):
+    """The ops class; ``steps`` (names from `xpress_jax.refine.KERNEL_STEPS`) limits which run as kernels."""
+    from xpress_jax.refine import _JnpOps
+
+    cls = _pallas_ops(interpret)
+    if steps is None:
+        return cls
+    table = {"latent": ("latent_pass",), "pick": ("full_vocab_pick", "topc_prepare", "topc_pick"),
+             "select": ("select_candidates",)}
+    chosen = {m: getattr(cls, m) for step in steps for m in table[step]}
+    return type(f"PallasOps[{'+'.join(steps)}]", (_JnpOps,), {"name": f"{cls.name}:{'+'.join(steps)}", **chosen})
+
+
+@functools.lru_cache(maxsize=None)
+def _pallas_ops(interpret: bool):
     from xpress_jax.refine import _JnpOps
 
     class PallasOps(_JnpOps):

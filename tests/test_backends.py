@@ -54,3 +54,16 @@ def test_refine_lowers_to_triton_kernels(topc):
     names = ("xpress_topc_pick",) if topc else ("xpress_full_vocab",)
     for name in names:
         assert name in text, f"{name} missing from the lowered HLO"
+
+
+def test_partial_pallas_backends_match_xla():
+    params = make_head(CFG)
+    x = make_inputs(CFG, 2, seed=5)
+    want = np.asarray(refine_jit(params, *x, num_passes=3, topc=50, backend="xla"))
+    for steps in ("latent", "pick", "select", "latent+pick"):
+        got = refine_jit(params, *x, num_passes=3, topc=50, backend=f"pallas:{steps}", interpret=True)
+        np.testing.assert_array_equal(np.asarray(got), want)
+    with pytest.raises(ValueError, match="backend"):
+        xj.refine(params, *x, num_passes=1, topc=0, backend="pallas:nope")
+    with pytest.raises(ValueError, match="backend"):
+        xj.refine(params, *x, num_passes=1, topc=0, backend="xla:latent")

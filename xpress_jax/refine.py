@@ -24,6 +24,9 @@ INVALID_TOKEN = -1
 
 BACKENDS = ("auto", "xla", "pallas")
 
+#: Steps that ``backend="pallas:<step>+<step>"`` can run as kernels (the others use jnp).
+KERNEL_STEPS = ("latent", "pick", "select")
+
 #: The keyword arguments of `refine` that must be static under ``jax.jit``.
 STATIC = ("num_passes", "topc", "max_num_reqs", "config", "backend", "interpret", "unroll")
 
@@ -87,8 +90,11 @@ def _validate(params, logits, h, anchors, prev_ids, num_passes, topc, max_num_re
         raise ValueError(f"max_num_reqs must be a positive int, got {max_num_reqs!r}")
     if N > max_num_reqs:
         raise ValueError(f"logits has N={N} blocks, more than max_num_reqs={max_num_reqs}")
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    name, _, steps = str(backend).partition(":")
+    if name not in BACKENDS or (steps and name != "pallas"):
+        raise ValueError(f"backend must be one of {BACKENDS} (or 'pallas:<steps>'), got {backend!r}")
+    if steps and not set(steps.split("+")) <= set(KERNEL_STEPS):
+        raise ValueError(f"backend={backend!r}: steps must be '+'-joined names from {KERNEL_STEPS}")
     for name, ids in (("anchors", anchors), ("prev_ids", prev_ids)):
         if ids is not None and _is_concrete(ids):
             a = np.asarray(ids)
@@ -129,7 +135,8 @@ def refine(
         slot's C largest base logits (default: ``config.topc``, else 512).
       max_num_reqs: largest accepted N (default: ``config.max_num_reqs``, else 256).
       config: optional `HeadConfig` supplying the defaults above; its sizes must match the params.
-      backend: ``"xla"`` (pure jnp), ``"pallas"`` (Pallas kernels) or ``"auto"``.
+      backend: ``"xla"`` (pure jnp), ``"pallas"`` (Pallas kernels) or ``"auto"``;
+        ``"pallas:latent+pick"`` runs only the named steps (`KERNEL_STEPS`) as kernels (for measurement).
       interpret: run Pallas kernels in interpret mode (CPU tests).
       unroll: unroll the K passes instead of a ``lax.fori_loop`` (same tokens). Default:
         unrolled on GPUs (an XLA while loop costs several µs per iteration there), a loop elsewhere.
@@ -213,6 +220,8 @@ class _JnpOps:
 
 
 def _select_ops(backend: str, interpret: bool):
+    backend, _, steps = backend.partition(":")
+    steps = tuple(sorted(steps.split("+"))) if steps else None
     if backend == "xla":
         return _JnpOps
     try:
@@ -222,7 +231,7 @@ def _select_ops(backend: str, interpret: bool):
     if backend == "pallas":
         if pallas_api is None:
             raise ValueError("backend='pallas' needs the pallas_kernels package, which is not importable")
-        return pallas_api.ops(interpret=interpret)
+        return pallas_api.ops(interpret=interpret, steps=steps)
     # auto: Pallas on a supported GPU, else the jnp path.
     if pallas_api is not None and (interpret or pallas_api.gpu_supported()):
         return pallas_api.ops(interpret=interpret)
