@@ -1,0 +1,109 @@
+"""Token agreement of the Pallas backend with the XLA backend at serving shapes, with evidence.
+
+    PYTHONPATH=$PWD python3 -m benchmarks.agreement --out $OUT     # on a GPU
+
+1. End to end: refine(backend="pallas") vs refine(backend="xla"), N in 1..256,
+   both modes, K=6, bf16: disagreeing tokens counted (a flip in one slot
+   cascades into the slots after it, so end-to-end counts overstate the cause).
+2. Per pick, the cause: one pass's pick on identical inputs (same latent, same
+   base logits) by the kernel and by the oracle. For every row where they differ,
+   both tokens' scores are recomputed exactly (float64 dot of the bf16 operands):
+   base + bias before rounding, the two bf16-rounded biases the two
+   implementations could have produced, and the gap in bf16 ulps. A gap within
+   one ulp of the bias is float reassociation (fp32 accumulation order), not a bug.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import xpress_jax as xj
+from benchmarks.bench_refine import SERVING, make_problem
+from xpress_jax.refine import _JnpOps
+
+
+def _ulp_bf16(x: np.ndarray) -> np.ndarray:
+    """Spacing of bf16 numbers at |x| (8 significant bits)."""
+    x = np.abs(x.astype(np.float64))
+    e = np.floor(np.log2(np.maximum(x, 2.0**-126)))
+    return 2.0 ** (e - 7)
+
+
+def pick_evidence(cfg, n, topc, seed=3):
+    params, logits, h, anchors = make_problem(cfg, n, seed=seed)
+    from pallas_kernels import api
+
+    ops = api.ops()
+    B, V, r = cfg.block_size, cfg.vocab_size, cfg.rank
+    rows = n * (B - 1)
+    xh = xj.hidden_input(params, h)
+    base = logits[:, 1:].reshape(rows, V)
+    blk = jnp.concatenate([anchors[:, None], jnp.argmax(base, -1).reshape(n, B - 1).astype(jnp.int32)], 1)
+    lat = _JnpOps.latent_pass(params, xh, blk, anchors).reshape(rows, r)
+    if topc:
+        cand, base_c, _ = _JnpOps.select_candidates(base, topc)
+        want = _JnpOps.topc_pick(base_c, cand, lat, _JnpOps.topc_prepare(params["w2"], cand))
+        got = ops.topc_pick(base_c, cand, lat, ops.topc_prepare(params["w2"], cand))
+    else:
+        want = _JnpOps.full_vocab_pick(base, lat, params["w2"])
+        got = ops.full_vocab_pick(base, lat, params["w2"])
+    want, got = np.asarray(want), np.asarray(got)
+    bad = np.nonzero(want != got)[0]
+    lat64 = np.asarray(lat.astype(jnp.float32), np.float64)
+    w2 = params["w2"]
+    out = []
+    for i in bad:
+        ids = [int(want[i]), int(got[i])]
+        w = np.asarray(w2[jnp.asarray(ids)].astype(jnp.float32), np.float64)
+        bias = w @ lat64[i]  # exact in float64
+        b = np.asarray(base[i, jnp.asarray(ids)].astype(jnp.float32), np.float64)
+        exact = b + bias
+        ulp = _ulp_bf16(bias)
+        out.append(dict(row=int(i), xla_token=ids[0], pallas_token=ids[1], base=b.tolist(),
+                        bias_exact=bias.tolist(), score_exact=exact.tolist(),
+                        gap=float(abs(exact[0] - exact[1])), bias_ulp=ulp.tolist(),
+                        gap_in_bias_ulps=float(abs(exact[0] - exact[1]) / max(ulp)),
+                        gap_in_score_ulps=float(abs(exact[0] - exact[1]) / max(_ulp_bf16(exact)))))
+    return dict(N=n, topc=topc, rows=rows, differ=len(bad), evidence=out)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--n", default="1,4,16,64,256")
+    ap.add_argument("--out", default=os.environ.get("OUT", "agreement_out"))
+    args = ap.parse_args(argv)
+    cfg = xj.HeadConfig(**SERVING)
+    f = jax.jit(xj.refine, static_argnames=xj.STATIC_ARGNAMES)
+    e2e, picks = [], []
+    for n in [int(x) for x in args.n.split(",")]:
+        problem = make_problem(cfg, n)
+        for topc in (512, 0):
+            a = np.asarray(f(*problem, config=cfg, topc=topc, backend="xla"))
+            b = np.asarray(f(*problem, config=cfg, topc=topc, backend="pallas"))
+            first = [int(np.argmax(a[i] != b[i])) + 1 for i in range(n) if np.any(a[i] != b[i])]
+            e2e.append(dict(N=n, topc=topc, tokens=a.size, differ=int(np.sum(a != b)),
+                            blocks_differ=len(first), first_slots=first))
+            picks.append(pick_evidence(cfg, n, topc))
+            print(json.dumps(e2e[-1]), flush=True)
+            print(json.dumps({k: v for k, v in picks[-1].items() if k != "evidence"}), flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "agreement.json"), "w") as fh:
+        json.dump(dict(end_to_end=e2e, per_pick=picks), fh, indent=1)
+    print("\n| mode | N | end-to-end tokens differ | blocks | one-pass picks differ | max gap (bias ulps) | max gap (score ulps) |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for e, p in zip(e2e, picks):
+        gap = max((x["gap_in_bias_ulps"] for x in p["evidence"]), default=0.0)
+        sgap = max((x["gap_in_score_ulps"] for x in p["evidence"]), default=0.0)
+        mode = "full vocab" if e["topc"] == 0 else f"top-{e['topc']}"
+        print(f"| {mode} | {e['N']} | {e['differ']} / {e['tokens']} | {e['blocks_differ']} | "
+              f"{p['differ']} / {p['rows']} | {gap:.2f} | {sgap:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
