@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from . import full_vocab, latent, topc_pick
+from . import full_vocab, latent, select, topc_pick
 from .common import gpu_supported
 
 __all__ = ["ops", "gpu_supported", "full_vocab_config", "topc_config"]
@@ -71,6 +71,10 @@ def _pallas_ops(interpret: bool):
         def full_vocab_pick(base, lat, w2):
             variant, cfg = full_vocab_config(base.shape[0], base.shape[1], lat.shape[1], base.dtype)
             return full_vocab.full_vocab_pick(base, lat, w2, variant=variant, config=cfg, interpret=interpret)
+
+        @staticmethod
+        def select_candidates(base, c):
+            return select.select_candidates(base, c, interpret=interpret)
 
         @staticmethod
         def topc_prepare(w2, cand):
