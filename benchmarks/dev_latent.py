@@ -1,32 +1,35 @@
-"""Dev benchmark of the latent-pass kernel at serving shapes (GPU; JAX 0.11.2 on an H200).
+"""Dev benchmark of the latent-pass kernels at serving shapes (GPU; JAX 0.11.2 on an H200).
 
-    PYTHONPATH=$PWD python3 benchmarks/dev_latent.py        # ~60-90 s; JSON to $OUT/latent.json if set
+    PYTHONPATH=$PWD python3 benchmarks/dev_latent.py        # < 90 s; JSON to $OUT/latent.json if set
+    PYTHONPATH=$PWD python3 benchmarks/dev_latent.py --small # CPU smoke run (interpret mode)
 
-Shapes: V=151936, B=16, r=256, M=512, bf16, N in 1, 4, 16, 64, 256; weights std 0.02,
-random ids. For each N: kernel vs the jnp reference (max abs error, share of
-elements that differ / differ by more than 1 bf16 ulp), then device time per call:
+Shapes: V=151936, B=16, r=256, M=512, bf16, N in 1, 4, 16, 64; weights std 0.02,
+random ids. For each N: the XLA reference (`latent.reference`, jnp), then the
+``fused`` kernel, the ``split`` kernels (3 Pallas calls) and ``split_xla`` (split
+stage 1 + XLA dots), each with its `default_config`; ``*`` marks what
+`default_config(N)` picks. Each is checked against the reference (max abs error,
+share of elements that differ / differ by more than 1 bf16 ulp), then timed:
 200 calls chained in one jitted ``lax.fori_loop`` (call i's latents perturb call
 i+1's block, so nothing is hoisted), wall time / 200, median of 5. ``loop`` is the
 same loop with the latent call replaced by a constant (the perturbation and the
-loop itself); ``net`` = time - loop. Block-config variants (blocks per program,
-num_warps, num_stages, h_block) run after every N's default, at N = 256, 1, 64,
-until an 80 s budget is spent; a config that fails to compile (shared memory,
-registers) is reported, not fatal. The table is printed last.
+loop itself); ``net`` = time - loop. Split block-config variants (mixer form, warps,
+stages, hidden/column/row/K blocks) run afterwards at N = 1, 16, 4, 64 until a 70 s budget
+is spent; a config that fails to compile is reported, not fatal. The table is
+printed last, then per N the fastest kernel config vs fused and vs XLA.
 
 Floor per call (bf16): weights in_proj_token + gate + up + down = 0.92 MB, mix
-0.13 MB (read once if L2 serves the other programs); per block w1 rows 8 KB, xh
-8 KB, out 7.5 KB; FLOPs 2*N*B*(r*r + 3*r*M) + 2*N*B*B*r = 14.8 MFLOP per block
-(3.8 GFLOP at N=256). HBM floor (4.8 TB/s): ~0.2 us + N*5 ns; tensor-core floor
-(~990 TFLOP/s dense): N*15 ns -> ~4 us at N=256. But every program re-reads the
-~1.05 MB of weights from L2: 128 programs at N=256 (2 blocks/program) move ~134 MB
-L2 -> SM (~20 us at ~6 TB/s; 4 blocks/program halves it), and one program streams
-its 1 MB through one SM (~100-150 GB/s per SM). Predicted: ~8-12 us for N up to
-~132 programs (one wave), ~15-25 us at N=256; the jnp reference (~6-8 XLA
-kernels) ~20-30 us at small N.
+0.13 MB; per block w1 rows 8 KB, xh 8 KB, out 7.5 KB; FLOPs 14.8 MFLOP per block.
+Measured (H200, earlier): fused ~8-11 us net for N = 1..64 (one program streams
+~1 MB of weights through one SM at ~100-150 GB/s), ~20 us at N = 256.
+Split (predicted): each program reads <= ~50 KB (stage 1: 1/8 of in_proj_token and
+mix + its w1 rows; stage 2: 1/16 of gate/up + its u rows; stage 3: 1/8 of down +
+its act rows), so each stage costs about a kernel launch + ~1 us: ~3-6 us net at
+N <= 16, ~5-8 us at N = 64 (stage 2 then has 15 x 16 programs).
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import datetime
 import json
@@ -43,35 +46,49 @@ import numpy as np
 from pallas_kernels import latent as L
 
 V, B, R, M = 151936, 16, 256, 512
-NS = (1, 4, 16, 64, 256)
+NS = (1, 4, 16, 64)
+MAIN = ("fused", "split", "split_xla")  # every N, each variant's default_config
 ITERS, REPEATS = 200, 5
-BUDGET_S = 80.0  # stop starting new variants after this
+BUDGET_S = 70.0  # stop starting new block-config variants after this
 T0 = time.perf_counter()
 
-# label -> config overrides; run at VARIANT_NS (deduplicated against the default).
+# label -> overrides of the split default; run at VARIANT_NS (deduplicated against the default).
 VARIANTS = {
-    "b1w8s2h64": dict(blocks_per_program=1, num_warps=8, num_stages=2, h_block=64),
-    "b1w4s2h64": dict(blocks_per_program=1, num_warps=4, num_stages=2, h_block=64),
-    "b1w8s1h64": dict(blocks_per_program=1, num_warps=8, num_stages=1, h_block=64),
-    "b1w8s3h64": dict(blocks_per_program=1, num_warps=8, num_stages=3, h_block=64),
-    "b2w8s2h64": dict(blocks_per_program=2, num_warps=8, num_stages=2, h_block=64),
-    "b2w4s2h64": dict(blocks_per_program=2, num_warps=4, num_stages=2, h_block=64),
-    "b4w8s2h32": dict(blocks_per_program=4, num_warps=8, num_stages=2, h_block=32),
-    "b4w4s2h32": dict(blocks_per_program=4, num_warps=4, num_stages=2, h_block=32),
-    "b1w8s2h128": dict(blocks_per_program=1, num_warps=8, num_stages=2, h_block=128),
+    "split_loop": dict(mixer="loop"),
+    "split_sum3d": dict(mixer="sum3d"),
+    "split_w8": dict(num_warps=8),
+    "split_h64": dict(h_block=64),
+    "split_h16": dict(h_block=16),
+    "split_c16": dict(col_block=16),
+    "split_c64": dict(col_block=64),
+    "split_k128": dict(k_block=128),
+    "split_s1": dict(num_stages=1),
+    "split_s3": dict(num_stages=3),
+    "split_rb16": dict(row_block=16),
+    "split_rb32": dict(row_block=32),
+    "split_rb64": dict(row_block=64),
+    "split_b2": dict(blocks_per_program=2),
 }
-# Variants after every N's default, in this order (N=256 first: blocks/program matter most there).
+# Variants after the main pass, in this order, until the budget is spent.
 VARIANT_NS = {
-    256: tuple(VARIANTS),
-    1: ("b1w4s2h64", "b1w8s1h64", "b1w8s3h64", "b1w8s2h128"),
-    64: tuple(VARIANTS),
+    1: ("split_loop", "split_sum3d", "split_w8", "split_h64", "split_h16", "split_c16", "split_c64", "split_k128", "split_s1", "split_s3"),
+    16: ("split_sum3d", "split_w8", "split_h64", "split_h16", "split_c16", "split_rb16", "split_rb64", "split_b2"),
+    4: ("split_w8", "split_h16", "split_c16"),
+    64: ("split_sum3d", "split_w8", "split_h64", "split_rb32", "split_b2"),
 }
 
-# Without a GPU: a smoke run of this script in interpret mode (numbers meaningless).
-SMOKE = jax.default_backend() == "cpu"
-if SMOKE:
+# Without a GPU (or with --small): a smoke run in interpret mode (numbers meaningless).
+SMOKE = jax.default_backend() == "cpu" or "--small" in sys.argv[1:]
+
+
+def _smoke_setup() -> None:
+    global NS, ITERS, REPEATS, VARIANT_NS
     NS, ITERS, REPEATS = (1, 3), 2, 1
-    VARIANT_NS = {3: ("b2w8s2h64",)}
+    VARIANT_NS = {3: ("split_sum3d", "split_b2")}
+
+
+if SMOKE:
+    _smoke_setup()
 
 
 def make_params(seed: int = 0):
@@ -98,26 +115,32 @@ def make_inputs(n: int, seed: int = 1):
 
 
 def chained(fn):
-    """jit(fori_loop of ITERS calls): each call's latents pick new ids for the next call's block."""
+    """jit(fori_loop of ITERS calls): each call's latents pick new ids for the next call's block.
+
+    Also returns one call's latents on the inputs (for the error check; one compile, and
+    1/ITERS of the measured time).
+    """
 
     def body(_, blk, params, xh, prev):
         lat = fn(params, xh, blk, prev)  # [N, B-1, R]
         t = jax.lax.bitcast_convert_type(lat[:, :, 0], jnp.int16).astype(jnp.int32) & 1023
         return blk.at[:, 1:].set((blk[:, 1:] + t) % V)
 
-    return jax.jit(lambda params, xh, blk, prev: jax.lax.fori_loop(
-        0, ITERS, lambda i, b: body(i, b, params, xh, prev), blk))
+    return jax.jit(lambda params, xh, blk, prev: (
+        jax.lax.fori_loop(0, ITERS, lambda i, b: body(i, b, params, xh, prev), blk),
+        fn(params, xh, blk, prev)))
 
 
-def time_us(fn, args) -> float:
+def time_us(fn, args):
+    """(us per call, one call's output)."""
     f = chained(fn)
-    f(*args).block_until_ready()  # compile + warm
+    _, out = jax.block_until_ready(f(*args))  # compile + warm
     ts = []
     for _ in range(REPEATS):
         t = time.perf_counter()
-        f(*args).block_until_ready()
+        jax.block_until_ready(f(*args))
         ts.append((time.perf_counter() - t) / ITERS * 1e6)
-    return statistics.median(ts)
+    return statistics.median(ts), out
 
 
 def errors(out, ref) -> dict:
@@ -133,13 +156,20 @@ def kernel_fn(cfg):
     return lambda p, x, b, q: L.latent_pass(p, x, b, q, config=cfg, interpret=SMOKE)
 
 
-def run_config(args, ref, rec, label, cfg) -> dict:
-    row = {**rec, "config": label, "cfg": dataclasses.asdict(cfg)}
+def cfg_str(c: dict) -> str:
+    s = f"b{c['blocks_per_program']}w{c['num_warps']}s{c['num_stages']}k{c['k_block']}h{c['h_block']}"
+    if c["variant"] != "fused":
+        s += f"c{c['col_block']}r{c['row_block'] or 'a'}{c['mixer'][0]}"
+    return s
+
+
+def run_config(args, ref, rec, label, cfg, default) -> dict:
+    row = {**rec, "config": label, "variant": cfg.variant, "default": cfg == default,
+           "cfg": dataclasses.asdict(cfg)}
     try:
-        out = jax.jit(kernel_fn(cfg))(*args)
+        row["kernel_us"], out = time_us(kernel_fn(cfg), args)
         if ref is not None:
             row.update(errors(out, ref))
-        row["kernel_us"] = time_us(kernel_fn(cfg), args)
         if "loop_us" in rec:
             row["net_us"] = row["kernel_us"] - rec["loop_us"]
             row["ref_net_us"] = rec["ref_us"] - rec["loop_us"]
@@ -151,61 +181,80 @@ def run_config(args, ref, rec, label, cfg) -> dict:
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--small", action="store_true", help="CPU smoke run: N in (1, 3), interpret mode")
+    ap.parse_args()
     dev = jax.devices()[0]
     print(f"# {dev.device_kind}  jax {jax.__version__}  {datetime.date.today()}"
-          f"{'  SMOKE RUN (no GPU): interpret mode, timings meaningless' if SMOKE else ''}", flush=True)
+          f"{'  SMOKE RUN: interpret mode, timings meaningless' if SMOKE else ''}", flush=True)
+    dt = jnp.bfloat16
     params = make_params()
     rows, cases = [], {}
-    for n in NS:  # reference, loop overhead and the default config at every N
+    for n in NS:  # reference, loop overhead and each variant's default config at every N
         xh, blk, prev = make_inputs(n)
         args = (params, xh, blk, prev)
-        const = jnp.zeros((n, B - 1, R), jnp.bfloat16)
+        const = jnp.zeros((n, B - 1, R), dt)
         rec = {"N": n}
         try:
-            ref = jax.jit(L.reference)(*args)
-            rec["loop_us"] = time_us(lambda p, x, b, q: const + x[:, 1:] * 0, args)
-            rec["ref_us"] = time_us(L.reference, args)
+            rec["loop_us"], _ = time_us(lambda p, x, b, q: const + x[:, 1:] * 0, args)
+            rec["ref_us"], ref = time_us(L.reference, args)
         except Exception as e:  # noqa: BLE001 - report and go on
             ref, rec["ref_error"] = None, repr(e)[:300]
-        default = L.default_config(n, jnp.bfloat16)
+        default = L.default_config(n, dt)
         cases[n] = (args, ref, rec, default)
-        rows.append(run_config(args, ref, rec, "default", default))
+        for variant in MAIN:
+            rows.append(run_config(args, ref, rec, variant, L.default_config(n, dt, variant), default))
     for n, labels in VARIANT_NS.items():
         if n not in cases:
             continue
         args, ref, rec, default = cases[n]
+        base = L.default_config(n, dt, "split")
         for label in labels:
-            cfg = dataclasses.replace(default, **VARIANTS[label])
-            if cfg == default:
+            cfg = dataclasses.replace(base, **VARIANTS[label])
+            if cfg == base:
                 continue
             if time.perf_counter() - T0 > BUDGET_S:
-                rows.append({**rec, "config": label, "skipped": "time budget"})
+                rows.append({**rec, "config": label, "variant": cfg.variant, "skipped": "time budget"})
                 continue
-            rows.append(run_config(args, ref, rec, label, cfg))
-    rows.sort(key=lambda row: (row["N"], row["config"] != "default"))
+            rows.append(run_config(args, ref, rec, label, cfg, default))
+    order = {label: i for i, label in enumerate(MAIN)}
+    rows.sort(key=lambda row: (row["N"], order.get(row["config"], len(order))))
 
-    print(f"\n# {dev.device_kind}  jax {jax.__version__}  total {time.perf_counter() - T0:.0f}s")
-    print(f"{'N':>4} {'config':<11} {'b/w/s/h':<10} {'kern_us':>8} {'net_us':>7} {'ref_us':>7} "
+    nan = float("nan")
+    print(f"\n# {dev.device_kind}  jax {jax.__version__}  total {time.perf_counter() - T0:.0f}s"
+          f"  (* = default_config(N); net = kern - loop; XLA reference = ref)")
+    print("# blocks: b blocks/program, w warps, s stages, k/h K and hidden block; split: c col block,"
+          " r row block (a = auto), mixer u(nroll)/l(oop)/s(um3d)")
+    print(f"{'N':>4} {'config':<11} {'blocks':<22} {'kern_us':>8} {'net_us':>7} {'ref_us':>7} "
           f"{'ref_net':>7} {'loop':>6} {'max_abs':>9} {'diff%':>7} {'>1ulp%':>7}")
     for row in rows:
-        c = row.get("cfg", {})
-        cs = (f"{c.get('blocks_per_program')}/{c.get('num_warps')}/{c.get('num_stages')}/{c.get('h_block')}"
-              if c else "-")
+        label = row["config"] + ("*" if row.get("default") else "")
+        cs = cfg_str(row["cfg"]) if "cfg" in row else "-"
         if "kernel_us" not in row:
-            print(f"{row['N']:>4} {row['config']:<11} {cs:<10} {row.get('error') or row.get('skipped')}")
+            print(f"{row['N']:>4} {label:<11} {cs:<22} {row.get('error') or row.get('skipped')}")
             continue
-        nan = float("nan")
-        print(f"{row['N']:>4} {row['config']:<11} {cs:<10} {row['kernel_us']:8.2f} {row.get('net_us', nan):7.2f} "
+        print(f"{row['N']:>4} {label:<11} {cs:<22} {row['kernel_us']:8.2f} {row.get('net_us', nan):7.2f} "
               f"{row.get('ref_us', nan):7.2f} {row.get('ref_net_us', nan):7.2f} "
               f"{row.get('loop_us', nan):6.2f} {row.get('max_abs', nan):9.2e} "
               f"{100 * row.get('frac_diff', nan):7.3f} "
               f"{100 * row.get('frac_gt1ulp', nan):7.3f}")
+    print("\n# per N: fastest config (net us) vs fused and vs the XLA reference")
+    for n in cases:
+        timed = [r for r in rows if r["N"] == n and "net_us" in r]
+        if not timed:
+            continue
+        best = min(timed, key=lambda r: r["net_us"])
+        fused = next((r for r in timed if r["config"] == "fused"), None)
+        split = next((r for r in timed if r["config"] == "split"), None)
+        print(f"N={n:<4} best {best['config']:<11} {best['net_us']:6.2f} us"
+              f" | fused {fused['net_us'] if fused else nan:6.2f} | split {split['net_us'] if split else nan:6.2f}"
+              f" | xla {best['ref_net_us']:6.2f} | default={cases[n][3].variant}")
     if os.environ.get("OUT"):
         path = os.path.join(os.environ["OUT"], "latent.json")
         with open(path, "w") as f:
             json.dump({"device": dev.device_kind, "jax": jax.__version__, "date": str(datetime.date.today()),
                        "shapes": dict(V=V, B=B, r=R, M=M, dtype="bfloat16"), "iters": ITERS,
-                       "repeats": REPEATS, "rows": rows}, f, indent=1)
+                       "repeats": REPEATS, "split_max_n": L.SPLIT_MAX_N, "rows": rows}, f, indent=1)
         print(f"wrote {path}")
 
 

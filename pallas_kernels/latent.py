@@ -15,8 +15,8 @@ float32 params use IEEE float32 products on the GPU, not TF32); ``x``, ``u``, th
 mixer and SwiGLU's elementwise work in float32; ``u`` and the SwiGLU activation are
 rounded to ``cd`` as matmul operands; the latent is rounded to ``cd`` once at the end.
 
-Kernel layout
--------------
+Kernel layout (fused variant)
+-----------------------------
 grid = ``cdiv(N, blocks_per_program)``; each program owns ``blocks_per_program``
 whole blocks, i.e. ``R = blocks_per_program * Bp`` rows, ``Bp`` = B rounded up to a
 power of two (padded slots and blocks past N are masked: they load zeros and are
@@ -29,6 +29,28 @@ B, r, M need not be powers of two (``rp``/``Mp`` = padded widths, masked loads).
 3. mixer: ``u += mix[:, j, :] * x[row j of each block]`` for j < B, float32.
 4. SwiGLU tiled over the hidden dim by ``h_block``: ``acc += act_h @ mlp_down[h-chunk]``;
    ``lat = u + acc`` rounded to ``cd``; rows of slots 1..B-1 are scattered to the output.
+
+Split variant (small N)
+-----------------------
+With one block per program, a fused program streams all ~1 MB of weights through
+one SM (per-SM bandwidth bound: ~8-11 us on an H200 for N <= 64). ``variant="split"``
+spreads them over many programs with three kernels (no grid-wide barrier exists,
+so each dependency is a kernel boundary; the intermediates are tiny):
+
+1. ``xpress_latent_pass_mix``, grid ``(cdiv(N, bpp), cdiv(r, col_block))``: steps 1-3
+   above for ``col_block`` rank columns (the ids/w1 gather covers all of r: the dot
+   contracts over it; the mixer is per channel; `LatentConfig.mixer` picks its form).
+   Writes ``u`` [N*(B-1), r] float32 for slots 1..B-1 and its ``cd`` rounding (the
+   gate/up operand; float32 params: u only).
+2. ``xpress_latent_pass_gateup``, grid ``(cdiv(rows, row_block), cdiv(M, h_block))``:
+   ``act = silu(u_cd @ gate[:, h]) * (u_cd @ up[:, h])`` -> [rows, M] in ``cd``.
+3. ``xpress_latent_pass_down``, grid ``(cdiv(rows, row_block), cdiv(r, col_block))``:
+   ``lat = u + act @ down[:, cols]`` (contracts over all of M in one program:
+   deterministic, no partial sums), rounded to ``cd`` -> [N*(B-1), r].
+
+Rows of stages 2-3 are the draft rows n*(B-1) + slot-1 (slot 0 never enters the
+MLP), so they are plain row-tiled matmuls. ``variant="split_xla"`` runs stage 1 and
+then the SwiGLU as XLA dots (same precision as `reference`).
 
 Untiled, the 256x512 weights as dot operands need ~272 KB of shared memory (more
 than an H200 block may use). Tiled at the bf16 default (k_block = h_block = 64,
@@ -47,6 +69,9 @@ at r=256, M=512 0.03-0.3% of elements differ, <= 0.05% by more than 1 ulp (all
 of them small values next to larger ones). The tests bound this (float32 <= 1e-6
 relative; bf16 <= 1 ulp on >= 99.9% of elements) and check that the refined
 tokens are identical. On the GPU the reference's XLA/cuBLAS order differs too.
+The split variants group the sums differently again (gate/up summed over r and
+the down projection over M, both in K chunks of ``k_block``) and stay within the
+same bounds (tests: both variants, the same tolerances).
 
 Float64 params fall back to `reference` (no float64 tensor-core path worth
 having here). B < 2 or N = 0 returns an empty array without launching.
@@ -64,22 +89,47 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from xpress_jax.head import latent as _head_latent
+from xpress_jax.head import precision_for
 
 from . import common
 
-__all__ = ["LatentConfig", "default_config", "reference", "latent_pass"]
+__all__ = ["LatentConfig", "VARIANTS", "MIXERS", "SPLIT_MAX_N", "default_config", "reference", "latent_pass"]
 
 _HI = jax.lax.Precision.HIGHEST
+
+
+#: Kernel variants: ``"fused"`` (one kernel, one program per block(s)), ``"split"`` (three
+#: kernels that spread the weights over many programs), ``"split_xla"`` (the split variant's
+#: first kernel, then the SwiGLU as XLA dots; a diagnostic/alternative).
+VARIANTS = ("fused", "split", "split_xla")
+#: Forms of the split stage 1's mixer (`LatentConfig.mixer`).
+MIXERS = ("unroll", "loop", "sum3d")
+
+#: `default_config` picks the split variant for N <= SPLIT_MAX_N blocks (set from H200 numbers,
+#: benchmarks/dev_latent.py).
+SPLIT_MAX_N = 32
 
 
 @dataclasses.dataclass(frozen=True)
 class LatentConfig:
     """Static block configuration of the latent kernel (hashable: a jit static arg).
 
-    blocks_per_program: blocks (of B slots) per program; rows per dot = this * Bp.
-    k_block:  K chunk of ``w1[ids] @ in_proj_token`` (power of two, >= 16).
-    h_block:  SwiGLU hidden chunk (power of two, >= 16).
-    num_warps, num_stages: Triton compiler params.
+    variant:  one of `VARIANTS` (see the module doc).
+    blocks_per_program: blocks (of B slots) per program (fused; split: stage 1);
+      rows per dot = this * Bp.
+    k_block:  K chunk of every dot (fused: of ``w1[ids] @ in_proj_token``; split: of all
+      three stages, i.e. over r in stages 1-2 and over M in stage 3). Power of two, >= 16.
+    h_block:  SwiGLU hidden chunk (fused: loop step; split: the hidden slice of one
+      stage-2 program). Power of two, >= 16.
+    col_block: split only: rank columns per program of stages 1 and 3. Power of two, >= 16.
+    row_block: split only: rows per program of stages 2 and 3; 0 = chosen from the row
+      count (`_auto_row_block`). 0 or a power of two >= 16.
+    mixer: split only: stage 1's mixer form, one of `MIXERS`: ``"unroll"`` (j = 0..B-1 as
+      straight-line code: the B loads of mix are independent), ``"loop"`` (a fori_loop over
+      j, as the fused kernel; the same float32 sums), ``"sum3d"`` (one [Bp, Bp, col_block]
+      load and a sum over j: another summation order; with blocks_per_program > 1 it
+      falls back to ``"unroll"``).
+    num_warps, num_stages: Triton compiler params (all stages).
     """
 
     blocks_per_program: int = 1
@@ -87,33 +137,61 @@ class LatentConfig:
     h_block: int = 64
     num_warps: int = 8
     num_stages: int = 2
+    variant: str = "fused"
+    col_block: int = 32
+    row_block: int = 0
+    mixer: str = "unroll"
 
     def __post_init__(self) -> None:
-        for name in ("blocks_per_program", "k_block", "h_block", "num_warps", "num_stages"):
+        if self.variant not in VARIANTS:
+            raise ValueError(f"variant={self.variant!r} must be one of {VARIANTS}")
+        if self.mixer not in MIXERS:
+            raise ValueError(f"mixer={self.mixer!r} must be one of {MIXERS}")
+        for name in ("blocks_per_program", "k_block", "h_block", "num_warps", "num_stages", "col_block"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}={v!r} must be a positive int")
-        for name in ("blocks_per_program", "k_block", "h_block", "num_warps"):
+        if isinstance(self.row_block, bool) or not isinstance(self.row_block, int) or self.row_block < 0:
+            raise ValueError(f"row_block={self.row_block!r} must be 0 (auto) or a positive int")
+        for name in ("blocks_per_program", "k_block", "h_block", "num_warps", "col_block", "row_block"):
             v = getattr(self, name)
             if v & (v - 1):
                 raise ValueError(f"{name}={v} must be a power of two")
-        for name in ("k_block", "h_block"):
+        for name in ("k_block", "h_block", "col_block"):
             if getattr(self, name) < 16:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 16 (tensor-core dot minimum)")
+        if 0 < self.row_block < 16:
+            raise ValueError(f"row_block={self.row_block} must be 0 (auto) or >= 16 (tensor-core dot minimum)")
 
 
-def default_config(n: int, dtype: Any) -> LatentConfig:
+def default_config(n: int, dtype: Any, variant: str | None = None) -> LatentConfig:
     """Block config for N blocks of params dtype ``dtype`` (tune with benchmarks/dev_latent.py).
 
-    Chosen from an offline sm_90a compile (Triton 3.9 + ptxas, not XLA's own
+    ``variant=None`` picks ``"split"`` for ``n <= SPLIT_MAX_N``, else ``"fused"``.
+
+    Fused: chosen from an offline sm_90a compile (Triton 3.9 + ptxas, not XLA's own
     Triton): bf16 with 1 block/program, k_block = h_block = 64, 8 warps, 2 stages
     needs 108 KB shared memory and 107 registers; 2 blocks/program 118 KB / 180
     registers, no spills. Larger N batches blocks so each program reuses the
     weights it stages for more rows (fewer L2 reads of the ~0.9 MB of weights).
     float32 (IEEE products, no tensor cores) uses 32-wide chunks and 1 block per
     program: 116 KB, 158 registers.
+
+    Split (small N: a fused program streams all ~1 MB of weights through one SM):
+    at r=256, M=512, bf16 a stage-1 program reads 1/8 of in_proj_token and mix
+    (col_block 32) plus its blocks' w1 rows (~41 KB), a stage-2 program 1/16 of
+    gate/up (h_block 32, ~32 KB + its u rows), a stage-3 program 1/8 of down
+    (~32 KB + its act rows); 4 warps each (small tiles).
     """
-    if jnp.dtype(dtype).itemsize >= 4:
+    if variant is None:
+        variant = "split" if n <= SPLIT_MAX_N else "fused"
+    if variant not in VARIANTS:
+        raise ValueError(f"variant={variant!r} must be one of {VARIANTS}")
+    f32 = jnp.dtype(dtype).itemsize >= 4
+    if variant != "fused":
+        return LatentConfig(variant=variant, blocks_per_program=1, k_block=32 if f32 else 64, h_block=32,
+                            col_block=32, row_block=0, mixer="unroll", num_warps=4, num_stages=2)
+    if f32:
         return LatentConfig(blocks_per_program=1, k_block=32, h_block=32, num_warps=8, num_stages=2)
     return LatentConfig(blocks_per_program=1 if n < 128 else 2, k_block=64, h_block=64,
                         num_warps=8, num_stages=2)
@@ -244,6 +322,261 @@ def _latent_kernel(
               mask=keep[:, None] & col_ok[None, :])
 
 
+def _and(a, b):
+    """Combine two optional (broadcastable) masks; None = all true."""
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return a & b
+
+
+def _load(ref_at, mask):
+    """`plt.load` with ``other=0`` only where a mask is needed."""
+    return plt.load(ref_at, mask=mask, other=0 if mask is not None else None)
+
+
+def _split_mix_kernel(
+    ids_ref,  # [N*B] int32, blk flattened
+    prev_ref,  # [N] int32
+    xh_ref,  # [N*B, r] cd
+    w1_ref,  # [V, r] cd
+    wt_ref,  # [r, r] cd (in_proj_token)
+    mix_ref,  # [B, B, r] cd (mix[k, j, c])
+    u_ref,  # [N*(B-1), r] float32: u of slots 1..B-1
+    *uc_refs,  # () or ([N*(B-1), r] cd): u rounded to cd (omitted for float32 params)
+    n: int,
+    b: int,
+    bp: int,
+    bpp: int,
+    v: int,
+    r: int,
+    cb: int,
+    kb: int,
+    mixer: str,
+):
+    """Split stage 1, grid (cdiv(N, bpp), cdiv(r, cb)): x and the mixer for ``cb`` rank columns."""
+    f32 = jnp.float32
+    cd = w1_ref.dtype
+    rows = bpp * bp
+    ri = jnp.arange(rows, dtype=jnp.int32)
+    slot = ri % bp  # [R]
+    blk_i = pl.program_id(0) * bpp + ri // bp  # [R]
+    valid = (slot < b) & (blk_i < n)  # [R]
+    col = pl.program_id(1) * cb + jnp.arange(cb, dtype=jnp.int32)  # [cb]
+    col_ok = col < r
+    c_tail = r % cb != 0
+
+    # predecessor ids (as the fused kernel).
+    blk_c = jnp.where(valid, blk_i, 0)
+    from_blk = valid & (slot >= 1)
+    pid_blk = plt.load(ids_ref.at[jnp.where(from_blk, blk_c * b + slot - 1, 0)], mask=from_blk, other=0)
+    pid_prev = plt.load(prev_ref.at[blk_c], mask=valid & (slot == 0), other=0)
+    ids = jnp.clip(jnp.where(slot == 0, pid_prev, pid_blk), 0, v - 1)  # [R]
+
+    # x[:, cols] = xh[:, cols] + w1[ids] @ in_proj_token[:, cols] (contracts over all of r).
+    xrow = jnp.where(valid, blk_c * b + slot, 0)
+    xh = plt.load(xh_ref.at[xrow[:, None], col[None, :]],
+                  mask=valid[:, None] & col_ok[None, :], other=0)  # [R, cb]
+    kk = jnp.arange(kb, dtype=jnp.int32)
+    k_tail = r % kb != 0
+
+    def k_step(i, acc):
+        kc = i * kb + kk  # [kb]
+        e = _load(w1_ref.at[ids[:, None], kc[None, :]], (kc < r)[None, :] if k_tail else None)  # [R, kb]
+        w = _load(wt_ref.at[kc[:, None], col[None, :]],
+                  _and((kc < r)[:, None] if k_tail else None, col_ok[None, :] if c_tail else None))  # [kb, cb]
+        return acc + jnp.dot(e, w, precision=_HI, preferred_element_type=f32)
+
+    acc_x = jax.lax.fori_loop(0, pl.cdiv(r, kb), k_step, jnp.zeros((rows, cb), f32))
+    x = xh.astype(f32) + acc_x  # [R, cb]
+
+    # folded causal mixer on these channels, float32. "loop": a fori_loop over j (as the
+    # fused kernel); "unroll": the same sums, j = 0, 1, ... in order, as straight-line code
+    # (the B loads of mix are independent: no load latency per loop trip); "sum3d": one
+    # [Bp, Bp, cb] load and a sum over j (another summation order; 1 block per program).
+    kslot = jnp.arange(bp, dtype=jnp.int32)
+    u = None
+    if mixer == "sum3d" and bpp == 1:
+        # Padded slots k, j >= b load zeros (their x rows are finite: w1[0] + xh 0).
+        m3_mask = _and((kslot < b)[:, None, None] & (kslot < b)[None, :, None] if bp != b else None,
+                       col_ok[None, None, :] if c_tail else None)
+        m3 = _load(mix_ref.at[kslot[:, None, None], kslot[None, :, None], col[None, None, :]],
+                   m3_mask).astype(f32)  # [k, j, cb]
+        u = jnp.sum(m3 * x[None, :, :], axis=1)  # [R = bp, cb]
+    mix_mask = _and((kslot < b)[:, None] if bp != b else None, col_ok[None, :] if c_tail else None)
+
+    def mix_step(j, u):
+        mj = _load(mix_ref.at[kslot[:, None], j, col[None, :]], mix_mask).astype(f32)  # [bp, cb]
+        if bpp == 1:
+            xj = jnp.sum(jnp.where(slot[:, None] == j, x, 0.0), axis=0)  # [cb]
+            return u + mj * xj[None, :]
+        x3 = x.reshape(bpp, bp, cb)
+        xj = jnp.sum(jnp.where(slot.reshape(bpp, bp, 1) == j, x3, 0.0), axis=1)  # [bpp, cb]
+        return u + (mj[None, :, :] * xj[:, None, :]).reshape(rows, cb)
+
+    if u is None and mixer == "loop":
+        u = jax.lax.fori_loop(0, b, mix_step, jnp.zeros((rows, cb), f32))  # [R, cb]
+    elif u is None:
+        u = jnp.zeros((rows, cb), f32)
+        for j in range(b):
+            u = mix_step(j, u)
+
+    # slots 1..B-1 -> row n*(B-1) + slot-1; masked lanes one past the end (see the fused kernel).
+    keep = valid & (slot >= 1)
+    orow = jnp.where(keep, blk_c * (b - 1) + slot - 1, n * (b - 1))
+    smask = keep[:, None] & col_ok[None, :]
+    plt.store(u_ref.at[orow[:, None], col[None, :]], u, mask=smask)
+    for uc_ref in uc_refs:
+        plt.store(uc_ref.at[orow[:, None], col[None, :]], u.astype(cd), mask=smask)
+
+
+def _split_gateup_kernel(
+    uc_ref,  # [rows, r] cd (float32 params: the float32 u)
+    wg_ref,  # [r, M] cd
+    wu_ref,  # [r, M] cd
+    act_ref,  # [rows, M] cd
+    *,
+    rows: int,
+    r: int,
+    m: int,
+    rb: int,
+    hb: int,
+    kb: int,
+):
+    """Split stage 2, grid (cdiv(rows, rb), cdiv(M, hb)): act = silu(u @ gate) * (u @ up), hb hidden columns."""
+    f32 = jnp.float32
+    cd = act_ref.dtype
+    ri = pl.program_id(0) * rb + jnp.arange(rb, dtype=jnp.int32)
+    row_ok = ri < rows
+    rl = jnp.where(row_ok, ri, 0)  # loads of rows past the end read row 0 (never stored)
+    hc = pl.program_id(1) * hb + jnp.arange(hb, dtype=jnp.int32)
+    h_ok = hc < m
+    h_tail = m % hb != 0
+    kk = jnp.arange(kb, dtype=jnp.int32)
+    k_tail = r % kb != 0
+
+    def k_step(i, carry):
+        g, up = carry
+        kc = i * kb + kk  # [kb]
+        a = _load(uc_ref.at[rl[:, None], kc[None, :]], (kc < r)[None, :] if k_tail else None).astype(cd)
+        wmask = _and((kc < r)[:, None] if k_tail else None, h_ok[None, :] if h_tail else None)
+        wg = _load(wg_ref.at[kc[:, None], hc[None, :]], wmask)  # [kb, hb]
+        wu = _load(wu_ref.at[kc[:, None], hc[None, :]], wmask)
+        return (g + jnp.dot(a, wg, precision=_HI, preferred_element_type=f32),
+                up + jnp.dot(a, wu, precision=_HI, preferred_element_type=f32))
+
+    zero = jnp.zeros((rb, hb), f32)
+    gate, up = jax.lax.fori_loop(0, pl.cdiv(r, kb), k_step, (zero, zero))
+    act = (jax.nn.silu(gate) * up).astype(cd)
+    srow = jnp.where(row_ok, ri, rows)
+    plt.store(act_ref.at[srow[:, None], hc[None, :]], act, mask=row_ok[:, None] & h_ok[None, :])
+
+
+def _split_down_kernel(
+    u_ref,  # [rows, r] float32
+    act_ref,  # [rows, M] cd
+    wd_ref,  # [M, r] cd
+    o_ref,  # [rows, r] cd
+    *,
+    rows: int,
+    r: int,
+    m: int,
+    rb: int,
+    cb: int,
+    kb: int,
+):
+    """Split stage 3, grid (cdiv(rows, rb), cdiv(r, cb)): lat = u + act @ down, cb rank columns."""
+    f32 = jnp.float32
+    cd = o_ref.dtype
+    ri = pl.program_id(0) * rb + jnp.arange(rb, dtype=jnp.int32)
+    row_ok = ri < rows
+    rl = jnp.where(row_ok, ri, 0)
+    col = pl.program_id(1) * cb + jnp.arange(cb, dtype=jnp.int32)
+    col_ok = col < r
+    c_tail = r % cb != 0
+    kk = jnp.arange(kb, dtype=jnp.int32)
+    k_tail = m % kb != 0
+
+    def k_step(i, acc):
+        kc = i * kb + kk  # [kb]
+        a = _load(act_ref.at[rl[:, None], kc[None, :]], (kc < m)[None, :] if k_tail else None)  # [rb, kb]
+        w = _load(wd_ref.at[kc[:, None], col[None, :]],
+                  _and((kc < m)[:, None] if k_tail else None, col_ok[None, :] if c_tail else None))  # [kb, cb]
+        return acc + jnp.dot(a, w, precision=_HI, preferred_element_type=f32)
+
+    acc = jax.lax.fori_loop(0, pl.cdiv(m, kb), k_step, jnp.zeros((rb, cb), f32))
+    u = _load(u_ref.at[rl[:, None], col[None, :]], col_ok[None, :] if c_tail else None)  # [rb, cb] f32
+    lat = (u + acc).astype(cd)
+    srow = jnp.where(row_ok, ri, rows)
+    plt.store(o_ref.at[srow[:, None], col[None, :]], lat, mask=row_ok[:, None] & col_ok[None, :])
+
+
+def _auto_row_block(rows: int) -> int:
+    """Rows per split stage-2/3 program: about 8 row tiles, 16..64 rows each."""
+    return min(64, max(16, _next_pow2(-(-rows // 8))))
+
+
+def _latent_split(xh, blk, prev_ids, w1, wt, mix, wg, wu, wd, *, cfg: LatentConfig, interpret: bool):
+    """The split variants (traced inside `_latent_pallas`): -> [N*(B-1), r] cd."""
+    n, b = blk.shape
+    v, r = w1.shape
+    m = wg.shape[1]
+    cd = w1.dtype
+    f32 = jnp.float32
+    rows = n * (b - 1)
+    rp = max(16, _next_pow2(r))
+    mp = max(16, _next_pow2(m))
+    bp = _next_pow2(b)
+    bpp = cfg.blocks_per_program
+    cb = min(cfg.col_block, rp)
+    kb1 = min(cfg.k_block, rp)
+    with_uc = jnp.dtype(cd) != jnp.dtype(f32)
+    u_shape = jax.ShapeDtypeStruct((rows, r), f32)
+    mix_call = common.pallas_call(
+        functools.partial(_split_mix_kernel, n=n, b=b, bp=bp, bpp=bpp, v=v, r=r, cb=cb, kb=kb1,
+                          mixer=cfg.mixer),
+        name="xpress_latent_pass_mix",
+        out_shape=(u_shape, jax.ShapeDtypeStruct((rows, r), cd)) if with_uc else (u_shape,),
+        grid=(pl.cdiv(n, bpp), pl.cdiv(r, cb)),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        interpret=interpret,
+    )
+    outs = mix_call(blk.reshape(n * b).astype(jnp.int32), prev_ids.astype(jnp.int32), xh.reshape(n * b, r),
+                    w1, wt, mix)
+    u = outs[0]
+    uc = outs[1] if with_uc else u
+    if cfg.variant == "split_xla":
+        prec = precision_for(cd)
+        act = (jax.nn.silu(jnp.matmul(uc, wg, precision=prec, preferred_element_type=f32))
+               * jnp.matmul(uc, wu, precision=prec, preferred_element_type=f32)).astype(cd)
+        return (u + jnp.matmul(act, wd, precision=prec, preferred_element_type=f32)).astype(cd)
+
+    rb = min(cfg.row_block or _auto_row_block(rows), max(16, _next_pow2(rows)))
+    hb = min(cfg.h_block, mp)
+    gateup_call = common.pallas_call(
+        functools.partial(_split_gateup_kernel, rows=rows, r=r, m=m, rb=rb, hb=hb, kb=kb1),
+        name="xpress_latent_pass_gateup",
+        out_shape=jax.ShapeDtypeStruct((rows, m), cd),
+        grid=(pl.cdiv(rows, rb), pl.cdiv(m, hb)),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        interpret=interpret,
+    )
+    act = gateup_call(uc, wg, wu)
+    down_call = common.pallas_call(
+        functools.partial(_split_down_kernel, rows=rows, r=r, m=m, rb=rb, cb=cb, kb=min(cfg.k_block, mp)),
+        name="xpress_latent_pass_down",
+        out_shape=jax.ShapeDtypeStruct((rows, r), cd),
+        grid=(pl.cdiv(rows, rb), pl.cdiv(r, cb)),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        interpret=interpret,
+    )
+    return down_call(u, act, wd)
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "interpret"))
 def _latent_pallas(xh, blk, prev_ids, w1, wt, mix, wg, wu, wd, *, cfg: LatentConfig, interpret: bool):
     n, b = blk.shape
@@ -256,6 +589,9 @@ def _latent_pallas(xh, blk, prev_ids, w1, wt, mix, wg, wu, wd, *, cfg: LatentCon
     kb = min(cfg.k_block, rp)
     hb = min(cfg.h_block, mp)
     bpp = cfg.blocks_per_program
+    if cfg.variant != "fused":
+        return _latent_split(xh, blk, prev_ids, w1, wt, mix, wg, wu, wd, cfg=cfg,
+                             interpret=interpret).reshape(n, b - 1, r)
     kernel = functools.partial(
         _latent_kernel, n=n, b=b, bp=bp, bpp=bpp, v=v, r=r, rp=rp, m=m, mp=mp, kb=kb, hb=hb)
     call = common.pallas_call(
@@ -284,17 +620,22 @@ def latent_pass(
     *,
     interpret: bool = False,
     config: LatentConfig | None = None,
+    variant: str | None = None,
     blocks_per_program: int | None = None,
     k_block: int | None = None,
     h_block: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    col_block: int | None = None,
+    row_block: int | None = None,
+    mixer: str | None = None,
 ) -> jax.Array:
     """[N,B,r], [N,B] int32, [N] int32 -> [N, B-1, r]: the draft slots' latents (see module doc).
 
     Same semantics as ``xpress_jax.refine._JnpOps.latent_pass``. Block config: a
-    `LatentConfig`, else `default_config` for this N and dtype; the keyword
-    arguments override single fields. Float64 params use `reference`.
+    `LatentConfig`, else `default_config` for this N, dtype and ``variant`` (None:
+    split for N <= `SPLIT_MAX_N`, else fused); the other keyword arguments override
+    single fields. Float64 params use `reference`.
     """
     w1 = params["w1"]
     n, b = blk.shape
@@ -312,11 +653,14 @@ def latent_pass(
         return jnp.zeros((n, max(b - 1, 0), r), cd)
     if cd == jnp.float64:
         return reference(params, xh, blk, prev_ids)
-    cfg = config if config is not None else default_config(n, cd)
+    if config is not None and variant is not None and config.variant != variant:
+        raise ValueError(f"variant={variant!r} contradicts config.variant={config.variant!r}")
+    cfg = config if config is not None else default_config(n, cd, variant)
     overrides = {
         k: val for k, val in (("blocks_per_program", blocks_per_program), ("k_block", k_block),
                               ("h_block", h_block), ("num_warps", num_warps),
-                              ("num_stages", num_stages)) if val is not None
+                              ("num_stages", num_stages), ("col_block", col_block),
+                              ("row_block", row_block), ("mixer", mixer)) if val is not None
     }
     if overrides:
         cfg = dataclasses.replace(cfg, **overrides)

@@ -2,7 +2,9 @@
 
 `TestLatentKernel` runs the kernel compiled for a GPU (skipped without one);
 `TestLatentKernelInterpret` runs the same tests in Pallas interpret mode on CPU.
-The lowering tests build the kernel's Triton IR for an H200 on any machine.
+Every test runs the fused variant and the split one (three kernels for small N;
+`split_xla` = its first kernel + XLA dots is compared with the reference too).
+The lowering tests build the kernels' Triton IR for an H200 on any machine.
 
 Exactness: interpret mode groups the float32 sums differently from
 `xpress_jax.head.latent` (K and hidden chunks, per-block dots, the mixer summed
@@ -26,13 +28,28 @@ from xpress_jax.params import param_shapes
 
 refine_mod = importlib.import_module("xpress_jax.refine")  # the package re-exports `refine`, the function
 
+VARIANTS = ("fused", "split")  # split_xla: only in test_matches_reference
+
 CASES = {
     # name: (N, B, V, r, M, config overrides). K and hidden dims are split in several
     # chunks; "odd" has B, r, M not powers of two (masked slots, K and hidden tails)
     # and a last program with one block past N.
-    "n1_b16": (1, 16, 97, 64, 128, dict(k_block=16, h_block=32)),
-    "n5_b6_odd_bpp2": (5, 6, 97, 48, 80, dict(k_block=32, h_block=32, blocks_per_program=2)),
-    "n2_b16_serving_rm": (2, 16, 97, 256, 512, {}),
+    "n1_b16": (1, 16, 97, 64, 128, dict(variant="fused", k_block=16, h_block=32)),
+    "n5_b6_odd_bpp2": (5, 6, 97, 48, 80, dict(variant="fused", k_block=32, h_block=32, blocks_per_program=2)),
+    "n2_b16_serving_rm": (2, 16, 97, 256, 512, dict(variant="fused")),
+    # split: 4 column programs (stages 1, 3) x 4 hidden programs (stage 2); 15 rows in one
+    # 16-row tile (one masked row).
+    "split_n1_b16": (1, 16, 97, 64, 128, dict(variant="split", k_block=16, h_block=32, col_block=16)),
+    # odd: column, K (r and M) and hidden tails, masked slots, a stage-1 block past N.
+    "split_n3_b6_odd_bpp2": (3, 6, 97, 48, 80, dict(variant="split", k_block=32, h_block=32, col_block=32,
+                                                    blocks_per_program=2)),
+    # serving r, M with the split defaults: 45 rows -> three 16-row tiles, the last one partial.
+    "split_n3_b16_serving_rm": (3, 16, 97, 256, 512, dict(variant="split")),
+    # the other mixer forms (default "unroll"): "sum3d" with masked slots (Bp = 8 > B = 6).
+    "split_n3_b6_odd_sum3d": (3, 6, 97, 48, 80, dict(variant="split", mixer="sum3d", k_block=32, h_block=32,
+                                                     col_block=32)),
+    "split_n1_b16_loop": (1, 16, 97, 64, 128, dict(variant="split", mixer="loop", col_block=32)),
+    "split_xla_n3_b6_odd": (3, 6, 97, 48, 80, dict(variant="split_xla", k_block=32, col_block=32)),
 }
 
 
@@ -112,9 +129,11 @@ class TestLatentKernel:
         assert out.shape == (N, B - 1, r)
         assert_close(out, ref)
 
-    def test_matches_refine_oracle_interface(self):
+    @pytest.mark.parametrize("variant", VARIANTS)
+    def test_matches_refine_oracle_interface(self, variant):
         """Same as `_JnpOps.latent_pass` (what refine calls), incl. ids the oracle clips."""
         N, B, V, r, M, cfg = CASES["n5_b6_odd_bpp2"]  # same shapes: reuses the compiled kernel
+        cfg = dict(cfg, variant=variant)
         params, xh, blk, prev = _inputs(7, N, B, V, r, M, jnp.float32)
         blk = blk.at[0, 2].set(V + 5).at[4, 4].set(V - 1)  # out of range: both sides clip to V-1
         ref = refine_mod._JnpOps.latent_pass(params, xh, blk, prev)
@@ -123,11 +142,12 @@ class TestLatentKernel:
         moved = self.run(params, xh, blk.at[0, 2].set(V - 1), prev, **cfg)
         np.testing.assert_array_equal(np.asarray(moved), np.asarray(out))
 
-    def test_causal_and_blocks_independent(self):
+    @pytest.mark.parametrize("variant", VARIANTS)
+    def test_causal_and_blocks_independent(self, variant):
         """Slot k's latent depends only on predecessors of slots <= k, and only on its own block."""
         N, B, V, r, M = 3, 12, 97, 32, 64
         params, xh, blk, prev = _inputs(3, N, B, V, r, M, jnp.float32)
-        cfg = dict(blocks_per_program=4)  # one program: 3 blocks + one past N
+        cfg = dict(variant=variant, blocks_per_program=4)  # one (stage-1) program: 3 blocks + one past N
         base = np.asarray(self.run(params, xh, blk, prev, **cfg))
         s = 5  # blk[:, s] is the predecessor of slot s+1, i.e. lat[:, s]
         moved = np.asarray(self.run(params, xh, blk.at[1, s].set((blk[1, s] + 1) % V), prev, **cfg))
@@ -143,9 +163,10 @@ class TestLatentKernel:
         np.testing.assert_array_equal(moved[0, :-1], base[0, :-1])
         assert (moved[0, -1] != base[0, -1]).all()
 
+    @pytest.mark.parametrize("variant", VARIANTS)
     @pytest.mark.parametrize(
         "dtype,topc", [(jnp.float32, 0), (jnp.bfloat16, 7)], ids=["f32_full", "bf16_top7"])
-    def test_refined_tokens_identical(self, dtype, topc):
+    def test_refined_tokens_identical(self, dtype, topc, variant):
         """Downstream: K passes of refine with the kernel give the oracle's tokens."""
         cfg = HeadConfig(vocab_size=97, hidden_size=24, block_size=6, rank=48, mlp_hidden=80,
                          topc=topc, num_passes=5, max_num_reqs=4)
@@ -163,7 +184,7 @@ class TestLatentKernel:
         class KernelOps(refine_mod._JnpOps):
             @staticmethod
             def latent_pass(params, xh, blk, prev_ids):
-                return latent.latent_pass(params, xh, blk, prev_ids, interpret=interpret)
+                return latent.latent_pass(params, xh, blk, prev_ids, interpret=interpret, variant=variant)
 
         def run(ops):
             f = jax.jit(lambda p, lg, hh, a: refine_mod._refine(ops, p, lg, hh, a, a, 5, topc))
@@ -194,24 +215,47 @@ def _abstract(N, B, V, r, M, dtype):
     return params, S((N, B, r), dtype), S((N, B), jnp.int32), S((N,), jnp.int32)
 
 
+SPLIT_NAMES = ("xpress_latent_pass_mix", "xpress_latent_pass_gateup", "xpress_latent_pass_down")
+
+
 @pytest.mark.parametrize(
-    "N,B,dtype,cfg",
+    "N,B,dtype,cfg,names",
     [
-        (4, 16, jnp.bfloat16, {}),
-        (256, 16, jnp.bfloat16, {}),  # default: 2 blocks per program
-        (64, 16, jnp.bfloat16, dict(blocks_per_program=4, h_block=32)),
-        (5, 12, jnp.bfloat16, dict(blocks_per_program=2, num_warps=4)),
-        (4, 16, jnp.float32, {}),
+        (4, 16, jnp.bfloat16, dict(variant="fused"), ("xpress_latent_pass",)),
+        (256, 16, jnp.bfloat16, {}, ("xpress_latent_pass",)),  # default: fused, 2 blocks per program
+        (64, 16, jnp.bfloat16, dict(blocks_per_program=4, h_block=32), ("xpress_latent_pass",)),
+        (5, 12, jnp.bfloat16, dict(variant="fused", blocks_per_program=2, num_warps=4), ("xpress_latent_pass",)),
+        (4, 16, jnp.float32, dict(variant="fused"), ("xpress_latent_pass",)),
+        (1, 16, jnp.bfloat16, {}, SPLIT_NAMES),  # default at small N: split
+        (4, 16, jnp.bfloat16, {}, SPLIT_NAMES),
+        (32, 16, jnp.bfloat16, dict(row_block=64, num_warps=8, blocks_per_program=2), SPLIT_NAMES),
+        (5, 12, jnp.bfloat16, dict(variant="split", col_block=16, h_block=64, k_block=32), SPLIT_NAMES),
+        (3, 16, jnp.float32, {}, SPLIT_NAMES),
+        (4, 16, jnp.bfloat16, dict(mixer="sum3d"), SPLIT_NAMES),
+        (4, 16, jnp.bfloat16, dict(mixer="loop"), SPLIT_NAMES),
+        (2, 16, jnp.bfloat16, dict(variant="split_xla"), SPLIT_NAMES[:1]),
     ],
-    ids=["bf16_n4", "bf16_n256", "bf16_bpp4", "bf16_b12", "f32_n4"],
+    ids=["bf16_n4_fused", "bf16_n256", "bf16_bpp4", "bf16_b12", "f32_n4_fused", "bf16_n1_split",
+         "bf16_n4_split", "bf16_n32_split_rb64", "bf16_b12_split", "f32_n3_split", "bf16_n4_sum3d", "bf16_n4_loop",
+         "bf16_n2_split_xla"],
 )
-def test_lowers_to_triton_for_h200(N, B, dtype, cfg):
-    """Serving-like shapes lower to exactly one Triton custom call named after the kernel."""
+def test_lowers_to_triton_for_h200(N, B, dtype, cfg, names):
+    """Serving-like shapes lower to one Triton custom call per kernel, each named after it."""
     args = _abstract(N, B, 1024, 256, 512, dtype)
     lowered = common.lower_triton(lambda p, x, b, q: latent.latent_pass(p, x, b, q, **cfg), *args)
     text = lowered.as_text()
-    assert text.count("custom_call @__gpu$xla.gpu.triton") == 1
-    assert text.count('name = "xpress_latent_pass"') == 1
+    assert text.count("custom_call @__gpu$xla.gpu.triton") == len(names)
+    for name in names:
+        assert text.count(f'name = "{name}"') == 1, name
+
+
+def test_default_config_variant():
+    for dtype in (jnp.bfloat16, jnp.float32):
+        assert latent.default_config(1, dtype).variant == "split"
+        assert latent.default_config(latent.SPLIT_MAX_N, dtype).variant == "split"
+        assert latent.default_config(latent.SPLIT_MAX_N + 1, dtype).variant == "fused"
+        assert latent.default_config(1, dtype, "fused").variant == "fused"
+        assert latent.default_config(256, dtype, "split_xla").variant == "split_xla"
 
 
 def test_float64_falls_back_to_reference():
@@ -228,6 +272,17 @@ def test_bad_arguments_raise():
         latent.latent_pass(params, xh, blk, prev, interpret=True, k_block=48)
     with pytest.raises(ValueError, match="h_block"):
         latent.LatentConfig(h_block=8)
+    with pytest.raises(ValueError, match="variant"):
+        latent.LatentConfig(variant="nope")
+    with pytest.raises(ValueError, match="col_block"):
+        latent.LatentConfig(col_block=24)
+    with pytest.raises(ValueError, match="row_block"):
+        latent.LatentConfig(row_block=8)
+    with pytest.raises(ValueError, match="mixer"):
+        latent.LatentConfig(mixer="nope")
+    with pytest.raises(ValueError, match="variant"):
+        latent.latent_pass(params, xh, blk, prev, interpret=True, variant="split",
+                           config=latent.default_config(2, jnp.float32, "fused"))
     with pytest.raises(ValueError, match="xh.shape"):
         latent.latent_pass(params, xh[:, :5], blk, prev, interpret=True)
     with pytest.raises(ValueError, match="prev_ids.shape"):
