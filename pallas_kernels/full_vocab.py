@@ -73,6 +73,12 @@ class FullVocabConfig:
     hold_lat: fused only: load the program's latent tile once, before the vocab loop (it is
       loop-invariant; Triton keeps it in shared memory, row_tile * r values), instead of once
       per vocab tile (then the rank loop is a `fori_loop` that Triton can pipeline).
+    flat: fused only, needs ``hold_lat=False``: one loop over (vocab tile, rank chunk) pairs,
+      the add/argmax epilogue under a `lax.cond` on the last rank chunk (Triton's persistent
+      matmul pattern), so the pipelined loads run across vocab tiles instead of restarting
+      every ``r / k_tile`` chunks.
+    prefetch_base: fused only: load the next vocab tile's base block one step ahead (carried
+      in registers), so its HBM latency hides behind the tile's dots.
     """
 
     row_tile: int = 16
@@ -83,6 +89,8 @@ class FullVocabConfig:
     num_stages: int = 1
     combine: str = "pallas"
     hold_lat: bool = True
+    flat: bool = False
+    prefetch_base: bool = False
 
     def check(self) -> None:
         for name in ("row_tile", "v_tile"):
@@ -95,6 +103,8 @@ class FullVocabConfig:
             raise ValueError(f"v_steps={self.v_steps} must be >= 1")
         if self.combine not in ("pallas", "xla"):
             raise ValueError(f"combine={self.combine!r} must be 'pallas' or 'xla'")
+        if self.flat and self.hold_lat:
+            raise ValueError(f"flat={self.flat} needs hold_lat=False (the rank chunk index is dynamic)")
 
 
 def _next_pow2(n: int) -> int:
@@ -231,6 +241,8 @@ def _fused_kernel(
     v_steps: int,
     k_tile: int,
     hold_lat: bool,
+    flat: bool,
+    prefetch_base: bool,
     dtype,
 ):
     i, j = pl.program_id(0), pl.program_id(1)
@@ -240,47 +252,83 @@ def _fused_kernel(
     precision = jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
     lat_mask = jnp.broadcast_to(row_ok[:, None], (row_tile, k_tile))
 
+    def v_start(t):  # first column of this part's vocab tile t
+        return (j * v_steps + t) * v_tile
+
     def load_lat(k0):
         return plt.load(lat_ref.at[pl.ds(r0, row_tile), pl.ds(k0, k_tile)], mask=lat_mask, other=0.0)
 
-    # hold_lat: the latent tile is loop-invariant, load it once (n_k chunks of [row_tile, k_tile]).
-    held = [load_lat(kk * k_tile) for kk in range(n_k)] if hold_lat else None
+    def dot_chunk(acc, v0, k0, x=None):  # acc + lat[:, k0:k0+k_tile] @ w2[v0:v0+v_tile, k0:...].T
+        x = load_lat(k0) if x is None else x  # [row_tile, k_tile]; k_tile divides rank: no rank mask
+        w_mask = jnp.broadcast_to(((v0 + _iota(v_tile)) < vocab)[:, None], (v_tile, k_tile))
+        w = plt.load(w2_ref.at[pl.ds(v0, v_tile), pl.ds(k0, k_tile)], mask=w_mask, other=0.0)  # [v_tile, k_tile]
+        return acc + jax.lax.dot_general(
+            x, w, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
+        )
 
-    def step(t, carry):
-        v0 = (j * v_steps + t) * v_tile
+    def load_base(v0, valid=True):  # [row_tile, v_tile]; valid=False (traced) reads nothing
+        col_ok = (v0 + _iota(v_tile)) < vocab
+        mask = row_ok[:, None] & col_ok[None, :]
+        if valid is not True:
+            mask = mask & valid
+        return plt.load(base_ref.at[pl.ds(r0, row_tile), pl.ds(v0, v_tile)], mask=mask, other=0.0)
+
+    def next_base(t):  # tile t + 1 of this part, or nothing after the last one
+        return load_base(v_start(t + 1), (t + 1) < v_steps)
+
+    def epilogue(acc, b, v0, best, bidx):  # round, add base, keep each row's best
         cols = v0 + _iota(v_tile)
         col_ok = cols < vocab
-        w_mask = jnp.broadcast_to(col_ok[:, None], (v_tile, k_tile))
-
-        def k_step(kk, acc, x=None):
-            k0 = kk * k_tile  # k_tile divides rank: no rank mask
-            x = load_lat(k0) if x is None else x  # [row_tile, k_tile]
-            w = plt.load(w2_ref.at[pl.ds(v0, v_tile), pl.ds(k0, k_tile)], mask=w_mask, other=0.0)  # [v_tile, k_tile]
-            return acc + jax.lax.dot_general(
-                x, w, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
-            )
-
-        acc = jnp.zeros((row_tile, v_tile), jnp.float32)
-        if hold_lat:
-            for kk in range(n_k):
-                acc = k_step(kk, acc, held[kk])
-        elif n_k == 1:
-            acc = k_step(0, acc)
-        else:
-            acc = jax.lax.fori_loop(0, n_k, k_step, acc)
-        bias = acc.astype(dtype)
-        b = plt.load(
-            base_ref.at[pl.ds(r0, row_tile), pl.ds(v0, v_tile)],
-            mask=row_ok[:, None] & col_ok[None, :],
-            other=0.0,
-        )
-        s = jnp.where(col_ok[None, :], _score(b, bias, dtype), -jnp.inf)
+        s = jnp.where(col_ok[None, :], _score(b, acc.astype(dtype), dtype), -jnp.inf)
         ids = jnp.where(col_ok, cols, _BIG)
         m, k = _best(s, jnp.broadcast_to(ids[None, :], s.shape), axis=1)
-        return _merge(*carry, m, k)
+        return _merge(best, bidx, m, k)
 
+    zeros = jnp.zeros((row_tile, v_tile), jnp.float32)
     init = (jnp.full((row_tile,), -jnp.inf, jnp.float32), jnp.full((row_tile,), _BIG, jnp.int32))
-    best, bidx = jax.lax.fori_loop(0, v_steps, step, init)
+    # The carried base tile (prefetch_base) or an unused stand-in.
+    b0 = load_base(v_start(0)) if prefetch_base else jnp.zeros((), jnp.int32)
+
+    if flat:
+        # t -> (vocab tile t // n_k, rank chunk t % n_k); n_k is a power of two.
+        shift = n_k.bit_length() - 1
+
+        def flat_step(t, carry):
+            acc, best, bidx, b = carry
+            vt, kk = t >> shift, t & (n_k - 1)
+            v0 = v_start(vt)
+            acc = dot_chunk(acc, v0, kk * k_tile)
+
+            def finish(ops):
+                acc, best, bidx, b = ops
+                best, bidx = epilogue(acc, b if prefetch_base else load_base(v0), v0, best, bidx)
+                return zeros, best, bidx, next_base(vt) if prefetch_base else b
+
+            if n_k == 1:
+                return finish((acc, best, bidx, b))
+            return jax.lax.cond(kk == n_k - 1, finish, lambda ops: ops, (acc, best, bidx, b))
+
+        _, best, bidx, _ = jax.lax.fori_loop(0, v_steps * n_k, flat_step, (zeros, *init, b0))
+    else:
+        # hold_lat: the latent tile is loop-invariant, load it once (n_k chunks of [row_tile, k_tile]).
+        held = [load_lat(kk * k_tile) for kk in range(n_k)] if hold_lat else None
+
+        def step(t, carry):
+            best, bidx, b = carry
+            v0 = v_start(t)
+            b_next = next_base(t) if prefetch_base else b  # issued before the dots
+            acc = zeros
+            if hold_lat:
+                for kk in range(n_k):
+                    acc = dot_chunk(acc, v0, kk * k_tile, held[kk])
+            elif n_k == 1:
+                acc = dot_chunk(acc, v0, 0)
+            else:
+                acc = jax.lax.fori_loop(0, n_k, lambda kk, a: dot_chunk(a, v0, kk * k_tile), acc)
+            best, bidx = epilogue(acc, b if prefetch_base else load_base(v0), v0, best, bidx)
+            return best, bidx, b_next
+
+        best, bidx, _ = jax.lax.fori_loop(0, v_steps, step, (*init, b0))
     mv_ref[...] = best
     mi_ref[...] = bidx
 
@@ -413,7 +461,8 @@ def full_vocab_pick(
         name = "xpress_full_vocab_add_argmax"
     else:
         k_tile = _k_tile(cfg.k_tile, rank)
-        kernel = functools.partial(_fused_kernel, rank=rank, k_tile=k_tile, hold_lat=cfg.hold_lat, **statics)
+        kernel = functools.partial(_fused_kernel, rank=rank, k_tile=k_tile, hold_lat=cfg.hold_lat, flat=cfg.flat,
+                                   prefetch_base=cfg.prefetch_base, **statics)
         operands = (base, lat, w2)
         name = "xpress_full_vocab_fused"
     mv, mi = common.pallas_call(

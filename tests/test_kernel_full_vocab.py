@@ -36,6 +36,8 @@ TRITON_CALL = "__gpu$xla.gpu.triton"
 SHAPES = [
     (15, 1000, 32, None),
     (25, 1337, 64, fv.FullVocabConfig(row_tile=16, v_tile=128, v_steps=3, k_tile=16, hold_lat=False)),
+    (25, 1337, 64, fv.FullVocabConfig(row_tile=16, v_tile=128, v_steps=3, k_tile=16, hold_lat=False, flat=True,
+                                      prefetch_base=True)),
     (75, 2053, 32, fv.FullVocabConfig(row_tile=32, v_tile=256, v_steps=1, combine="xla")),
 ]
 
