@@ -18,22 +18,33 @@ from .common import gpu_supported
 
 __all__ = ["ops", "gpu_supported", "full_vocab_config", "topc_config"]
 
-#: From this many draft rows on, the fused readout-matmul + argmax kernel is used in
-#: full-vocab mode; below it the XLA dot + Pallas add/argmax kernel (dev_pick, H200).
-FUSED_MIN_ROWS = 2048
+#: Full-vocab pick configs by draft-row count (upper bound of the bucket), the fastest agreeing
+#: config of benchmarks/dev_pick_sweep.py per N on an H200 (2026-11-30): all the fused
+#: readout-matmul + add/argmax kernel; the bias never reaches HBM.
+_FULL_VOCAB_TABLE = (
+    (15, dict(row_tile=16, v_tile=128, v_steps=3, k_tile=64, num_warps=4, num_stages=4, hold_lat=False,
+              flat=True, prefetch_base=True)),
+    (60, dict(row_tile=64, v_tile=64, v_steps=6, k_tile=64, num_warps=4, num_stages=4, hold_lat=False,
+              flat=True, prefetch_base=True)),
+    (240, dict(row_tile=128, v_tile=128, v_steps=18, k_tile=0, num_warps=8, num_stages=2, hold_lat=True,
+               prefetch_base=True)),
+    (960, dict(row_tile=128, v_tile=64, v_steps=8, k_tile=0, num_warps=8, num_stages=3, hold_lat=True,
+               prefetch_base=True)),
+    (None, dict(row_tile=128, v_tile=64, v_steps=32, k_tile=0, num_warps=8, num_stages=3, hold_lat=True,
+                prefetch_base=True)),
+)
 
 
 def full_vocab_config(rows: int, vocab: int, rank: int, dtype) -> tuple[str, full_vocab.FullVocabConfig]:
-    """(variant, config) for the full-vocab pick at these shapes."""
-    if rows < FUSED_MIN_ROWS:
-        return "add_argmax", full_vocab.default_config(rows, vocab, rank, dtype, "add_argmax")
-    row_tile = 64
-    programs = -(-rows // row_tile) * -(-vocab // 128)
-    v_steps = 1
-    while v_steps < 16 and programs // (2 * v_steps) >= 1024:
-        v_steps *= 2
-    return "fused", full_vocab.FullVocabConfig(row_tile=row_tile, v_tile=128, v_steps=v_steps, k_tile=128,
-                                               num_warps=8, num_stages=2, hold_lat=False)
+    """(variant, config) for the full-vocab pick at these shapes (16-bit dtypes: the measured table)."""
+    import jax.numpy as jnp
+
+    if jnp.dtype(dtype).itemsize > 2:  # float32 (exactness runs): the kernel's own heuristic
+        return "fused", full_vocab.default_config(rows, vocab, rank, dtype, "fused")
+    for limit, kw in _FULL_VOCAB_TABLE:
+        if limit is None or rows <= limit:
+            return "fused", full_vocab.FullVocabConfig(**kw)
+    raise AssertionError("unreachable")
 
 
 def topc_config(rows: int, c: int, rank: int, dtype) -> topc_pick.TopCConfig:

@@ -107,7 +107,7 @@ MIXERS = ("unroll", "loop", "sum3d")
 
 #: `default_config` picks the split variant for N <= SPLIT_MAX_N blocks (set from H200 numbers,
 #: benchmarks/dev_latent.py).
-SPLIT_MAX_N = 32
+SPLIT_MAX_N = 64
 
 
 @dataclasses.dataclass(frozen=True)

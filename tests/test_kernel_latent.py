@@ -223,7 +223,7 @@ SPLIT_NAMES = ("xpress_latent_pass_mix", "xpress_latent_pass_gateup", "xpress_la
     [
         (4, 16, jnp.bfloat16, dict(variant="fused"), ("xpress_latent_pass",)),
         (256, 16, jnp.bfloat16, {}, ("xpress_latent_pass",)),  # default: fused, 2 blocks per program
-        (64, 16, jnp.bfloat16, dict(blocks_per_program=4, h_block=32), ("xpress_latent_pass",)),
+        (64, 16, jnp.bfloat16, dict(variant="fused", blocks_per_program=4, h_block=32), ("xpress_latent_pass",)),
         (5, 12, jnp.bfloat16, dict(variant="fused", blocks_per_program=2, num_warps=4), ("xpress_latent_pass",)),
         (4, 16, jnp.float32, dict(variant="fused"), ("xpress_latent_pass",)),
         (1, 16, jnp.bfloat16, {}, SPLIT_NAMES),  # default at small N: split
