@@ -61,7 +61,8 @@ def ops(*, interpret: bool = False, steps: tuple[str, ...] | None = None):
     cls = _pallas_ops(interpret)
     if steps is None:
         return cls
-    table = {"latent": ("latent_pass",), "pick": ("full_vocab_pick", "topc_prepare", "topc_pick"),
+    table = {"latent": ("latent_pass",),
+             "pick": ("full_vocab_pick", "full_vocab_pick_logits", "topc_prepare", "topc_pick"),
              "select": ("select_candidates",)}
     chosen = {m: getattr(cls, m) for step in steps for m in table[step]}
     return type(f"PallasOps[{'+'.join(steps)}]", (_JnpOps,), {"name": f"{cls.name}:{'+'.join(steps)}", **chosen})
@@ -82,6 +83,13 @@ def _pallas_ops(interpret: bool):
         def full_vocab_pick(base, lat, w2):
             variant, cfg = full_vocab_config(base.shape[0], base.shape[1], lat.shape[1], base.dtype)
             return full_vocab.full_vocab_pick(base, lat, w2, variant=variant, config=cfg, interpret=interpret)
+
+        @staticmethod
+        def full_vocab_pick_logits(logits, lat, w2):
+            N, B, V = logits.shape
+            variant, cfg = full_vocab_config(lat.shape[0], V, lat.shape[1], logits.dtype)
+            return full_vocab.full_vocab_pick(logits.reshape(N * B, V), lat, w2, variant=variant, config=cfg,
+                                              interpret=interpret, slot_stride=B)
 
         @staticmethod
         def select_candidates(base, c):

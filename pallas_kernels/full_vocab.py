@@ -190,6 +190,20 @@ def _merge(best, bidx, m, idx):
 # Stage 1 kernels.
 
 
+def _base_index(r0, row_tile: int, v0, v_tile: int, rows: int, slot_stride: int):
+    """Index of the base tile [row_tile, v_tile] at draft rows r0.. and columns v0...
+
+    slot_stride = 0: base is [rows, V] (contiguous rows). slot_stride = B: base is the
+    whole logits [N*B, V] and draft row q = n*(B-1) + b' reads row n*B + 1 + b' (slot 0
+    skipped), so the caller never copies logits[:, 1:].
+    """
+    if not slot_stride:
+        return (pl.ds(r0, row_tile), pl.ds(v0, v_tile))
+    q = jnp.minimum(r0 + _iota(row_tile), rows - 1)
+    src = (q // (slot_stride - 1)) * slot_stride + 1 + q % (slot_stride - 1)
+    return (src[:, None], (v0 + _iota(v_tile))[None, :])
+
+
 def _add_argmax_kernel(
     base_ref,  # [rows, V] whole array
     bias_ref,  # [rows, V] whole array
@@ -202,6 +216,7 @@ def _add_argmax_kernel(
     v_tile: int,
     v_steps: int,
     dtype,
+    slot_stride: int = 0,
 ):
     i, j = pl.program_id(0), pl.program_id(1)
     r0 = i * row_tile
@@ -213,7 +228,7 @@ def _add_argmax_kernel(
         col_ok = cols < vocab
         mask = row_ok[:, None] & col_ok[None, :]
         idx = (pl.ds(r0, row_tile), pl.ds(v0, v_tile))
-        b = plt.load(base_ref.at[idx], mask=mask, other=0.0)
+        b = plt.load(base_ref.at[_base_index(r0, row_tile, v0, v_tile, rows, slot_stride)], mask=mask, other=0.0)
         c = plt.load(bias_ref.at[idx], mask=mask, other=0.0)
         s = jnp.where(col_ok[None, :], _score(b, c, dtype), -jnp.inf)
         ids = jnp.where(col_ok, cols, _BIG)
@@ -244,6 +259,7 @@ def _fused_kernel(
     flat: bool,
     prefetch_base: bool,
     dtype,
+    slot_stride: int = 0,
 ):
     i, j = pl.program_id(0), pl.program_id(1)
     r0 = i * row_tile
@@ -271,7 +287,8 @@ def _fused_kernel(
         mask = row_ok[:, None] & col_ok[None, :]
         if valid is not True:
             mask = mask & valid
-        return plt.load(base_ref.at[pl.ds(r0, row_tile), pl.ds(v0, v_tile)], mask=mask, other=0.0)
+        idx = _base_index(r0, row_tile, v0, v_tile, rows, slot_stride)
+        return plt.load(base_ref.at[idx], mask=mask, other=0.0)
 
     def next_base(t):  # tile t + 1 of this part, or nothing after the last one
         return load_base(v_start(t + 1), (t + 1) < v_steps)
@@ -417,7 +434,7 @@ def _check_shapes(base, lat, w2):
         raise ValueError(f"dtypes must agree: {base.dtype=} {lat.dtype=} {w2.dtype=}")
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "variant", "config"))
+@functools.partial(jax.jit, static_argnames=("interpret", "variant", "config", "slot_stride"))
 def full_vocab_pick(
     base: jax.Array,
     lat: jax.Array,
@@ -426,6 +443,7 @@ def full_vocab_pick(
     interpret: bool = False,
     variant: str = "add_argmax",
     config: FullVocabConfig | None = None,
+    slot_stride: int = 0,
 ) -> jax.Array:
     """[rows,V], [rows,r], [V,r] -> [rows] int32: argmax_v float(dtype(base + dtype(lat @ w2.T))).
 
@@ -433,15 +451,27 @@ def full_vocab_pick(
     ``variant``: ``"add_argmax"`` (XLA dot + Pallas add/argmax) or ``"fused"``
     (Pallas matmul with an add/argmax epilogue). ``config``: block sizes
     (default: `default_config`). Float64 uses the jnp reference.
+    ``slot_stride=B``: ``base`` is the whole logits reshaped to [N*B, V]; draft row
+    n*(B-1) + b reads logits row n*B + 1 + b (no copy of ``logits[:, 1:]``).
     """
-    _check_shapes(base, lat, w2)
+    if slot_stride:
+        if slot_stride < 2 or base.ndim != 2 or base.shape[0] % slot_stride:
+            raise ValueError(f"slot_stride={slot_stride} needs base [N*B, V] with B={slot_stride}; got {base.shape}")
+        n = base.shape[0] // slot_stride
+        if jnp.dtype(base.dtype) == jnp.float64:
+            base = base.reshape(n, slot_stride, -1)[:, 1:].reshape(n * (slot_stride - 1), -1)
+            slot_stride = 0
+        else:
+            _check_shapes(base[: n * (slot_stride - 1)], lat, w2)
+    if not slot_stride:
+        _check_shapes(base, lat, w2)
     if variant not in VARIANTS:
         raise ValueError(f"variant={variant!r} must be one of {VARIANTS}")
     dtype = jnp.dtype(base.dtype)
     if dtype == jnp.float64:
         return reference(base, lat, w2)
-    rows, vocab = base.shape
-    rank = lat.shape[1]
+    vocab = base.shape[1]
+    rows, rank = lat.shape
     cfg = config or default_config(rows, vocab, rank, dtype, variant)
     cfg.check()
     parts = _cdiv(vocab, cfg.v_tile * cfg.v_steps)
@@ -452,7 +482,8 @@ def full_vocab_pick(
         jax.ShapeDtypeStruct((parts, rows_pad), jnp.int32),
     )
     out_spec = pl.BlockSpec((None, cfg.row_tile), lambda i, j: (j, i))
-    statics = dict(rows=rows, vocab=vocab, row_tile=cfg.row_tile, v_tile=cfg.v_tile, v_steps=cfg.v_steps, dtype=dtype)
+    statics = dict(rows=rows, vocab=vocab, row_tile=cfg.row_tile, v_tile=cfg.v_tile, v_steps=cfg.v_steps, dtype=dtype,
+                   slot_stride=slot_stride)
     if variant == "add_argmax":
         acc = jnp.float32
         bias = jnp.dot(lat, w2.T, precision=precision_for(dtype), preferred_element_type=acc).astype(dtype)

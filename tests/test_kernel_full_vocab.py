@@ -198,3 +198,21 @@ class TestFullVocabLowering:
             assert hlo.count(TRITON_CALL) == calls, (variant, combine)
             assert f"xpress_full_vocab_{variant}" in hlo
 
+
+
+@pytest.mark.parametrize("variant", ["add_argmax", "fused"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_slot_stride_reads_draft_rows_of_the_whole_logits(variant, dtype):
+    """slot_stride=B on logits.reshape(N*B, V) == the pick on logits[:, 1:] (slot 0 never read)."""
+    rng = np.random.default_rng(11)
+    N, B, V, r = 3, 6, 1337, 32
+    logits = rng.normal(size=(N, B, V)).astype(np.float32)
+    logits[:, 0] = 1e4  # slot 0 would win every row if it were read
+    lat = rng.normal(size=(N * (B - 1), r)).astype(np.float32)
+    w2 = (rng.normal(size=(V, r)) * 0.3).astype(np.float32)
+    logits, lat, w2 = (jnp.asarray(a, dtype) for a in (logits, lat, w2))
+    cfg = fv.FullVocabConfig(row_tile=16, v_tile=128, v_steps=3, k_tile=16, hold_lat=False)
+    want = fv.full_vocab_pick(logits[:, 1:].reshape(-1, V), lat, w2, variant=variant, config=cfg, interpret=True)
+    got = fv.full_vocab_pick(logits.reshape(-1, V), lat, w2, variant=variant, config=cfg, interpret=True,
+                             slot_stride=B)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

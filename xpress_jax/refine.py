@@ -191,6 +191,18 @@ class _JnpOps:
         bias = _dot(lat, w2.T, acc_dtype(base.dtype)).astype(base.dtype)
         return jnp.argmax(_round_sum(base, bias), axis=-1).astype(jnp.int32)
 
+    @classmethod
+    def full_vocab_pick_logits(cls, logits, lat, w2):
+        """[N,B,V] logits (slot 0 unused), [N*(B-1),r], [V,r] -> [N*(B-1)] int32: `full_vocab_pick` on the draft slots."""
+        N, B, V = logits.shape
+        return cls.full_vocab_pick(logits[:, 1:].reshape(N * (B - 1), V), lat, w2)
+
+    @classmethod
+    def select_candidates_logits(cls, logits, c):
+        """`select_candidates` on the draft slots of [N,B,V] logits."""
+        N, B, V = logits.shape
+        return cls.select_candidates(logits[:, 1:].reshape(N * (B - 1), V), c)
+
     @staticmethod
     def select_candidates(base, c):
         """[rows,V] -> (cand [rows,C] int32, base_c [rows,C], argmax [rows] int32)."""
@@ -252,7 +264,7 @@ def _refine(ops, params, logits, h, anchors, prev_ids, num_passes, topc, unroll=
     base = logits[:, 1:, :].reshape(rows, V)
 
     if topc:
-        cand, base_c, start = ops.select_candidates(base, topc)
+        cand, base_c, start = ops.select_candidates_logits(logits, topc)
         w2c = ops.topc_prepare(params["w2"], cand)  # once per call
 
         def pick(lat):
@@ -262,7 +274,7 @@ def _refine(ops, params, logits, h, anchors, prev_ids, num_passes, topc, unroll=
         start = jnp.argmax(_clean(base), axis=-1).astype(jnp.int32)
 
         def pick(lat):
-            return ops.full_vocab_pick(base, lat, params["w2"])
+            return ops.full_vocab_pick_logits(logits, lat, params["w2"])
 
     blk = jnp.concatenate([anchors[:, None], start.reshape(N, B - 1)], axis=1)
 
