@@ -12,8 +12,11 @@ jnp.argmax on the device, then times:
     the previous call's output, so nothing is hoisted), wall time / iters, median of 5; a loop
     with the same chaining but no selection is timed too (``loop``) and subtracted (``net``).
   * torch.topk(sorted=False) on the same buffer (DLPack), CUDA events, median of 5.
-  * the kernel's stages (stats[+bound], +gather, +finish) and a few block-size variants
-    ("measure which"), at N=1 and N=256.
+  * the kernel's stages (stats[+bound], +gather, +finish) at N=1 and N=256, and config variants
+    ("measure which"), each at the N it lists (of N=1, 16, 256), most important first, until the
+    time budget: the pre-2026-11-30-evening default (``old_default``: strided, G=1024, cap=2048),
+    both methods alone, then block-size / warp variants of the blocks method.
+A failing variant (compile error, wrong rows) is recorded and the sweep goes on.
 Prints a compact table last; writes $OUT/select.json when $OUT is set. Runtime < 150 s.
 """
 
@@ -41,22 +44,32 @@ warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecat
 from pallas_kernels import select as sel  # noqa: E402
 
 V, C = 151936, 512
-NS = (1, 4, 16, 64, 256)
+NS = (1, 16, 256)
 INTERPRET = False  # --cpu-smoke: tiny shapes in interpret mode, to check this script on CPU
 HBM_BYTES_PER_S = 4.8e12  # H200 peak; the floor below is one read of the logits
 T0 = time.perf_counter()
-VARIANTS = {  # name -> SelectConfig fields; "measure which" (the default first)
-    "default": {},
-    "gather_w1": dict(gather_warps=1, chunk=256, gather_unroll=16),
-    "gather_w2": dict(gather_warps=2, chunk=512, gather_unroll=8),
-    "gather_w8": dict(gather_warps=8, chunk=2048, gather_unroll=4),
-    "gather_w8_8k": dict(gather_warps=8, chunk=8192, gather_unroll=1),
-    "g2048_cap1024": dict(groups=2048, cap=1024),
-    "stats_w4": dict(num_warps=4),
-    "finish_w8": dict(finish_warps=8),
-    "progs1024": dict(target_programs=1024),
-    "progs256": dict(target_programs=256),
+ALL, BIG = (1, 16, 256), (16, 256)
+VARIANTS = {  # name -> (SelectConfig fields, the N to measure it at); "measure which", most important first
+    "default": ({}, ALL),  # method="auto": strided below 64 rows (N=1), blocks from there on
+    "old_default": (dict(method="strided", groups=1024, cap=2048), ALL),  # the default this morning
+    "strided": (dict(method="strided"), ALL),  # strided with the new defaults (G=2048, cap=1024)
+    "blocks": (dict(method="blocks"), (1,)),  # blocks at N=1 too (auto picks strided there)
+    "blocks_g1024": (dict(method="blocks", groups=1024), BIG),  # cheaper bound, ~20% more blocks read
+    "blocks_g4096": (dict(method="blocks", groups=4096), BIG),  # tighter bound, dearer search
+    "blocks_bs16": (dict(method="blocks", block=16), BIG),  # half the elements read, 2x block maxima
+    "blocks_bs64": (dict(method="blocks", block=64), BIG),
+    "blocks_gw8": (dict(method="blocks", gather_warps=8), BIG),
+    "blocks_gw2": (dict(method="blocks", gather_warps=2, gather_blocks=32), BIG),
+    "blocks_gb128": (dict(method="blocks", gather_blocks=128), BIG),
+    "blocks_fw8": (dict(method="blocks", finish_warps=8), BIG),
+    "blocks_fw4": (dict(method="blocks", finish_warps=4), BIG),
+    "blocks_st64x8": (dict(method="blocks", stats_blocks=64, stats_unroll=8), BIG),
+    "blocks_sw4": (dict(method="blocks", num_warps=4, stats_blocks=256), BIG),
+    "blocks_scan4k": (dict(method="blocks", scan_blocks=4096, gather_warps=8), BIG),
+    "strided_fw8": (dict(method="strided", finish_warps=8), (1,)),
+    "progs256": (dict(target_programs=256), (1,)),
 }
+BUDGET_S = 130  # stop the sweep here (the whole script must stay < 150 s)
 
 
 def log(*a):
@@ -165,7 +178,8 @@ def main():
         global V, C, INTERPRET
         V, C, INTERPRET = 4096, 64, True
         VARIANTS.clear()
-        VARIANTS.update(default={}, small=dict(groups=256, chunk=512))
+        VARIANTS.update(default=({}, ALL), old_default=(dict(method="strided", groups=1024, cap=2048), ALL),
+                        blocks=(dict(method="blocks", groups=256), ALL))
     try:
         import torch
     except ImportError:
@@ -186,58 +200,81 @@ def main():
         it_t = {1: 20, 4: 10, 16: 5}.get(n, 2)
         loop_us = time_jax(nothing_fn, normal, it_k)
         for name, x in (("normal", normal), ("ties", ties)):
-            bad, bad_arg = check(x)
-            k_us = time_jax(kernel_fn(), x, it_k)
+            err = bad = bad_arg = k_us = th_bad = None
+            try:
+                bad, bad_arg = check(x)
+                k_us = time_jax(kernel_fn(), x, it_k)
+            except Exception as e:  # noqa: BLE001  (keep the GPU run going: the variants may still work)
+                err = repr(e)[:300]
             tk_us = time_jax(topk_fn, x, it_t) if name == "normal" else None
-            th_us = th_bad = None
+            th_us = None
             if torch is not None and not INTERPRET:
                 t = torch.from_dlpack(x)
                 th_us = time_torch(t, 20 if n <= 16 else 5)
-                th_bad = torch_set_mismatch(t, kernel_fn()(x)[0])
-            row = dict(N=n, rows=rows, input=name, kernel_us=k_us, kernel_net_us=k_us - loop_us,
+                if err is None:
+                    th_bad = torch_set_mismatch(t, kernel_fn()(x)[0])
+            row = dict(N=n, rows=rows, input=name, method=sel.SelectConfig().resolved_method(rows), kernel_us=k_us,
+                       kernel_net_us=None if k_us is None else k_us - loop_us,
                        loop_us=loop_us, lax_top_k_us=tk_us, torch_topk_us=th_us, floor_us=floor,
                        bad_rows=bad, bad_argmax=bad_arg, torch_set_diff_rows=th_bad)
+            if err is not None:
+                row["error"] = err
             res["rows"].append(row)
             log(json.dumps(row))
         del normal, ties
 
     if not args.quick:
-        picks = sorted({ns[0], ns[-1]})  # N=1 and N=256 by default
+        picks = sorted({n for _, vns in VARIANTS.values() for n in vns} & set(ns))  # N=1, 16, 256 by default
         xs = {n: jax.random.normal(jax.random.fold_in(key, n), (15 * n, V), jnp.float32).astype(jnp.bfloat16)
               for n in picks}
         its = {n: 50 if n <= 16 else 20 for n in picks}
         loops = {n: time_jax(nothing_fn, xs[n], its[n]) for n in picks}
-        for n in picks:
+        for n in sorted({ns[0], ns[-1]}):
             for upto in ("stats", "gather"):
-                us = time_jax(kernel_fn(upto=upto), xs[n], its[n])
-                res["stages"].append(dict(N=n, upto=upto, us=us, net_us=us - loops[n]))
+                try:
+                    us = time_jax(kernel_fn(upto=upto), xs[n], its[n])
+                    res["stages"].append(dict(N=n, upto=upto, us=us, net_us=us - loops[n]))
+                except Exception as e:  # noqa: BLE001  (keep the GPU run going)
+                    res["stages"].append(dict(N=n, upto=upto, us=None, net_us=None, error=repr(e)[:300]))
                 log(json.dumps(res["stages"][-1]))
-        for vname, cfg in VARIANTS.items():
-            if time.perf_counter() - T0 > 120:
-                log(f"time budget: skipping variant {vname} and later ones")
+        for vname, n in [(vname, n) for vname, (_, vns) in VARIANTS.items() for n in sorted(set(vns) & set(picks))]:
+            cfg = VARIANTS[vname][0]
+            if time.perf_counter() - T0 > BUDGET_S:
+                log(f"time budget: skipping variant {vname} (N={n}) and later ones")
                 break
-            for n in picks:
+            try:
                 bad, _ = check(xs[n], cfg)
                 us = time_jax(kernel_fn(cfg), xs[n], its[n])
-                res["variants"].append(dict(N=n, variant=vname, cfg=cfg, us=us, net_us=us - loops[n], bad_rows=bad))
-                log(json.dumps(res["variants"][-1]))
+                row = dict(N=n, variant=vname, cfg=cfg, us=us, net_us=us - loops[n], bad_rows=bad)
+            except Exception as e:  # noqa: BLE001
+                row = dict(N=n, variant=vname, cfg=cfg, us=None, net_us=None, bad_rows=None, error=repr(e)[:300])
+            res["variants"].append(row)
+            log(json.dumps(row))
         del xs
 
     # ---- compact table
     f = lambda v: f"{'-':>9}" if v is None else f"{v:9.1f}"  # noqa: E731
     print(f"\nselect_candidates  V={V} C={C} bf16  (us per call; net = minus the chaining loop)")
-    print(f"{'N':>4} {'rows':>5} {'input':>7} {'kernel':>9} {'net':>9} {'top_k':>9} {'torch':>9} {'floor':>9}  check")
+    print(f"{'N':>4} {'rows':>5} {'input':>7} {'method':>8} {'kernel':>9} {'net':>9} {'top_k':>9} {'torch':>9} "
+          f"{'floor':>9}  check")
     for r in res["rows"]:
         ok = "ok" if r["bad_rows"] == 0 and r["bad_argmax"] == 0 else f"BAD rows={r['bad_rows']} arg={r['bad_argmax']}"
-        print(f"{r['N']:>4} {r['rows']:>5} {r['input']:>7} {f(r['kernel_us'])} {f(r['kernel_net_us'])} "
-              f"{f(r['lax_top_k_us'])} {f(r['torch_topk_us'])} {f(r['floor_us'])}  {ok}"
+        ok += f" ERROR {r['error']}" if "error" in r else ""
+        print(f"{r['N']:>4} {r['rows']:>5} {r['input']:>7} {r['method']:>8} {f(r['kernel_us'])} "
+              f"{f(r['kernel_net_us'])} {f(r['lax_top_k_us'])} {f(r['torch_topk_us'])} {f(r['floor_us'])}  {ok}"
               + ("" if r["torch_set_diff_rows"] is None else f" (torch.topk sets differ in {r['torch_set_diff_rows']} rows)"))
+    num = lambda v: "ERR" if v is None else f"{v:.1f}"  # noqa: E731
     if res["stages"]:
-        print("stages (normal input, net us, cumulative): " + ", ".join(
-            f"N={s['N']} {s['upto']}={s['net_us']:.1f}" for s in res["stages"]))
+        print("stages (default, normal input, net us, cumulative): " + ", ".join(
+            f"N={s['N']} {s['upto']}={num(s['net_us'])}" for s in res["stages"]))
     if res["variants"]:
-        print("variants (normal input, net us): " + ", ".join(
-            f"N={v['N']} {v['variant']}={v['net_us']:.1f}{'' if v['bad_rows'] == 0 else ' BAD'}" for v in res["variants"]))
+        print("variants (normal input, net us per call):")
+        vns = sorted({v["N"] for v in res["variants"]})
+        print(f"  {'variant':<16}" + "".join(f"{'N=' + str(n):>10}" for n in vns))
+        for name in dict.fromkeys(v["variant"] for v in res["variants"]):
+            cells = {v["N"]: num(v["net_us"]) + ("" if v["bad_rows"] in (0, None) else "!BAD")
+                     for v in res["variants"] if v["variant"] == name}
+            print(f"  {name:<16}" + "".join(f"{cells.get(n, '-'):>10}" for n in vns))
     out = os.environ.get("OUT")
     if out:
         os.makedirs(out, exist_ok=True)
@@ -245,6 +282,7 @@ def main():
             json.dump(res, fh, indent=1)
     log("done")
     bad = any(r["bad_rows"] or r["bad_argmax"] for r in res["rows"]) or any(v["bad_rows"] for v in res["variants"])
+    bad = bad or any("error" in v for v in res["rows"] + res["variants"] + res["stages"])
     sys.exit(1 if bad else 0)
 
 

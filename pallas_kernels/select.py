@@ -39,6 +39,20 @@ logits become order-preserving int32 *keys* (bf16/f16: sign-extended 16-bit patt
      row (full passes, each counting 16 thresholds), then one compaction pass. Exact, slower.
 
 Passes over the logits: 2 in the usual case (stats, gather); the finish reads only ~M elements.
+
+Blocks method (``SelectConfig.method``; "auto" uses it from 64 rows on): the same three stages, but
+1. ``bstats`` keeps the max key of every block of ``block`` (32) contiguous elements (exact integer
+   work: max / min of the raw bits, cheaper than keys) in ``bm`` [rows, ~V/32] (int16 for 16-bit
+   dtypes), the row's max and its first block; the bound groups blocks (block b in group b % G), and
+   the argmax is the first element of the first block holding the max.
+2. ``bgather`` first compacts the ids of the blocks whose max is above ``L`` (~12% of them on smooth
+   logits; a block whose max is <= L holds no survivor), then reads only those blocks (tiles of
+   ``gather_blocks`` blocks) and compacts their elements above ``L`` in vocab order, as above. It
+   also reports the first block whose max is >= L: the finish's scan for ties starts there.
+   The ids pass through global memory inside one program (a barrier orders the write and the read).
+Per element the strided gather pays a count + cumsum + scatter on every chunk (almost every chunk
+holds a survivor); the blocks gather pays that only on the selected blocks, and its stats pass does
+about half the integer work per element of the strided one.
 Why not radix histograms: Pallas-Triton has no shared-memory scratch or histogram op, so a 256-bin
 digit pass costs ~256 compares per element; the group-max bound needs one max per element.
 
@@ -83,38 +97,62 @@ def select_candidates_reference(base: jax.Array, c: int):
 class SelectConfig:
     """Block sizes (powers of two) and launch shape; hashable, a static jit argument.
 
-    groups: G, the number of strided groups whose maxima give the bound.
-    unroll: stats issues ``unroll`` loads of G elements per loop step (bytes in flight).
-    chunk: elements per block in gather (one count + cumsum per block).
-    gather_unroll: gather issues ``gather_unroll`` loads of ``chunk`` elements per loop step.
+    method: "strided" (bound from strided groups, gather compacts the whole row), "blocks" (stats
+      keeps the max of every ``block`` contiguous elements; gather reads only the blocks whose max
+      is above the bound) or "auto" (blocks from ``blocks_min_rows`` rows on, else strided).
+    groups: G, the number of groups whose maxima give the bound (strided: groups of elements,
+      element i in group ``i % G``; blocks: groups of blocks, block b in group ``b % G``).
+    unroll: the strided stats issues ``unroll`` loads of G elements per loop step.
+    chunk: elements per block in the strided gather (one count + cumsum per block).
+    gather_unroll: the strided gather issues ``gather_unroll`` loads of ``chunk`` elements per step.
+    block: elements per block (blocks method): the unit of the maxima and of the gather's reads.
+    stats_blocks / stats_unroll: the blocks stats issues ``stats_unroll`` loads of ``stats_blocks``
+      blocks per loop step (it halves the unroll, then the blocks down to 64, to reach ``segments``).
+    scan_blocks: block maxima per step in the blocks gather's first phase (which blocks to read).
+    gather_blocks: blocks per load (and per compaction) in the blocks gather's second phase.
     cap: buffer capacity, the most elements above the bound that the fast finish handles.
     scan_chunk: elements per block in the finish's row scans (ties at the bound, flooded rows).
     num_warps / gather_warps / finish_warps: warps of stats and bound / gather / finish.
     segments: programs per row in stats and gather (None: the power of two at or below
-      ``target_programs / rows``; fewer when a row has fewer loop steps; gather halves its
-      unroll, down to 1, to reach it).
+      ``target_programs / rows``; fewer when a row has fewer loop steps; the strided gather halves
+      its unroll, down to 1, to reach it).
     """
 
-    groups: int = 1024
+    method: str = "auto"
+    groups: int = 2048
     unroll: int = 8
     num_warps: int = 8
     chunk: int = 1024
     gather_unroll: int = 8
     gather_warps: int = 4
-    cap: int = 2048
+    block: int = 32
+    stats_blocks: int = 512
+    stats_unroll: int = 1
+    scan_blocks: int = 1024
+    gather_blocks: int = 64
+    cap: int = 1024
     scan_chunk: int = 2048
     finish_warps: int = 16
     segments: int | None = None
     target_programs: int = 512
+    blocks_min_rows: int = 64
 
     def __post_init__(self):
-        for f in ("groups", "cap", "chunk", "scan_chunk", "unroll", "gather_unroll"):
+        for f in ("groups", "cap", "chunk", "scan_chunk", "unroll", "gather_unroll", "block", "stats_blocks",
+                  "stats_unroll", "scan_blocks", "gather_blocks"):
             v = getattr(self, f)
-            lo = 1 if "unroll" in f else 16
+            lo = 1 if "unroll" in f or "block" in f else 16
             if isinstance(v, bool) or not isinstance(v, int) or v < lo or v & (v - 1):
                 raise ValueError(f"{f}={v!r} must be a power of two >= {lo}")
+        if self.method not in ("auto", "strided", "blocks"):
+            raise ValueError(f"method={self.method!r} must be 'auto', 'strided' or 'blocks'")
         if self.segments is not None and (not isinstance(self.segments, int) or self.segments < 1):
             raise ValueError(f"segments={self.segments!r} must be a positive int or None")
+
+    def resolved_method(self, rows: int) -> str:
+        if self.method != "auto":
+            return self.method
+        return "blocks" if rows >= self.blocks_min_rows else "strided"
 
 
 def _want_segments(rows: int, cfg: SelectConfig) -> int:
@@ -285,9 +323,10 @@ def _bound_kernel(gm_ref, smax_ref, sarg_ref, L_ref, hi_ref, arg_ref, *, nseg, g
     arg_ref[()] = arg
 
 
-def _gather_kernel(L_ref, x_ref, bk_ref, bi_ref, cnt_ref, eqc_ref, *, v, ch, unroll, per, cap, dtype):
+def _gather_kernel(L_ref, x_ref, bk_ref, bi_ref, cnt_ref, st_ref, *, v, ch, unroll, per, cap, dtype):
     # L_ref [rows]; x_ref [rows, V]; one loop step reads `unroll` blocks of `ch`
-    # bk_ref/bi_ref [rows, S, cap+1] (slot cap = trash); cnt_ref/eqc_ref: 0-d blocks of [rows, S]
+    # bk_ref/bi_ref [rows, S, cap+1] (slot cap = trash); cnt_ref/st_ref: 0-d blocks of [rows, S]
+    # st: where the finish's scan for ties at L may start (the segment's first element; BIG: no tie)
     r = pl.program_id(0)
     s = pl.program_id(1)
     T = L_ref[r]
@@ -320,12 +359,13 @@ def _gather_kernel(L_ref, x_ref, bk_ref, bi_ref, cnt_ref, eqc_ref, *, v, ch, unr
 
     off, eqv = lax.fori_loop(c0, c1, body, (jnp.int32(0), jnp.zeros((ch,), jnp.int32)))
     cnt_ref[()] = off
-    eqc_ref[()] = _isum(eqv)
+    st_ref[()] = jnp.where(_isum(eqv) > 0, c0 * step, _BIG)
 
 
-def _finish_kernel(L_ref, hi_ref, cnt_ref, eqc_ref, bk_ref, bi_ref, x_ref, cand_ref, val_ref, *,
-                   v, c, cap, nseg, seg_elems, ch, dtype, trash):
-    # L_ref/hi_ref [rows]; cnt_ref/eqc_ref [rows, S]; bk_ref/bi_ref [rows, S, cap+1]; x_ref [rows, V]
+def _finish_kernel(L_ref, hi_ref, cnt_ref, st_ref, bk_ref, bi_ref, x_ref, cand_ref, val_ref, *,
+                   v, c, cap, nseg, ch, dtype, trash):
+    # L_ref/hi_ref [rows]; cnt_ref/st_ref [rows, S]; bk_ref/bi_ref [rows, S, cap+1]; x_ref [rows, V]
+    # st: per segment, an element index at or before the segment's first element equal to L (BIG: none)
     # cand_ref [rows, c or c+1] int32, val_ref [rows, c or c+1] dtype (slot c = trash in interpret mode)
     r = pl.program_id(0)
     L = L_ref[r]
@@ -372,8 +412,7 @@ def _finish_kernel(L_ref, hi_ref, cnt_ref, eqc_ref, bk_ref, bi_ref, x_ref, cand_
         def _():  # t == L: all M buffered elements, then the first c - M ties at L in vocab order
             out(j, ids, k, valid)
             need = c - M
-            eqc = plt.load(eqc_ref.at[r, sidx], mask=sidx < nseg, other=0)
-            s0 = jnp.min(jnp.where(eqc > 0, sidx, nseg))  # first segment holding a tie
+            start = jnp.min(plt.load(st_ref.at[r, sidx], mask=sidx < nseg, other=_BIG))  # no tie before
 
             def cond(st):
                 ci, found = st
@@ -388,7 +427,7 @@ def _finish_kernel(L_ref, hi_ref, cnt_ref, eqc_ref, bk_ref, bi_ref, x_ref, cand_
                 out(M + rank - 1, col, kk, keep)
                 return ci + 1, found + _isum(eq)
 
-            lax.while_loop(cond, body, ((s0 * seg_elems) // ch, jnp.int32(0)))
+            lax.while_loop(cond, body, (jnp.minimum(start, v) // ch, jnp.int32(0)))
 
     @pl.when(M > cap)
     def _():  # adversarial row: exact search over the whole row, then one compaction pass
@@ -417,6 +456,168 @@ def _finish_kernel(L_ref, hi_ref, cnt_ref, eqc_ref, bk_ref, bi_ref, x_ref, cand_
         lax.while_loop(cond, body, (jnp.int32(0), jnp.int32(0), jnp.int32(0)))
 
 
+# ----------------------------------------------------------------------------- kernels (blocks)
+def _barrier(interpret):
+    """Orders this program's global writes before its later reads (a no-op when interpreted)."""
+    if not interpret:
+        plt.debug_barrier()
+
+
+def _block_keys(x, dtype):
+    """[tb, bs] logits -> [tb] canonical key of each row's max (NaN as -inf; -0.0 as +0.0).
+
+    Exact integer work (no float max: nothing depends on how a float max treats NaN or subnormals),
+    and cheaper than a max of keys: on the sign-extended bits ``b``, non-negative floats order like
+    ``b`` and negative ones in reverse, so the max key is ``max(b)`` if some ``b >= 0``, else the key
+    of ``min(b)``. Positive NaN (``b`` above +inf) is left out of the max; negative NaN lies above
+    -inf among the negative ``b``, so it only decides ``min(b)`` when the row holds nothing else.
+    """
+    k = _key_consts(dtype)
+    b = lax.bitcast_convert_type(x, k["int_t"]).astype(jnp.int32)
+    bmax = jnp.max(jnp.where(b > k["inf"], _SENT, b), axis=1)
+    bmin = jnp.min(b, axis=1)
+    neg_inf = (k["inf"] | (1 << (k["bits"] - 1))) - (1 << k["bits"])  # -inf bits, sign-extended
+    neg_inf_key = neg_inf ^ k["mask"]
+    low = jnp.where(bmin < 0, jnp.maximum(bmin ^ k["mask"], neg_inf_key), neg_inf_key)  # all NaN -> -inf
+    return _canon(jnp.where(bmax >= 0, bmax, low))
+
+
+def _blocks_bound(bm_ref, x_ref, r, m, b, *, v, nb, bs, g, c, dtype):
+    """(L, hi0, argmax) of row r from its block maxima; m/b: the row's max key and first block holding it."""
+    lane = jnp.arange(g, dtype=jnp.int32)
+
+    def body(i, gm):  # group j = blocks j, j + G, j + 2G, ...
+        idx = i * g + lane
+        k = plt.load(bm_ref.at[r, idx], mask=idx < nb, other=0).astype(jnp.int32)
+        return jnp.maximum(gm, jnp.where(idx < nb, k, _SENT))
+
+    gm = lax.fori_loop(0, -(-nb // g), body, jnp.full((g,), _SENT, jnp.int32))
+    col = b * bs + jnp.arange(bs, dtype=jnp.int32)
+    ok = col < v
+    x = plt.load(x_ref.at[r, pl.ds(b * bs, bs)], mask=ok, other=0)
+    k = jnp.where(ok, _canon(_to_key(x, dtype)), _SENT)
+    arg = jnp.min(jnp.where(k == m, col, _BIG))  # first element of the first block holding the max
+    return _bound(gm, c, g), m + 1, arg
+
+
+def _bstats_kernel(x_ref, *out_refs, v, nb, bs, tb, unroll, per, g, c, fused, dtype, interpret):
+    # x_ref [rows, V] (whole); one loop step reads `unroll` tiles of tb blocks of bs elements
+    # bm_ref [rows, nsteps * tb * unroll] (whole): canonical key of each block's max (past nb: key(-inf))
+    # fused: L, hi0, arg: 0-d blocks of [rows]; else smax / sblk: 0-d blocks of [rows, S]
+    r = pl.program_id(0)
+    s = pl.program_id(1)
+    bm_ref = out_refs[0]
+    kdt = _key_consts(dtype)["int_t"]
+    bix = jnp.arange(tb, dtype=jnp.int32)
+    lane = jnp.arange(bs, dtype=jnp.int32)
+    step = tb * unroll
+    nsteps = -(-nb // step)
+    c0 = s * per
+    c1 = jnp.minimum(c0 + per, nsteps)
+
+    def body(ci, carry, masked):
+        am, ab = carry
+        blks = [ci * step + u * tb + bix for u in range(unroll)]
+        cols = [b[:, None] * bs + lane[None, :] for b in blks]
+        if masked:  # all loads first: bytes in flight
+            xs = [plt.load(x_ref.at[r, col], mask=col < v, other=-jnp.inf) for col in cols]
+        else:
+            xs = [x_ref[r, col] for col in cols]
+        for u, (b, x) in enumerate(zip(blks, xs)):
+            kb = _block_keys(x, dtype)
+            bm_ref[r, pl.ds(ci * step + u * tb, tb)] = kb.astype(kdt)
+            if masked:
+                kb = jnp.where(b < nb, kb, _SENT)
+            gt = kb > am  # strict: the earliest block keeps the tile row
+            am, ab = jnp.where(gt, kb, am), jnp.where(gt, b, ab)
+        return am, ab
+
+    init = (jnp.full((tb,), _SENT, jnp.int32), jnp.zeros((tb,), jnp.int32))
+    full = jnp.minimum(c1, nsteps - 1)  # every step but the last reads whole blocks inside the row
+    carry = lax.fori_loop(c0, full, functools.partial(body, masked=False), init)
+    am, ab = lax.fori_loop(jnp.maximum(full, c0), c1, functools.partial(body, masked=True), carry)
+    m = jnp.max(am)
+    b = jnp.min(jnp.where(am == m, ab, _BIG))
+    if fused:
+        _, L_ref, hi_ref, arg_ref = out_refs
+        _barrier(interpret)
+        L, hi, arg = _blocks_bound(bm_ref, x_ref, r, m, b, v=v, nb=nb, bs=bs, g=g, c=c, dtype=dtype)
+        L_ref[()] = L
+        hi_ref[()] = hi
+        arg_ref[()] = arg
+    else:
+        _, smax_ref, sblk_ref = out_refs
+        smax_ref[()] = m
+        sblk_ref[()] = b
+
+
+def _bbound_kernel(bm_ref, smax_ref, sblk_ref, x_ref, L_ref, hi_ref, arg_ref, *, nseg, v, nb, bs, g, c, dtype):
+    # bm_ref [rows, *], smax_ref / sblk_ref [rows, S], x_ref [rows, V] (whole); L / hi0 / arg: 0-d blocks
+    r = pl.program_id(0)
+    sidx = jnp.arange(_pow2(nseg), dtype=jnp.int32)
+    smax = plt.load(smax_ref.at[r, sidx], mask=sidx < nseg, other=_SENT)
+    sblk = plt.load(sblk_ref.at[r, sidx], mask=sidx < nseg, other=_BIG)
+    m = jnp.max(smax)
+    b = jnp.min(jnp.where(smax == m, sblk, _BIG))  # segments in order: the first block
+    L, hi, arg = _blocks_bound(bm_ref, x_ref, r, m, b, v=v, nb=nb, bs=bs, g=g, c=c, dtype=dtype)
+    L_ref[()] = L
+    hi_ref[()] = hi
+    arg_ref[()] = arg
+
+
+def _bgather_kernel(L_ref, bm_ref, x_ref, bl_ref, bk_ref, bi_ref, cnt_ref, st_ref, *,
+                    v, nb, bs, pb, tbs, tb2, cap, dtype, interpret):
+    # L_ref [rows]; bm_ref [rows, *]; x_ref [rows, V]; segment s owns blocks [s * pb, (s + 1) * pb)
+    # bl_ref [rows, S, pb+1]: the ids of the segment's blocks whose max is above L (slot pb = trash)
+    # bk_ref/bi_ref [rows, S, cap+1] (slot cap = trash); cnt_ref/st_ref: 0-d blocks of [rows, S]
+    r = pl.program_id(0)
+    s = pl.program_id(1)
+    T = L_ref[r]
+    b0 = s * pb
+    b1 = jnp.minimum(b0 + pb, nb)
+
+    # 1. which blocks to read (in order), and the first block that may hold an element equal to L
+    li = jnp.arange(tbs, dtype=jnp.int32)
+
+    def scan(i, carry):
+        nsel, fb = carry
+        blk = b0 + i * tbs + li
+        ok = blk < b1
+        kb = jnp.where(ok, plt.load(bm_ref.at[r, blk], mask=ok, other=0).astype(jnp.int32), _SENT)
+        selb = kb > T
+        pos = jnp.where(selb, nsel + _icumsum(selb) - 1, pb)
+        plt.store(bl_ref.at[r, s, pos], blk, mask=selb)
+        return nsel + _isum(selb), jnp.minimum(fb, jnp.min(jnp.where(kb >= T, blk, _BIG)))
+
+    nsel, fb = lax.fori_loop(0, -(-pb // tbs), scan, (jnp.int32(0), jnp.int32(_BIG)))
+    _barrier(interpret)
+
+    # 2. read those blocks; compact their elements above L, in vocab order
+    j0 = jnp.arange(tb2, dtype=jnp.int32)
+    lane = jnp.arange(bs, dtype=jnp.int32)
+
+    def body(i, off):
+        j = i * tb2 + j0
+        okj = j < nsel
+        bid = plt.load(bl_ref.at[r, s, j], mask=okj, other=0)
+        col = bid[:, None] * bs + lane[None, :]
+        ok = okj[:, None] & (col < v)
+        x = plt.load(x_ref.at[r, col], mask=ok, other=0)
+        k = jnp.where(ok, _to_key(x, dtype), _SENT)
+        sel = k > T
+        rc = _isum(sel, axis=1)
+        pos = off + (_icumsum(rc) - rc)[:, None] + jnp.cumsum(sel.astype(jnp.int32), axis=1, dtype=jnp.int32) - 1
+        w = sel & (pos < cap)
+        pos = jnp.where(w, pos, cap)
+        plt.store(bk_ref.at[r, s, pos], k, mask=w)
+        plt.store(bi_ref.at[r, s, pos], col, mask=w)
+        return off + _isum(rc)
+
+    off = lax.fori_loop(0, (nsel + tb2 - 1) // tb2, body, jnp.int32(0))
+    cnt_ref[()] = off
+    st_ref[()] = jnp.where(fb < _BIG, fb * bs, _BIG)
+
+
 # ----------------------------------------------------------------------------- wrapper
 def _scalar_spec2():
     return pl.BlockSpec((None, None), lambda r, s: (r, s))
@@ -430,9 +631,45 @@ def _scalar_spec1():
     return pl.BlockSpec((None,), lambda r: (r,))
 
 
+def _tile_for(nunits: int, tile: int, unroll: int, want: int, min_tile: int) -> tuple[int, int]:
+    """(tile, unroll) <= the configured ones (unroll halved first, then tile down to ``min_tile``) so
+    that the row still splits into ``want`` segments of whole steps."""
+    while -(-nunits // (tile * unroll)) < want and (unroll > 1 or tile > min_tile):
+        if unroll > 1:
+            unroll //= 2
+        else:
+            tile //= 2
+    return tile, unroll
+
+
 @functools.partial(jax.jit, static_argnames=("c", "cfg", "interpret", "upto"))
 def _select_pallas(base, *, c: int, cfg: SelectConfig, interpret: bool, upto: str = "finish"):
     """The three stages; ``upto="stats"|"gather"`` stops early and returns the intermediates (benchmarks)."""
+    rows, v = base.shape
+    dtype = jnp.dtype(base.dtype)
+    want = _want_segments(rows, cfg)
+    stages = _strided_stages if cfg.resolved_method(rows) == "strided" else _blocks_stages
+    out = stages(base, c=c, cfg=cfg, interpret=interpret, want=want, upto=upto)
+    if upto != "finish":
+        return out
+    L, hi0, arg, cnt, st, bk, bi = out
+    nseg = cnt.shape[1]
+
+    # 3. finish
+    width = c + 1 if interpret else c
+    cand, vals = common.pallas_call(
+        functools.partial(_finish_kernel, v=v, c=c, cap=cfg.cap, nseg=nseg, ch=cfg.scan_chunk, dtype=dtype,
+                          trash=c if interpret else 0),
+        name="select_finish", grid=(rows,), interpret=interpret, num_warps=cfg.finish_warps,
+        in_specs=[pl.no_block_spec] * 7, out_specs=[pl.no_block_spec, pl.no_block_spec],
+        out_shape=[jax.ShapeDtypeStruct((rows, width), jnp.int32), jax.ShapeDtypeStruct((rows, width), dtype)],
+    )(L, hi0, cnt, st, bk, bi, base)
+    if width != c:
+        cand, vals = cand[:, :c], vals[:, :c]
+    return cand, vals, arg
+
+
+def _strided_stages(base, *, c, cfg, interpret, want, upto):
     rows, v = base.shape
     dtype = jnp.dtype(base.dtype)
     g, cap, ch = cfg.groups, cfg.cap, cfg.chunk
@@ -441,7 +678,6 @@ def _select_pallas(base, *, c: int, cfg: SelectConfig, interpret: bool, upto: st
     anyspec = pl.no_block_spec
 
     # 1. stats (+ bound)
-    want = _want_segments(rows, cfg)
     s1, per1 = _split(-(-v // (g * cfg.unroll)), want)
     fused = s1 == 1
     kern = functools.partial(_stats_kernel, v=v, g=g, unroll=cfg.unroll, per=per1, c=c, fused=fused, dtype=dtype)
@@ -470,27 +706,67 @@ def _select_pallas(base, *, c: int, cfg: SelectConfig, interpret: bool, upto: st
     # 2. gather everything above the bound
     gu = _gather_unroll(v, want, cfg)
     s3, per3 = _split(-(-v // (ch * gu)), want)
-    bk, bi, cnt, eqc = common.pallas_call(
+    bk, bi, cnt, st = common.pallas_call(
         functools.partial(_gather_kernel, v=v, ch=ch, unroll=gu, per=per3, cap=cap, dtype=dtype),
-        name="select_gather", grid=(rows, s3), interpret=interpret, num_warps=cfg.gather_warps, in_specs=[anyspec, anyspec],
-        out_specs=[anyspec, anyspec, _scalar_spec2(), _scalar_spec2()],
+        name="select_gather", grid=(rows, s3), interpret=interpret, num_warps=cfg.gather_warps,
+        in_specs=[anyspec, anyspec], out_specs=[anyspec, anyspec, _scalar_spec2(), _scalar_spec2()],
         out_shape=[jax.ShapeDtypeStruct((rows, s3, cap + 1), i32)] * 2 + [jax.ShapeDtypeStruct((rows, s3), i32)] * 2,
     )(L, base)
-    if upto == "gather":
-        return L, hi0, arg, cnt, eqc, bk, bi
+    return L, hi0, arg, cnt, st, bk, bi
 
-    # 3. finish
-    width = c + 1 if interpret else c
-    cand, vals = common.pallas_call(
-        functools.partial(_finish_kernel, v=v, c=c, cap=cap, nseg=s3, seg_elems=per3 * gu * ch,
-                          ch=cfg.scan_chunk, dtype=dtype,
-                          trash=c if interpret else 0),
-        name="select_finish", grid=(rows,), interpret=interpret, num_warps=cfg.finish_warps, in_specs=[anyspec] * 7, out_specs=[anyspec, anyspec],
-        out_shape=[jax.ShapeDtypeStruct((rows, width), i32), jax.ShapeDtypeStruct((rows, width), dtype)],
-    )(L, hi0, cnt, eqc, bk, bi, base)
-    if width != c:
-        cand, vals = cand[:, :c], vals[:, :c]
-    return cand, vals, arg
+
+def _blocks_stages(base, *, c, cfg, interpret, want, upto):
+    rows, v = base.shape
+    dtype = jnp.dtype(base.dtype)
+    g, cap, bs = cfg.groups, cfg.cap, cfg.block
+    i32 = jnp.int32
+    kdt = _key_consts(dtype)["int_t"]
+    call = functools.partial(common.pallas_call, interpret=interpret, num_warps=cfg.num_warps)
+    anyspec = pl.no_block_spec
+    nb = -(-v // bs)
+
+    # 1. block maxima (+ bound)
+    tb, su = _tile_for(nb, min(cfg.stats_blocks, _pow2(nb)), cfg.stats_unroll, want, min(64, cfg.stats_blocks))
+    nsteps = -(-nb // (tb * su))
+    s1, per1 = _split(nsteps, want)
+    fused = s1 == 1
+    kern = functools.partial(_bstats_kernel, v=v, nb=nb, bs=bs, tb=tb, unroll=su, per=per1, g=g, c=c, fused=fused,
+                             dtype=dtype, interpret=interpret)
+    bm_shape = jax.ShapeDtypeStruct((rows, nsteps * tb * su), kdt)
+    if fused:
+        bm, L, hi0, arg = call(
+            kern, name="select_bstats_bound", grid=(rows, 1), in_specs=[anyspec],
+            out_specs=[anyspec] + [_scalar_spec2_1d() for _ in range(3)],
+            out_shape=[bm_shape] + [jax.ShapeDtypeStruct((rows,), i32)] * 3,
+        )(base)
+    else:
+        bm, smax, sblk = call(
+            kern, name="select_bstats", grid=(rows, s1), in_specs=[anyspec],
+            out_specs=[anyspec, _scalar_spec2(), _scalar_spec2()],
+            out_shape=[bm_shape] + [jax.ShapeDtypeStruct((rows, s1), i32)] * 2,
+        )(base)
+        L, hi0, arg = call(
+            functools.partial(_bbound_kernel, nseg=s1, v=v, nb=nb, bs=bs, g=g, c=c, dtype=dtype),
+            name="select_bbound", grid=(rows,),
+            in_specs=[anyspec] * 4, out_specs=[_scalar_spec1() for _ in range(3)],
+            out_shape=[jax.ShapeDtypeStruct((rows,), i32)] * 3,
+        )(bm, smax, sblk, base)
+    if upto == "stats":
+        return L, hi0, arg
+
+    # 2. gather the elements above the bound from the blocks whose max is above it
+    pb = -(-nb // want)
+    s3 = -(-nb // pb)
+    bl, bk, bi, cnt, st = common.pallas_call(
+        functools.partial(_bgather_kernel, v=v, nb=nb, bs=bs, pb=pb, tbs=min(cfg.scan_blocks, _pow2(pb)),
+                          tb2=min(cfg.gather_blocks, _pow2(pb)), cap=cap, dtype=dtype, interpret=interpret),
+        name="select_bgather", grid=(rows, s3), interpret=interpret, num_warps=cfg.gather_warps,
+        in_specs=[anyspec] * 3, out_specs=[anyspec] * 3 + [_scalar_spec2(), _scalar_spec2()],
+        out_shape=[jax.ShapeDtypeStruct((rows, s3, pb + 1), i32)] + [jax.ShapeDtypeStruct((rows, s3, cap + 1), i32)] * 2
+        + [jax.ShapeDtypeStruct((rows, s3), i32)] * 2,
+    )(L, bm, base)
+    del bl
+    return L, hi0, arg, cnt, st, bk, bi
 
 
 def select_candidates(base: jax.Array, c: int, *, interpret: bool = False, **config):

@@ -19,7 +19,11 @@ BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 
 
 V, C = 3001, 100  # V no multiple of any block, C no power of two
-SMALL = dict(groups=128, unroll=2, cap=256, chunk=128, gather_unroll=2, scan_chunk=512)  # blocks scaled to V
+SMALL = dict(method="strided", groups=128, unroll=2, cap=256, chunk=128, gather_unroll=2, scan_chunk=512)  # scaled to V
+# blocks method scaled to V: 751 blocks of 4 (the last one partial), 256 groups of ~3 blocks, 8 blocks per gather load
+SMALL_BLOCKS = dict(method="blocks", groups=256, stats_unroll=2, cap=256, block=4, stats_blocks=16, scan_blocks=64,
+                    gather_blocks=8, scan_chunk=512)
+SMALLS = {"strided": SMALL, "blocks": SMALL_BLOCKS}
 
 
 def _mixed_rows(seed: int) -> np.ndarray:
@@ -42,13 +46,28 @@ def _mixed_rows(seed: int) -> np.ndarray:
     return x
 
 
-def _paths(x: np.ndarray, c: int, groups: int, cap: int) -> list[str]:
-    """Which finish path each row takes (numpy model of the bound): fast, ties (M < c), row (M > cap)."""
+def _paths(x: np.ndarray, c: int, groups: int, cap: int, block: int = 1) -> list[str]:
+    """Which finish path each row takes (numpy model of the bound): fast, ties (M < c), row (M > cap).
+
+    block=1: the strided method (element i in group i % groups); else the blocks method (block b of
+    ``block`` elements in group b % groups).
+    """
     x = np.where(np.isnan(x), -np.inf, x)
     v = x.shape[1]
-    pad = np.full((x.shape[0], -(-v // groups) * groups), -np.inf)
-    pad[:, :v] = x
-    gm = pad.reshape(x.shape[0], -1, groups).max(axis=1)
+    if block > 1:
+        nb = -(-v // block)
+        pad = np.full((x.shape[0], nb * block), -np.inf)
+        pad[:, :v] = x
+        x_blocks = pad.reshape(x.shape[0], nb, block).max(axis=2)
+        return _paths_from(x, x_blocks, c, groups, cap)
+    return _paths_from(x, x, c, groups, cap)
+
+
+def _paths_from(x, units, c, groups, cap):
+    v = units.shape[1]
+    pad = np.full((units.shape[0], -(-v // groups) * groups), -np.inf)
+    pad[:, :v] = units
+    gm = pad.reshape(units.shape[0], -1, groups).max(axis=1)
     bound = np.sort(gm, axis=1)[:, ::-1][:, c - 1] if c <= groups else np.full(x.shape[0], -np.inf)
     m = (x > bound[:, None]).sum(axis=1) + (c > groups) * np.isneginf(x).sum(axis=1)
     return ["ties" if n < c else "row" if n > cap else "fast" for n in m]
@@ -58,6 +77,10 @@ def test_mixed_rows_cover_every_path():
     paths = _paths(_mixed_rows(seed=1), C, SMALL["groups"], SMALL["cap"])
     assert {"fast", "ties", "row"} <= set(paths), paths
     assert paths[12] == "row" and paths[4] == paths[5] == "ties" and paths[0] == "fast"
+    b = SMALL_BLOCKS
+    paths = _paths(_mixed_rows(seed=1), C, b["groups"], b["cap"], b["block"])
+    assert {"fast", "ties", "row"} <= set(paths), paths
+    assert paths[5] == "row" and paths[4] == "ties" and paths[0] == paths[12] == "fast"  # sorted: a flood of blocks
 
 
 def _assert_matches_oracle(got, base, c):
@@ -76,19 +99,23 @@ def _assert_matches_oracle(got, base, c):
 
 
 class TestSelect:
-    """Kernels vs oracle; skipped without a CUDA GPU (the subclass below runs them on CPU)."""
+    """Kernels vs oracle, every test for both methods; skipped without a CUDA GPU (the subclass below
+    runs them on CPU)."""
 
     INTERPRET = False
 
-    @pytest.fixture(autouse=True)
-    def _device(self):
+    @pytest.fixture(autouse=True, params=["strided", "blocks"])
+    def _device(self, request):
         if self.INTERPRET:
             if jax.default_backend() != "cpu":
                 pytest.skip("interpret tests run on CPU")
         elif not common.gpu_supported():
             pytest.skip("needs a CUDA GPU (sm80+)")
+        self.method = request.param
+        self.small = SMALLS[self.method]
 
     def run(self, base, c, **cfg):
+        cfg.setdefault("method", self.method)
         got = sel.select_candidates(base, c, interpret=self.INTERPRET, **cfg)
         _assert_matches_oracle(got, base, c)
         return got
@@ -98,7 +125,7 @@ class TestSelect:
     @pytest.mark.parametrize("dtype", [BF16, F32])
     def test_matches_oracle_on_every_kind_of_row(self, dtype, segments):
         base = jnp.asarray(_mixed_rows(seed=1), dtype)
-        _, vals, arg = self.run(base, C, segments=segments, **SMALL)
+        _, vals, arg = self.run(base, C, segments=segments, **self.small)
         assert not np.isnan(np.asarray(vals, np.float32)).any()
         assert int(arg[6]) == 0 and int(arg[7]) == 0 and int(arg[10]) == V - 7 and int(arg[11]) == 5
 
@@ -112,7 +139,7 @@ class TestSelect:
         for i in range(15):
             x[i, perm[i, :40]] = 9.0
             x[i, perm[i, 40:340]] = 5.0
-        cand, _, _ = self.run(jnp.asarray(x, dtype), C, **SMALL)
+        cand, _, _ = self.run(jnp.asarray(x, dtype), C, **self.small)
         for i in range(15):
             want = set(perm[i, :40].tolist()) | set(np.sort(perm[i, 40:340])[:60].tolist())
             assert set(np.asarray(cand[i]).tolist()) == want
@@ -125,13 +152,37 @@ class TestSelect:
         self.run(jnp.asarray(x, dtype), 77)
 
     def test_serving_blocks_many_segments(self):
-        # default blocks (G=1024, cap=2048, chunk=8192), 20 stats segments: the bound kernel loops
+        # default block sizes, many stats segments (the bound kernel loops over them)
         base = jnp.asarray(np.random.default_rng(6).standard_normal((15, 40000)), BF16)
-        self.run(base, 512, unroll=1)
+        self.run(base, 512, unroll=1, groups=1024, cap=2048, stats_blocks=64)
 
     def test_c_equals_v(self):
         base = jnp.asarray(np.round(np.random.default_rng(4).standard_normal((15, 700)) * 2), BF16)
-        self.run(base, 700, groups=64, unroll=2, cap=1024, chunk=128, scan_chunk=128)  # c > groups: no bound, everything buffered
+        # c > groups: no bound, everything buffered
+        self.run(base, 700, groups=64, unroll=2, cap=1024, chunk=128, scan_chunk=128, block=4, stats_blocks=16,
+                 stats_unroll=2)
+
+    @pytest.mark.parametrize("segments", [None, 1])
+    @pytest.mark.parametrize("dtype", [BF16, F32])
+    def test_block_and_segment_edges(self, dtype, segments):
+        # hot elements (far above the rest) at the edges of blocks, loads, segments and the row; C cuts
+        # through a class of equal hot values, so the lowest ids must win there too
+        rng = np.random.default_rng(11)
+        x = rng.uniform(-6.0, -1.0, (15, V))
+        bs = self.small.get("block", 4)
+        pb = -(-(-(-V // bs)) // 32)  # blocks per gather segment at 15 rows (32 segments)
+        edges = sorted({0, 1, bs - 1, bs, 2 * bs - 1, 2 * bs, pb * bs - 1, pb * bs, 2 * pb * bs - 1,
+                        8 * bs - 1, 8 * bs, 16 * bs, 128 - 1, 128, 1024 - 1, 1024, V - bs - 1, V - 2, V - 1})
+        for i in range(15):
+            hot = np.array(edges + sorted(rng.choice(V, 60 + 7 * i, replace=False).tolist()))
+            x[i, hot] = rng.choice([1.0, 1.5, 2.0], hot.size)  # ties among the hot values
+            if i % 3 == 0:
+                x[i, edges] = 2.0  # the edges themselves tie at the top
+        if dtype == F32:
+            x[14, :] = -1e-30
+            x[14, edges] = 3e-39  # subnormal maxima: block maxima and compares must not flush them
+            x[14, edges[::2]] = 6e-39
+        self.run(jnp.asarray(x, dtype), C, segments=segments, **self.small)
 
     def test_small_vocab_one_chunk(self):
         base = jnp.asarray(np.random.default_rng(8).standard_normal((15, 37)), F32)
@@ -157,6 +208,8 @@ class TestSelect:
             sel.select_candidates(base, 10, interpret=self.INTERPRET, cap=100)
         with pytest.raises(ValueError, match=r"\[rows, V\]"):
             sel.select_candidates(base[0], 10, interpret=self.INTERPRET)
+        with pytest.raises(ValueError, match="method"):
+            sel.select_candidates(base, 10, interpret=self.INTERPRET, method="radix")
 
 
 class TestSelectInterpret(TestSelect):
@@ -176,16 +229,22 @@ def test_keys_follow_top_k_order_over_all_bf16_values():
     np.testing.assert_array_equal(back, clean)
 
 
-@pytest.mark.parametrize("rows,segments,x64", [(15, None, False), (15, 1, False), (3840, None, False), (15, None, True)])
+@pytest.mark.parametrize("rows,segments,x64,method", [
+    (15, None, False, "auto"), (15, 1, False, "auto"), (3840, None, False, "auto"), (15, None, True, "auto"),
+    (15, None, False, "blocks"), (15, 1, False, "blocks"), (15, None, True, "blocks"), (3840, None, False, "strided"),
+])
 @pytest.mark.parametrize("dtype", [BF16, F32])
-def test_lowers_to_triton_for_h200(rows, segments, x64, dtype):
+def test_lowers_to_triton_for_h200(rows, segments, x64, method, dtype):
     """Every kernel lowers to Triton IR at serving shapes (V=151936, c=512); no XLA fallback."""
     kw = {} if segments is None else {"segments": segments}
-    f = functools.partial(sel.select_candidates, c=512, **kw)
+    f = functools.partial(sel.select_candidates, c=512, method=method, **kw)
     with jax.enable_x64(x64):
         hlo = common.lower_triton(f, jax.ShapeDtypeStruct((rows, 151936), dtype)).as_text()
-    fused = rows >= 528 or segments == 1
-    names = ["select_finish", "select_gather"] + (["select_stats_bound"] if fused else ["select_stats", "select_bound"])
+    blocks = sel.SelectConfig(method=method).resolved_method(rows) == "blocks"
+    assert blocks == (method == "blocks" or (method == "auto" and rows >= 64))
+    fused = rows >= 512 or segments == 1
+    p = "select_b" if blocks else "select_"
+    names = ["select_finish", p + "gather"] + ([p + "stats_bound"] if fused else [p + "stats", p + "bound"])
     assert hlo.count("__gpu$xla.gpu.triton") == len(names)
     for n in names:
         assert f'"{n}"' in hlo or n in hlo, n
