@@ -47,6 +47,11 @@ def full_vocab_config(rows: int, vocab: int, rank: int, dtype) -> tuple[str, ful
     raise AssertionError("unreachable")
 
 
+#: Up to this many blocks XLA's fused latent (jnp) beats the split kernel (dev_latent, H200:
+#: N=1 -0.7 vs 1.9 µs net, N=4 0.8 vs 3.5; from N=16 on the kernel wins: 6.8 vs 8.5).
+LATENT_XLA_MAX_N = 4
+
+
 def topc_config(rows: int, c: int, rank: int, dtype) -> topc_pick.TopCConfig:
     """Top-C pick config: 128-candidate tiles, 64-wide rank chunks, 8 warps (best at N=1..256 on an H200)."""
     d = topc_pick.default_config(rows, c, rank, dtype)
@@ -76,10 +81,6 @@ def _pallas_ops(interpret: bool):
         name = "pallas-interpret" if interpret else "pallas"
 
         @staticmethod
-        def latent_pass(params, xh, blk, prev_ids):
-            return latent.latent_pass(params, xh, blk, prev_ids, interpret=interpret)
-
-        @staticmethod
         def full_vocab_pick(base, lat, w2):
             variant, cfg = full_vocab_config(base.shape[0], base.shape[1], lat.shape[1], base.dtype)
             return full_vocab.full_vocab_pick(base, lat, w2, variant=variant, config=cfg, interpret=interpret)
@@ -93,7 +94,15 @@ def _pallas_ops(interpret: bool):
 
         @staticmethod
         def select_candidates(base, c):
-            return select.select_candidates(base, c, interpret=interpret)
+            # 16-element blocks measured faster than 32 at 240 and 3840 rows (dev_select, H200).
+            kw = dict(block=16) if base.shape[0] >= 240 else {}
+            return select.select_candidates(base, c, interpret=interpret, **kw)
+
+        @staticmethod
+        def latent_pass(params, xh, blk, prev_ids):
+            if blk.shape[0] <= LATENT_XLA_MAX_N and not interpret:  # interpret (tests) always runs the kernel
+                return _JnpOps.latent_pass(params, xh, blk, prev_ids)
+            return latent.latent_pass(params, xh, blk, prev_ids, interpret=interpret)
 
         @staticmethod
         def topc_prepare(w2, cand):
