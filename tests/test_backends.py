@@ -44,14 +44,14 @@ def test_refine_lowers_to_triton_kernels(topc):
     """The whole pallas refine lowers for an H200; each kernel appears in the HLO (no silent fallback)."""
     cfg = xj.HeadConfig(vocab_size=4099, hidden_size=64, block_size=16, rank=256, mlp_hidden=512, topc=512)
     p = jax.eval_shape(lambda: xj.init_params(cfg, jax.random.key(0), dtype=jnp.bfloat16))
-    n = 2
+    n = 8  # above api.LATENT_XLA_MAX_N, so the latent kernel is used
     logits = jax.ShapeDtypeStruct((n, 16, cfg.vocab_size), jnp.bfloat16)
     h = jax.ShapeDtypeStruct((n, 16, cfg.hidden_size), jnp.bfloat16)
     ids = jax.ShapeDtypeStruct((n,), jnp.int32)
     f = lambda p, l, h, a: xj.refine(p, l, h, a, num_passes=3, topc=topc, backend="pallas", unroll=True)
     text = lower_triton(f, p, logits, h, ids).as_text()
     assert "xpress_latent_pass" in text
-    names = ("xpress_topc_pick", "select_gather") if topc else ("xpress_full_vocab",)
+    names = ("xpress_topc_pick", "select_bgather", "select_finish") if topc else ("xpress_full_vocab",)
     for name in names:
         assert name in text, f"{name} missing from the lowered HLO"
 

@@ -232,6 +232,7 @@ def test_keys_follow_top_k_order_over_all_bf16_values():
 @pytest.mark.parametrize("rows,segments,x64,method", [
     (15, None, False, "auto"), (15, 1, False, "auto"), (3840, None, False, "auto"), (15, None, True, "auto"),
     (15, None, False, "blocks"), (15, 1, False, "blocks"), (15, None, True, "blocks"), (3840, None, False, "strided"),
+    (15, None, False, "strided"),
 ])
 @pytest.mark.parametrize("dtype", [BF16, F32])
 def test_lowers_to_triton_for_h200(rows, segments, x64, method, dtype):
@@ -241,7 +242,7 @@ def test_lowers_to_triton_for_h200(rows, segments, x64, method, dtype):
     with jax.enable_x64(x64):
         hlo = common.lower_triton(f, jax.ShapeDtypeStruct((rows, 151936), dtype)).as_text()
     blocks = sel.SelectConfig(method=method).resolved_method(rows) == "blocks"
-    assert blocks == (method == "blocks" or (method == "auto" and rows >= 64))
+    assert blocks == (method == "blocks" or (method == "auto" and rows >= sel.SelectConfig().blocks_min_rows))
     fused = rows >= 512 or segments == 1
     p = "select_b" if blocks else "select_"
     names = ["select_finish", p + "gather"] + ([p + "stats_bound"] if fused else [p + "stats", p + "bound"])
