@@ -105,5 +105,89 @@ def main(argv=None):
               f"{p['differ']} / {p['rows']} | {gap:.2f} | {sgap:.2f} |")
 
 
+
+
+def explain_flips(cfg, n, topc):
+    """Step both backends pass by pass on the end-to-end problem; at each first divergence
+    (same block state in, different token out) report how far apart the two latents are and
+    the exact scores of the two tokens under each latent."""
+    from pallas_kernels import api
+
+    P, X = api.ops(interpret=jax.default_backend() == "cpu"), _JnpOps
+    params, logits, h, anchors = make_problem(cfg, n)
+    B, V, r = cfg.block_size, cfg.vocab_size, cfg.rank
+    rows = n * (B - 1)
+    xh = xj.hidden_input(params, h)
+    base = logits[:, 1:].reshape(rows, V)
+    w2 = params["w2"]
+    if topc:
+        cand, base_c, start = X.select_candidates(base, topc)
+        prep_x, prep_p = X.topc_prepare(w2, cand), P.topc_prepare(w2, cand)
+        pick_x = lambda lat: X.topc_pick(base_c, cand, lat, prep_x)
+        pick_p = lambda lat: P.topc_pick(base_c, cand, lat, prep_p)
+    else:
+        start = jnp.argmax(base, -1).astype(jnp.int32)
+        pick_x = lambda lat: X.full_vocab_pick(base, lat, w2)
+        pick_p = lambda lat: P.full_vocab_pick(base, lat, w2)
+    f = jax.jit(xj.refine, static_argnames=xj.STATIC_ARGNAMES)
+    lat_x, lat_p = jax.jit(X.latent_pass), jax.jit(P.latent_pass)
+    kw = dict(config=cfg, topc=topc)
+    prev_x = prev_p = np.asarray(start).reshape(n, B - 1)
+    found = []
+    for p in range(1, cfg.num_passes + 1):
+        # The jitted refine itself, K = p: the passes' inputs are exactly the end-to-end run's.
+        ox = np.asarray(f(params, logits, h, anchors, num_passes=p, backend="xla", **kw))
+        op = np.asarray(f(params, logits, h, anchors, num_passes=p, backend="pallas",
+                          interpret=jax.default_backend() == "cpu", **kw))
+        same_in = np.all(prev_x == prev_p, axis=1)
+        blk = jnp.concatenate([anchors[:, None], jnp.asarray(prev_x)], 1)
+        lx = lat_x(params, xh, blk, anchors).reshape(rows, r)
+        lp = lat_p(params, xh, blk, anchors).reshape(rows, r)
+        for i in np.nonzero(np.repeat(same_in, B - 1) & (ox.reshape(-1) != op.reshape(-1)))[0]:
+            ids = jnp.asarray([int(ox.reshape(-1)[i]), int(op.reshape(-1)[i])])
+            w = np.asarray(w2[ids].astype(jnp.float32), np.float64)
+            b = np.asarray(base[i, ids].astype(jnp.float32), np.float64)
+            la, lb = (np.asarray(l[i].astype(jnp.float32), np.float64) for l in (lx, lp))
+            lat_ulps = float(np.max(np.abs(la - lb) / _ulp_bf16(np.maximum(np.abs(la), np.abs(lb)))))
+            sx, sp = b + w @ la, b + w @ lb  # exact scores of both tokens under each latent
+            found.append(dict(N=n, topc=topc, pass_=p, row=int(i), xla_token=int(ids[0]),
+                              pallas_token=int(ids[1]), lat_elems_differ=int(np.sum(la != lb)),
+                              lat_max_diff_ulps=lat_ulps, scores_xla_latent=sx.tolist(),
+                              scores_pallas_latent=sp.tolist(),
+                              gap_score_ulps=float(max(abs(sx[0] - sx[1]), abs(sp[0] - sp[1]))
+                                                   / _ulp_bf16(np.max(np.abs(sx))))))
+        prev_x, prev_p = ox, op
+    return found
+
+
+def explain_main(argv=None):
+    ap = argparse.ArgumentParser(description="explain end-to-end flips (first divergences)")
+    ap.add_argument("--n", default="64,256")
+    ap.add_argument("--out", default=os.environ.get("OUT", "agreement_out"))
+    args = ap.parse_args(argv)
+    cfg = xj.HeadConfig(**SERVING)
+    allf = []
+    for n in [int(x) for x in args.n.split(",")]:
+        for topc in (512, 0):
+            f = explain_flips(cfg, n, topc)
+            allf += f
+            for x in f:
+                print(json.dumps(x), flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "flips.json"), "w") as fh:
+        json.dump(allf, fh, indent=1)
+    print("\n| mode | N | pass | xla tok | pallas tok | latent elems differ | max latent diff (ulps) | score gap (ulps) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for x in allf:
+        mode = "full vocab" if x["topc"] == 0 else f"top-{x['topc']}"
+        print(f"| {mode} | {x['N']} | {x['pass_']} | {x['xla_token']} | {x['pallas_token']} | "
+              f"{x['lat_elems_differ']} | {x['lat_max_diff_ulps']:.2f} | {x['gap_score_ulps']:.2f} |")
+
+
 if __name__ == "__main__":
-    main()
+    import sys
+
+    if sys.argv[1:2] == ["explain"]:
+        explain_main(sys.argv[2:])
+    else:
+        main()

@@ -92,6 +92,11 @@ SCORES = ("fma", "dot")
 #: Inclusive N range in which refine should call `topc_all_passes` instead of the
 #: per-pass kernels; None = never. Set only from an H200 run of
 #: benchmarks/dev_fused_passes.py (which prints the measured range); not set by guess.
+#: Measured 2026-11-30 (H200, JAX 0.11.2, K-pass loop alone, best single-launch variant
+#: vs per-pass Pallas, µs): N=1 781 vs 83, N=4 715 vs 109, N=16 812 vs 264, N=64 814 vs 542,
+#: N=132 965 vs 919, N=256 1887 vs 1484 -> never faster: one SM per block streams its
+#: candidates' w2 rows (3.9 MB per pass) alone, while the per-pass kernels spread a pass
+#: over every SM. End to end (top-512 refine): 842 vs 120 µs at N=1, 4136 vs 3793 at N=256.
 SINGLE_LAUNCH_N: tuple[int, int] | None = None
 
 
