@@ -40,10 +40,13 @@ def demo(args: argparse.Namespace) -> int:
     h = jax.random.normal(kh, (N, B, cfg.hidden_size), jnp.float32).astype(dtype)
     anchors = jax.random.randint(ka, (N,), 0, V, jnp.int32)
     refine = jax.jit(xj.refine, static_argnames=xj.STATIC_ARGNAMES)
+    # Pallas kernels only compile for GPUs; on a CPU they run in (slow) interpret mode.
+    interpret = args.backend.startswith("pallas") and jax.default_backend() == "cpu"
     drafter = np.asarray(jnp.argmax(logits[:, 1:], axis=-1))
 
     print(f"xpress demo: V={V} H={cfg.hidden_size} B={B} r={cfg.rank} M={cfg.mlp_hidden} "
-          f"C={cfg.topc} K={cfg.num_passes} N={N} dtype={dtype.name} backend={args.backend}")
+          f"C={cfg.topc} K={cfg.num_passes} N={N} dtype={dtype.name} backend={args.backend}"
+          f"{' (interpret mode)' if interpret else ''}")
     print(f"jax {jax.__version__} on {jax.devices()[0].platform} ({jax.devices()[0].device_kind})")
     print()
     print(f"{'mode':<12} {'K':>3} {'compile s':>10} {'call ms':>9} {'tokens changed vs drafter':>27}")
@@ -51,7 +54,7 @@ def demo(args: argparse.Namespace) -> int:
     for mode, topc in (("full-vocab", 0), (f"top-{cfg.topc}", cfg.topc)):
         if mode.startswith("top") and topc == 0:
             continue
-        kw = dict(num_passes=cfg.num_passes, topc=topc, config=cfg, backend=args.backend)
+        kw = dict(num_passes=cfg.num_passes, topc=topc, config=cfg, backend=args.backend, interpret=interpret)
         t0 = time.perf_counter()
         out = refine(params, logits, h, anchors, **kw).block_until_ready()
         compile_s = time.perf_counter() - t0
@@ -61,7 +64,7 @@ def demo(args: argparse.Namespace) -> int:
 
     # Fixed point: with K >= B-1 full-vocab passes the block is the sequential greedy decode,
     # so one more pass changes nothing.
-    kw = dict(topc=0, config=cfg, backend=args.backend)
+    kw = dict(topc=0, config=cfg, backend=args.backend, interpret=interpret)
     a = np.asarray(refine(params, logits, h, anchors, num_passes=B - 1, **kw))
     b = np.asarray(refine(params, logits, h, anchors, num_passes=B, **kw))
     same = bool(np.array_equal(a, b))
