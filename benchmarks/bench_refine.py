@@ -8,7 +8,9 @@ M refines chained inside one jit (call i's output feeds call i+1's anchors, and
 a one-element in-place write of it into the logits and h, so nothing can be
 hoisted out of the loop), divided by M; median of R repeats after a warm-up.
 Wall latency: one jitted call, host clock around dispatch + block_until_ready,
-median of 20. Writes bench.json, bench.md (table) and bench.png (time vs N).
+median of 20. Also, per N, top-C selection alone: the Pallas kernel vs lax.top_k
+(and torch.topk where torch sees a GPU). Writes bench.json, bench.md (tables) and
+bench.png (time vs N).
 """
 
 from __future__ import annotations
@@ -65,6 +67,52 @@ def chained(cfg, m, empty=False, **kw):
     return jax.jit(run)
 
 
+def select_rows(cfg, n, reps, interpret=False):
+    """Top-C selection alone at N blocks: the Pallas kernel vs lax.top_k (and torch.topk if importable).
+
+    Same chaining as the refines: each call's first candidate is written into the next
+    call's logits. Returns {backend: device µs per call}.
+    """
+    from pallas_kernels import api
+    from xpress_jax.refine import _JnpOps
+
+    _, logits, _, _ = make_problem(cfg, n)
+    c = cfg.topc
+    out = {}
+    impls = {"xla (lax.top_k)": _JnpOps, "pallas": api.ops(interpret=interpret)}
+    for name, ops in impls.items():
+        m = 2 if name.startswith("xla") and n >= 64 else 20
+
+        def run(logits, ops=ops, m=m):
+            def body(i, carry):
+                logits, acc = carry
+                cand, vals, am = ops.select_candidates_logits(logits, c)
+                logits = logits.at[0, 1, 0].add((cand[0, 0] % 2).astype(logits.dtype))
+                return logits, acc + am.sum()
+
+            return jax.lax.fori_loop(0, m, body, (logits, jnp.int32(0)))[1]
+
+        out[name] = time_device(jax.jit(run), (logits,), reps) / m * 1e6
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            t = torch.utils.dlpack.from_dlpack(logits[:, 1:].reshape(-1, cfg.vocab_size))
+            ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+            ts = []
+            for _ in range(reps + 1):
+                ev[0].record()
+                for _ in range(20):
+                    torch.topk(t, c, dim=-1, sorted=False)
+                ev[1].record()
+                torch.cuda.synchronize()
+                ts.append(ev[0].elapsed_time(ev[1]) * 1e3 / 20)
+            out["torch.topk"] = statistics.median(ts[1:])
+    except ImportError:
+        pass
+    return out
+
+
 def time_device(fn, args, reps):
     fn(*args).block_until_ready()  # compile + warm-up
     fn(*args).block_until_ready()
@@ -92,6 +140,7 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     ap.add_argument("--small", action="store_true", help="tiny shapes (smoke test on CPU)")
+    ap.add_argument("--no-select", action="store_true", help="skip the selection-alone rows")
     args = ap.parse_args(argv)
     shape = dict(SERVING)
     if args.small:
@@ -104,7 +153,7 @@ def main(argv=None):
     meta = dict(date=time.strftime("%Y-%m-%d"), device=dev.device_kind, platform=dev.platform,
                 jax=jax.__version__, shape=shape, K=cfg.num_passes, dtype="bfloat16")
     print(f"# refine benchmark {meta['date']} on {dev.device_kind}, jax {jax.__version__}", flush=True)
-    rows = []
+    rows, sel = [], []
     for n in ns:
         problem = make_problem(cfg, n)
         m = chain_length(n, 0, "pallas") if not args.small else 3
@@ -135,10 +184,23 @@ def main(argv=None):
                     row["disagree_tokens"] = int(np.sum(outs[backend] != ref))
                 rows.append(row)
                 print(json.dumps(row), flush=True)
+        if any(topcs) and not args.no_select:
+            interpret = dev.platform == "cpu"
+            for name, us in select_rows(cfg, n, args.reps, interpret=interpret).items():
+                sel.append(dict(N=n, C=cfg.topc, impl=name, device_us=us))
+                print(json.dumps(sel[-1]), flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench.json"), "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+        json.dump(dict(meta=meta, rows=rows, select=sel), f, indent=1)
     md = to_markdown(meta, rows, backends)
+    if sel:
+        impls = list(dict.fromkeys(r["impl"] for r in sel))
+        md += ("\nTop-C selection alone (device µs per call, C=%d):\n\n| N | " % cfg.topc + " | ".join(impls)
+               + " |\n|---:|" + "---:|" * len(impls) + "\n")
+        for n in ns:
+            cells = [next((f"{r['device_us']:.1f}" for r in sel if r["N"] == n and r["impl"] == i), "-")
+                     for i in impls]
+            md += f"| {n} | " + " | ".join(cells) + " |\n"
     with open(os.path.join(args.out, "bench.md"), "w") as f:
         f.write(md)
     plot(rows, os.path.join(args.out, "bench.png"), meta)
