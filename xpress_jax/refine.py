@@ -155,8 +155,8 @@ def refine(
     range; all its draft slots are `INVALID_TOKEN` (-1), so padded rows can be
     marked with anchor -1.
 
-    Use under jit with ``static_argnames=("num_passes", "topc", "max_num_reqs",
-    "config", "backend", "interpret")``.
+    Use under jit with ``static_argnames=xpress_jax.STATIC_ARGNAMES`` (``num_passes``,
+    ``topc``, ``max_num_reqs``, ``config``, ``backend``, ``interpret``, ``unroll``).
     """
     if config is not None:
         if not isinstance(config, HeadConfig):
