@@ -58,6 +58,8 @@ digit pass costs ~256 compares per element; the group-max bound needs one max pe
 
 float64 (and any non-float dtype) falls back to the oracle (Triton keys here are at most 32 bits).
 Interpret mode only: masked scatter lanes aim at a trash slot (outputs padded by one, sliced off).
+``slot_stride=B``: ``base`` is the whole logits [N*B, V]; every kernel maps its draft row to the
+source row once (`_src_row`) and reads only that row, so logits[:, 1:] is never copied.
 """
 
 from __future__ import annotations
@@ -259,13 +261,30 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def _src_row(r, slot_stride: int):
+    """Row of ``base`` that draft row ``r`` reads.
+
+    slot_stride = 0: ``r`` itself (base is [rows, V]). slot_stride = B: base is the whole logits
+    [N*B, V] and draft row q = n*(B-1) + b' reads row n*B + 1 + b' (slot 0 of each block is never
+    read), so the caller never copies logits[:, 1:].
+    """
+    if not slot_stride:
+        return r
+    return (r // (slot_stride - 1)) * slot_stride + 1 + r % (slot_stride - 1)
+
+
+def _draft_rows(base_rows: int, slot_stride: int) -> int:
+    return base_rows if not slot_stride else base_rows // slot_stride * (slot_stride - 1)
+
+
 # ----------------------------------------------------------------------------- kernels
-def _stats_kernel(x_ref, *out_refs, v, g, unroll, per, c, fused, dtype):
+def _stats_kernel(x_ref, *out_refs, v, g, unroll, per, c, fused, dtype, slot_stride=0):
     # x_ref [rows, V] (whole array); one loop step reads `unroll` blocks of G
     # fused:  L, hi0, arg: 0-d blocks of [rows]
     # else :  gm [rows, S, G] block (G,), smax / sarg: 0-d blocks of [rows, S]
     r = pl.program_id(0)
     s = pl.program_id(1)
+    xr = _src_row(r, slot_stride)
     lane = jnp.arange(g, dtype=jnp.int32)
     step = g * unroll
     nsteps = -(-v // step)
@@ -275,7 +294,7 @@ def _stats_kernel(x_ref, *out_refs, v, g, unroll, per, c, fused, dtype):
     def body(ci, carry):
         acc_k, acc_i = carry
         cols = [ci * step + u * g + lane for u in range(unroll)]
-        xs = [plt.load(x_ref.at[r, pl.ds(ci * step + u * g, g)], mask=col < v, other=0)
+        xs = [plt.load(x_ref.at[xr, pl.ds(ci * step + u * g, g)], mask=col < v, other=0)
               for u, col in enumerate(cols)]  # all loads first: bytes in flight
         for col, x in zip(cols, xs):
             ka = jnp.where(col < v, _canon(_to_key(x, dtype)), _SENT)
@@ -323,12 +342,13 @@ def _bound_kernel(gm_ref, smax_ref, sarg_ref, L_ref, hi_ref, arg_ref, *, nseg, g
     arg_ref[()] = arg
 
 
-def _gather_kernel(L_ref, x_ref, bk_ref, bi_ref, cnt_ref, st_ref, *, v, ch, unroll, per, cap, dtype):
+def _gather_kernel(L_ref, x_ref, bk_ref, bi_ref, cnt_ref, st_ref, *, v, ch, unroll, per, cap, dtype, slot_stride=0):
     # L_ref [rows]; x_ref [rows, V]; one loop step reads `unroll` blocks of `ch`
     # bk_ref/bi_ref [rows, S, cap+1] (slot cap = trash); cnt_ref/st_ref: 0-d blocks of [rows, S]
     # st: where the finish's scan for ties at L may start (the segment's first element; BIG: no tie)
     r = pl.program_id(0)
     s = pl.program_id(1)
+    xr = _src_row(r, slot_stride)
     T = L_ref[r]
     lane = jnp.arange(ch, dtype=jnp.int32)
     step = ch * unroll
@@ -338,7 +358,7 @@ def _gather_kernel(L_ref, x_ref, bk_ref, bi_ref, cnt_ref, st_ref, *, v, ch, unro
 
     def body(ci, carry):
         cols = [ci * step + u * ch + lane for u in range(unroll)]
-        xs = [plt.load(x_ref.at[r, pl.ds(ci * step + u * ch, ch)], mask=col < v, other=0)
+        xs = [plt.load(x_ref.at[xr, pl.ds(ci * step + u * ch, ch)], mask=col < v, other=0)
               for u, col in enumerate(cols)]  # all loads first: bytes in flight
         for col, x in zip(cols, xs):
             off, eqv = carry
@@ -363,11 +383,12 @@ def _gather_kernel(L_ref, x_ref, bk_ref, bi_ref, cnt_ref, st_ref, *, v, ch, unro
 
 
 def _finish_kernel(L_ref, hi_ref, cnt_ref, st_ref, bk_ref, bi_ref, x_ref, cand_ref, val_ref, *,
-                   v, c, cap, nseg, ch, dtype, trash):
+                   v, c, cap, nseg, ch, dtype, trash, slot_stride=0):
     # L_ref/hi_ref [rows]; cnt_ref/st_ref [rows, S]; bk_ref/bi_ref [rows, S, cap+1]; x_ref [rows, V]
     # st: per segment, an element index at or before the segment's first element equal to L (BIG: none)
     # cand_ref [rows, c or c+1] int32, val_ref [rows, c or c+1] dtype (slot c = trash in interpret mode)
     r = pl.program_id(0)
+    xr = _src_row(r, slot_stride)
     L = L_ref[r]
     hi0 = hi_ref[r]
     j = jnp.arange(cap, dtype=jnp.int32)
@@ -386,7 +407,7 @@ def _finish_kernel(L_ref, hi_ref, cnt_ref, st_ref, bk_ref, bi_ref, x_ref, cand_r
     def load_keys(ci):
         col = ci * ch + lane
         ok = col < v
-        x = plt.load(x_ref.at[r, pl.ds(ci * ch, ch)], mask=ok, other=0)
+        x = plt.load(x_ref.at[xr, pl.ds(ci * ch, ch)], mask=ok, other=0)
         return col, jnp.where(ok, _to_key(x, dtype), _SENT)
 
     @pl.when(M <= cap)
@@ -482,8 +503,10 @@ def _block_keys(x, dtype):
     return _canon(jnp.where(bmax >= 0, bmax, low))
 
 
-def _blocks_bound(bm_ref, x_ref, r, m, b, *, v, nb, bs, g, c, dtype):
-    """(L, hi0, argmax) of row r from its block maxima; m/b: the row's max key and first block holding it."""
+def _blocks_bound(bm_ref, x_ref, r, xr, m, b, *, v, nb, bs, g, c, dtype):
+    """(L, hi0, argmax) of row r from its block maxima; m/b: the row's max key and first block holding it.
+
+    ``xr``: the row of ``x_ref`` that draft row ``r`` reads (`_src_row`)."""
     lane = jnp.arange(g, dtype=jnp.int32)
 
     def body(i, gm):  # group j = blocks j, j + G, j + 2G, ...
@@ -494,18 +517,19 @@ def _blocks_bound(bm_ref, x_ref, r, m, b, *, v, nb, bs, g, c, dtype):
     gm = lax.fori_loop(0, -(-nb // g), body, jnp.full((g,), _SENT, jnp.int32))
     col = b * bs + jnp.arange(bs, dtype=jnp.int32)
     ok = col < v
-    x = plt.load(x_ref.at[r, pl.ds(b * bs, bs)], mask=ok, other=0)
+    x = plt.load(x_ref.at[xr, pl.ds(b * bs, bs)], mask=ok, other=0)
     k = jnp.where(ok, _canon(_to_key(x, dtype)), _SENT)
     arg = jnp.min(jnp.where(k == m, col, _BIG))  # first element of the first block holding the max
     return _bound(gm, c, g), m + 1, arg
 
 
-def _bstats_kernel(x_ref, *out_refs, v, nb, bs, tb, unroll, per, g, c, fused, dtype, interpret):
+def _bstats_kernel(x_ref, *out_refs, v, nb, bs, tb, unroll, per, g, c, fused, dtype, interpret, slot_stride=0):
     # x_ref [rows, V] (whole); one loop step reads `unroll` tiles of tb blocks of bs elements
     # bm_ref [rows, nsteps * tb * unroll] (whole): canonical key of each block's max (past nb: key(-inf))
     # fused: L, hi0, arg: 0-d blocks of [rows]; else smax / sblk: 0-d blocks of [rows, S]
     r = pl.program_id(0)
     s = pl.program_id(1)
+    xr = _src_row(r, slot_stride)
     bm_ref = out_refs[0]
     kdt = _key_consts(dtype)["int_t"]
     bix = jnp.arange(tb, dtype=jnp.int32)
@@ -520,9 +544,9 @@ def _bstats_kernel(x_ref, *out_refs, v, nb, bs, tb, unroll, per, g, c, fused, dt
         blks = [ci * step + u * tb + bix for u in range(unroll)]
         cols = [b[:, None] * bs + lane[None, :] for b in blks]
         if masked:  # all loads first: bytes in flight
-            xs = [plt.load(x_ref.at[r, col], mask=col < v, other=-jnp.inf) for col in cols]
+            xs = [plt.load(x_ref.at[xr, col], mask=col < v, other=-jnp.inf) for col in cols]
         else:
-            xs = [x_ref[r, col] for col in cols]
+            xs = [x_ref[xr, col] for col in cols]
         for u, (b, x) in enumerate(zip(blks, xs)):
             kb = _block_keys(x, dtype)
             bm_ref[r, pl.ds(ci * step + u * tb, tb)] = kb.astype(kdt)
@@ -541,7 +565,7 @@ def _bstats_kernel(x_ref, *out_refs, v, nb, bs, tb, unroll, per, g, c, fused, dt
     if fused:
         _, L_ref, hi_ref, arg_ref = out_refs
         _barrier(interpret)
-        L, hi, arg = _blocks_bound(bm_ref, x_ref, r, m, b, v=v, nb=nb, bs=bs, g=g, c=c, dtype=dtype)
+        L, hi, arg = _blocks_bound(bm_ref, x_ref, r, xr, m, b, v=v, nb=nb, bs=bs, g=g, c=c, dtype=dtype)
         L_ref[()] = L
         hi_ref[()] = hi
         arg_ref[()] = arg
@@ -551,7 +575,8 @@ def _bstats_kernel(x_ref, *out_refs, v, nb, bs, tb, unroll, per, g, c, fused, dt
         sblk_ref[()] = b
 
 
-def _bbound_kernel(bm_ref, smax_ref, sblk_ref, x_ref, L_ref, hi_ref, arg_ref, *, nseg, v, nb, bs, g, c, dtype):
+def _bbound_kernel(bm_ref, smax_ref, sblk_ref, x_ref, L_ref, hi_ref, arg_ref, *, nseg, v, nb, bs, g, c, dtype,
+                   slot_stride=0):
     # bm_ref [rows, *], smax_ref / sblk_ref [rows, S], x_ref [rows, V] (whole); L / hi0 / arg: 0-d blocks
     r = pl.program_id(0)
     sidx = jnp.arange(_pow2(nseg), dtype=jnp.int32)
@@ -559,19 +584,21 @@ def _bbound_kernel(bm_ref, smax_ref, sblk_ref, x_ref, L_ref, hi_ref, arg_ref, *,
     sblk = plt.load(sblk_ref.at[r, sidx], mask=sidx < nseg, other=_BIG)
     m = jnp.max(smax)
     b = jnp.min(jnp.where(smax == m, sblk, _BIG))  # segments in order: the first block
-    L, hi, arg = _blocks_bound(bm_ref, x_ref, r, m, b, v=v, nb=nb, bs=bs, g=g, c=c, dtype=dtype)
+    L, hi, arg = _blocks_bound(bm_ref, x_ref, r, _src_row(r, slot_stride), m, b, v=v, nb=nb, bs=bs, g=g, c=c,
+                               dtype=dtype)
     L_ref[()] = L
     hi_ref[()] = hi
     arg_ref[()] = arg
 
 
 def _bgather_kernel(L_ref, bm_ref, x_ref, bl_ref, bk_ref, bi_ref, cnt_ref, st_ref, *,
-                    v, nb, bs, pb, tbs, tb2, cap, dtype, interpret):
+                    v, nb, bs, pb, tbs, tb2, cap, dtype, interpret, slot_stride=0):
     # L_ref [rows]; bm_ref [rows, *]; x_ref [rows, V]; segment s owns blocks [s * pb, (s + 1) * pb)
     # bl_ref [rows, S, pb+1]: the ids of the segment's blocks whose max is above L (slot pb = trash)
     # bk_ref/bi_ref [rows, S, cap+1] (slot cap = trash); cnt_ref/st_ref: 0-d blocks of [rows, S]
     r = pl.program_id(0)
     s = pl.program_id(1)
+    xr = _src_row(r, slot_stride)
     T = L_ref[r]
     b0 = s * pb
     b1 = jnp.minimum(b0 + pb, nb)
@@ -602,7 +629,7 @@ def _bgather_kernel(L_ref, bm_ref, x_ref, bl_ref, bk_ref, bi_ref, cnt_ref, st_re
         bid = plt.load(bl_ref.at[r, s, j], mask=okj, other=0)
         col = bid[:, None] * bs + lane[None, :]
         ok = okj[:, None] & (col < v)
-        x = plt.load(x_ref.at[r, col], mask=ok, other=0)
+        x = plt.load(x_ref.at[xr, col], mask=ok, other=0)
         k = jnp.where(ok, _to_key(x, dtype), _SENT)
         sel = k > T
         rc = _isum(sel, axis=1)
@@ -642,14 +669,17 @@ def _tile_for(nunits: int, tile: int, unroll: int, want: int, min_tile: int) -> 
     return tile, unroll
 
 
-@functools.partial(jax.jit, static_argnames=("c", "cfg", "interpret", "upto"))
-def _select_pallas(base, *, c: int, cfg: SelectConfig, interpret: bool, upto: str = "finish"):
-    """The three stages; ``upto="stats"|"gather"`` stops early and returns the intermediates (benchmarks)."""
-    rows, v = base.shape
+@functools.partial(jax.jit, static_argnames=("c", "cfg", "interpret", "upto", "slot_stride"))
+def _select_pallas(base, *, c: int, cfg: SelectConfig, interpret: bool, upto: str = "finish", slot_stride: int = 0):
+    """The three stages; ``upto="stats"|"gather"`` stops early and returns the intermediates (benchmarks).
+
+    ``slot_stride``: see `select_candidates` (validated there)."""
+    v = base.shape[1]
+    rows = _draft_rows(base.shape[0], slot_stride)
     dtype = jnp.dtype(base.dtype)
     want = _want_segments(rows, cfg)
     stages = _strided_stages if cfg.resolved_method(rows) == "strided" else _blocks_stages
-    out = stages(base, c=c, cfg=cfg, interpret=interpret, want=want, upto=upto)
+    out = stages(base, c=c, cfg=cfg, interpret=interpret, want=want, upto=upto, slot_stride=slot_stride)
     if upto != "finish":
         return out
     L, hi0, arg, cnt, st, bk, bi = out
@@ -659,7 +689,7 @@ def _select_pallas(base, *, c: int, cfg: SelectConfig, interpret: bool, upto: st
     width = c + 1 if interpret else c
     cand, vals = common.pallas_call(
         functools.partial(_finish_kernel, v=v, c=c, cap=cfg.cap, nseg=nseg, ch=cfg.scan_chunk, dtype=dtype,
-                          trash=c if interpret else 0),
+                          trash=c if interpret else 0, slot_stride=slot_stride),
         name="select_finish", grid=(rows,), interpret=interpret, num_warps=cfg.finish_warps,
         in_specs=[pl.no_block_spec] * 7, out_specs=[pl.no_block_spec, pl.no_block_spec],
         out_shape=[jax.ShapeDtypeStruct((rows, width), jnp.int32), jax.ShapeDtypeStruct((rows, width), dtype)],
@@ -669,8 +699,9 @@ def _select_pallas(base, *, c: int, cfg: SelectConfig, interpret: bool, upto: st
     return cand, vals, arg
 
 
-def _strided_stages(base, *, c, cfg, interpret, want, upto):
-    rows, v = base.shape
+def _strided_stages(base, *, c, cfg, interpret, want, upto, slot_stride=0):
+    v = base.shape[1]
+    rows = _draft_rows(base.shape[0], slot_stride)
     dtype = jnp.dtype(base.dtype)
     g, cap, ch = cfg.groups, cfg.cap, cfg.chunk
     i32 = jnp.int32
@@ -680,7 +711,8 @@ def _strided_stages(base, *, c, cfg, interpret, want, upto):
     # 1. stats (+ bound)
     s1, per1 = _split(-(-v // (g * cfg.unroll)), want)
     fused = s1 == 1
-    kern = functools.partial(_stats_kernel, v=v, g=g, unroll=cfg.unroll, per=per1, c=c, fused=fused, dtype=dtype)
+    kern = functools.partial(_stats_kernel, v=v, g=g, unroll=cfg.unroll, per=per1, c=c, fused=fused, dtype=dtype,
+                             slot_stride=slot_stride)
     if fused:
         L, hi0, arg = call(
             kern, name="select_stats_bound", grid=(rows, 1), in_specs=[anyspec],
@@ -707,7 +739,8 @@ def _strided_stages(base, *, c, cfg, interpret, want, upto):
     gu = _gather_unroll(v, want, cfg)
     s3, per3 = _split(-(-v // (ch * gu)), want)
     bk, bi, cnt, st = common.pallas_call(
-        functools.partial(_gather_kernel, v=v, ch=ch, unroll=gu, per=per3, cap=cap, dtype=dtype),
+        functools.partial(_gather_kernel, v=v, ch=ch, unroll=gu, per=per3, cap=cap, dtype=dtype,
+                          slot_stride=slot_stride),
         name="select_gather", grid=(rows, s3), interpret=interpret, num_warps=cfg.gather_warps,
         in_specs=[anyspec, anyspec], out_specs=[anyspec, anyspec, _scalar_spec2(), _scalar_spec2()],
         out_shape=[jax.ShapeDtypeStruct((rows, s3, cap + 1), i32)] * 2 + [jax.ShapeDtypeStruct((rows, s3), i32)] * 2,
@@ -715,8 +748,9 @@ def _strided_stages(base, *, c, cfg, interpret, want, upto):
     return L, hi0, arg, cnt, st, bk, bi
 
 
-def _blocks_stages(base, *, c, cfg, interpret, want, upto):
-    rows, v = base.shape
+def _blocks_stages(base, *, c, cfg, interpret, want, upto, slot_stride=0):
+    v = base.shape[1]
+    rows = _draft_rows(base.shape[0], slot_stride)
     dtype = jnp.dtype(base.dtype)
     g, cap, bs = cfg.groups, cfg.cap, cfg.block
     i32 = jnp.int32
@@ -731,7 +765,7 @@ def _blocks_stages(base, *, c, cfg, interpret, want, upto):
     s1, per1 = _split(nsteps, want)
     fused = s1 == 1
     kern = functools.partial(_bstats_kernel, v=v, nb=nb, bs=bs, tb=tb, unroll=su, per=per1, g=g, c=c, fused=fused,
-                             dtype=dtype, interpret=interpret)
+                             dtype=dtype, interpret=interpret, slot_stride=slot_stride)
     bm_shape = jax.ShapeDtypeStruct((rows, nsteps * tb * su), kdt)
     if fused:
         bm, L, hi0, arg = call(
@@ -746,7 +780,8 @@ def _blocks_stages(base, *, c, cfg, interpret, want, upto):
             out_shape=[bm_shape] + [jax.ShapeDtypeStruct((rows, s1), i32)] * 2,
         )(base)
         L, hi0, arg = call(
-            functools.partial(_bbound_kernel, nseg=s1, v=v, nb=nb, bs=bs, g=g, c=c, dtype=dtype),
+            functools.partial(_bbound_kernel, nseg=s1, v=v, nb=nb, bs=bs, g=g, c=c, dtype=dtype,
+                              slot_stride=slot_stride),
             name="select_bbound", grid=(rows,),
             in_specs=[anyspec] * 4, out_specs=[_scalar_spec1() for _ in range(3)],
             out_shape=[jax.ShapeDtypeStruct((rows,), i32)] * 3,
@@ -759,7 +794,8 @@ def _blocks_stages(base, *, c, cfg, interpret, want, upto):
     s3 = -(-nb // pb)
     bl, bk, bi, cnt, st = common.pallas_call(
         functools.partial(_bgather_kernel, v=v, nb=nb, bs=bs, pb=pb, tbs=min(cfg.scan_blocks, _pow2(pb)),
-                          tb2=min(cfg.gather_blocks, _pow2(pb)), cap=cap, dtype=dtype, interpret=interpret),
+                          tb2=min(cfg.gather_blocks, _pow2(pb)), cap=cap, dtype=dtype, interpret=interpret,
+                          slot_stride=slot_stride),
         name="select_bgather", grid=(rows, s3), interpret=interpret, num_warps=cfg.gather_warps,
         in_specs=[anyspec] * 3, out_specs=[anyspec] * 3 + [_scalar_spec2(), _scalar_spec2()],
         out_shape=[jax.ShapeDtypeStruct((rows, s3, pb + 1), i32)] + [jax.ShapeDtypeStruct((rows, s3, cap + 1), i32)] * 2
@@ -769,15 +805,26 @@ def _blocks_stages(base, *, c, cfg, interpret, want, upto):
     return L, hi0, arg, cnt, st, bk, bi
 
 
-def select_candidates(base: jax.Array, c: int, *, interpret: bool = False, **config):
+def select_candidates(base: jax.Array, c: int, *, interpret: bool = False, slot_stride: int = 0, **config):
     """Per row of ``base`` [rows, V]: (cand [rows, c] int32, base_c [rows, c], argmax [rows] int32).
 
     Pallas-Triton kernels for bf16/f16/f32 logits (``interpret=True`` runs them on CPU); any other
     dtype (float64) uses the jnp oracle. ``config``: fields of `SelectConfig`. See the module doc
     for the rules and the algorithm.
+
+    ``slot_stride=B`` (static, >= 2): ``base`` is the whole logits reshaped to [N*B, V]; the draft
+    rows are slots 1..B-1 of each block of B (row q reads ``base[(q // (B-1)) * B + 1 + q % (B-1)]``;
+    slot 0 is never read), so the result equals that for ``logits[:, 1:].reshape(N*(B-1), V)``
+    without materialising that copy. Outputs have N*(B-1) rows.
     """
     if base.ndim != 2:
         raise ValueError(f"base must be [rows, V], got shape {tuple(base.shape)}")
+    if isinstance(slot_stride, bool) or not isinstance(slot_stride, numbers.Integral):
+        raise ValueError(f"slot_stride must be an int, got {slot_stride!r}")
+    slot_stride = int(slot_stride)
+    if slot_stride and (slot_stride < 2 or base.shape[0] % slot_stride):
+        raise ValueError(f"slot_stride={slot_stride} needs slot_stride >= 2 and base [N*slot_stride, V]; "
+                         f"got base shape {tuple(base.shape)}")
     rows, v = base.shape
     if isinstance(c, bool) or not isinstance(c, numbers.Integral):
         raise TypeError(f"c must be an int, got {c!r}")
@@ -786,5 +833,10 @@ def select_candidates(base: jax.Array, c: int, *, interpret: bool = False, **con
         raise ValueError(f"c={c} must be in [1, V={v}]")
     cfg = SelectConfig(**config)
     if jnp.dtype(base.dtype) not in _KERNEL_DTYPES or rows == 0:
+        if slot_stride:
+            n = rows // slot_stride
+            base = base.reshape(n, slot_stride, v)[:, 1:].reshape(n * (slot_stride - 1), v)
         return select_candidates_reference(base, c)
+    if slot_stride:
+        return _select_pallas(base, c=c, cfg=cfg, interpret=interpret, slot_stride=slot_stride)
     return _select_pallas(base, c=c, cfg=cfg, interpret=interpret)

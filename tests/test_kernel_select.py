@@ -184,6 +184,28 @@ class TestSelect:
             x[14, edges[::2]] = 6e-39
         self.run(jnp.asarray(x, dtype), C, segments=segments, **self.small)
 
+    @pytest.mark.parametrize("segments", [None, 1])
+    @pytest.mark.parametrize("dtype", [BF16, F32])
+    def test_slot_stride_reads_slots_1_to_b(self, dtype, segments):
+        # logits [N, B, V] with N=3, B=6: the 15 draft rows (slots 1..5) are the mixed rows (every
+        # finish path: fast, heavy ties at the bound, flooded row); slot 0 of each block holds huge
+        # values, so reading it anywhere would change the ids, the values or the argmax.
+        n, b = 3, 6
+        drafts = _mixed_rows(seed=1)
+        assert {"ties", "row"} <= set(_paths(drafts, C, self.small["groups"], self.small["cap"],
+                                             self.small.get("block", 1)))
+        rng = np.random.default_rng(5)
+        logits = np.empty((n, b, V))
+        logits[:, 0] = 1e4 + 100 * rng.standard_normal((n, V))
+        logits[:, 1:] = drafts.reshape(n, b - 1, V)
+        logits = jnp.asarray(logits, dtype)
+        cfg = dict(self.small, segments=segments)
+        got = sel.select_candidates(logits.reshape(n * b, V), C, interpret=self.INTERPRET, slot_stride=b, **cfg)
+        want = self.run(logits[:, 1:].reshape(-1, V), C, **cfg)
+        for g, w, what in zip(got, want, ("ids", "values", "argmax")):
+            assert g.shape == w.shape and g.dtype == w.dtype, what
+            np.testing.assert_array_equal(np.asarray(g).view(np.uint8), np.asarray(w).view(np.uint8), err_msg=what)
+
     def test_small_vocab_one_chunk(self):
         base = jnp.asarray(np.random.default_rng(8).standard_normal((15, 37)), F32)
         self.run(base, 37)  # V < groups: empty groups, bound = the minimum
@@ -197,6 +219,11 @@ class TestSelect:
         with jax.enable_x64(True):
             base = jnp.asarray(np.round(np.random.default_rng(1).standard_normal((3, 300))), jnp.float64)
             self.run(base, 50)
+            whole = jnp.asarray(np.random.default_rng(2).standard_normal((2, 4, 300)), jnp.float64)
+            got = sel.select_candidates(whole.reshape(8, 300), 50, interpret=self.INTERPRET, slot_stride=4)
+            want = sel.select_candidates_reference(whole[:, 1:].reshape(6, 300), 50)
+            for g, w in zip(got, want):
+                np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
     def test_errors(self):
         base = jnp.zeros((15, 100), BF16)
@@ -210,6 +237,9 @@ class TestSelect:
             sel.select_candidates(base[0], 10, interpret=self.INTERPRET)
         with pytest.raises(ValueError, match="method"):
             sel.select_candidates(base, 10, interpret=self.INTERPRET, method="radix")
+        for bad in (1, -3, 4):  # < 2, or 15 rows not a multiple of it
+            with pytest.raises(ValueError, match="slot_stride"):
+                sel.select_candidates(base, 10, interpret=self.INTERPRET, slot_stride=bad)
 
 
 class TestSelectInterpret(TestSelect):
@@ -250,3 +280,19 @@ def test_lowers_to_triton_for_h200(rows, segments, x64, method, dtype):
     for n in names:
         assert f'"{n}"' in hlo or n in hlo, n
     assert "topk" not in hlo.lower() and "sort" not in hlo.lower()
+
+
+@pytest.mark.parametrize("method", ["blocks", "strided"])
+def test_lowers_to_triton_with_slot_stride(method):
+    """slot_stride=16 (whole logits [2*16, V], 15*2 draft rows): every kernel lowers, no copy of logits[:, 1:]."""
+    f = functools.partial(sel.select_candidates, c=512, method=method, slot_stride=16)
+    lowered = common.lower_triton(f, jax.ShapeDtypeStruct((2 * 16, 151936), BF16))
+    hlo = lowered.as_text()
+    p = "select_b" if method == "blocks" else "select_"
+    names = ["select_finish", p + "gather", p + "stats", p + "bound"]  # 30 rows: several segments per row
+    assert hlo.count("__gpu$xla.gpu.triton") == len(names)
+    for n in names:
+        assert f'"{n}"' in hlo or n in hlo, n
+    assert "slice" not in hlo.lower() and "topk" not in hlo.lower() and "sort" not in hlo.lower()
+    cand, vals, arg = lowered.out_info
+    assert cand.shape == vals.shape == (15 * 2, 512) and arg.shape == (15 * 2,)
