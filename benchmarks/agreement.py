@@ -120,15 +120,7 @@ def explain_flips(cfg, n, topc):
     xh = xj.hidden_input(params, h)
     base = logits[:, 1:].reshape(rows, V)
     w2 = params["w2"]
-    if topc:
-        cand, base_c, start = X.select_candidates(base, topc)
-        prep_x, prep_p = X.topc_prepare(w2, cand), P.topc_prepare(w2, cand)
-        pick_x = lambda lat: X.topc_pick(base_c, cand, lat, prep_x)
-        pick_p = lambda lat: P.topc_pick(base_c, cand, lat, prep_p)
-    else:
-        start = jnp.argmax(base, -1).astype(jnp.int32)
-        pick_x = lambda lat: X.full_vocab_pick(base, lat, w2)
-        pick_p = lambda lat: P.full_vocab_pick(base, lat, w2)
+    start = jnp.argmax(base, -1).astype(jnp.int32)  # the block's start in both modes
     f = jax.jit(xj.refine, static_argnames=xj.STATIC_ARGNAMES)
     lat_x, lat_p = jax.jit(X.latent_pass), jax.jit(P.latent_pass)
     kw = dict(config=cfg, topc=topc)

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import xpress_jax as xj
+from benchmarks.timing import time_jitted
 
 SERVING = dict(vocab_size=151936, hidden_size=4096, block_size=16, rank=256, mlp_hidden=512,
                topc=512, num_passes=6, max_num_reqs=256)
@@ -114,14 +115,7 @@ def select_rows(cfg, n, reps, interpret=False):
 
 
 def time_device(fn, args, reps):
-    fn(*args).block_until_ready()  # compile + warm-up
-    fn(*args).block_until_ready()
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn(*args).block_until_ready()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+    return time_jitted(fn, args, reps)[1]
 
 
 def chain_length(n, topc, backend):

@@ -39,13 +39,14 @@ import argparse
 import dataclasses
 import json
 import os
-import statistics
 import sys
 import time
 import traceback
 
 import jax
 import jax.numpy as jnp
+
+from benchmarks.timing import time_jitted
 import numpy as np
 
 import xpress_jax as xj
@@ -140,17 +141,9 @@ def chain(path, m):
 
 
 def measure(path, m, params, prob):
-    fn = chain(path, m)
     args = (params, prob["xh"], prob["blk0"], prob["prev"], prob["base_c"], prob["cand"], prob["w2c"])
-    t0 = time.perf_counter()
-    first, _ = jax.block_until_ready(fn(*args))
-    compile_s = time.perf_counter() - t0
-    ts = []
-    for _ in range(REPS):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t0)
-    return np.asarray(first), statistics.median(ts) / m * 1e6, compile_s
+    (first, _), t, compile_s = time_jitted(chain(path, m), args, REPS)
+    return np.asarray(first), t / m * 1e6, compile_s
 
 
 def recommend(results):

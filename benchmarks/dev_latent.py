@@ -34,13 +34,14 @@ import dataclasses
 import datetime
 import json
 import os
-import statistics
 import sys
 import time
 import traceback
 
 import jax
 import jax.numpy as jnp
+
+from benchmarks.timing import time_jitted
 import numpy as np
 
 from pallas_kernels import latent as L
@@ -133,14 +134,8 @@ def chained(fn):
 
 def time_us(fn, args):
     """(us per call, one call's output)."""
-    f = chained(fn)
-    _, out = jax.block_until_ready(f(*args))  # compile + warm
-    ts = []
-    for _ in range(REPEATS):
-        t = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        ts.append((time.perf_counter() - t) / ITERS * 1e6)
-    return statistics.median(ts), out
+    (_, out), t, _ = time_jitted(chained(fn), args, REPEATS)
+    return t / ITERS * 1e6, out
 
 
 def errors(out, ref) -> dict:

@@ -27,13 +27,14 @@ import argparse
 import dataclasses
 import json
 import os
-import statistics
 import sys
 import time
 import traceback
 
 import jax
 import jax.numpy as jnp
+
+from benchmarks.timing import time_jitted
 import numpy as np
 
 from pallas_kernels import full_vocab as fv
@@ -129,16 +130,8 @@ def chain(pick, m):
 
 
 def measure(pick, m, args):
-    fn = chain(pick, m)
-    t0 = time.perf_counter()
-    first, _ = jax.block_until_ready(fn(*args))
-    compile_s = time.perf_counter() - t0
-    ts = []
-    for _ in range(REPS):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t0)
-    return np.asarray(first), statistics.median(ts) / m * 1e6, compile_s
+    (first, _), t, compile_s = time_jitted(chain(pick, m), args, REPS)
+    return np.asarray(first), t / m * 1e6, compile_s
 
 
 def make_problem(n, seed=0):

@@ -47,7 +47,6 @@ import dataclasses
 import json
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -264,6 +263,7 @@ def child_main(args, state_path, deadline):
     import jax.numpy as jnp
     import numpy as np
 
+    from benchmarks.timing import time_jitted
     from pallas_kernels import api
     from pallas_kernels import full_vocab as fv
     from xpress_jax.head import precision_for
@@ -300,17 +300,8 @@ def child_main(args, state_path, deadline):
         return jax.jit(run)
 
     def measure(pick, m, operands, n_tok, y_spec=None):
-        fn = chain(pick, m, n_tok, y_spec)
-        t0 = time.perf_counter()
-        first = np.asarray(jax.block_until_ready(fn(*operands))[0])
-        compile_s = time.perf_counter() - t0
-        jax.block_until_ready(fn(*operands))  # warm-up
-        ts = []
-        for _ in range(REPS):
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn(*operands))
-            ts.append(time.perf_counter() - t0)
-        return first, statistics.median(ts) / m * 1e6, compile_s
+        out, t, compile_s = time_jitted(chain(pick, m, n_tok, y_spec), operands, REPS)
+        return np.asarray(out[0]), t / m * 1e6, compile_s
 
     problems = {}
 

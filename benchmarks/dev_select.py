@@ -37,6 +37,8 @@ import warnings  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+
+from benchmarks.timing import time_jitted  # noqa: E402
 from jax import lax  # noqa: E402
 
 warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated")
@@ -114,14 +116,7 @@ def chained(fn, iters):
 
 
 def time_jax(fn, x, iters, reps=5):
-    run = chained(fn, iters)
-    jax.block_until_ready(run(x))  # compile + warm up
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(run(x))
-        ts.append((time.perf_counter() - t) / iters * 1e6)
-    return statistics.median(ts)
+    return time_jitted(chained(fn, iters), (x,), reps)[1] / iters * 1e6
 
 
 def time_torch(t, iters, reps=5):

@@ -144,35 +144,19 @@ def verify_checkpoint(
         direct = params_from_state_dict(source_tensors, config, dtype=jnp.float32)
         ref_name = "the jnp path on params built straight from the source tensors (torch not installed)"
 
+    def jax_tokens(params, topc):
+        args = (jnp.asarray(logits), jnp.asarray(h), jnp.asarray(anchors))
+        return np.asarray(refine(params, *args, config=config, topc=topc, backend="xla"))
+
     modes = []
     for topc in sorted({0, config.topc}):
-        got = np.asarray(
-            refine(
-                params32,
-                jnp.asarray(logits),
-                jnp.asarray(h),
-                jnp.asarray(anchors),
-                config=config,
-                topc=topc,
-                backend="xla",
-            )
-        )
+        got = jax_tokens(params32, topc)
         if use_torch:
             want = reference_refine(
                 source_tensors, logits, h, anchors, num_passes=config.num_passes, topc=topc
             )
         else:
-            want = np.asarray(
-                refine(
-                    direct,
-                    jnp.asarray(logits),
-                    jnp.asarray(h),
-                    jnp.asarray(anchors),
-                    config=config,
-                    topc=topc,
-                    backend="xla",
-                )
-            )
+            want = jax_tokens(direct, topc)
         modes.append(
             ModeResult(
                 mode="full-vocab" if topc == 0 else f"top-C({topc})",

@@ -424,10 +424,12 @@ def combine_partials(mv: jax.Array, mi: jax.Array, *, interpret: bool = False, h
 # Wrappers.
 
 
-def _check_shapes(base, lat, w2):
+def _check_shapes(base, lat, w2, rows=None):
+    """``rows``: the draft rows ``base`` holds (default base.shape[0]; slot_stride passes N*(B-1))."""
     if base.ndim != 2 or lat.ndim != 2 or w2.ndim != 2:
         raise ValueError(f"need base [rows,V], lat [rows,r], w2 [V,r]; got {base.shape=} {lat.shape=} {w2.shape=}")
-    rows, vocab = base.shape
+    rows = base.shape[0] if rows is None else rows
+    vocab = base.shape[1]
     if lat.shape[0] != rows or w2.shape != (vocab, lat.shape[1]):
         raise ValueError(f"shapes disagree: {base.shape=} {lat.shape=} {w2.shape=}")
     if not (base.dtype == lat.dtype == w2.dtype):
@@ -462,7 +464,7 @@ def full_vocab_pick(
             base = base.reshape(n, slot_stride, -1)[:, 1:].reshape(n * (slot_stride - 1), -1)
             slot_stride = 0
         else:
-            _check_shapes(base[: n * (slot_stride - 1)], lat, w2)
+            _check_shapes(base, lat, w2, rows=n * (slot_stride - 1))
     if not slot_stride:
         _check_shapes(base, lat, w2)
     if variant not in VARIANTS:

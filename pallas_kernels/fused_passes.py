@@ -421,7 +421,6 @@ def _passes_pallas(blk0, prev_ids, xh, w1, wt, mix, wg, wu, wd, w2, base_c, cand
     v, r = w1.shape
     m = wg.shape[1]
     c = base_c.shape[1]
-    cd = w1.dtype
     rp = max(16, _next_pow2(r))
     bp = _next_pow2(b)
     bpp = cfg.blocks_per_program or max(1, 16 // bp)

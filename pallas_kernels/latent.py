@@ -88,7 +88,6 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from xpress_jax.head import latent as _head_latent
 from xpress_jax.head import precision_for
 
 from . import common
@@ -197,15 +196,13 @@ def default_config(n: int, dtype: Any, variant: str | None = None) -> LatentConf
                         num_warps=8, num_stages=2)
 
 
-def _prev(blk: jax.Array, prev_ids: jax.Array) -> jax.Array:
-    """Predecessor ids [N, B]: slot 0 reads ``prev_ids``, slot b >= 1 reads ``blk[:, b-1]``."""
-    return jnp.concatenate([prev_ids[:, None].astype(blk.dtype), blk[:, :-1]], axis=1)
-
-
 def reference(params: Mapping[str, jax.Array], xh: jax.Array, blk: jax.Array,
               prev_ids: jax.Array) -> jax.Array:
-    """The jnp oracle: `xpress_jax.head.latent` on the predecessors built from ``blk`` -> [N, B-1, r]."""
-    return _head_latent(params, xh, _prev(blk, prev_ids))
+    """The jnp oracle, `xpress_jax.refine._JnpOps.latent_pass`: `xpress_jax.head.latent` on the
+    predecessors built from ``blk`` (slot 0 reads ``prev_ids``, slot b reads ``blk[:, b-1]``) -> [N, B-1, r]."""
+    from xpress_jax.refine import _JnpOps
+
+    return _JnpOps.latent_pass(params, xh, blk, prev_ids)
 
 
 def _next_pow2(x: int) -> int:

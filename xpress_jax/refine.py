@@ -6,6 +6,7 @@ Pallas kernels (``pallas_kernels``).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Mapping
 
 import jax
@@ -23,6 +24,9 @@ __all__ = ["refine", "INVALID_TOKEN", "BACKENDS"]
 INVALID_TOKEN = -1
 
 BACKENDS = ("auto", "xla", "pallas")
+
+#: `HeadConfig`'s field defaults (num_passes, topc, max_num_reqs, ...): refine's defaults without a config.
+_CONFIG_DEFAULTS = {f.name: f.default for f in dataclasses.fields(HeadConfig) if f.default is not dataclasses.MISSING}
 
 #: Steps that ``backend="pallas:<step>+<step>"`` can run as kernels (the others use jnp).
 KERNEL_STEPS = ("latent", "pick", "select", "single")
@@ -46,8 +50,8 @@ def _round_sum(a: jax.Array, b: jax.Array) -> jax.Array:
     return _clean((a.astype(acc) + b.astype(acc)).astype(a.dtype))
 
 
-def _validate(params, logits, h, anchors, prev_ids, num_passes, topc, max_num_reqs, backend):
-    check_params(params)
+def _validate(params, logits, h, anchors, prev_ids, num_passes, topc, max_num_reqs, backend, config=None):
+    check_params(params, config)
     V, r = params["w1"].shape
     H = params["down_h"].shape[0]
     B = params["mix"].shape[0]
@@ -161,12 +165,11 @@ def refine(
     if config is not None:
         if not isinstance(config, HeadConfig):
             raise TypeError(f"config must be a HeadConfig, got {type(config).__name__}")
-        check_params(params, config)
-    defaults = config if config is not None else HeadConfig(vocab_size=2**31 - 1, hidden_size=1)
-    num_passes = defaults.num_passes if num_passes is None else num_passes
-    topc = defaults.topc if topc is None else topc
-    max_num_reqs = defaults.max_num_reqs if max_num_reqs is None else max_num_reqs
-    _validate(params, logits, h, anchors, prev_ids, num_passes, topc, max_num_reqs, backend)
+    defaults = dataclasses.asdict(config) if config is not None else _CONFIG_DEFAULTS
+    num_passes = defaults["num_passes"] if num_passes is None else num_passes
+    topc = defaults["topc"] if topc is None else topc
+    max_num_reqs = defaults["max_num_reqs"] if max_num_reqs is None else max_num_reqs
+    _validate(params, logits, h, anchors, prev_ids, num_passes, topc, max_num_reqs, backend, config)
     if prev_ids is None:
         prev_ids = anchors
     ops = _select_ops(backend, interpret)
@@ -262,7 +265,6 @@ def _refine(ops, params, logits, h, anchors, prev_ids, num_passes, topc, unroll=
     prev_ids = jnp.where(valid, prev_ids, 0)
 
     xh = hidden_input(params, h)  # [N, B, r], once per call
-    base = logits[:, 1:, :].reshape(rows, V)
 
     if topc:
         cand, base_c, start = ops.select_candidates_logits(logits, topc)
@@ -272,7 +274,7 @@ def _refine(ops, params, logits, h, anchors, prev_ids, num_passes, topc, unroll=
             return ops.topc_pick(base_c, cand, lat, w2c)
 
     else:
-        start = jnp.argmax(_clean(base), axis=-1).astype(jnp.int32)
+        start = jnp.argmax(_clean(logits[:, 1:]), axis=-1).astype(jnp.int32)
 
         def pick(lat):
             return ops.full_vocab_pick_logits(logits, lat, params["w2"])

@@ -7,11 +7,10 @@ from typing import Any, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from .config import HeadConfig
 from .params import check_params
-from .refine import STATIC, refine
+from .refine import refine
 
 __all__ = ["BucketedRefiner", "default_buckets"]
 
