@@ -35,6 +35,19 @@ def _ulp_bf16(x: np.ndarray) -> np.ndarray:
     return 2.0 ** (e - 7)
 
 
+def _round_bf16(x):
+    """Round-to-nearest-even float64 -> bf16 value (as float64)."""
+    return np.asarray(jnp.asarray(np.asarray(x, np.float32)).astype(jnp.bfloat16).astype(jnp.float32), np.float64)
+
+
+def _midpoint_dist(x):
+    """Distance of x to the nearest bf16 rounding boundary (midpoint between bf16 neighbours)."""
+    x = np.asarray(x, np.float64)
+    ulp = _ulp_bf16(x)
+    lo = np.floor(x / ulp) * ulp
+    return np.abs(x - (lo + ulp / 2))
+
+
 def pick_evidence(cfg, n, topc, seed=3):
     params, logits, h, anchors = make_problem(cfg, n, seed=seed)
     from pallas_kernels import api
@@ -142,12 +155,26 @@ def explain_flips(cfg, n, topc):
             la, lb = (np.asarray(l[i].astype(jnp.float32), np.float64) for l in (lx, lp))
             lat_ulps = float(np.max(np.abs(la - lb) / _ulp_bf16(np.maximum(np.abs(la), np.abs(lb)))))
             sx, sp = b + w @ la, b + w @ lb  # exact scores of both tokens under each latent
+            # Can float32 reassociation change the rounding? Distance of each token's exact bias
+            # to the nearest bf16 rounding midpoint vs the float32 summation error bound
+            # (r - 1) * 2^-24 * sum_k |lat_k w_k|; and the same for the score base + bf16(bias).
+            bias = w @ la
+            bound = (r - 1) * 2.0**-24 * (np.abs(w) @ np.abs(la))
+            mid_b = _midpoint_dist(bias)
+            sc = b + _round_bf16(bias)
+            mid_s = _midpoint_dist(sc)
             found.append(dict(N=n, topc=topc, pass_=p, row=int(i), xla_token=int(ids[0]),
                               pallas_token=int(ids[1]), lat_elems_differ=int(np.sum(la != lb)),
                               lat_max_diff_ulps=lat_ulps, scores_xla_latent=sx.tolist(),
                               scores_pallas_latent=sp.tolist(),
                               gap_score_ulps=float(max(abs(sx[0] - sx[1]), abs(sp[0] - sp[1]))
-                                                   / _ulp_bf16(np.max(np.abs(sx))))))
+                                                   / _ulp_bf16(np.max(np.abs(sx)))),
+                              bias_exact=bias.tolist(), bias_err_bound=bound.tolist(),
+                              bias_to_midpoint=mid_b.tolist(), score_bf16_of_exact=[float(_round_bf16(x)) for x in sc],
+                              score_to_midpoint=mid_s.tolist(),
+                              # base + bf16(bias) is exact in float32 and rounded the same way by both
+                              # implementations: only a bias rounding can differ.
+                              reassociation_can_flip=bool(np.any(mid_b <= bound))))
         prev_x, prev_p = ox, op
     return found
 
@@ -168,12 +195,17 @@ def explain_main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "flips.json"), "w") as fh:
         json.dump(allf, fh, indent=1)
-    print("\n| mode | N | pass | xla tok | pallas tok | latent elems differ | max latent diff (ulps) | score gap (ulps) |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("\n| mode | N | pass | xla tok | pallas tok | latent elems differ | max latent diff (ulps) | "
+          "score gap (ulps) | exact scores -> bf16 | bias to midpoint / f32 error bound | reassociation can flip |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---|---|---|")
     for x in allf:
         mode = "full vocab" if x["topc"] == 0 else f"top-{x['topc']}"
+        sc = " / ".join(f"{a:.5f}->{c:.4f}" for a, c in zip(x["scores_xla_latent"], x["score_bf16_of_exact"]))
+        mb = " / ".join(f"{m:.2e}<={e:.2e}" if m <= e else f"{m:.2e}>{e:.2e}"
+                        for m, e in zip(x["bias_to_midpoint"], x["bias_err_bound"]))
         print(f"| {mode} | {x['N']} | {x['pass_']} | {x['xla_token']} | {x['pallas_token']} | "
-              f"{x['lat_elems_differ']} | {x['lat_max_diff_ulps']:.2f} | {x['gap_score_ulps']:.2f} |")
+              f"{x['lat_elems_differ']} | {x['lat_max_diff_ulps']:.2f} | {x['gap_score_ulps']:.2f} | {sc} | {mb} | "
+              f"{'yes' if x['reassociation_can_flip'] else 'NO'} |")
 
 
 if __name__ == "__main__":

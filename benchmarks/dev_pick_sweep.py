@@ -58,6 +58,8 @@ HBM, FLOPS = 4.8e12, 790e12
 SMEM_LIMIT = 227 * 1024
 M_SMALL_N, M_LARGE_N, REPS = 100, 40, 5
 INTERPRET = False
+LAZY = "off"  # --lazy
+EXTRA: list = []  # --extra
 SMALL = False
 N_ORDER = (256, 1, 16, 64, 4)  # priority among N within a tier
 
@@ -132,7 +134,7 @@ def describe(variant, c):
     flags = "".join(f" {f}" for f, on in (("hold", c["hold_lat"]), ("flat", c["flat"]), ("pf", c["prefetch_base"]))
                     if on)
     return (f"F{c['row_tile']}x{c['v_tile']} k{k_eff(c['k_tile'])} s{c['num_stages']} w{c['num_warps']}{flags} "
-            + tail)
+            + tail + (" lazy" if c.get("lazy") else ""))
 
 
 SMS = 132  # H200
@@ -222,8 +224,22 @@ def build_tasks(ns):
         if n == 1:
             t += [dict(tier=0, kind="probe", name="probe/loop", variant="probe", config=None),
                   dict(tier=0, kind="probe", name="probe/read_w2", variant="probe", config=None)]
+        if LAZY != "off":
+            t.append(dict(tier=0, kind="pick", name="api lazy", variant="api-lazy", config=None))
         seen = set()
-        for tier, variant, cfg in pick_configs(n):
+        configs = pick_configs(n)
+        if LAZY != "off":  # each fused config with the lazy (elementwise running best) epilogue
+            lazy = [(tier, v, dict(c, lazy=True)) for tier, v, c in configs if v == "fused"]
+            configs = lazy if LAZY == "only" else [x for pair in zip(configs, lazy) for x in pair] + configs[len(lazy):]
+        for en, over in EXTRA:  # --extra: the served config of this N with some fields changed
+            if en == n:
+                import jax.numpy as jnp
+
+                from pallas_kernels import api
+
+                _, c = api.full_vocab_config(rows, V, R, jnp.bfloat16)
+                configs.insert(0, (0, "fused", dict(dataclasses.asdict(c), **over)))
+        for tier, variant, cfg in configs:
             key = (variant, json.dumps(cfg, sort_keys=True))
             if key in seen:  # (--small: different tiles can collapse onto one config)
                 continue
@@ -356,8 +372,10 @@ def child_main(args, state_path, deadline):
                     operands = (lat, base, w2)
                     if variant == "xla":
                         pick = lambda lat, base, w2: _JnpOps.full_vocab_pick(base, lat, w2)  # noqa: E731
-                    elif variant == "api":
+                    elif variant in ("api", "api-lazy"):
                         v, c = api.full_vocab_config(rows, V, R, DT)
+                        if variant == "api-lazy":
+                            c = dataclasses.replace(c, lazy=True)
                         row["config"] = dataclasses.asdict(c)
                         row["name"] = f"api: {describe(v, row['config'])}"
                         pick = lambda lat, base, w2, v=v, c=c: fv.full_vocab_pick(  # noqa: E731
@@ -559,6 +577,10 @@ def main(argv=None):
     ap.add_argument("--budget", type=float, default=150.0, help="seconds; no new task starts after it")
     ap.add_argument("--tier", type=int, default=None, help="run tasks of tier <= this only (0 = the short list)")
     ap.add_argument("--only", default="", help="comma list of substrings of task ids (e.g. 'N256:F128x128,N1:')")
+    ap.add_argument("--lazy", choices=("off", "both", "only"), default="off",
+                    help="also (both) or only time the fused configs with lazy=True (elementwise running best)")
+    ap.add_argument("--extra", default="[]",
+                    help='JSON [[N, {field: value}], ...]: also time the served config of N with these fields')
     ap.add_argument("--list", action="store_true", help="print the task list (no device) and exit")
     ap.add_argument("--small", action="store_true", help="CPU smoke test: V=4099, interpret mode, chain 3")
     ap.add_argument("--no-isolate", action="store_true", help="run in this process (no crash recovery)")
@@ -568,6 +590,9 @@ def main(argv=None):
     args = ap.parse_args(argv)
     args.ns = [int(x) for x in args.n.split(",") if x]
     args.only = [s for s in args.only.split(",") if s]
+    global LAZY, EXTRA
+    LAZY = args.lazy
+    EXTRA = [(int(n), dict(o)) for n, o in json.loads(args.extra)]
     if args.small:
         global V, M_SMALL_N, M_LARGE_N, REPS, INTERPRET, SMALL
         V, M_SMALL_N, M_LARGE_N, REPS, INTERPRET, SMALL = 4099, 3, 3, 2, True, True

@@ -18,20 +18,23 @@ from .common import gpu_supported
 
 __all__ = ["ops", "gpu_supported", "full_vocab_config", "topc_config"]
 
-#: Full-vocab pick configs by draft-row count (upper bound of the bucket), the fastest agreeing
-#: config of benchmarks/dev_pick_sweep.py per N on an H200 (2026-11-30): all the fused
-#: readout-matmul + add/argmax kernel; the bias never reaches HBM.
+#: Full-vocab pick configs by draft-row count (upper bound of the bucket): the fastest agreeing
+#: configs of benchmarks/dev_pick_sweep.py on an H200 (2026-11-30), all the fused readout-matmul +
+#: add/argmax kernel (the bias never reaches HBM) with the lazy epilogue (elementwise running best,
+#: one lane reduction per program). v_steps sizes the grid in whole waves of 132 programs at
+#: N = 16 / 64 / 256 (1 / 12 / 5 waves). One pass's pick at N = 1 / 4 / 16 / 64 / 256:
+#: 31.8 / 40.5 / 71.2 / 263.0 / 873.2 µs (eager epilogue, earlier grids: 33.1 / 42.6 / 87.5 / 311.1 / 1082.5).
 _FULL_VOCAB_TABLE = (
     (15, dict(row_tile=16, v_tile=128, v_steps=3, k_tile=64, num_warps=4, num_stages=4, hold_lat=False,
-              flat=True, prefetch_base=True)),
+              flat=True, prefetch_base=True, lazy=True)),
     (60, dict(row_tile=64, v_tile=64, v_steps=6, k_tile=64, num_warps=4, num_stages=4, hold_lat=False,
-              flat=True, prefetch_base=True)),
-    (240, dict(row_tile=128, v_tile=128, v_steps=18, k_tile=0, num_warps=8, num_stages=2, hold_lat=True,
-               prefetch_base=True)),
-    (960, dict(row_tile=128, v_tile=64, v_steps=8, k_tile=0, num_warps=8, num_stages=3, hold_lat=True,
-               prefetch_base=True)),
-    (None, dict(row_tile=128, v_tile=64, v_steps=32, k_tile=0, num_warps=8, num_stages=3, hold_lat=True,
-                prefetch_base=True)),
+              flat=True, prefetch_base=True, lazy=True)),
+    (240, dict(row_tile=128, v_tile=64, v_steps=36, k_tile=0, num_warps=8, num_stages=3, hold_lat=True,
+               prefetch_base=True, lazy=True)),
+    (960, dict(row_tile=128, v_tile=64, v_steps=12, k_tile=0, num_warps=8, num_stages=3, hold_lat=True,
+               prefetch_base=True, lazy=True)),
+    (None, dict(row_tile=128, v_tile=64, v_steps=108, k_tile=0, num_warps=8, num_stages=3, hold_lat=True,
+                prefetch_base=True, lazy=True)),
 )
 
 
@@ -46,6 +49,11 @@ def full_vocab_config(rows: int, vocab: int, rank: int, dtype) -> tuple[str, ful
             return "fused", full_vocab.FullVocabConfig(**kw)
     raise AssertionError("unreachable")
 
+
+#: Top-C selection reads the draft rows of the whole [N, B, V] logits in place (``slot_stride=B``)
+#: instead of selecting on a copy of ``logits[:, 1:]``. H200, top-512 refine: N=64 1174 -> 999 µs,
+#: N=256 3856 -> 3145 µs, same tokens (benchmarks/dev_variants.py, RESULTS.md).
+SELECT_IN_PLACE = True
 
 #: Up to this many blocks XLA's fused latent (jnp) beats the split kernel (dev_latent, H200:
 #: N=1 -0.7 vs 1.9 µs net, N=4 0.8 vs 3.5; from N=16 on the kernel wins: 6.8 vs 8.5).
@@ -68,7 +76,7 @@ def ops(*, interpret: bool = False, steps: tuple[str, ...] | None = None):
         return cls
     table = {"latent": ("latent_pass",),
              "pick": ("full_vocab_pick", "full_vocab_pick_logits", "topc_prepare", "topc_pick"),
-             "select": ("select_candidates",), "single": ("topc_all_passes",)}
+             "select": ("select_candidates", "select_candidates_logits"), "single": ("topc_all_passes",)}
     chosen = {m: getattr(cls, m) for step in steps for m in table[step]}
     if "single" in steps:
         chosen["use_single_launch"] = staticmethod(lambda n: True)
@@ -95,10 +103,18 @@ def _pallas_ops(interpret: bool):
                                               interpret=interpret, slot_stride=B)
 
         @staticmethod
-        def select_candidates(base, c):
+        def select_candidates(base, c, slot_stride=0):
             # 16-element blocks measured faster than 32 at 240 and 3840 rows (dev_select, H200).
-            kw = dict(block=16) if base.shape[0] >= 240 else {}
-            return select.select_candidates(base, c, interpret=interpret, **kw)
+            rows = base.shape[0] // slot_stride * (slot_stride - 1) if slot_stride else base.shape[0]
+            kw = dict(block=16) if rows >= 240 else {}
+            return select.select_candidates(base, c, interpret=interpret, slot_stride=slot_stride, **kw)
+
+        @classmethod
+        def select_candidates_logits(cls, logits, c):
+            if not SELECT_IN_PLACE:
+                return _JnpOps.select_candidates_logits.__func__(cls, logits, c)
+            N, B, V = logits.shape
+            return cls.select_candidates(logits.reshape(N * B, V), c, slot_stride=B)
 
         @staticmethod
         def latent_pass(params, xh, blk, prev_ids):

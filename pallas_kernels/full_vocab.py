@@ -79,6 +79,13 @@ class FullVocabConfig:
       every ``r / k_tile`` chunks.
     prefetch_base: fused only: load the next vocab tile's base block one step ahead (carried
       in registers), so its HBM latency hides behind the tile's dots.
+    lazy: fused only: keep a running best per (row, column lane) of the tile, elementwise across
+      the part's vocab tiles (``s > best``: strict, so a lane keeps its earliest = lowest id on
+      ties; NaN never wins), and reduce the lanes to each row's (max, lowest id) once per part,
+      instead of two cross-thread reductions per tile. Base columns past V load as -inf, so no
+      per-element vocab mask either. Same result: the row max is the max of lane maxima, and
+      the lowest id attaining it is the lowest of the lanes' lowest ids attaining it; a row of
+      only -inf/NaN keeps the first tile's ids and so picks the part's lowest id.
     """
 
     row_tile: int = 16
@@ -91,6 +98,7 @@ class FullVocabConfig:
     hold_lat: bool = True
     flat: bool = False
     prefetch_base: bool = False
+    lazy: bool = False
 
     def check(self) -> None:
         for name in ("row_tile", "v_tile"):
@@ -260,6 +268,7 @@ def _fused_kernel(
     prefetch_base: bool,
     dtype,
     slot_stride: int = 0,
+    lazy: bool = False,
 ):
     i, j = pl.program_id(0), pl.program_id(1)
     r0 = i * row_tile
@@ -288,7 +297,7 @@ def _fused_kernel(
         if valid is not True:
             mask = mask & valid
         idx = _base_index(r0, row_tile, v0, v_tile, rows, slot_stride)
-        return plt.load(base_ref.at[idx], mask=mask, other=0.0)
+        return plt.load(base_ref.at[idx], mask=mask, other=-jnp.inf if lazy else 0.0)
 
     def next_base(t):  # tile t + 1 of this part, or nothing after the last one
         return load_base(v_start(t + 1), (t + 1) < v_steps)
@@ -301,8 +310,20 @@ def _fused_kernel(
         m, k = _best(s, jnp.broadcast_to(ids[None, :], s.shape), axis=1)
         return _merge(best, bidx, m, k)
 
+    lanes = jax.lax.broadcasted_iota(jnp.int32, (row_tile, v_tile), 1)
+
+    def epilogue_lazy(acc, b, v0, best, bidx):  # elementwise: each (row, lane) keeps its best
+        # Past-V columns: b = -inf (masked load) and acc = 0 -> s = -inf never beats best.
+        s = (b.astype(jnp.float32) + acc.astype(dtype).astype(jnp.float32)).astype(dtype).astype(jnp.float32)
+        better = s > best
+        return jnp.where(better, s, best), jnp.where(better, v0 + lanes, bidx)
+
     zeros = jnp.zeros((row_tile, v_tile), jnp.float32)
-    init = (jnp.full((row_tile,), -jnp.inf, jnp.float32), jnp.full((row_tile,), _BIG, jnp.int32))
+    if lazy:
+        epilogue = epilogue_lazy  # noqa: F811
+        init = (jnp.full((row_tile, v_tile), -jnp.inf, jnp.float32), v_start(0) + lanes)
+    else:
+        init = (jnp.full((row_tile,), -jnp.inf, jnp.float32), jnp.full((row_tile,), _BIG, jnp.int32))
     # The carried base tile (prefetch_base) or an unused stand-in.
     b0 = load_base(v_start(0)) if prefetch_base else jnp.zeros((), jnp.int32)
 
@@ -346,6 +367,8 @@ def _fused_kernel(
             return best, bidx, b_next
 
         best, bidx, _ = jax.lax.fori_loop(0, v_steps, step, (*init, b0))
+    if lazy:  # one reduction over the lanes per part
+        best, bidx = _best(best, bidx, axis=1)
     mv_ref[...] = best
     mi_ref[...] = bidx
 
@@ -495,7 +518,7 @@ def full_vocab_pick(
     else:
         k_tile = _k_tile(cfg.k_tile, rank)
         kernel = functools.partial(_fused_kernel, rank=rank, k_tile=k_tile, hold_lat=cfg.hold_lat, flat=cfg.flat,
-                                   prefetch_base=cfg.prefetch_base, **statics)
+                                   prefetch_base=cfg.prefetch_base, lazy=cfg.lazy, **statics)
         operands = (base, lat, w2)
         name = "xpress_full_vocab_fused"
     mv, mi = common.pallas_call(

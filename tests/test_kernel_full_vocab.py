@@ -39,6 +39,10 @@ SHAPES = [
     (25, 1337, 64, fv.FullVocabConfig(row_tile=16, v_tile=128, v_steps=3, k_tile=16, hold_lat=False, flat=True,
                                       prefetch_base=True)),
     (75, 2053, 32, fv.FullVocabConfig(row_tile=32, v_tile=256, v_steps=1, combine="xla")),
+    # lazy (elementwise running best, one lane reduction per part): held latent and flat loop.
+    (25, 1337, 64, fv.FullVocabConfig(row_tile=16, v_tile=128, v_steps=4, lazy=True, prefetch_base=True)),
+    (75, 2053, 32, fv.FullVocabConfig(row_tile=32, v_tile=64, v_steps=3, k_tile=16, hold_lat=False, flat=True,
+                                      lazy=True)),
 ]
 
 
@@ -122,13 +126,14 @@ class TestFullVocabPick:
         ref = np.asarray(fv.reference(base, lat, w2))
         np.testing.assert_array_equal(np.asarray(self.pick(base, lat, w2, variant, config)), ref)
 
-    @pytest.mark.parametrize("variant", fv.VARIANTS)
+    @pytest.mark.parametrize("variant,lazy", [("add_argmax", False), ("fused", False), ("fused", True)],
+                             ids=["add_argmax", "fused", "fused-lazy"])
     @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
-    def test_ties_and_nonfinite(self, dtype, variant):
+    def test_ties_and_nonfinite(self, dtype, variant, lazy):
         # rows = 5 blocks of B=6; V=1000 is not a multiple of the 128-wide tile;
         # 2 tiles per part -> parts [0,256) [256,512) [512,768) [768,1000).
         rows, vocab, rank = 25, 1000, 16
-        cfg = fv.FullVocabConfig(row_tile=16, v_tile=128, v_steps=2)
+        cfg = fv.FullVocabConfig(row_tile=16, v_tile=128, v_steps=2, lazy=lazy)
         base = np.full((rows, vocab), -5.0, np.float32)
         lat = np.zeros((rows, rank), np.float32)
         w2 = np.zeros((vocab, rank), np.float32)
@@ -197,6 +202,21 @@ class TestFullVocabLowering:
             hlo = common.lower_triton(f, *args).as_text()
             assert hlo.count(TRITON_CALL) == calls, (variant, combine)
             assert f"xpress_full_vocab_{variant}" in hlo
+
+    @pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
+    @pytest.mark.parametrize("n", [1, 4, 16, 64, 256])
+    def test_served_configs_lower(self, n, lazy):
+        """The measured configs refine serves (pallas_kernels.api), eager and lazy, build for an H200."""
+        from pallas_kernels import api
+
+        V, r, B = 151936, 256, 16
+        rows = n * (B - 1)
+        variant, cfg = api.full_vocab_config(rows, V, r, jnp.bfloat16)
+        cfg = dataclasses.replace(cfg, lazy=lazy)
+        args = (jax.ShapeDtypeStruct((n * B, V), jnp.bfloat16), jax.ShapeDtypeStruct((rows, r), jnp.bfloat16),
+                jax.ShapeDtypeStruct((V, r), jnp.bfloat16))
+        f = functools.partial(fv.full_vocab_pick, variant=variant, config=cfg, slot_stride=B)
+        assert common.lower_triton(f, *args).as_text().count(TRITON_CALL) == 2
 
 
 

@@ -50,6 +50,20 @@ def _round_sum(a: jax.Array, b: jax.Array) -> jax.Array:
     return _clean((a.astype(acc) + b.astype(acc)).astype(a.dtype))
 
 
+def _readout(lat: jax.Array, w2: jax.Array, dtype) -> jax.Array:
+    """``dtype(lat @ w2.T)`` accumulated in float32 (float64 for float64): the readout bias [rows, V].
+
+    On GPUs with 16-bit operands the dot writes the 16-bit result directly: the GEMM still
+    accumulates in float32 and rounds once, so the values are the same, but XLA no longer
+    stores the float32 [rows, V] product in HBM before a separate convert (measured on an
+    H200, N=256 full vocab: 11337 -> 9106 µs per refine, tokens unchanged; benchmarks/RESULTS.md).
+    """
+    acc = acc_dtype(dtype)
+    if jax.default_backend() == "gpu" and jnp.dtype(dtype).itemsize == 2:
+        return jnp.matmul(lat, w2.T, preferred_element_type=dtype)
+    return _dot(lat, w2.T, acc).astype(dtype)
+
+
 def _validate(params, logits, h, anchors, prev_ids, num_passes, topc, max_num_reqs, backend, config=None):
     check_params(params, config)
     V, r = params["w1"].shape
@@ -192,8 +206,7 @@ class _JnpOps:
     @staticmethod
     def full_vocab_pick(base, lat, w2):
         """[rows,V], [rows,r], [V,r] -> [rows] int32: argmax_v dtype(base + lat @ w2.T), lowest id on ties."""
-        bias = _dot(lat, w2.T, acc_dtype(base.dtype)).astype(base.dtype)
-        return jnp.argmax(_round_sum(base, bias), axis=-1).astype(jnp.int32)
+        return jnp.argmax(_round_sum(base, _readout(lat, w2, base.dtype)), axis=-1).astype(jnp.int32)
 
     @classmethod
     def full_vocab_pick_logits(cls, logits, lat, w2):
