@@ -138,6 +138,27 @@ def explain_flips(cfg, n, topc):
     lat_x, lat_p = jax.jit(X.latent_pass), jax.jit(P.latent_pass)
     kw = dict(config=cfg, topc=topc)
     prev_x = prev_p = np.asarray(start).reshape(n, B - 1)
+    if topc:
+        cand, base_c, _ = jax.jit(X.select_candidates, static_argnums=1)(base, topc)
+        pick_x = jax.jit(lambda lat: X.topc_pick(base_c, cand, lat, X.topc_prepare(w2, cand)))
+        pick_p = jax.jit(lambda lat: P.topc_pick(base_c, cand, lat, P.topc_prepare(w2, cand)))
+
+        def f32_pick(lat):  # XLA with float32 operands: exact products, float32 sums
+            w2c = jnp.take(w2, cand, axis=0).astype(jnp.float32)
+            bias = jnp.einsum("nr,ncr->nc", lat.astype(jnp.float32), w2c,
+                              precision=jax.lax.Precision.HIGHEST).astype(base_c.dtype)
+            s = (base_c.astype(jnp.float32) + bias.astype(jnp.float32)).astype(base_c.dtype)
+            best = jnp.max(s, axis=-1, keepdims=True)
+            return jnp.min(jnp.where(s == best, cand, jnp.iinfo(jnp.int32).max), axis=-1)
+    else:
+        pick_x = jax.jit(lambda lat: X.full_vocab_pick(base, lat, w2))
+        pick_p = jax.jit(lambda lat: P.full_vocab_pick(base, lat, w2))
+
+        def f32_pick(lat):
+            bias = jnp.matmul(lat.astype(jnp.float32), w2.astype(jnp.float32).T,
+                              precision=jax.lax.Precision.HIGHEST).astype(base.dtype)
+            return jnp.argmax((base.astype(jnp.float32) + bias.astype(jnp.float32)).astype(base.dtype), -1)
+    pick_f = jax.jit(f32_pick)
     found = []
     for p in range(1, cfg.num_passes + 1):
         # The jitted refine itself, K = p: the passes' inputs are exactly the end-to-end run's.
@@ -148,6 +169,11 @@ def explain_flips(cfg, n, topc):
         blk = jnp.concatenate([anchors[:, None], jnp.asarray(prev_x)], 1)
         lx = lat_x(params, xh, blk, anchors).reshape(rows, r)
         lp = lat_p(params, xh, blk, anchors).reshape(rows, r)
+        # Each implementation's one-pass pick of every row from the same (standalone XLA) latent,
+        # and the XLA backend compiled the other way (passes in a loop instead of unrolled).
+        picks = {name: np.asarray(fn(lx)) for name, fn in (("xla", pick_x), ("pallas", pick_p), ("f32", pick_f))}
+        ox_loop = np.asarray(f(params, logits, h, anchors, num_passes=p, backend="xla",
+                               unroll=jax.default_backend() != "gpu", **kw)).reshape(-1)
         for i in np.nonzero(np.repeat(same_in, B - 1) & (ox.reshape(-1) != op.reshape(-1)))[0]:
             ids = jnp.asarray([int(ox.reshape(-1)[i]), int(op.reshape(-1)[i])])
             w = np.asarray(w2[ids].astype(jnp.float32), np.float64)
@@ -163,6 +189,9 @@ def explain_flips(cfg, n, topc):
             mid_b = _midpoint_dist(bias)
             sc = b + _round_bf16(bias)
             mid_s = _midpoint_dist(sc)
+            s0, s1 = (float(_round_bf16(x)) for x in sc)
+            t0, t1 = int(ids[0]), int(ids[1])
+            exact_tok = t0 if s0 > s1 else t1 if s1 > s0 else min(t0, t1)
             found.append(dict(N=n, topc=topc, pass_=p, row=int(i), xla_token=int(ids[0]),
                               pallas_token=int(ids[1]), lat_elems_differ=int(np.sum(la != lb)),
                               lat_max_diff_ulps=lat_ulps, scores_xla_latent=sx.tolist(),
@@ -171,6 +200,13 @@ def explain_flips(cfg, n, topc):
                                                    / _ulp_bf16(np.max(np.abs(sx)))),
                               bias_exact=bias.tolist(), bias_err_bound=bound.tolist(),
                               bias_to_midpoint=mid_b.tolist(), score_bf16_of_exact=[float(_round_bf16(x)) for x in sc],
+                              # The reference rule in exact arithmetic (float64 dot, then the two bf16
+                              # roundings): larger rounded score, lowest id on ties.
+                              exact_token=exact_tok,
+                              xla_pick_same_latent=int(picks["xla"][i]),
+                              pallas_pick_same_latent=int(picks["pallas"][i]),
+                              xla_other_compile_token=int(ox_loop[i]),
+                              xla_f32_operands_pick_same_latent=int(picks["f32"][i]),
                               score_to_midpoint=mid_s.tolist(),
                               # base + bf16(bias) is exact in float32 and rounded the same way by both
                               # implementations: only a bias rounding can differ.
@@ -192,12 +228,16 @@ def explain_main(argv=None):
             allf += f
             for x in f:
                 print(json.dumps(x), flush=True)
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, "flips.json"), "w") as fh:  # after every case (timeouts)
+                json.dump(allf, fh, indent=1)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "flips.json"), "w") as fh:
         json.dump(allf, fh, indent=1)
     print("\n| mode | N | pass | xla tok | pallas tok | latent elems differ | max latent diff (ulps) | "
-          "score gap (ulps) | exact scores -> bf16 | bias to midpoint / f32 error bound | reassociation can flip |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---|---|---|")
+          "score gap (ulps) | exact scores -> bf16 | bias to midpoint / f32 error bound | reassociation can flip "
+          "| exact pick | xla / pallas / xla-f32-operands pick, same latent | xla, other compile |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---|---|---|---:|---|---:|")
     for x in allf:
         mode = "full vocab" if x["topc"] == 0 else f"top-{x['topc']}"
         sc = " / ".join(f"{a:.5f}->{c:.4f}" for a, c in zip(x["scores_xla_latent"], x["score_bf16_of_exact"]))
@@ -205,7 +245,9 @@ def explain_main(argv=None):
                         for m, e in zip(x["bias_to_midpoint"], x["bias_err_bound"]))
         print(f"| {mode} | {x['N']} | {x['pass_']} | {x['xla_token']} | {x['pallas_token']} | "
               f"{x['lat_elems_differ']} | {x['lat_max_diff_ulps']:.2f} | {x['gap_score_ulps']:.2f} | {sc} | {mb} | "
-              f"{'yes' if x['reassociation_can_flip'] else 'NO'} |")
+              f"{'yes' if x['reassociation_can_flip'] else 'NO'} | {x['exact_token']} | "
+              f"{x['xla_pick_same_latent']} / {x['pallas_pick_same_latent']} / "
+              f"{x['xla_f32_operands_pick_same_latent']} | {x['xla_other_compile_token']} |")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ Quickstart::
 
 from .checkpoint import load_params, save_params
 from .config import HeadConfig
-from .head import XPressHead, hidden_input, latent
+from .head import XPressHead, hidden_input, latent, round_to
 from .params import (
     HYBRID_KEY_MAP,
     PARAM_NAMES,
@@ -43,6 +43,7 @@ __all__ = [
     "hidden_input",
     "init_params",
     "latent",
+    "round_to",
     "param_shapes",
     "params_from_state_dict",
     "refine",

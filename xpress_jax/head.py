@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from .config import HeadConfig
 from .params import PARAM_NAMES, fold_causal_mixer, param_shapes
 
-__all__ = ["acc_dtype", "hidden_input", "latent", "XPressHead"]
+__all__ = ["acc_dtype", "round_to", "hidden_input", "latent", "XPressHead"]
 
 Params = Mapping[str, jax.Array]
 
@@ -36,6 +36,28 @@ def precision_for(dtype: Any) -> jax.lax.Precision | None:
     return jax.lax.Precision.HIGHEST if jnp.dtype(dtype).itemsize >= 4 else None
 
 
+def round_to(x: jax.Array, dtype: Any) -> jax.Array:
+    """``x`` rounded to ``dtype`` (round to nearest even), a rounding XLA may not skip.
+
+    A plain ``x.astype(bf16)`` whose result is converted back to float32 later (inside a
+    fusion, or by XLA's own bf16 normalisation) is an ``f32 -> bf16 -> f32`` pair that XLA
+    on GPUs removes by default (``xla_allow_excess_precision``): the value is then never
+    rounded, and near-tied tokens can differ from the reference. ``reduce_precision`` to
+    the target format first is kept by XLA and makes the rounding real on every backend.
+    """
+    dtype = jnp.dtype(dtype)
+    if jnp.dtype(x.dtype) == dtype:
+        return x
+    fi, src = jnp.finfo(dtype), jnp.finfo(x.dtype)
+    y = jax.lax.reduce_precision(x, exponent_bits=fi.nexp, mantissa_bits=fi.nmant)
+    if fi.nexp < src.nexp:
+        # reduce_precision flushes the target's subnormals to zero (float16: |x| < 2^-14); those
+        # lie on a fixed grid of 2^(minexp - nmant), where rounding half to even is exact.
+        q = jnp.asarray(2.0 ** (int(fi.minexp) - int(fi.nmant)), x.dtype)
+        y = jnp.where(jnp.abs(x) < jnp.asarray(fi.tiny, x.dtype), jnp.round(x / q) * q, y)
+    return y.astype(dtype)
+
+
 def _dot(a: jax.Array, b: jax.Array, acc: jnp.dtype) -> jax.Array:
     return jnp.matmul(a, b, precision=precision_for(a.dtype), preferred_element_type=acc)
 
@@ -44,16 +66,16 @@ def hidden_cache(params: Params, h: jax.Array) -> jax.Array:
     """``concat(h @ down_h, mean_slots(h) @ down_g)``: [N, B, H] -> [N, B, 2r] (pass-invariant)."""
     cd = params["w1"].dtype
     acc = acc_dtype(cd)
-    hh = _dot(h, params["down_h"], acc).astype(cd)  # [N, B, r]
-    g = jnp.mean(h.astype(acc), axis=1).astype(cd)  # [N, H]
-    hg = _dot(g, params["down_g"], acc).astype(cd)  # [N, r]
+    hh = round_to(_dot(h, params["down_h"], acc), cd)  # [N, B, r]
+    g = round_to(jnp.mean(h.astype(acc), axis=1), cd)  # [N, H]
+    hg = round_to(_dot(g, params["down_g"], acc), cd)  # [N, r]
     return jnp.concatenate([hh, jnp.broadcast_to(hg[:, None, :], hh.shape)], axis=-1)
 
 
 def hidden_input(params: Params, h: jax.Array) -> jax.Array:
     """``xh = hidden_cache(h) @ in_proj_hidden``: the pass-invariant half of ``in_proj``, [N, B, r]."""
     cd = params["w1"].dtype
-    return _dot(hidden_cache(params, h), params["in_proj_hidden"], acc_dtype(cd)).astype(cd)
+    return round_to(_dot(hidden_cache(params, h), params["in_proj_hidden"], acc_dtype(cd)), cd)
 
 
 def latent(params: Params, xh: jax.Array, prev: jax.Array) -> jax.Array:
@@ -68,11 +90,11 @@ def latent(params: Params, xh: jax.Array, prev: jax.Array) -> jax.Array:
     e = jnp.take(params["w1"], prev, axis=0, mode="clip")  # [N, B, r]
     x = xh.astype(acc) + _dot(e, params["in_proj_token"], acc)
     u = jnp.einsum("kjc,njc->nkc", params["mix"].astype(acc), x, precision=precision_for(acc))[:, 1:]
-    uc = u.astype(cd)
+    uc = round_to(u, cd)
     gate = _dot(uc, params["mlp_gate"], acc)
     up = _dot(uc, params["mlp_up"], acc)
-    act = (jax.nn.silu(gate) * up).astype(cd)
-    return (u + _dot(act, params["mlp_down"], acc)).astype(cd)
+    act = round_to(jax.nn.silu(gate) * up, cd)
+    return round_to(u + _dot(act, params["mlp_down"], acc), cd)
 
 
 class XPressHead(nn.Module):

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .config import HeadConfig
-from .head import _dot, acc_dtype, hidden_input, latent, precision_for
+from .head import _dot, acc_dtype, hidden_input, latent, precision_for, round_to
 from .params import check_params
 
 __all__ = ["refine", "INVALID_TOKEN", "BACKENDS"]
@@ -47,7 +47,7 @@ def _clean(s: jax.Array) -> jax.Array:
 def _round_sum(a: jax.Array, b: jax.Array) -> jax.Array:
     """``float(dtype(a + b))``: the sum formed in the accumulation dtype, rounded to the logits' dtype."""
     acc = acc_dtype(a.dtype)
-    return _clean((a.astype(acc) + b.astype(acc)).astype(a.dtype))
+    return _clean(round_to(a.astype(acc) + b.astype(acc), a.dtype))
 
 
 def _readout(lat: jax.Array, w2: jax.Array, dtype) -> jax.Array:
@@ -61,7 +61,7 @@ def _readout(lat: jax.Array, w2: jax.Array, dtype) -> jax.Array:
     acc = acc_dtype(dtype)
     if jax.default_backend() == "gpu" and jnp.dtype(dtype).itemsize == 2:
         return jnp.matmul(lat, w2.T, preferred_element_type=dtype)
-    return _dot(lat, w2.T, acc).astype(dtype)
+    return round_to(_dot(lat, w2.T, acc), dtype)
 
 
 def _validate(params, logits, h, anchors, prev_ids, num_passes, topc, max_num_reqs, backend, config=None):
@@ -239,9 +239,9 @@ class _JnpOps:
         ``s = dtype(base_c + dtype(lat . w2[cand]))``; the largest s wins, lowest vocab id on ties.
         """
         acc = acc_dtype(base_c.dtype)
-        bias_c = jnp.einsum(
+        bias_c = round_to(jnp.einsum(
             "nr,ncr->nc", lat, w2c, precision=precision_for(lat.dtype), preferred_element_type=acc
-        ).astype(base_c.dtype)
+        ), base_c.dtype)
         s = _round_sum(base_c, bias_c)
         best = jnp.max(s, axis=-1, keepdims=True)
         big = jnp.iinfo(jnp.int32).max
