@@ -1,30 +1,32 @@
-"""Compile the full-vocab pick kernel's Triton IR with the standalone Triton (GPU machine) and report
-the MMA flavour, shared memory, registers and spills.
+"""What Triton makes of the full-vocab pick kernel: MMA flavour, registers, spills, shared memory.
 
-    PYTHONPATH=$PWD python3 -m benchmarks.dev_ttir --out $OUT
+    # 1. capture the Triton IR Pallas builds for the served configs (any machine with JAX):
+    PYTHONPATH=$PWD python3 benchmarks/dev_ttir.py capture --out /tmp/ttir [--n 1,4,16,64,256]
+    # 2. compile it for sm_90a with the standalone Triton (a venv with `pip install triton==3.6.0`
+    #    works on a CPU machine; Triton's bundled ptxas gives registers and spills):
+    python3 benchmarks/dev_ttir.py compile --out /tmp/ttir
 
-Captures the Triton module Pallas builds (``lower_jaxpr_to_triton_module``) for the fused pick at
-3840 rows (N=256) under a few configs, and compiles each with ``triton.compile`` for sm_90a.
-``warp_group_dot`` in the TTGIR / ``wgmma`` in the PTX = Hopper warp-group MMA; ``mma.sync`` = the
-Ampere instruction. XLA compiles the same IR with its own Triton pipeline, so this is a
-strong hint, not proof, of what runs.
+``warp_group_dot`` in the TTGIR / ``wgmma.mma_async`` in the PTX = Hopper warp-group MMA;
+``mma.sync`` = the Ampere instruction. XLA compiles the same IR with its own Triton pipeline
+(its dump does not include Pallas kernels' PTX), so this is strong evidence, not proof, of what
+runs. Step 2 imports only triton (no JAX). Results of 2026-11-30: benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import json
 import os
 import re
-
-import jax
-import jax.numpy as jnp
+import subprocess
+import sys
 
 
 def capture(fn, *args):
-    from pallas_kernels.common import lower_triton
-
+    """The Triton modules (text) of every pallas_call in ``fn(*args)``, lowered for an H200."""
     from jax._src.pallas.triton import lowering as L
+
+    from pallas_kernels.common import lower_triton
 
     got = []
     orig = L.lower_jaxpr_to_triton_module
@@ -42,52 +44,69 @@ def capture(fn, *args):
     return got
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.environ.get("OUT", "ttir_out"))
-    args = ap.parse_args(argv)
-    os.makedirs(args.out, exist_ok=True)
-    import triton
-    from triton.backends.compiler import GPUTarget
+def capture_main(args):
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
 
     from pallas_kernels import api, full_vocab
 
-    V, r, rows = 151936, 256, 3840
-    base = jax.ShapeDtypeStruct((rows, V), jnp.bfloat16)
-    lat = jax.ShapeDtypeStruct((rows, r), jnp.bfloat16)
-    w2 = jax.ShapeDtypeStruct((V, r), jnp.bfloat16)
-    _, table = api.full_vocab_config(rows, V, r, jnp.bfloat16)
-    cfgs = {"table": table,
-            "k64-nohold": dataclasses.replace(table, hold_lat=False, k_tile=64),
-            "128x128-w8": dataclasses.replace(table, v_tile=128, v_steps=16),
-            "64x128-w4": dataclasses.replace(table, row_tile=64, v_tile=128, v_steps=16, num_warps=4)}
-    print(f"triton {triton.__version__}")
-    for name, cfg in cfgs.items():
-        mods = capture(lambda b, l, w, cfg=cfg: full_vocab.full_vocab_pick(b, l, w, variant="fused", config=cfg),
-                       base, lat, w2)
-        ttir = os.path.join(args.out, f"pick_{name}.ttir")
-        with open(ttir, "w") as f:
-            f.write(mods[0])
-        try:
-            k = triton.compile(ttir, target=GPUTarget("cuda", 90, 32),
-                               options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
-            ttgir, ptx = k.asm.get("ttgir", ""), k.asm.get("ptx", "")
-            regs = spills = "?"
-            try:
-                k._init_handles()
-                regs, spills = k.n_regs, k.n_spills
-            except Exception as e:  # noqa: BLE001
-                regs = f"({type(e).__name__})"
-            mma = re.findall(r"versionMajor = (\d)", ttgir)
-            print(f"{name}: {dataclasses.asdict(cfg)}\n   warp_group_dot {ttgir.count('warp_group_dot')}, "
-                  f"mma versions {sorted(set(mma))}, ptx wgmma {ptx.count('wgmma.mma_async')}, "
-                  f"mma.sync {ptx.count('mma.sync')}, ldmatrix {ptx.count('ldmatrix')}, cp.async {ptx.count('cp.async')}, "
-                  f"shared {k.metadata.shared} B, regs {regs}, spills {spills}", flush=True)
-            with open(os.path.join(args.out, f"pick_{name}.ttgir"), "w") as f:
-                f.write(ttgir)
-        except Exception as e:  # noqa: BLE001
-            print(f"{name}: compile failed: {type(e).__name__}: {str(e)[:400]}", flush=True)
+    V, r, B = 151936, 256, 16
+    meta = {}
+    for n in (int(x) for x in args.n.split(",")):
+        rows = n * (B - 1)
+        _, cfg = api.full_vocab_config(rows, V, r, jnp.bfloat16)
+        for lazy in (False, True):
+            c = dataclasses.replace(cfg, lazy=lazy)
+            shapes = (jax.ShapeDtypeStruct((n * B, V), jnp.bfloat16), jax.ShapeDtypeStruct((rows, r), jnp.bfloat16),
+                      jax.ShapeDtypeStruct((V, r), jnp.bfloat16))
+            mods = capture(lambda b, l, w, c=c: full_vocab.full_vocab_pick(b, l, w, variant="fused", config=c,
+                                                                            slot_stride=B), *shapes)
+            name = f"pick_n{n}_{'lazy' if lazy else 'eager'}"
+            with open(os.path.join(args.out, name + ".ttir"), "w") as f:
+                f.write(mods[0])  # stage 1 (the combine kernel is mods[1])
+            meta[name] = dict(num_warps=c.num_warps, num_stages=c.num_stages, config=dataclasses.asdict(c))
+    with open(os.path.join(args.out, "meta.json"), "w") as f:
+        json.dump(meta, f, indent=1)
+    print(f"wrote {len(meta)} kernels to {args.out}")
+
+
+def compile_main(args):
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    meta = json.load(open(os.path.join(args.out, "meta.json")))
+    print(f"triton {triton.__version__}, target sm_90a")
+    print("| kernel | warps | stages | MMA | wgmma | mma.sync | registers | spill B | shared KB |")
+    print("|---|---:|---:|---|---:|---:|---:|---:|---:|")
+    for name, m in meta.items():
+        path = os.path.join(args.out, name + ".ttir")
+        k = triton.compile(path, target=GPUTarget("cuda", 90, 32),
+                           options=dict(num_warps=m["num_warps"], num_stages=m["num_stages"]))
+        ttgir, ptx = k.asm.get("ttgir", ""), k.asm.get("ptx", "")
+        with open(path + ".ptx", "w") as f:
+            f.write(ptx)
+        out = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", path + ".ptx", "-o", os.devnull],
+                             capture_output=True, text=True)
+        regs = re.search(r"Used (\d+) registers", out.stderr)
+        spill = re.search(r"(\d+) bytes spill stores", out.stderr)
+        mma = "wgmma" if "warp_group_dot" in ttgir else ("mma v2" if "versionMajor = 2" in ttgir else "?")
+        print(f"| {name} | {m['num_warps']} | {m['num_stages']} | {mma} | {ptx.count('wgmma.mma_async')} | "
+              f"{ptx.count('mma.sync')} | {regs.group(1) if regs else '?'} | {spill.group(1) if spill else '?'} | "
+              f"{k.metadata.shared // 1024} |", flush=True)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("step", choices=("capture", "compile"))
+    ap.add_argument("--out", default=os.environ.get("OUT", "ttir_out"))
+    ap.add_argument("--n", default="1,4,16,64,256")
+    args = ap.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    return capture_main(args) if args.step == "capture" else compile_main(args)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

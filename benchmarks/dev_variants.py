@@ -10,6 +10,8 @@ Variants (each an ops class fed to `xpress_jax.refine._refine`, passes unrolled)
 * ``pallas-select-copy``: top-C selection on a copy of ``logits[:, 1:]`` (before 11-30 evening).
 * ``pallas-latent-kernel``: the latent kernel at every N (shipped: XLA's latent for N <= 4).
 * ``pallas-xlapick``: Pallas latent, XLA readout + argmax (full vocab).
+* ``pallas-topc-1split-*``: the top-C pick as one program per row over all C candidates
+  (no combine launch; shipped: C split over programs + a combine kernel).
 
 Prints device µs per refine (chained, as bench_refine) and the tokens' agreement with ``xla``.
 """
@@ -56,8 +58,21 @@ def variants():
         full_vocab_pick = staticmethod(_JnpOps.full_vocab_pick)
         full_vocab_pick_logits = classmethod(_JnpOps.full_vocab_pick_logits.__func__)
 
+    def one_split(c_tile, num_warps):
+        class PallasTopCOneSplit(P):  # one program per row over all C candidates: no combine launch
+            @staticmethod
+            def topc_pick(base_c, cand, lat, prepared):
+                from pallas_kernels import topc_pick
+
+                c = base_c.shape[1]
+                cfg = topc_pick.TopCConfig(c_tile=c_tile, c_steps=-(-c // c_tile), k_tile=64, num_warps=num_warps)
+                return topc_pick.topc_pick(base_c, cand, lat, prepared, config=cfg)
+
+        return PallasTopCOneSplit
+
     return {"xla": _JnpOps, "xla-f32out": XlaF32, "pallas": P, "pallas-select-copy": PallasCopy,
-            "pallas-latent-kernel": PallasLatentKernel, "pallas-xlapick": PallasXlaPick}
+            "pallas-latent-kernel": PallasLatentKernel, "pallas-xlapick": PallasXlaPick,
+            "pallas-topc-1split-c128w8": one_split(128, 8), "pallas-topc-1split-c64w4": one_split(64, 4)}
 
 
 def chained(cfg, ops, m, topc):
