@@ -302,7 +302,7 @@ def _fused_kernel(
     def next_base(t):  # tile t + 1 of this part, or nothing after the last one
         return load_base(v_start(t + 1), (t + 1) < v_steps)
 
-    def epilogue(acc, b, v0, best, bidx):  # round, add base, keep each row's best
+    def epilogue_eager(acc, b, v0, best, bidx):  # round, add base, keep each row's best
         cols = v0 + _iota(v_tile)
         col_ok = cols < vocab
         s = jnp.where(col_ok[None, :], _score(b, acc.astype(dtype), dtype), -jnp.inf)
@@ -320,9 +320,10 @@ def _fused_kernel(
 
     zeros = jnp.zeros((row_tile, v_tile), jnp.float32)
     if lazy:
-        epilogue = epilogue_lazy  # noqa: F811
+        epilogue = epilogue_lazy
         init = (jnp.full((row_tile, v_tile), -jnp.inf, jnp.float32), v_start(0) + lanes)
     else:
+        epilogue = epilogue_eager
         init = (jnp.full((row_tile,), -jnp.inf, jnp.float32), jnp.full((row_tile,), _BIG, jnp.int32))
     # The carried base tile (prefetch_base) or an unused stand-in.
     b0 = load_base(v_start(0)) if prefetch_base else jnp.zeros((), jnp.int32)

@@ -73,6 +73,7 @@ from jax.experimental.pallas import triton as plt
 
 from . import common
 from .full_vocab import _BIG, _best, _merge, _score
+from .latent import _block_rows, _load, _mix_rows, _swiglu_rows, _x_rows
 
 __all__ = [
     "PassesConfig",
@@ -202,19 +203,6 @@ def reference(params: Mapping[str, jax.Array], xh: jax.Array, blk0: jax.Array, p
     return jax.lax.fori_loop(0, num_passes, one_pass, blk0.astype(jnp.int32))
 
 
-def _load(ref_at, mask):
-    """`plt.load` with ``other=0`` only where a mask is needed."""
-    return plt.load(ref_at, mask=mask, other=0 if mask is not None else None)
-
-
-def _and(a, b):
-    if a is None:
-        return b
-    if b is None:
-        return a
-    return a & b
-
-
 def _passes_kernel(
     blk_ref,  # [N*B] int32: the start block, flattened
     prev_ref,  # [N] int32
@@ -253,11 +241,7 @@ def _passes_kernel(
     rows = bpp * bp
     pid = pl.program_id(0)
 
-    ri = jnp.arange(rows, dtype=jnp.int32)
-    slot = ri % bp  # [R]
-    blk_i = pid * bpp + ri // bp  # [R]
-    valid = (slot < b) & (blk_i < n)  # [R]
-    blk_c = jnp.where(valid, blk_i, 0)
+    ri, slot, blk_c, valid = _block_rows(pid * bpp, n=n, b=b, bp=bp, bpp=bpp)
     draft = valid & (slot >= 1)  # rows that get a token each pass
     col = jnp.arange(rp, dtype=jnp.int32)  # [rp]
     col_ok = col < r
@@ -270,12 +254,6 @@ def _passes_kernel(
     crow = jnp.where(draft, blk_c * (b - 1) + slot - 1, 0)  # row of base_c / cand
     shift = ri[:, None] - 1 == ri[None, :]  # [R, R]: row i reads row i-1 (same block for slot >= 1)
 
-    kk_x = jnp.arange(kb, dtype=jnp.int32)
-    x_tail = r % kb != 0
-    kslot = jnp.arange(bp, dtype=jnp.int32)
-    mix_mask = _and((kslot < b)[:, None] if bp != b else None, col_ok[None, :] if r_tail else None)
-    hh = jnp.arange(hb, dtype=jnp.int32)
-    h_tail = m % hb != 0
     nk = rp // kt
     cc0 = jnp.arange(ct, dtype=jnp.int32)
     kc0 = jnp.arange(kt, dtype=jnp.int32)
@@ -287,46 +265,11 @@ def _passes_kernel(
         sh = jnp.sum(jnp.where(shift, tok[None, :], 0), axis=1)  # [R]
         ids = jnp.clip(jnp.where(slot == 0, prev0, sh), 0, v - 1)
 
-        # 2. x = xh + w1[ids] @ in_proj_token, K tiled.
-        xh = plt.load(xh_ref.at[xrow[:, None], col[None, :]], mask=valid[:, None] & col_ok[None, :], other=0)
-
-        def k_step(i, acc):
-            kc = i * kb + kk_x
-            e = _load(w1_ref.at[ids[:, None], kc[None, :]], (kc < r)[None, :] if x_tail else None)  # [R, kb]
-            w = _load(wt_ref.at[kc[:, None], col[None, :]],
-                      _and((kc < r)[:, None] if x_tail else None, col_ok[None, :] if r_tail else None))
-            return acc + jnp.dot(e, w, precision=_HI, preferred_element_type=f32)
-
-        x = xh.astype(f32) + jax.lax.fori_loop(0, pl.cdiv(r, kb), k_step, jnp.zeros((rows, rp), f32))
-
-        # 3. folded causal mixer, float32, j = 0, 1, ... in order (as the latent kernel).
-        def mix_step(j, u):
-            mj = _load(mix_ref.at[kslot[:, None], j, col[None, :]], mix_mask).astype(f32)  # [bp, rp]
-            if bpp == 1:
-                xj = jnp.sum(jnp.where(slot[:, None] == j, x, 0.0), axis=0)  # [rp]
-                return u + mj * xj[None, :]
-            x3 = x.reshape(bpp, bp, rp)
-            xj = jnp.sum(jnp.where(slot.reshape(bpp, bp, 1) == j, x3, 0.0), axis=1)  # [bpp, rp]
-            return u + (mj[None, :, :] * xj[:, None, :]).reshape(rows, rp)
-
-        u = jax.lax.fori_loop(0, b, mix_step, jnp.zeros((rows, rp), f32))
-        uc = u.astype(cd)
-
-        # 4. SwiGLU tiled over the hidden dim, then the residual.
-        def h_step(i, acc):
-            hc = i * hb + hh
-            gu_mask = _and(col_ok[:, None] if r_tail else None, (hc < m)[None, :] if h_tail else None)
-            wg = _load(wg_ref.at[col[:, None], hc[None, :]], gu_mask)  # [rp, hb]
-            wu = _load(wu_ref.at[col[:, None], hc[None, :]], gu_mask)
-            gate = jnp.dot(uc, wg, precision=_HI, preferred_element_type=f32)
-            up = jnp.dot(uc, wu, precision=_HI, preferred_element_type=f32)
-            act = (jax.nn.silu(gate) * up).astype(cd)
-            d_mask = _and((hc < m)[:, None] if h_tail else None, col_ok[None, :] if r_tail else None)
-            wd = _load(wd_ref.at[hc[:, None], col[None, :]], d_mask)  # [hb, rp]
-            return acc + jnp.dot(act, wd, precision=_HI, preferred_element_type=f32)
-
-        acc = jax.lax.fori_loop(0, pl.cdiv(m, hb), h_step, jnp.zeros((rows, rp), f32))
-        return (u + acc).astype(cd)  # [R, rp]; padded columns are 0
+        # 2-4. x = xh + w1[ids] @ in_proj_token; the folded causal mixer; SwiGLU + residual (as the
+        # latent kernel, the same code). Padded rank columns come out 0.
+        x = _x_rows(ids, xrow, valid, col, col_ok, xh_ref, w1_ref, wt_ref, r=r, kb=kb, col_tail=r_tail)
+        u = _mix_rows(x, slot, col, col_ok, mix_ref, b=b, bp=bp, bpp=bpp, col_tail=r_tail)
+        return _swiglu_rows(u, col, col_ok, wg_ref, wu_ref, wd_ref, m=m, hb=hb, col_tail=r_tail, cd=cd)  # [R, rp]
 
     def pick(lat):
         """Each draft row's best candidate [R] int32 (_BIG on rows that are not draft rows)."""

@@ -209,6 +209,112 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, int(x) - 1).bit_length()
 
 
+# ---------------------------------------------------------------------------
+# In-kernel pieces of the latent pass, shared by the fused kernel, the split variant's first
+# stage and the single-launch K-pass kernel (fused_passes). Rows are a program's ``bpp`` blocks
+# of ``bp`` (B padded to a power of two) slots; ``col`` are the rank columns it computes.
+
+
+def _and(a, b):
+    """Combine two optional (broadcastable) masks; None = all true."""
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return a & b
+
+
+def _load(ref_at, mask):
+    """`plt.load` with ``other=0`` only where a mask is needed."""
+    return plt.load(ref_at, mask=mask, other=0 if mask is not None else None)
+
+
+def _block_rows(block0, *, n: int, b: int, bp: int, bpp: int):
+    """(row iota [R], slot [R], clamped block index [R], valid [R]) of blocks block0 .. block0+bpp-1."""
+    ri = jnp.arange(bpp * bp, dtype=jnp.int32)
+    slot = ri % bp
+    blk_i = block0 + ri // bp
+    valid = (slot < b) & (blk_i < n)
+    return ri, slot, jnp.where(valid, blk_i, 0), valid
+
+
+def _pred_ids(ids_ref, prev_ref, slot, blk_c, valid, *, b: int, v: int):
+    """Predecessor ids [R]: slot 0 <- prev_ids[n], slot s >= 1 <- blk[n, s-1]; clipped like jnp.take(mode="clip")."""
+    from_blk = valid & (slot >= 1)
+    pid_blk = plt.load(ids_ref.at[jnp.where(from_blk, blk_c * b + slot - 1, 0)], mask=from_blk, other=0)
+    pid_prev = plt.load(prev_ref.at[blk_c], mask=valid & (slot == 0), other=0)
+    return jnp.clip(jnp.where(slot == 0, pid_prev, pid_blk), 0, v - 1)
+
+
+def _x_rows(ids, xrow, valid, col, col_ok, xh_ref, w1_ref, wt_ref, *, r: int, kb: int, col_tail: bool):
+    """``x[:, col] = xh + w1[ids] @ in_proj_token[:, col]`` in float32 [R, len(col)], K tiled by kb."""
+    f32 = jnp.float32
+    xh = plt.load(xh_ref.at[xrow[:, None], col[None, :]], mask=valid[:, None] & col_ok[None, :], other=0)
+    kk = jnp.arange(kb, dtype=jnp.int32)
+    k_tail = r % kb != 0
+
+    def k_step(i, acc):
+        kc = i * kb + kk  # [kb]
+        e = _load(w1_ref.at[ids[:, None], kc[None, :]], (kc < r)[None, :] if k_tail else None)  # [R, kb]
+        w = _load(wt_ref.at[kc[:, None], col[None, :]],
+                  _and((kc < r)[:, None] if k_tail else None, col_ok[None, :] if col_tail else None))  # [kb, C]
+        return acc + jnp.dot(e, w, precision=_HI, preferred_element_type=f32)
+
+    acc = jax.lax.fori_loop(0, pl.cdiv(r, kb), k_step, jnp.zeros(xh.shape, f32))
+    return xh.astype(f32) + acc
+
+
+def _mix_rows(x, slot, col, col_ok, mix_ref, *, b: int, bp: int, bpp: int, col_tail: bool, unroll: bool = False):
+    """Folded causal mixer in float32, j = 0, 1, ... in order: ``u[k] = sum_j mix[k, j] * x[j]`` per channel.
+
+    ``unroll``: straight-line code instead of a fori_loop over j (the same sums; the B loads of
+    mix are independent, so no load latency per loop trip).
+    """
+    f32 = jnp.float32
+    rows, cb = x.shape
+    kslot = jnp.arange(bp, dtype=jnp.int32)
+    mix_mask = _and((kslot < b)[:, None] if bp != b else None, col_ok[None, :] if col_tail else None)
+
+    def mix_step(j, u):
+        mj = _load(mix_ref.at[kslot[:, None], j, col[None, :]], mix_mask).astype(f32)  # [bp, C]
+        if bpp == 1:
+            xj = jnp.sum(jnp.where(slot[:, None] == j, x, 0.0), axis=0)  # [C]: row j of a value
+            return u + mj * xj[None, :]
+        x3 = x.reshape(bpp, bp, cb)
+        xj = jnp.sum(jnp.where(slot.reshape(bpp, bp, 1) == j, x3, 0.0), axis=1)  # [bpp, C]
+        return u + (mj[None, :, :] * xj[:, None, :]).reshape(rows, cb)
+
+    u = jnp.zeros((rows, cb), f32)
+    if not unroll:
+        return jax.lax.fori_loop(0, b, mix_step, u)
+    for j in range(b):
+        u = mix_step(j, u)
+    return u
+
+
+def _swiglu_rows(u, col, col_ok, wg_ref, wu_ref, wd_ref, *, m: int, hb: int, col_tail: bool, cd):
+    """``lat = cd(u + cd(silu(cd(u) @ gate) * (cd(u) @ up)) @ down)`` over all rank columns ``col``, hidden tiled by hb."""
+    f32 = jnp.float32
+    uc = u.astype(cd)
+    hh = jnp.arange(hb, dtype=jnp.int32)
+    h_tail = m % hb != 0
+
+    def h_step(i, acc):
+        hc = i * hb + hh  # [hb]
+        gu_mask = _and(col_ok[:, None] if col_tail else None, (hc < m)[None, :] if h_tail else None)
+        wg = _load(wg_ref.at[col[:, None], hc[None, :]], gu_mask)  # [rp, hb]
+        wu = _load(wu_ref.at[col[:, None], hc[None, :]], gu_mask)
+        gate = jnp.dot(uc, wg, precision=_HI, preferred_element_type=f32)  # [R, hb]
+        up = jnp.dot(uc, wu, precision=_HI, preferred_element_type=f32)
+        act = (jax.nn.silu(gate) * up).astype(cd)
+        d_mask = _and((hc < m)[:, None] if h_tail else None, col_ok[None, :] if col_tail else None)
+        wd = _load(wd_ref.at[hc[:, None], col[None, :]], d_mask)  # [hb, rp]
+        return acc + jnp.dot(act, wd, precision=_HI, preferred_element_type=f32)
+
+    acc = jax.lax.fori_loop(0, pl.cdiv(m, hb), h_step, jnp.zeros(u.shape, f32))
+    return (u + acc).astype(cd)
+
+
 def _latent_kernel(
     ids_ref,  # [N*B] int32, blk flattened
     prev_ref,  # [N] int32
@@ -233,82 +339,16 @@ def _latent_kernel(
     kb: int,
     hb: int,
 ):
-    f32 = jnp.float32
-    cd = o_ref.dtype
-    rows = bpp * bp
-    pid = pl.program_id(0)
-
-    ri = jnp.arange(rows, dtype=jnp.int32)
-    slot = ri % bp  # [R]
-    blk_i = pid * bpp + ri // bp  # [R]
-    valid = (slot < b) & (blk_i < n)  # [R]
+    _, slot, blk_c, valid = _block_rows(pl.program_id(0) * bpp, n=n, b=b, bp=bp, bpp=bpp)
     col = jnp.arange(rp, dtype=jnp.int32)  # [rp]
     col_ok = col < r
+    tail = rp != r
 
-    # 1. predecessor ids: slot 0 <- prev_ids[n], slot s >= 1 <- blk[n, s-1]; clip like jnp.take(mode="clip").
-    blk_c = jnp.where(valid, blk_i, 0)
-    from_blk = valid & (slot >= 1)
-    pid_blk = plt.load(ids_ref.at[jnp.where(from_blk, blk_c * b + slot - 1, 0)], mask=from_blk, other=0)
-    pid_prev = plt.load(prev_ref.at[blk_c], mask=valid & (slot == 0), other=0)
-    ids = jnp.clip(jnp.where(slot == 0, pid_prev, pid_blk), 0, v - 1)  # [R]
-
-    # 2. x = xh + w1[ids] @ in_proj_token, K tiled.
+    ids = _pred_ids(ids_ref, prev_ref, slot, blk_c, valid, b=b, v=v)  # [R]
     xrow = jnp.where(valid, blk_c * b + slot, 0)
-    xh = plt.load(xh_ref.at[xrow[:, None], col[None, :]],
-                  mask=valid[:, None] & col_ok[None, :], other=0)  # [R, rp]
-    kk = jnp.arange(kb, dtype=jnp.int32)
-    k_mask = r % kb != 0
-
-    def k_step(i, acc):
-        kc = i * kb + kk  # [kb]
-        e = plt.load(w1_ref.at[ids[:, None], kc[None, :]],
-                     mask=(kc < r)[None, :] if k_mask else None, other=0 if k_mask else None)  # [R, kb]
-        w = plt.load(wt_ref.at[kc[:, None], col[None, :]],
-                     mask=(kc < r)[:, None] & col_ok[None, :] if (k_mask or rp != r) else None,
-                     other=0 if (k_mask or rp != r) else None)  # [kb, rp]
-        return acc + jnp.dot(e, w, precision=_HI, preferred_element_type=f32)
-
-    acc_x = jax.lax.fori_loop(0, pl.cdiv(r, kb), k_step, jnp.zeros((rows, rp), f32))
-    x = xh.astype(f32) + acc_x  # [R, rp]
-
-    # 3. folded causal mixer, per rank channel, float32: u[k] = sum_j mix[k, j] * x[j].
-    kslot = jnp.arange(bp, dtype=jnp.int32)
-    mix_mask = (kslot < b)[:, None] & col_ok[None, :] if (bp != b or rp != r) else None
-
-    def mix_step(j, u):
-        mj = plt.load(mix_ref.at[kslot[:, None], j, col[None, :]], mask=mix_mask,
-                      other=0 if mix_mask is not None else None).astype(f32)  # [bp, rp]
-        if bpp == 1:
-            xj = jnp.sum(jnp.where(slot[:, None] == j, x, 0.0), axis=0)  # [rp]
-            return u + mj * xj[None, :]
-        x3 = x.reshape(bpp, bp, rp)
-        xj = jnp.sum(jnp.where(slot.reshape(bpp, bp, 1) == j, x3, 0.0), axis=1)  # [bpp, rp]
-        return u + (mj[None, :, :] * xj[:, None, :]).reshape(rows, rp)
-
-    u = jax.lax.fori_loop(0, b, mix_step, jnp.zeros((rows, rp), f32))  # [R, rp]
-    uc = u.astype(cd)
-
-    # 4. SwiGLU tiled over the hidden dim, then the residual.
-    hh = jnp.arange(hb, dtype=jnp.int32)
-    h_mask = m % hb != 0
-    r_mask = rp != r
-
-    def h_step(i, acc):
-        hc = i * hb + hh  # [hb]
-        gu_mask = col_ok[:, None] & (hc < m)[None, :] if (h_mask or r_mask) else None
-        oth = 0 if gu_mask is not None else None
-        wg = plt.load(wg_ref.at[col[:, None], hc[None, :]], mask=gu_mask, other=oth)  # [rp, hb]
-        wu = plt.load(wu_ref.at[col[:, None], hc[None, :]], mask=gu_mask, other=oth)
-        gate = jnp.dot(uc, wg, precision=_HI, preferred_element_type=f32)  # [R, hb]
-        up = jnp.dot(uc, wu, precision=_HI, preferred_element_type=f32)
-        act = (jax.nn.silu(gate) * up).astype(cd)
-        d_mask = (hc < m)[:, None] & col_ok[None, :] if (h_mask or r_mask) else None
-        wd = plt.load(wd_ref.at[hc[:, None], col[None, :]], mask=d_mask,
-                      other=0 if d_mask is not None else None)  # [hb, rp]
-        return acc + jnp.dot(act, wd, precision=_HI, preferred_element_type=f32)
-
-    acc = jax.lax.fori_loop(0, pl.cdiv(m, hb), h_step, jnp.zeros((rows, rp), f32))
-    lat = (u + acc).astype(cd)
+    x = _x_rows(ids, xrow, valid, col, col_ok, xh_ref, w1_ref, wt_ref, r=r, kb=kb, col_tail=tail)  # [R, rp]
+    u = _mix_rows(x, slot, col, col_ok, mix_ref, b=b, bp=bp, bpp=bpp, col_tail=tail)
+    lat = _swiglu_rows(u, col, col_ok, wg_ref, wu_ref, wd_ref, m=m, hb=hb, col_tail=tail, cd=o_ref.dtype)
 
     # Rows of slots 1..B-1 go to out[n*(B-1) + slot-1]. Masked lanes point one past the
     # end: never written on the GPU, dropped by interpret mode's scatter (an in-bounds
@@ -317,20 +357,6 @@ def _latent_kernel(
     orow = jnp.where(keep, blk_c * (b - 1) + slot - 1, n * (b - 1))
     plt.store(o_ref.at[orow[:, None], col[None, :]], lat,
               mask=keep[:, None] & col_ok[None, :])
-
-
-def _and(a, b):
-    """Combine two optional (broadcastable) masks; None = all true."""
-    if a is None:
-        return b
-    if b is None:
-        return a
-    return a & b
-
-
-def _load(ref_at, mask):
-    """`plt.load` with ``other=0`` only where a mask is needed."""
-    return plt.load(ref_at, mask=mask, other=0 if mask is not None else None)
 
 
 def _split_mix_kernel(
@@ -355,69 +381,29 @@ def _split_mix_kernel(
     """Split stage 1, grid (cdiv(N, bpp), cdiv(r, cb)): x and the mixer for ``cb`` rank columns."""
     f32 = jnp.float32
     cd = w1_ref.dtype
-    rows = bpp * bp
-    ri = jnp.arange(rows, dtype=jnp.int32)
-    slot = ri % bp  # [R]
-    blk_i = pl.program_id(0) * bpp + ri // bp  # [R]
-    valid = (slot < b) & (blk_i < n)  # [R]
+    _, slot, blk_c, valid = _block_rows(pl.program_id(0) * bpp, n=n, b=b, bp=bp, bpp=bpp)
     col = pl.program_id(1) * cb + jnp.arange(cb, dtype=jnp.int32)  # [cb]
     col_ok = col < r
     c_tail = r % cb != 0
 
-    # predecessor ids (as the fused kernel).
-    blk_c = jnp.where(valid, blk_i, 0)
-    from_blk = valid & (slot >= 1)
-    pid_blk = plt.load(ids_ref.at[jnp.where(from_blk, blk_c * b + slot - 1, 0)], mask=from_blk, other=0)
-    pid_prev = plt.load(prev_ref.at[blk_c], mask=valid & (slot == 0), other=0)
-    ids = jnp.clip(jnp.where(slot == 0, pid_prev, pid_blk), 0, v - 1)  # [R]
-
     # x[:, cols] = xh[:, cols] + w1[ids] @ in_proj_token[:, cols] (contracts over all of r).
+    ids = _pred_ids(ids_ref, prev_ref, slot, blk_c, valid, b=b, v=v)  # [R]
     xrow = jnp.where(valid, blk_c * b + slot, 0)
-    xh = plt.load(xh_ref.at[xrow[:, None], col[None, :]],
-                  mask=valid[:, None] & col_ok[None, :], other=0)  # [R, cb]
-    kk = jnp.arange(kb, dtype=jnp.int32)
-    k_tail = r % kb != 0
+    x = _x_rows(ids, xrow, valid, col, col_ok, xh_ref, w1_ref, wt_ref, r=r, kb=kb, col_tail=c_tail)  # [R, cb]
 
-    def k_step(i, acc):
-        kc = i * kb + kk  # [kb]
-        e = _load(w1_ref.at[ids[:, None], kc[None, :]], (kc < r)[None, :] if k_tail else None)  # [R, kb]
-        w = _load(wt_ref.at[kc[:, None], col[None, :]],
-                  _and((kc < r)[:, None] if k_tail else None, col_ok[None, :] if c_tail else None))  # [kb, cb]
-        return acc + jnp.dot(e, w, precision=_HI, preferred_element_type=f32)
-
-    acc_x = jax.lax.fori_loop(0, pl.cdiv(r, kb), k_step, jnp.zeros((rows, cb), f32))
-    x = xh.astype(f32) + acc_x  # [R, cb]
-
-    # folded causal mixer on these channels, float32. "loop": a fori_loop over j (as the
-    # fused kernel); "unroll": the same sums, j = 0, 1, ... in order, as straight-line code
-    # (the B loads of mix are independent: no load latency per loop trip); "sum3d": one
-    # [Bp, Bp, cb] load and a sum over j (another summation order; 1 block per program).
-    kslot = jnp.arange(bp, dtype=jnp.int32)
-    u = None
+    # folded causal mixer on these channels, float32: "loop" (as the fused kernel), "unroll"
+    # (the same sums as straight-line code), or "sum3d": one [Bp, Bp, cb] load and a sum over j
+    # (another summation order; 1 block per program).
     if mixer == "sum3d" and bpp == 1:
+        kslot = jnp.arange(bp, dtype=jnp.int32)
         # Padded slots k, j >= b load zeros (their x rows are finite: w1[0] + xh 0).
         m3_mask = _and((kslot < b)[:, None, None] & (kslot < b)[None, :, None] if bp != b else None,
                        col_ok[None, None, :] if c_tail else None)
         m3 = _load(mix_ref.at[kslot[:, None, None], kslot[None, :, None], col[None, None, :]],
                    m3_mask).astype(f32)  # [k, j, cb]
         u = jnp.sum(m3 * x[None, :, :], axis=1)  # [R = bp, cb]
-    mix_mask = _and((kslot < b)[:, None] if bp != b else None, col_ok[None, :] if c_tail else None)
-
-    def mix_step(j, u):
-        mj = _load(mix_ref.at[kslot[:, None], j, col[None, :]], mix_mask).astype(f32)  # [bp, cb]
-        if bpp == 1:
-            xj = jnp.sum(jnp.where(slot[:, None] == j, x, 0.0), axis=0)  # [cb]
-            return u + mj * xj[None, :]
-        x3 = x.reshape(bpp, bp, cb)
-        xj = jnp.sum(jnp.where(slot.reshape(bpp, bp, 1) == j, x3, 0.0), axis=1)  # [bpp, cb]
-        return u + (mj[None, :, :] * xj[:, None, :]).reshape(rows, cb)
-
-    if u is None and mixer == "loop":
-        u = jax.lax.fori_loop(0, b, mix_step, jnp.zeros((rows, cb), f32))  # [R, cb]
-    elif u is None:
-        u = jnp.zeros((rows, cb), f32)
-        for j in range(b):
-            u = mix_step(j, u)
+    else:
+        u = _mix_rows(x, slot, col, col_ok, mix_ref, b=b, bp=bp, bpp=bpp, col_tail=c_tail, unroll=mixer != "loop")
 
     # slots 1..B-1 -> row n*(B-1) + slot-1; masked lanes one past the end (see the fused kernel).
     keep = valid & (slot >= 1)
@@ -426,6 +412,14 @@ def _split_mix_kernel(
     plt.store(u_ref.at[orow[:, None], col[None, :]], u, mask=smask)
     for uc_ref in uc_refs:
         plt.store(uc_ref.at[orow[:, None], col[None, :]], u.astype(cd), mask=smask)
+
+
+def _tile_rows(rb: int, rows: int):
+    """Split stages 2-3: (row_ok, load row, store row) of this program's rb rows. Rows past the
+    end load row 0 and store one past the end (never written)."""
+    ri = pl.program_id(0) * rb + jnp.arange(rb, dtype=jnp.int32)
+    row_ok = ri < rows
+    return row_ok, jnp.where(row_ok, ri, 0), jnp.where(row_ok, ri, rows)
 
 
 def _split_gateup_kernel(
@@ -444,9 +438,7 @@ def _split_gateup_kernel(
     """Split stage 2, grid (cdiv(rows, rb), cdiv(M, hb)): act = silu(u @ gate) * (u @ up), hb hidden columns."""
     f32 = jnp.float32
     cd = act_ref.dtype
-    ri = pl.program_id(0) * rb + jnp.arange(rb, dtype=jnp.int32)
-    row_ok = ri < rows
-    rl = jnp.where(row_ok, ri, 0)  # loads of rows past the end read row 0 (never stored)
+    row_ok, rl, srow = _tile_rows(rb, rows)
     hc = pl.program_id(1) * hb + jnp.arange(hb, dtype=jnp.int32)
     h_ok = hc < m
     h_tail = m % hb != 0
@@ -466,7 +458,6 @@ def _split_gateup_kernel(
     zero = jnp.zeros((rb, hb), f32)
     gate, up = jax.lax.fori_loop(0, pl.cdiv(r, kb), k_step, (zero, zero))
     act = (jax.nn.silu(gate) * up).astype(cd)
-    srow = jnp.where(row_ok, ri, rows)
     plt.store(act_ref.at[srow[:, None], hc[None, :]], act, mask=row_ok[:, None] & h_ok[None, :])
 
 
@@ -486,9 +477,7 @@ def _split_down_kernel(
     """Split stage 3, grid (cdiv(rows, rb), cdiv(r, cb)): lat = u + act @ down, cb rank columns."""
     f32 = jnp.float32
     cd = o_ref.dtype
-    ri = pl.program_id(0) * rb + jnp.arange(rb, dtype=jnp.int32)
-    row_ok = ri < rows
-    rl = jnp.where(row_ok, ri, 0)
+    row_ok, rl, srow = _tile_rows(rb, rows)
     col = pl.program_id(1) * cb + jnp.arange(cb, dtype=jnp.int32)
     col_ok = col < r
     c_tail = r % cb != 0
@@ -505,7 +494,6 @@ def _split_down_kernel(
     acc = jax.lax.fori_loop(0, pl.cdiv(m, kb), k_step, jnp.zeros((rb, cb), f32))
     u = _load(u_ref.at[rl[:, None], col[None, :]], col_ok[None, :] if c_tail else None)  # [rb, cb] f32
     lat = (u + acc).astype(cd)
-    srow = jnp.where(row_ok, ri, rows)
     plt.store(o_ref.at[srow[:, None], col[None, :]], lat, mask=row_ok[:, None] & col_ok[None, :])
 
 
