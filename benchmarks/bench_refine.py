@@ -42,11 +42,12 @@ def make_problem(cfg, n, seed=0, dtype=jnp.bfloat16, std=0.02):
     return params, logits, h, anchors
 
 
-def chained(cfg, m, empty=False, **kw):
+def chained(cfg, m, empty=False, refine_fn=None, **kw):
     """jit(M refines in a fori_loop), each depending on the previous one's output.
 
     ``empty=True`` replaces refine by a trivial op: the loop's own cost per iteration
     (on GPUs an XLA while loop costs ~15 µs per iteration), reported as loop_us.
+    ``refine_fn(params, logits, h, anchors)``: what to chain instead of ``xj.refine(..., **kw)``.
     """
 
     def run(params, logits, h, anchors):
@@ -54,6 +55,8 @@ def chained(cfg, m, empty=False, **kw):
             logits, h, anchors, acc = carry
             if empty:
                 out = jnp.broadcast_to(anchors[:, None], (anchors.shape[0], cfg.block_size - 1)) + 1
+            elif refine_fn is not None:
+                out = refine_fn(params, logits, h, anchors)
             else:
                 out = xj.refine(params, logits, h, anchors, config=cfg, **kw)
             tok = out[:, -1]

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import xpress_jax as xj
-from benchmarks.bench_refine import SERVING, make_problem
+from benchmarks.bench_refine import SERVING, chained, make_problem
 from benchmarks.timing import time_jitted
 from xpress_jax.refine import _JnpOps, _refine, _round_sum
 
@@ -75,20 +75,6 @@ def variants():
             "pallas-topc-1split-c128w8": one_split(128, 8), "pallas-topc-1split-c64w4": one_split(64, 4)}
 
 
-def chained(cfg, ops, m, topc):
-    def run(params, logits, h, anchors):
-        def body(i, carry):
-            logits, h, anchors, acc = carry
-            out = _refine(ops, params, logits, h, anchors, anchors, cfg.num_passes, topc, True)
-            tok = out[:, -1]
-            bump = (tok[0] % 2).astype(logits.dtype)
-            return logits.at[0, 0, 0].add(bump), h.at[0, 0, 0].add(bump), tok, acc + out.sum()
-
-        return jax.lax.fori_loop(0, m, body, (logits, h, anchors, jnp.int32(0)))[3]
-
-    return jax.jit(run)
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", default="1,16,64,256")
@@ -107,11 +93,13 @@ def main(argv=None):
             ref = None
             for name in names.split(","):
                 ops = vs[name]
-                one = jax.jit(lambda p, l, h, a, ops=ops: _refine(ops, p, l, h, a, a, cfg.num_passes, topc, True))
-                tok = np.asarray(one(*problem))
+                def fn(p, l, h, a, ops=ops):
+                    return _refine(ops, p, l, h, a, a, cfg.num_passes, topc, True)
+
+                tok = np.asarray(jax.jit(fn)(*problem))
                 ref = tok if ref is None else ref
                 m = {1: 100, 4: 100, 16: 50, 64: 20, 256: 8}.get(n, 8)
-                _, t, _ = time_jitted(chained(cfg, ops, m, topc), problem, args.reps)
+                _, t, _ = time_jitted(chained(cfg, m, refine_fn=fn), problem, args.reps)
                 rows.append(dict(N=n, topc=topc, variant=name, device_us=t / m * 1e6,
                                  differ_from_first=int(np.sum(tok != ref))))
                 print(json.dumps(rows[-1]), flush=True)

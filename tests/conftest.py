@@ -51,3 +51,65 @@ def sequential_greedy(params, logits, h, anchors, prev_ids):
         lat = latent(params, xh, prev)  # [N, B-1, r]
         blk[:, b] = np.asarray(_JnpOps.full_vocab_pick(logits[:, b], lat[:, b - 1], params["w2"]))
     return blk[:, 1:]
+
+
+# --- Pick kernels (full vocab and top-C): inputs and the near-tie bound -----------------------
+
+
+def pick_inputs(rows: int, vocab: int, rank: int, dtype, seed: int, dyadic: bool = False):
+    """(base [rows, V], lat [rows, r], w2 [V, r]) for a pick kernel.
+
+    Normal inputs, or ``dyadic``: lat in {-4..4}/8, w2 in {-4..4}/16, so every partial sum of
+    lat . w2 row is a multiple of 2^-7 below 2^5, exact in float32 in any order; base in
+    {-8..8}/4 gives many tied scores.
+    """
+    k = jax.random.split(jax.random.key(seed), 3)
+    if dyadic:
+        base = (jax.random.randint(k[0], (rows, vocab), -8, 9) / 4).astype(dtype)
+        lat = (jax.random.randint(k[1], (rows, rank), -4, 5) / 8).astype(dtype)
+        w2 = (jax.random.randint(k[2], (vocab, rank), -4, 5) / 16).astype(dtype)
+    else:
+        base = jax.random.normal(k[0], (rows, vocab), jnp.float32).astype(dtype)
+        lat = jax.random.normal(k[1], (rows, rank), jnp.float32).astype(dtype)
+        w2 = (0.1 * jax.random.normal(k[2], (vocab, rank), jnp.float32)).astype(dtype)
+    return base, lat, w2
+
+
+def to_f64(x) -> np.ndarray:
+    return np.asarray(x.astype(jnp.float32) if x.dtype == jnp.bfloat16 else x).astype(np.float64)
+
+
+def near_tie_rows(base, lat, w2, winner, cand=None) -> np.ndarray:
+    """Rows where another float32 summation order could change the pick.
+
+    ``base`` [rows, K] holds the scored columns' base logits: the whole vocabulary (``cand``
+    None) or the candidates ``cand`` [rows, K] (vocab ids). Bounds every achievable score in
+    [lo, hi] (accumulation error <= (r+2) u sum|terms|, then the monotone roundings) and flags
+    a row unless the oracle's winner beats every other column in every realisation (lo > hi,
+    or >= when the other column has the larger vocab id).
+    """
+    import ml_dtypes
+
+    dt = {jnp.dtype(jnp.float32): np.float32, jnp.dtype(jnp.bfloat16): ml_dtypes.bfloat16}[jnp.dtype(base.dtype)]
+    b, x, w = to_f64(base), to_f64(lat), to_f64(w2)
+    if cand is None:
+        ids = np.broadcast_to(np.arange(b.shape[1])[None, :], b.shape)
+        bias, mag = x @ w.T, np.abs(x) @ np.abs(w).T
+    else:
+        ids = np.asarray(cand)
+        wc = w[ids]  # [rows, K, r]
+        bias, mag = np.einsum("ncr,nr->nc", wc, x), np.einsum("ncr,nr->nc", np.abs(wc), np.abs(x))
+    err = 2 * (x.shape[1] + 2) * 2.0**-24 * mag
+
+    def score(bb):
+        with np.errstate(invalid="ignore", over="ignore"):
+            s = (b.astype(np.float32) + bb.astype(np.float32).astype(dt).astype(np.float32)).astype(dt)
+        s = s.astype(np.float64)
+        return np.where(np.isnan(s), -np.inf, s)
+
+    with np.errstate(invalid="ignore"):
+        lo, hi = score(bias - err), score(bias + err)
+    pos = np.argmax(ids == winner[:, None], axis=1)  # the winner's column
+    w_lo = np.take_along_axis(lo, pos[:, None], axis=1)
+    beats = (w_lo > hi) | ((w_lo >= hi) & (ids > winner[:, None])) | (ids == winner[:, None])
+    return ~beats.all(axis=1)

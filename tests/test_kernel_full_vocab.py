@@ -9,7 +9,7 @@ the bias with the oracle's own XLA dot, so in interpret mode it must equal the
 oracle on every row of random inputs. The ``fused`` kernel (and anything on a
 GPU) sums the float32 dot in its own order, so a bias within an ulp of a
 rounding boundary may round the other way; there we demand equality on every
-row that is not such a near tie (`_near_tie_rows` bounds the float32
+row that is not such a near tie (`conftest.near_tie_rows` bounds the float32
 accumulation error and checks whether the oracle's winner could lose), and
 demand strict equality on "dyadic" inputs whose dot products are exact in any
 summation order (which also produce many genuine ties).
@@ -22,9 +22,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
+
+from conftest import near_tie_rows, pick_inputs
 
 from pallas_kernels import common
 from pallas_kernels import full_vocab as fv
@@ -46,55 +47,6 @@ SHAPES = [
 ]
 
 
-def _np(x):
-    return np.asarray(x.astype(jnp.float32) if x.dtype == jnp.bfloat16 else x).astype(np.float64)
-
-
-def _near_tie_rows(base, lat, w2, winner) -> np.ndarray:
-    """Rows where another float32 summation order could change the pick.
-
-    Bounds every achievable score in [lo, hi] (accumulation error <= (r+2) u sum|terms|,
-    then the monotone roundings), and flags a row unless the oracle's winner w beats
-    every other column v in every realisation (lo[w] > hi[v], or >= when v > w).
-    """
-    dt = {jnp.dtype(jnp.float32): np.float32, jnp.dtype(jnp.bfloat16): ml_dtypes.bfloat16}[jnp.dtype(base.dtype)]
-    b, x, w = _np(base), _np(lat), _np(w2)
-    bias = x @ w.T
-    err = 2 * (x.shape[1] + 2) * 2.0**-24 * (np.abs(x) @ np.abs(w).T)
-
-    def score(bb):
-        with np.errstate(invalid="ignore", over="ignore"):
-            s = (b.astype(np.float32) + bb.astype(np.float32).astype(dt).astype(np.float32)).astype(dt)
-            s = s.astype(np.float64)
-        return np.where(np.isnan(s), -np.inf, s)
-
-    with np.errstate(invalid="ignore"):
-        lo, hi = score(bias - err), score(bias + err)
-    rows = np.arange(b.shape[0])
-    w_lo = lo[rows, winner][:, None]
-    cols = np.arange(b.shape[1])[None, :]
-    beats = (w_lo > hi) | ((w_lo >= hi) & (cols > winner[:, None])) | (cols == winner[:, None])
-    return ~beats.all(axis=1)
-
-
-def _random_inputs(rows, vocab, rank, dtype, seed):
-    k = jax.random.split(jax.random.key(seed), 3)
-    base = jax.random.normal(k[0], (rows, vocab), jnp.float32).astype(dtype)
-    lat = jax.random.normal(k[1], (rows, rank), jnp.float32).astype(dtype)
-    w2 = (0.1 * jax.random.normal(k[2], (vocab, rank), jnp.float32)).astype(dtype)
-    return base, lat, w2
-
-
-def _dyadic_inputs(rows, vocab, rank, dtype, seed):
-    """lat in {-4..4}/8, w2 in {-4..4}/16: every partial sum is a multiple of 2^-7 below 2^5,
-    exact in float32 in any order; base in {-8..8}/4 gives many tied scores."""
-    k = jax.random.split(jax.random.key(seed), 3)
-    base = (jax.random.randint(k[0], (rows, vocab), -8, 9) / 4).astype(dtype)
-    lat = (jax.random.randint(k[1], (rows, rank), -4, 5) / 8).astype(dtype)
-    w2 = (jax.random.randint(k[2], (vocab, rank), -4, 5) / 16).astype(dtype)
-    return base, lat, w2
-
-
 class TestFullVocabPick:
     INTERPRET = False
 
@@ -111,18 +63,18 @@ class TestFullVocabPick:
     def test_matches_reference(self, shape, dtype, variant):
         rows, vocab, rank, config = shape
         # Random normal inputs.
-        base, lat, w2 = _random_inputs(rows, vocab, rank, dtype, seed=rows + vocab)
+        base, lat, w2 = pick_inputs(rows, vocab, rank, dtype, seed=rows + vocab)
         ref = np.asarray(fv.reference(base, lat, w2))
         got = np.asarray(self.pick(base, lat, w2, variant, config))
         assert got.dtype == np.int32 and got.shape == (rows,)
         if self.INTERPRET and variant == "add_argmax":
             np.testing.assert_array_equal(got, ref)  # same XLA dot: bit-exact
         else:
-            near = _near_tie_rows(base, lat, w2, ref)
+            near = near_tie_rows(base, lat, w2, ref)
             assert near.mean() < 0.1, f"{near.sum()} near ties of {rows}: the check would be vacuous"
             np.testing.assert_array_equal(got[~near], ref[~near])
         # Dyadic inputs: exact dot in any order, many ties -> strict equality for every variant.
-        base, lat, w2 = _dyadic_inputs(rows, vocab, rank, dtype, seed=rows)
+        base, lat, w2 = pick_inputs(rows, vocab, rank, dtype, seed=rows, dyadic=True)
         ref = np.asarray(fv.reference(base, lat, w2))
         np.testing.assert_array_equal(np.asarray(self.pick(base, lat, w2, variant, config)), ref)
 
@@ -167,14 +119,14 @@ class TestFullVocabPick:
 
     def test_float64_falls_back_to_reference(self):
         with jax.enable_x64(True):
-            base, lat, w2 = _random_inputs(15, 300, 8, jnp.float64, seed=3)
+            base, lat, w2 = pick_inputs(15, 300, 8, jnp.float64, seed=3)
             for variant in fv.VARIANTS:
                 f = functools.partial(fv.full_vocab_pick, interpret=self.INTERPRET, variant=variant)
                 np.testing.assert_array_equal(np.asarray(f(base, lat, w2)), np.asarray(fv.reference(base, lat, w2)))
                 assert "pallas_call" not in str(jax.make_jaxpr(f)(base, lat, w2))
 
     def test_bad_arguments(self):
-        base, lat, w2 = _random_inputs(15, 300, 8, jnp.float32, seed=4)
+        base, lat, w2 = pick_inputs(15, 300, 8, jnp.float32, seed=4)
         with pytest.raises(ValueError, match="row_tile"):
             self.pick(base, lat, w2, "fused", fv.FullVocabConfig(row_tile=12))
         with pytest.raises(ValueError, match="variant"):

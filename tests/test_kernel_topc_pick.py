@@ -7,7 +7,7 @@ H200 on CPU.
 Exactness: the kernel sums each candidate's dot in its own order (the oracle is
 an XLA einsum), so a bias within an ulp of a rounding boundary may round the
 other way. Picks are demanded equal on every row that is not such a near tie
-(`_near_tie_rows`), and on every row of "dyadic" inputs whose dot products are
+(`conftest.near_tie_rows`), and on every row of "dyadic" inputs whose dot products are
 exact in any order (these also produce many genuine ties).
 """
 
@@ -17,9 +17,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
+
+from conftest import near_tie_rows, pick_inputs
 
 from pallas_kernels import common
 from pallas_kernels import topc_pick as tp
@@ -35,32 +36,6 @@ SHAPES = [
 ]
 
 
-def _np(x):
-    return np.asarray(x.astype(jnp.float32) if x.dtype == jnp.bfloat16 else x).astype(np.float64)
-
-
-def _near_tie_rows(base_c, cand, lat, w2, winner) -> np.ndarray:
-    """Rows where another float32 summation order could change the pick (see test_kernel_full_vocab)."""
-    dt = {jnp.dtype(jnp.float32): np.float32, jnp.dtype(jnp.bfloat16): ml_dtypes.bfloat16}[jnp.dtype(base_c.dtype)]
-    b, c, x, w = _np(base_c), np.asarray(cand), _np(lat), _np(w2)
-    wc = w[c]  # [rows, C, r]
-    bias = np.einsum("ncr,nr->nc", wc, x)
-    err = 2 * (x.shape[1] + 2) * 2.0**-24 * np.einsum("ncr,nr->nc", np.abs(wc), np.abs(x))
-
-    def score(bb):
-        with np.errstate(invalid="ignore", over="ignore"):
-            s = (b.astype(np.float32) + bb.astype(np.float32).astype(dt).astype(np.float32)).astype(dt)
-        s = s.astype(np.float64)
-        return np.where(np.isnan(s), -np.inf, s)
-
-    with np.errstate(invalid="ignore"):
-        lo, hi = score(bias - err), score(bias + err)
-    pos = np.argmax(c == winner[:, None], axis=1)  # the winner's candidate position
-    w_lo = np.take_along_axis(lo, pos[:, None], axis=1)
-    beats = (w_lo > hi) | ((w_lo >= hi) & (c > winner[:, None])) | (c == winner[:, None])
-    return ~beats.all(axis=1)
-
-
 def _candidates(base, c, seed):
     """The C largest base logits as refine takes them, then shuffled: candidate order is arbitrary."""
     base_c, cand = jax.lax.top_k(base, c)
@@ -69,15 +44,7 @@ def _candidates(base, c, seed):
 
 
 def _inputs(rows, vocab, c, rank, dtype, seed, dyadic=False):
-    k = jax.random.split(jax.random.key(seed), 3)
-    if dyadic:  # every partial sum of lat . w2 row is exact in float32; many tied scores
-        base = (jax.random.randint(k[0], (rows, vocab), -8, 9) / 4).astype(dtype)
-        lat = (jax.random.randint(k[1], (rows, rank), -4, 5) / 8).astype(dtype)
-        w2 = (jax.random.randint(k[2], (vocab, rank), -4, 5) / 16).astype(dtype)
-    else:
-        base = jax.random.normal(k[0], (rows, vocab), jnp.float32).astype(dtype)
-        lat = jax.random.normal(k[1], (rows, rank), jnp.float32).astype(dtype)
-        w2 = (0.1 * jax.random.normal(k[2], (vocab, rank), jnp.float32)).astype(dtype)
+    base, lat, w2 = pick_inputs(rows, vocab, rank, dtype, seed, dyadic)
     base_c, cand = _candidates(base, c, seed)
     return base_c, cand, lat, w2
 
@@ -109,7 +76,8 @@ class TestTopCPick:
         ref = _reference(*args)
         got = np.asarray(self.pick(*args, materialize, config))
         assert got.dtype == np.int32 and got.shape == (rows,)
-        near = _near_tie_rows(*args, ref)
+        base_c, cand, lat, w2 = args
+        near = near_tie_rows(base_c, lat, w2, ref, cand=cand)
         assert near.mean() < 0.1, f"{near.sum()} near ties of {rows}: the check would be vacuous"
         np.testing.assert_array_equal(got[~near], ref[~near])
         args = _inputs(rows, vocab, c, rank, dtype, seed=rows, dyadic=True)
