@@ -50,11 +50,6 @@ def full_vocab_config(rows: int, vocab: int, rank: int, dtype) -> tuple[str, ful
     raise AssertionError("unreachable")
 
 
-#: Top-C selection reads the draft rows of the whole [N, B, V] logits in place (``slot_stride=B``)
-#: instead of selecting on a copy of ``logits[:, 1:]``. H200, top-512 refine: N=64 1174 -> 999 µs,
-#: N=256 3856 -> 3145 µs, same tokens (benchmarks/dev_variants.py, RESULTS.md).
-SELECT_IN_PLACE = True
-
 #: Up to this many blocks XLA's fused latent (jnp) beats the split kernel (dev_latent, H200:
 #: N=1 -0.7 vs 1.9 µs net, N=4 0.8 vs 3.5; from N=16 on the kernel wins: 6.8 vs 8.5).
 LATENT_XLA_MAX_N = 4
@@ -111,8 +106,9 @@ def _pallas_ops(interpret: bool):
 
         @classmethod
         def select_candidates_logits(cls, logits, c):
-            if not SELECT_IN_PLACE:
-                return _JnpOps.select_candidates_logits.__func__(cls, logits, c)
+            # The draft rows of the whole logits, read in place (slot_stride): no logits[:, 1:] copy.
+            # H200, top-512 refine: N=64 1174 -> 999 µs, N=256 3856 -> 3145 µs against selecting on
+            # the copy, same tokens (benchmarks/dev_variants.py "pallas-select-copy", RESULTS.md).
             N, B, V = logits.shape
             return cls.select_candidates(logits.reshape(N * B, V), c, slot_stride=B)
 
