@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from . import full_vocab, fused_passes, latent, select, topc_pick
+from . import full_vocab, latent, select, topc_pick
 from .common import gpu_supported
 
 __all__ = ["ops", "gpu_supported", "full_vocab_config", "topc_config"]
@@ -71,10 +71,8 @@ def ops(*, interpret: bool = False, steps: tuple[str, ...] | None = None):
         return cls
     table = {"latent": ("latent_pass",),
              "pick": ("full_vocab_pick", "full_vocab_pick_logits", "topc_prepare", "topc_pick"),
-             "select": ("select_candidates", "select_candidates_logits"), "single": ("topc_all_passes",)}
+             "select": ("select_candidates", "select_candidates_logits")}
     chosen = {m: getattr(cls, m) for step in steps for m in table[step]}
-    if "single" in steps:
-        chosen["use_single_launch"] = staticmethod(lambda n: True)
     return type(f"PallasOps[{'+'.join(steps)}]", (_JnpOps,), {"name": f"{cls.name}:{'+'.join(steps)}", **chosen})
 
 
@@ -117,16 +115,6 @@ def _pallas_ops(interpret: bool):
             if blk.shape[0] <= LATENT_XLA_MAX_N and not interpret:  # interpret (tests) always runs the kernel
                 return _JnpOps.latent_pass(params, xh, blk, prev_ids)
             return latent.latent_pass(params, xh, blk, prev_ids, interpret=interpret)
-
-        @staticmethod
-        def use_single_launch(n):
-            """Top-C mode: run all K passes in one launch at this N (the measured range, fused_passes)."""
-            return fused_passes.use_single_launch(n)
-
-        @staticmethod
-        def topc_all_passes(params, xh, blk, prev_ids, base_c, cand, *, num_passes):
-            return fused_passes.topc_all_passes(params, xh, blk, prev_ids, base_c, cand, num_passes=num_passes,
-                                                interpret=interpret)
 
         @staticmethod
         def topc_prepare(w2, cand):

@@ -211,7 +211,7 @@ def _next_pow2(x: int) -> int:
 
 # ---------------------------------------------------------------------------
 # In-kernel pieces of the latent pass, shared by the fused kernel, the split variant's first
-# stage and the single-launch K-pass kernel (fused_passes). Rows are a program's ``bpp`` blocks
+# stage. Rows are a program's ``bpp`` blocks
 # of ``bp`` (B padded to a power of two) slots; ``col`` are the rank columns it computes.
 
 

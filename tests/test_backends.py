@@ -60,7 +60,7 @@ def test_partial_pallas_backends_match_xla():
     params = make_head(CFG)
     x = make_inputs(CFG, 2, seed=5)
     want = np.asarray(refine_jit(params, *x, num_passes=3, topc=50, backend="xla"))
-    for steps in ("latent", "pick", "select", "latent+pick", "latent+pick+select+single"):
+    for steps in ("latent", "pick", "select", "latent+pick", "latent+pick+select"):
         got = refine_jit(params, *x, num_passes=3, topc=50, backend=f"pallas:{steps}", interpret=True)
         np.testing.assert_array_equal(np.asarray(got), want)
     with pytest.raises(ValueError, match="backend"):

@@ -29,7 +29,7 @@ BACKENDS = ("auto", "xla", "pallas")
 _CONFIG_DEFAULTS = {f.name: f.default for f in dataclasses.fields(HeadConfig) if f.default is not dataclasses.MISSING}
 
 #: Steps that ``backend="pallas:<step>+<step>"`` can run as kernels (the others use jnp).
-KERNEL_STEPS = ("latent", "pick", "select", "single")
+KERNEL_STEPS = ("latent", "pick", "select")
 
 #: The keyword arguments of `refine` that must be static under ``jax.jit``.
 STATIC = ("num_passes", "topc", "max_num_reqs", "config", "backend", "interpret", "unroll")
@@ -154,8 +154,7 @@ def refine(
       max_num_reqs: largest accepted N (default: ``config.max_num_reqs``, else 256).
       config: optional `HeadConfig` supplying the defaults above; its sizes must match the params.
       backend: ``"xla"`` (pure jnp), ``"pallas"`` (Pallas kernels) or ``"auto"``;
-        ``"pallas:latent+pick"`` runs only the named steps (`KERNEL_STEPS`) as kernels (for measurement;
-        ``single`` forces the single-launch K-pass kernel in top-C mode at every N).
+        ``"pallas:latent+pick"`` runs only the named steps (`KERNEL_STEPS`) as kernels (for measurement).
       interpret: run Pallas kernels in interpret mode (CPU tests).
       unroll: unroll the K passes instead of a ``lax.fori_loop`` (same tokens). Default:
         unrolled on GPUs (an XLA while loop costs several µs per iteration there), a loop elsewhere.
@@ -293,11 +292,6 @@ def _refine(ops, params, logits, h, anchors, prev_ids, num_passes, topc, unroll=
             return ops.full_vocab_pick_logits(logits, lat, params["w2"])
 
     blk = jnp.concatenate([anchors[:, None], start.reshape(N, B - 1)], axis=1)
-
-    if topc and getattr(ops, "use_single_launch", lambda n: False)(N):
-        # All K passes in one kernel launch (one program per block, tokens kept on chip).
-        blk = ops.topc_all_passes(params, xh, blk, prev_ids, base_c, cand, num_passes=num_passes)
-        return jnp.where(valid[:, None], blk[:, 1:], INVALID_TOKEN)
 
     def one_pass(_, blk):
         lat = ops.latent_pass(params, xh, blk, prev_ids).reshape(rows, r)
