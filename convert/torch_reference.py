@@ -12,9 +12,12 @@ PyTorch layouts, the RAW mixer) and does what vLLM does with them:
   ``lat = x + mlp_down(silu(mlp_gate(x)) * mlp_up(x))``;
 - start block: ``blk[:, 0] = anchor``, ``blk[:, 1:] = argmax_v base[:, 1:]``;
 - full vocabulary: ``argmax(base + w2(lat))`` (torch.argmax: first index on ties);
-- top-C: candidates from ``torch.topk(base, C, sorted=False)``, once per call;
-  each pass the largest ``base_c + w2[cand] @ lat`` wins, lowest vocab id
-  among tied candidates (the order-free rule `xpress_jax.refine` documents).
+- top-C: each slot's C largest base logits, sorted largest first (vLLM's
+  ``torch.topk(..., sorted=True)``; spelled as a stable descending sort, so equal
+  logits keep the lowest vocab id first and the C-th place's ties keep the lowest
+  ids), once per call; each pass the first candidate position holding the largest
+  ``base_c + w2[cand] @ lat`` wins (``torch.argmax``): the larger base logit, then
+  the lowest id, among equal scores.
 
 NaN scores count as -inf, as in `xpress_jax.refine`. Run it in float64 (or
 float32) to compare against the JAX head's float32 tokens. Needs torch.
@@ -99,7 +102,8 @@ def reference_refine(
         blk[:, 1:] = slots.argmax(dim=-1).view(N, B - 1)
         if topc:
             c = min(topc, V)
-            base_c, cand = torch.topk(slots, c, dim=-1, sorted=False)
+            order = torch.sort(slots, dim=-1, descending=True, stable=True).indices[:, :c]
+            cand, base_c = order, torch.gather(slots, 1, order)
             w2c = w2[cand]  # [rows, c, r]
 
         for _ in range(num_passes):
@@ -113,9 +117,7 @@ def reference_refine(
             if topc:
                 bias_c = torch.bmm(w2c, lat.reshape(rows, r, 1)).view(rows, c)
                 s = _clean(base_c + bias_c)
-                best = s.max(dim=-1, keepdim=True).values
-                big = torch.iinfo(torch.long).max
-                pick = torch.where(s == best, cand, torch.full_like(cand, big)).min(dim=-1).values
+                pick = torch.gather(cand, 1, s.argmax(dim=-1, keepdim=True))[:, 0]  # first position
             else:
                 s = _clean(slots + lat @ w2.T)
                 pick = s.argmax(dim=-1)

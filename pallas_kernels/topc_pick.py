@@ -3,9 +3,12 @@
 Reference (the spec): `xpress_jax.refine._JnpOps.topc_prepare` / ``topc_pick``.
 Rules: the dot accumulates in float32 and is rounded to the logits' dtype; the
 sum is formed in float32 and rounded to the logits' dtype before comparing;
-NaN counts as -inf; the largest score wins; ties go to the **lowest vocab id**
-among the tied candidates (never the candidate position, which is arbitrary);
-a row whose scores are all -inf picks its lowest-id candidate.
+NaN counts as -inf; the largest score wins; among equal scores the **larger base
+logit**, then the **lowest vocab id** (vLLM's rule: its candidates are sorted by base
+logit, largest first, lowest id first among equal logits, and the first position
+holding the largest score wins; spelled here without depending on the order of the
+candidates, which the selection kernel does not sort). Rows whose scores are all
+-inf follow the same order (largest base logit, then lowest id).
 
 Hook pair, as `refine._refine` calls it:
 
@@ -21,9 +24,9 @@ Kernel: grid ``(rows, splits)``, dim 0 launched fastest. Program (n, j) loops ov
 computes each candidate's bias as a float32 multiply-and-sum over the rank (in
 ``k_tile`` chunks; one row's latent against C different w2 rows is a
 matrix-vector product, so there is nothing for the tensor cores), and keeps the
-best (value, lowest vocab id). With ``splits == 1`` that is the answer (one
-launch); otherwise `full_vocab.combine_partials` reduces the splits (a second
-launch, but ``rows * splits`` programs keep the GPU busy at small N).
+best (score, base logit, vocab id) in that order. With ``splits == 1`` that is the
+answer (one launch); otherwise `combine_splits` reduces the splits (a second launch,
+but ``rows * splits`` programs keep the GPU busy at small N).
 
 The bias sums in another order than XLA's einsum, so a bias within an ulp of a
 rounding boundary can round differently: tokens can differ from the reference
@@ -41,7 +44,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from . import common
-from .full_vocab import _BIG, _best, _cdiv, _iota, _k_tile, _merge, _next_pow2, _score, combine_partials
+from .full_vocab import _BIG, _cdiv, _iota, _k_tile, _next_pow2, _score
 
 __all__ = ["TopCConfig", "default_config", "topc_prepare", "topc_pick", "reference_prepare", "reference_pick"]
 
@@ -88,6 +91,21 @@ def default_config(rows: int, c: int, rank: int, dtype) -> TopCConfig:
     return TopCConfig(c_tile=c_tile, c_steps=_cdiv(tiles, splits), k_tile=k_tile, num_warps=4, num_stages=2)
 
 
+def _best3(s: jax.Array, b: jax.Array, ids: jax.Array, axis: int):
+    """The winner along ``axis`` by the top-C rule: (max score, max base logit among those, lowest id among those)."""
+    m = jnp.max(s, axis=axis)
+    tied = s == jnp.expand_dims(m, axis)
+    mb = jnp.max(jnp.where(tied, b, -jnp.inf), axis=axis)
+    k = jnp.min(jnp.where(tied & (b == jnp.expand_dims(mb, axis)), ids, _BIG), axis=axis)
+    return m, mb, k
+
+
+def _merge3(best, bbase, bidx, m, mb, k):
+    """Keep the better of two (score, base logit, id) triples: larger score, larger base, lower id."""
+    take = (m > best) | ((m == best) & ((mb > bbase) | ((mb == bbase) & (k < bidx))))
+    return jnp.where(take, m, best), jnp.where(take, mb, bbase), jnp.where(take, k, bidx)
+
+
 def reference_prepare(w2: jax.Array, cand: jax.Array) -> jax.Array:
     from xpress_jax.refine import _JnpOps
 
@@ -113,7 +131,8 @@ def _topc_kernel(
     lat_ref,  # [rows, r] whole array
     w_ref,  # [V, r] (gather) or [rows, C, r] (materialised), whole array
     mv_ref,  # [] block of [splits, rows_pad] float32: best score
-    mi_ref,  # [] block of [splits, rows_pad] int32: its lowest vocab id
+    mb_ref,  # [] block of [splits, rows_pad] float32: the largest base logit holding it
+    mi_ref,  # [] block of [splits, rows_pad] int32: the lowest vocab id holding both
     *,
     c: int,
     rank: int,
@@ -143,12 +162,14 @@ def _topc_kernel(
                 w = plt.load(w_ref.at[n, pl.ds(c0, c_tile), pl.ds(k0, k_tile)], mask=mask, other=0.0)
             acc = acc + jnp.sum(w.astype(jnp.float32) * xs[kk][None, :], axis=1)
         s = jnp.where(ok, _score(b, acc.astype(dtype), dtype), -jnp.inf)
-        m, k = _best(s, jnp.where(ok, ids, _BIG), axis=0)
-        return _merge(*carry, m, k)
+        bf = b.astype(jnp.float32)
+        bf = jnp.where(ok & (bf == bf), bf, -jnp.inf)  # NaN base (and masked lanes) rank as -inf
+        return _merge3(*carry, *_best3(s, bf, jnp.where(ok, ids, _BIG), axis=0))
 
-    init = (jnp.array(-jnp.inf, jnp.float32), jnp.array(_BIG, jnp.int32))
-    best, bidx = step(0, init) if c_steps == 1 else jax.lax.fori_loop(0, c_steps, step, init)
+    init = (jnp.array(-jnp.inf, jnp.float32), jnp.array(-jnp.inf, jnp.float32), jnp.array(_BIG, jnp.int32))
+    best, bbase, bidx = step(0, init) if c_steps == 1 else jax.lax.fori_loop(0, c_steps, step, init)
     mv_ref[...] = best
+    mb_ref[...] = bbase
     mi_ref[...] = bidx
 
 
@@ -189,9 +210,9 @@ def topc_pick(
     kernel = functools.partial(
         _topc_kernel, c=c, rank=rank, c_tile=cfg.c_tile, c_steps=cfg.c_steps, k_tile=k_tile, gather=gather, dtype=dtype
     )
-    rows_pad = _cdiv(rows, 16) * 16  # padding rows are never written; combine_partials gets >= 16-row tiles
+    rows_pad = _cdiv(rows, 16) * 16  # padding rows are never written; combine_splits gets >= 16-row tiles
     out_spec = pl.BlockSpec((None, None), lambda n, j: (j, n))
-    mv, mi = common.pallas_call(
+    mv, mb, mi = common.pallas_call(
         kernel,
         name="xpress_topc_pick" + ("" if gather else "_w2c"),
         num_warps=cfg.num_warps,
@@ -199,10 +220,62 @@ def topc_pick(
         interpret=interpret,
         grid=(rows, splits),
         in_specs=[pl.no_block_spec] * 4,
-        out_specs=(out_spec, out_spec),
+        out_specs=(out_spec, out_spec, out_spec),
         out_shape=(
+            jax.ShapeDtypeStruct((splits, rows_pad), jnp.float32),
             jax.ShapeDtypeStruct((splits, rows_pad), jnp.float32),
             jax.ShapeDtypeStruct((splits, rows_pad), jnp.int32),
         ),
     )(base_c, cand.astype(jnp.int32), lat, prepared)
-    return combine_partials(mv, mi, interpret=interpret, how=cfg.combine)[:rows]
+    return combine_splits(mv, mb, mi, interpret=interpret, how=cfg.combine)[:rows]
+
+
+def _combine_kernel(mv_ref, mb_ref, mi_ref, o_ref, *, splits: int, row_tile: int, split_tile: int):
+    """Reduce [splits, rows_pad] (score, base, id) triples to each row's winner; grid over row tiles."""
+    r0 = pl.program_id(0) * row_tile
+    shape = (split_tile, row_tile)
+
+    def step(t, carry):
+        p0 = t * split_tile
+        ok = jnp.broadcast_to(((p0 + _iota(split_tile)) < splits)[:, None], shape)
+        idx = (pl.ds(p0, split_tile), pl.ds(r0, row_tile))
+        v = jnp.where(ok, plt.load(mv_ref.at[idx], mask=ok, other=-jnp.inf), -jnp.inf)
+        b = jnp.where(ok, plt.load(mb_ref.at[idx], mask=ok, other=-jnp.inf), -jnp.inf)
+        ix = jnp.where(ok, plt.load(mi_ref.at[idx], mask=ok, other=_BIG), _BIG)
+        return _merge3(*carry, *_best3(v, b, ix, axis=0))
+
+    init = (jnp.full((row_tile,), -jnp.inf, jnp.float32), jnp.full((row_tile,), -jnp.inf, jnp.float32),
+            jnp.full((row_tile,), _BIG, jnp.int32))
+    n_t = _cdiv(splits, split_tile)
+    _, _, bidx = step(0, init) if n_t == 1 else jax.lax.fori_loop(0, n_t, step, init)
+    o_ref[...] = bidx
+
+
+def combine_splits(mv: jax.Array, mb: jax.Array, mi: jax.Array, *, interpret: bool = False,
+                   how: str = "pallas") -> jax.Array:
+    """[splits, rows_pad] best scores, their base logits (float32) and ids (int32) -> [rows_pad] int32.
+
+    The top-C rule across splits: the largest score, then the larger base logit, then the lowest id.
+    ``rows_pad`` must be a multiple of 16.
+    """
+    splits, rows_pad = mv.shape
+    if how == "xla":
+        return _best3(mv, mb, mi, axis=0)[2]
+    if splits == 1:
+        return mi[0]
+    row_tile = 16
+    while row_tile < 128 and rows_pad % (2 * row_tile) == 0:
+        row_tile *= 2
+    split_tile = min(_next_pow2(splits), max(1, 8192 // row_tile))
+    kernel = functools.partial(_combine_kernel, splits=splits, row_tile=row_tile, split_tile=split_tile)
+    return common.pallas_call(
+        kernel,
+        name="xpress_topc_combine",
+        num_warps=4,
+        num_stages=1,
+        interpret=interpret,
+        grid=(rows_pad // row_tile,),
+        in_specs=[pl.no_block_spec] * 3,
+        out_specs=pl.BlockSpec((row_tile,), lambda i: (i,)),
+        out_shape=jax.ShapeDtypeStruct((rows_pad,), jnp.int32),
+    )(mv, mb, mi)

@@ -93,7 +93,7 @@ class TestTopCPick:
         rows, vocab, c, rank = 25, 1000, 100, 16
         cfg = tp.TopCConfig(c_tile=16, c_steps=2, k_tile=8)
         rng = np.random.default_rng(0)
-        special = [1, 2, 3, 5, 9, 20, 40, 50, 77, 200, 400, 500, 600, 700]  # placed by hand below
+        special = [1, 2, 3, 5, 9, 20, 40, 50, 77, 200, 400, 500, 600, 700] + list(range(800, 809))  # placed below
         pool = np.setdiff1d(np.arange(vocab), special)
         cand = np.stack([rng.permutation(pool)[:c] for _ in range(rows)]).astype(np.int32)
         base_c = np.full((rows, c), -5.0, np.float32)
@@ -115,10 +115,24 @@ class TestTopCPick:
         # Rounding tie: 1 + 2^-10 rounds to 1 in bf16 (tie -> id 20), stays larger in float32 (id 40).
         cand[9, [3, 80]] = [40, 20]; base_c[9, [3, 80]] = 1.0; lat[9, 0] = 2.0**-10; w2[40, 0] = 1.0
         expect[9] = 20 if dtype == jnp.bfloat16 else 40
-        # inf * 0 in the dot -> NaN bias; +inf base + -inf bias -> NaN: all -inf -> lowest-id candidate.
-        cand[10, 5] = 50; base_c[10, 5] = inf; lat[10, 1] = inf; w2[50, 1] = -1.0; expect[10] = int(cand[10].min())
-        base_c[11:] = rng.integers(0, 4, (rows - 11, c))  # massive ties: the lowest id of the max
-        for r in range(11, rows):
+        # inf * 0 in the dot -> NaN bias; +inf base + -inf bias -> NaN: all scores -inf -> the largest base (50).
+        cand[10, 5] = 50; base_c[10, 5] = inf; lat[10, 1] = inf; w2[50, 1] = -1.0; expect[10] = 50
+        # Equal scores, different base logits: the larger base logit wins (vLLM's sorted candidates),
+        # not the lowest id. 1.0 + 0.5 == 1.5 + 0: exact in both dtypes; 800 and 801 in different splits.
+        cand[11, [5, 70]] = [800, 801]; base_c[11, [5, 70]] = [1.0, 1.5]; lat[11, 0] = 1.0; w2[800, 0] = 0.5
+        expect[11] = 801
+        # Tied only after rounding to bf16 (1 + 2^-10 -> 1.0 == 0.5 + 0.5): the larger base logit (805) wins in
+        # bf16; in float32 805 is strictly larger anyway. The lowest-id rule would give 804 in bf16.
+        cand[12, [3, 40]] = [804, 805]; base_c[12, [3, 40]] = [0.5, 1.0]; lat[12, 0] = 1.0
+        w2[804, 0] = 0.5; w2[805, 0] = 2.0**-10
+        expect[12] = 805
+        # Three-way score tie, two of them also tied on the base logit: the larger base, then the lower id
+        # (808 sits before 807).
+        cand[13, [0, 33, 64]] = [806, 808, 807]; base_c[13, [0, 33, 64]] = [1.0, 1.5, 1.5]; lat[13, 0] = 1.0
+        w2[806, 0] = 0.5
+        expect[13] = 807
+        base_c[14:] = rng.integers(0, 4, (rows - 14, c))  # massive ties: the lowest id of the max
+        for r in range(14, rows):
             expect[r] = int(cand[r][base_c[r] == base_c[r].max()].min())
         for r in range(rows):  # keep ids distinct within a row (a real candidate set)
             assert len(set(cand[r].tolist())) == c, r

@@ -195,7 +195,7 @@ def test_full_vocab_tie_goes_to_lowest_id_after_rounding(dtype):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_topc_tie_goes_to_lowest_vocab_id_not_position(dtype):
+def test_topc_equal_scores_and_base_go_to_lowest_vocab_id_not_position(dtype):
     base, lat, w2 = _tie_case(dtype)
     cand = jnp.array([[9, 0, 3, 5]], jnp.int32)  # tied ids, higher one first
     base_c = jnp.take_along_axis(base, cand, axis=1)
@@ -262,6 +262,22 @@ def test_out_of_range_ids_under_jit_give_the_sentinel(small_cfg):
         out = np.asarray(refine_jit(params, logits, h, bad_a, bad_p, num_passes=3, topc=topc))
         assert np.all(out[1:] == xj.INVALID_TOKEN)
         np.testing.assert_array_equal(out[0], good[0])  # other rows are unaffected
+
+
+def test_int64_ids_are_range_checked_before_narrowing(small_cfg):
+    """Under x64, 2**32 + id wraps to id in int32: it must still be an invalid row (and raise when concrete)."""
+    params = make_head(small_cfg)
+    logits, h, a, p = make_inputs(small_cfg, 3)
+    with jax.enable_x64(True):
+        good = np.asarray(refine_jit(params, logits, h, a, p, num_passes=2, topc=0))
+        a64, p64 = np.asarray(a).astype(np.int64), np.asarray(p).astype(np.int64)
+        bad_a = a64.copy(); bad_a[1] += 2**32
+        bad_p = p64.copy(); bad_p[2] -= 2**32
+        out = np.asarray(refine_jit(params, logits, h, jnp.asarray(bad_a), jnp.asarray(bad_p), num_passes=2, topc=0))
+        assert np.all(out[1:] == xj.INVALID_TOKEN)
+        np.testing.assert_array_equal(out[0], good[0])
+        with pytest.raises(ValueError, match="anchors"):
+            xj.refine(params, logits, h, jnp.asarray(bad_a), jnp.asarray(p64), num_passes=1, topc=0)
 
 
 # ---------------------------------------------------------------- jit

@@ -50,6 +50,19 @@ def _round_sum(a: jax.Array, b: jax.Array) -> jax.Array:
     return _clean(round_to(a.astype(acc) + b.astype(acc), a.dtype))
 
 
+def _topc_winner(s: jax.Array, base_c: jax.Array, cand: jax.Array) -> jax.Array:
+    """[rows,C] scores, base logits (NaN-free), vocab ids -> [rows] int32: the top-C tie rule.
+
+    The largest score; among equal scores the larger base logit; among equal base logits the
+    lowest vocab id. (Values compare as numbers: -0.0 == +0.0.)
+    """
+    best = jnp.max(s, axis=-1, keepdims=True)
+    tied = s == best
+    top_base = jnp.max(jnp.where(tied, base_c, jnp.array(-jnp.inf, base_c.dtype)), axis=-1, keepdims=True)
+    big = jnp.iinfo(jnp.int32).max
+    return jnp.min(jnp.where(tied & (base_c == top_base), cand, big), axis=-1).astype(jnp.int32)
+
+
 def _readout(lat: jax.Array, w2: jax.Array, dtype) -> jax.Array:
     """``dtype(lat @ w2.T)`` accumulated in float32 (float64 for float64): the readout bias [rows, V].
 
@@ -160,12 +173,13 @@ def refine(
         unrolled on GPUs (an XLA while loop costs several µs per iteration there), a loop elsewhere.
 
     Tie and value rules: a slot's score is ``float(dtype(base + bias))`` (the sum
-    rounded to the logits' dtype before comparing); the largest score wins and
-    ties go to the lowest vocab id, in both modes. In top-C mode the candidate set
+    rounded to the logits' dtype before comparing); the largest score wins. Ties:
+    full-vocab mode, the lowest vocab id; top-C mode (vLLM's sorted candidates, first
+    position wins), the larger base logit, then the lowest vocab id. The candidate set
     is each slot's C largest base logits, lowest vocab ids first among values tied
     at the C-th place; the block starts from the full-vocab argmax of the base
     logits. NaN (in base logits or sums) counts as -inf; +inf wins; a row with no
-    score above -inf picks its lowest-id candidate (vocab id 0 in full-vocab mode).
+    score above -inf follows the same tie rules (vocab id 0 in full-vocab mode).
 
     Invalid ids: with concrete ``anchors``/``prev_ids``, ids outside [0, V) raise
     ``ValueError``. Under ``jit`` (traced ids) such a row is never read out of
@@ -235,16 +249,16 @@ class _JnpOps:
     def topc_pick(base_c, cand, lat, w2c):
         """[rows,C], [rows,C] int32, [rows,r], topc_prepare(...) -> [rows] int32 vocab ids.
 
-        ``s = dtype(base_c + dtype(lat . w2[cand]))``; the largest s wins, lowest vocab id on ties.
+        ``s = dtype(base_c + dtype(lat . w2[cand]))``. vLLM's rule (its candidates are sorted by
+        base logit, largest first, and the first position holding the largest s wins), spelled
+        so that it does not depend on the order of the candidates: the largest s wins; among
+        equal s the larger base logit; among equal base logits the lowest vocab id.
         """
         acc = acc_dtype(base_c.dtype)
         bias_c = round_to(jnp.einsum(
             "nr,ncr->nc", lat, w2c, precision=precision_for(lat.dtype), preferred_element_type=acc
         ), base_c.dtype)
-        s = _round_sum(base_c, bias_c)
-        best = jnp.max(s, axis=-1, keepdims=True)
-        big = jnp.iinfo(jnp.int32).max
-        return jnp.min(jnp.where(s == best, cand, big), axis=-1).astype(jnp.int32)
+        return _topc_winner(_round_sum(base_c, bias_c), _clean(base_c), cand)
 
 
 def _select_ops(backend: str, interpret: bool):
@@ -270,11 +284,11 @@ def _refine(ops, params, logits, h, anchors, prev_ids, num_passes, topc, unroll=
     N, B, V = logits.shape
     r = params["w1"].shape[1]
     rows = N * (B - 1)
-    anchors = anchors.astype(jnp.int32)
-    prev_ids = prev_ids.astype(jnp.int32)
+    # Range check in the ids' own dtype, before any narrowing cast (an int64 2**32 + id must not
+    # wrap into a valid int32 id).
     valid = (anchors >= 0) & (anchors < V) & (prev_ids >= 0) & (prev_ids < V)
-    anchors = jnp.where(valid, anchors, 0)
-    prev_ids = jnp.where(valid, prev_ids, 0)
+    anchors = jnp.where(valid, anchors, 0).astype(jnp.int32)
+    prev_ids = jnp.where(valid, prev_ids, 0).astype(jnp.int32)
 
     xh = hidden_input(params, h)  # [N, B, r], once per call
 
