@@ -1,6 +1,7 @@
 """Token agreement of the Pallas backend with the XLA backend at serving shapes, with evidence.
 
-    PYTHONPATH=$PWD python3 -m benchmarks.agreement --out $OUT     # on a GPU
+    PYTHONPATH=$PWD python3 -m benchmarks.agreement --out $OUT          # on a GPU
+    PYTHONPATH=$PWD python3 -m benchmarks.agreement vllm --out $OUT     # vs PyTorch spellings of vLLM
 
 1. End to end: refine(backend="pallas") vs refine(backend="xla"), N in 1..256,
    both modes, K=6, bf16: disagreeing tokens counted (a flip in one slot
@@ -25,7 +26,7 @@ import numpy as np
 
 import xpress_jax as xj
 from benchmarks.bench_refine import SERVING, make_problem
-from xpress_jax.refine import _JnpOps
+from xpress_jax.refine import _JnpOps, _topc_winner
 
 
 def _ulp_bf16(x: np.ndarray) -> np.ndarray:
@@ -148,8 +149,7 @@ def explain_flips(cfg, n, topc):
             bias = jnp.einsum("nr,ncr->nc", lat.astype(jnp.float32), w2c,
                               precision=jax.lax.Precision.HIGHEST).astype(base_c.dtype)
             s = (base_c.astype(jnp.float32) + bias.astype(jnp.float32)).astype(base_c.dtype)
-            best = jnp.max(s, axis=-1, keepdims=True)
-            return jnp.min(jnp.where(s == best, cand, jnp.iinfo(jnp.int32).max), axis=-1)
+            return _topc_winner(s, base_c, cand)
     else:
         pick_x = jax.jit(lambda lat: X.full_vocab_pick(base, lat, w2))
         pick_p = jax.jit(lambda lat: P.full_vocab_pick(base, lat, w2))
@@ -191,7 +191,9 @@ def explain_flips(cfg, n, topc):
             mid_s = _midpoint_dist(sc)
             s0, s1 = (float(_round_bf16(x)) for x in sc)
             t0, t1 = int(ids[0]), int(ids[1])
-            exact_tok = t0 if s0 > s1 else t1 if s1 > s0 else min(t0, t1)
+            # Equal scores: full vocab, the lowest id; top-C, the larger base logit, then the lowest id.
+            tie = (min(t0, t1) if not topc or b[0] == b[1] else (t0 if b[0] > b[1] else t1))
+            exact_tok = t0 if s0 > s1 else t1 if s1 > s0 else tie
             found.append(dict(N=n, topc=topc, pass_=p, row=int(i), xla_token=int(ids[0]),
                               pallas_token=int(ids[1]), lat_elems_differ=int(np.sum(la != lb)),
                               lat_max_diff_ulps=lat_ulps, scores_xla_latent=sx.tolist(),
@@ -201,7 +203,7 @@ def explain_flips(cfg, n, topc):
                               bias_exact=bias.tolist(), bias_err_bound=bound.tolist(),
                               bias_to_midpoint=mid_b.tolist(), score_bf16_of_exact=[float(_round_bf16(x)) for x in sc],
                               # The reference rule in exact arithmetic (float64 dot, then the two bf16
-                              # roundings): larger rounded score, lowest id on ties.
+                              # roundings): larger rounded score, then refine's tie rule.
                               exact_token=exact_tok,
                               xla_pick_same_latent=int(picks["xla"][i]),
                               pallas_pick_same_latent=int(picks["pallas"][i]),
@@ -250,10 +252,137 @@ def explain_main(argv=None):
               f"{x['xla_f32_operands_pick_same_latent']} | {x['xla_other_compile_token']} |")
 
 
+# ----------------------------------------------------------------------------- vLLM's spellings
+def torch_refine(params, logits, h, anchors, *, num_passes, topc, spelling="fused", ties="sorted"):
+    """vLLM's head spelled in PyTorch on the GPU, from our serving params (bf16).
+
+    ``spelling="fused"``: the precision choices of vLLM's fused path (SEMANTICS.md): bf16
+    operands, float32 accumulation (exact products: float32 matmuls with TF32 off), the hidden
+    cache, xh, the latent and the readout bias rounded to bf16, the latent's elementwise work in
+    float32, ``s = bf16(float32(base) + float32(bias))``. ``spelling="eager"``: the plain bf16
+    PyTorch spelling (every op rounds to bf16): vLLM's own eager path, whose agreement with the
+    fused one is the reference's self-agreement.
+
+    Top-C candidates: sorted as ``torch.topk(..., sorted=True)`` (largest base logit first; equal
+    logits in vocab order, as SEMANTICS.md states, by a stable sort); ``ties="sorted"``
+    picks the first position holding the largest s (vLLM); ``ties="lowest_id"`` the lowest vocab id
+    among equal s (the rule refine used before; for comparison). Returns [N, B-1] int64 numpy.
+    """
+    import torch
+
+    from convert.torch_reference import to_torch
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    P = {k: to_torch(np.asarray(v)).to(dev) for k, v in params.items()}
+    base_full = to_torch(np.asarray(logits)).to(dev)
+    hh = to_torch(np.asarray(h)).to(dev)
+    anchors = torch.as_tensor(np.array(anchors), dtype=torch.long, device=dev)
+    N, B, V = base_full.shape
+    r = P["w1"].shape[1]
+    rows = N * (B - 1)
+    bf, f32 = torch.bfloat16, torch.float32
+    fused = spelling == "fused"
+
+    def mm(a, b):  # fused: float32 accumulation of exact bf16 products; eager: a bf16 matmul
+        return a.to(f32) @ b.to(f32) if fused else a @ b
+
+    def rnd(x):  # the reference's rounding points (fused); eager rounds after every op anyway
+        return x.to(bf).to(f32) if fused else x.to(bf)
+
+    with torch.no_grad():
+        g = hh.to(f32).mean(dim=1) if fused else hh.mean(dim=1)
+        hc = torch.cat([rnd(mm(hh, P["down_h"])),
+                        rnd(mm(rnd(g), P["down_g"]))[:, None, :].expand(N, B, r)], dim=-1)
+        xh = rnd(mm(rnd(hc), P["in_proj_hidden"]))
+        slots = base_full[:, 1:, :].reshape(rows, V)
+        slots = torch.where(torch.isnan(slots), torch.full_like(slots, float("-inf")), slots)
+        blk = torch.empty(N, B, dtype=torch.long, device=dev)
+        blk[:, 0] = anchors
+        blk[:, 1:] = slots.argmax(dim=-1).view(N, B - 1)
+        mix = P["mix"].to(f32) if fused else P["mix"]  # [B(k), B(j), r]
+        if topc:
+            # torch.topk(sorted=True) order, with equal logits in vocab order (SEMANTICS.md: lowest id
+            # first, and the C-th place's ties keep the lowest ids): a stable descending sort.
+            cand = torch.sort(slots, dim=-1, descending=True, stable=True).indices[:, : min(topc, V)]
+            base_c = torch.gather(slots, 1, cand)
+            w2c = P["w2"][cand]  # [rows, C, r]
+        for _ in range(num_passes):
+            prev = torch.cat([anchors[:, None], blk[:, :-1]], dim=1)
+            x = (xh.to(f32) + mm(P["w1"][prev], P["in_proj_token"])) if fused else xh + P["w1"][prev] @ P["in_proj_token"]
+            u = torch.einsum("kjc,njc->nkc", mix, x)[:, 1:]
+            uc = rnd(u)
+            act = rnd(torch.nn.functional.silu(mm(uc, P["mlp_gate"])) * mm(uc, P["mlp_up"]))
+            lat = rnd(u + mm(act, P["mlp_down"])).reshape(rows, r)
+            if topc:
+                bias = rnd(torch.einsum("ncr,nr->nc", w2c.to(f32), lat.to(f32))) if fused else torch.einsum(
+                    "ncr,nr->nc", w2c, lat.to(bf))
+                s = (base_c.to(f32) + bias.to(f32)).to(bf).to(f32)
+                s = torch.where(torch.isnan(s), torch.full_like(s, float("-inf")), s)
+                if ties == "sorted":
+                    pick = torch.gather(cand, 1, s.argmax(dim=-1, keepdim=True))[:, 0]
+                else:
+                    big = torch.iinfo(torch.long).max
+                    pick = torch.where(s == s.max(-1, keepdim=True).values, cand, big).min(-1).values
+            else:
+                bias = rnd(lat.to(f32) @ P["w2"].to(f32).T) if fused else lat.to(bf) @ P["w2"].T
+                s = (slots.to(f32) + bias.to(f32)).to(bf).to(f32)
+                s = torch.where(torch.isnan(s), torch.full_like(s, float("-inf")), s)
+                pick = s.argmax(dim=-1)
+            blk[:, 1:] = pick.view(N, B - 1)
+    return blk[:, 1:].cpu().numpy()
+
+
+def vllm_main(argv=None):
+    """Top-C (and full-vocab) token agreement with PyTorch spellings of vLLM (issue 9's measurement)."""
+    ap = argparse.ArgumentParser(description="agreement with a PyTorch spelling of vLLM's fused path")
+    ap.add_argument("--n", default="1,4,16,64,256")
+    ap.add_argument("--topc", default="512,0")
+    ap.add_argument("--std", type=float, default=0.06, help="weight std (0.06: refinement changes many tokens)")
+    ap.add_argument("--out", default=os.environ.get("OUT", "agreement_out"))
+    args = ap.parse_args(argv)
+    cfg = xj.HeadConfig(**SERVING)
+    f = jax.jit(xj.refine, static_argnames=xj.STATIC_ARGNAMES)
+    rows_out = []
+    for n in [int(x) for x in args.n.split(",")]:
+        params, logits, h, anchors = make_problem(cfg, n, std=args.std)
+        drafter = np.asarray(jnp.argmax(logits[:, 1:], -1))
+        for topc in [int(x) for x in args.topc.split(",")]:
+            kw = dict(num_passes=cfg.num_passes, topc=topc)
+            ref = torch_refine(params, logits, h, anchors, **kw)
+            row = dict(N=n, topc=topc, tokens=int(ref.size), changed_vs_drafter=float(np.mean(ref != drafter)))
+            for name, out in (
+                ("pallas", lambda: f(params, logits, h, anchors, config=cfg, backend="pallas", **kw)),
+                ("xla", lambda: f(params, logits, h, anchors, config=cfg, backend="xla", **kw)),
+                ("torch_fused_lowest_id", lambda: torch_refine(params, logits, h, anchors, ties="lowest_id", **kw)),
+                ("torch_eager", lambda: torch_refine(params, logits, h, anchors, spelling="eager", **kw)),
+            ):
+                if name == "torch_fused_lowest_id" and not topc:
+                    continue
+                got = np.asarray(out())
+                row[name] = float(np.mean(got == ref))
+            rows_out.append(row)
+            print(json.dumps(row), flush=True)
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, "vllm_agreement.json"), "w") as fh:
+                json.dump(dict(std=args.std, K=cfg.num_passes, rows=rows_out), fh, indent=1)
+    print("\nAgreement with the PyTorch spelling of vLLM's fused path (sorted top-C candidates, first position):")
+    print("| mode | N | tokens | changed vs drafter | Pallas | XLA | fused, lowest-id ties | vLLM eager (self-agreement) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows_out:
+        mode = "full vocab" if r["topc"] == 0 else f"top-{r['topc']}"
+        low = f"{r['torch_fused_lowest_id']:.2%}" if "torch_fused_lowest_id" in r else "-"
+        print(f"| {mode} | {r['N']} | {r['tokens']} | {r['changed_vs_drafter']:.1%} | {r['pallas']:.2%} | "
+              f"{r['xla']:.2%} | {low} | {r['torch_eager']:.2%} |")
+
+
 if __name__ == "__main__":
     import sys
 
     if sys.argv[1:2] == ["explain"]:
         explain_main(sys.argv[2:])
+    elif sys.argv[1:2] == ["vllm"]:
+        vllm_main(sys.argv[2:])
     else:
         main()
