@@ -1,6 +1,8 @@
 """Refine benchmark: device time per refine and one call's wall latency, per backend and mode.
 
     PYTHONPATH=$PWD python3 -m benchmarks.bench_refine --out results/   # on a GPU
+    PYTHONPATH=$PWD python3 -m benchmarks.bench_refine --small           # smoke test on a CPU (XLA backend)
+    PYTHONPATH=$PWD python3 -m benchmarks.bench_refine --n 1 --wall-only --walls 5 --no-select   # CPU, serving shapes
 
 Sweeps N (blocks per call) x topc x backend at serving shapes (V=151936,
 H=4096, B=16, r=256, mlp=512, C=512, K=6, bf16). Device time per refine:
@@ -8,9 +10,10 @@ M refines chained inside one jit (call i's output feeds call i+1's anchors, and
 a one-element in-place write of it into the logits and h, so nothing can be
 hoisted out of the loop), divided by M; median of R repeats after a warm-up.
 Wall latency: one jitted call, host clock around dispatch + block_until_ready,
-median of 20. Also, per N, top-C selection alone: the Pallas kernel vs lax.top_k
-(and torch.topk where torch sees a GPU). Writes bench.json, bench.md (tables) and
-bench.png (time vs N).
+median of 20 (``--walls``). Also, per N, top-C selection alone: the Pallas kernel vs lax.top_k
+(and torch.topk where torch sees a GPU). Writes bench.jsonl (each result as it is
+measured), then bench.json, bench.md (tables) and bench.png (time vs N). Off a GPU the
+default backend is xla only (``--backends pallas`` there runs the kernels in interpret mode).
 """
 
 from __future__ import annotations
@@ -71,7 +74,7 @@ def chained(cfg, m, empty=False, refine_fn=None, **kw):
     return jax.jit(run)
 
 
-def select_rows(cfg, n, reps, interpret=False):
+def select_rows(cfg, n, reps, interpret=False, pallas=True):
     """Top-C selection alone at N blocks: the Pallas kernel vs lax.top_k (and torch.topk if importable).
 
     Same chaining as the refines: each call's first candidate is written into the next
@@ -83,7 +86,9 @@ def select_rows(cfg, n, reps, interpret=False):
     _, logits, _, _ = make_problem(cfg, n)
     c = cfg.topc
     out = {}
-    impls = {"xla (lax.top_k)": _JnpOps, "pallas": api.ops(interpret=interpret)}
+    impls = {"xla (lax.top_k)": _JnpOps}
+    if pallas:
+        impls["pallas"] = api.ops(interpret=interpret)
     for name, ops in impls.items():
         m = 2 if name.startswith("xla") and n >= 64 else 20
 
@@ -129,64 +134,91 @@ def chain_length(n, topc, backend):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--n", default="1,4,16,64,256")
-    ap.add_argument("--topc", default="512,0")
-    ap.add_argument("--backends", default="xla,pallas",
+    ap.add_argument("--n", help="comma list of N (blocks per call) (default: 1,4,16,64,256; with --small: 1,4,16)")
+    ap.add_argument("--topc", default="512,0", help="comma list of C (0 = full vocabulary; with --small 512 becomes 64)")
+    ap.add_argument("--backends",
                     help="comma list of xla | pallas | pallas:<steps> (e.g. pallas:latent+pick), each optionally "
-                         "@loop (passes in a lax.fori_loop instead of unrolled)")
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
+                         "@loop (passes in a lax.fori_loop instead of unrolled). Default: xla,pallas on a GPU, "
+                         "xla elsewhere (pallas off a GPU runs in interpret mode: slow)")
+    ap.add_argument("--reps", type=int, default=5, help="timed repeats of each chained measurement (median)")
+    ap.add_argument("--walls", type=int, default=20, help="single calls timed for the wall latency (median)")
+    ap.add_argument("--wall-only", action="store_true",
+                    help="only the single-call wall latency (no chained device time): for slow machines")
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"),
+                    help="folder for bench.jsonl (one line per result, written as it comes), bench.json, bench.md, bench.png")
     ap.add_argument("--small", action="store_true", help="tiny shapes (smoke test on CPU)")
     ap.add_argument("--no-select", action="store_true", help="skip the selection-alone rows")
     args = ap.parse_args(argv)
+    for name in ("reps", "walls"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name} must be >= 1")
     shape = dict(SERVING)
     if args.small:
         shape.update(vocab_size=4099, hidden_size=128, rank=64, mlp_hidden=128, topc=64)
     cfg = xj.HeadConfig(**shape)
-    ns = [int(x) for x in args.n.split(",")]
-    topcs = [int(x) for x in args.topc.split(",")]
-    backends = args.backends.split(",")
+    ns = [int(x) for x in (args.n or ("1,4,16" if args.small else "1,4,16,64,256")).split(",")]
+    topcs = [cfg.topc if (args.small and int(x) == 512) else int(x) for x in args.topc.split(",")]
     dev = jax.devices()[0]
+    on_gpu = dev.platform == "gpu"
+    backends = (args.backends or ("xla,pallas" if on_gpu else "xla")).split(",")
+    interpret = not on_gpu  # Pallas-Triton compiles for CUDA GPUs only; elsewhere interpret mode
+    if not on_gpu and any(b.startswith("pallas") for b in backends):
+        print(f"# note: no GPU ({dev.platform}): Pallas kernels run in interpret mode (slow, for checking only)",
+              flush=True)
     meta = dict(date=time.strftime("%Y-%m-%d"), device=dev.device_kind, platform=dev.platform,
-                jax=jax.__version__, shape=shape, K=cfg.num_passes, dtype="bfloat16")
-    print(f"# refine benchmark {meta['date']} on {dev.device_kind}, jax {jax.__version__}", flush=True)
+                jax=jax.__version__, shape=shape, K=cfg.num_passes, dtype="bfloat16", wall_only=args.wall_only)
+    os.makedirs(args.out, exist_ok=True)
+    stream = open(os.path.join(args.out, "bench.jsonl"), "w")
+
+    def emit(kind, rec):
+        print(json.dumps(rec), flush=True)
+        stream.write(json.dumps(dict(kind=kind, **rec)) + "\n")
+        stream.flush()
+
+    print(f"# refine benchmark {meta['date']} on {dev.device_kind}, jax {jax.__version__}; "
+          f"results stream to {os.path.join(args.out, 'bench.jsonl')}", flush=True)
+    emit("meta", meta)
     rows, sel = [], []
     for n in ns:
         problem = make_problem(cfg, n)
-        m = chain_length(n, 0, "pallas") if not args.small else 3
-        loop_us = time_device(chained(cfg, m, empty=True), problem, args.reps) / m * 1e6
-        print(json.dumps(dict(N=n, loop_us=loop_us)), flush=True)
+        loop_us = 0.0
+        if not args.wall_only:
+            m = chain_length(n, 0, "pallas") if not args.small else 3
+            loop_us = time_device(chained(cfg, m, empty=True), problem, args.reps) / m * 1e6
+            emit("loop", dict(N=n, loop_us=loop_us))
         for topc in topcs:
             outs = {}
             for backend in backends:
                 name, _, flag = backend.partition("@")
-                kw = dict(topc=topc, backend=name, unroll=False if flag == "loop" else None)
+                kw = dict(topc=topc, backend=name, unroll=False if flag == "loop" else None,
+                          interpret=interpret and name.startswith("pallas"))
                 single = jax.jit(lambda p, l, h, a: xj.refine(p, l, h, a, config=cfg, **kw))
                 t0 = time.perf_counter()
                 outs[backend] = np.asarray(single(*problem).block_until_ready())
                 compile_s = time.perf_counter() - t0
                 walls = []
-                for _ in range(20):
+                for _ in range(args.walls):
                     t0 = time.perf_counter()
                     single(*problem).block_until_ready()
                     walls.append(time.perf_counter() - t0)
-                m = chain_length(n, topc, backend) if not args.small else 3
-                t = time_device(chained(cfg, m, **kw), problem, args.reps)
-                row = dict(N=n, topc=topc, backend=backend, device_us=t / m * 1e6, loop_us=loop_us,
-                           net_us=t / m * 1e6 - loop_us,
-                           wall_us=statistics.median(walls) * 1e6, chain=m, compile_s=compile_s)
+                row = dict(N=n, topc=topc, backend=backend, wall_us=statistics.median(walls) * 1e6,
+                           walls=args.walls, compile_s=compile_s)
+                if not args.wall_only:
+                    m = chain_length(n, topc, backend) if not args.small else 3
+                    t = time_device(chained(cfg, m, **kw), problem, args.reps)
+                    row.update(device_us=t / m * 1e6, loop_us=loop_us, net_us=t / m * 1e6 - loop_us, chain=m)
                 if backend != backends[0]:
                     ref = outs[backends[0]]
                     row["agree"] = float(np.mean(outs[backend] == ref))
                     row["disagree_tokens"] = int(np.sum(outs[backend] != ref))
                 rows.append(row)
-                print(json.dumps(row), flush=True)
-        if any(topcs) and not args.no_select:
-            interpret = dev.platform == "cpu"
-            for name, us in select_rows(cfg, n, args.reps, interpret=interpret).items():
+                emit("refine", row)
+        if any(topcs) and not args.no_select and not args.wall_only:
+            pallas = on_gpu or any(b.startswith("pallas") for b in backends)
+            for name, us in select_rows(cfg, n, args.reps, interpret=interpret, pallas=pallas).items():
                 sel.append(dict(N=n, C=cfg.topc, impl=name, device_us=us))
-                print(json.dumps(sel[-1]), flush=True)
-    os.makedirs(args.out, exist_ok=True)
+                emit("select", sel[-1])
+    stream.close()
     with open(os.path.join(args.out, "bench.json"), "w") as f:
         json.dump(dict(meta=meta, rows=rows, select=sel), f, indent=1)
     md = to_markdown(meta, rows, backends)
@@ -200,7 +232,8 @@ def main(argv=None):
             md += f"| {n} | " + " | ".join(cells) + " |\n"
     with open(os.path.join(args.out, "bench.md"), "w") as f:
         f.write(md)
-    plot(rows, os.path.join(args.out, "bench.png"), meta)
+    if not args.wall_only:
+        plot(rows, os.path.join(args.out, "bench.png"), meta)
     print(md)
 
 
@@ -218,7 +251,10 @@ def to_markdown(meta, rows, backends):
         agree = ""
         for b in backends:
             r = next((r for r in rows if r["topc"] == topc and r["N"] == n and r["backend"] == b), None)
-            cells.append(f"{r['device_us']:.0f} ({r['net_us']:.0f}) | {r['wall_us']:.0f}" if r else "- | -")
+            if r and "device_us" in r:
+                cells.append(f"{r['device_us']:.0f} ({r['net_us']:.0f}) | {r['wall_us']:.0f}")
+            else:
+                cells.append(f"- | {r['wall_us']:.0f}" if r else "- | -")
             if r and "agree" in r:
                 agree = f"{r['agree']:.2%} ({r['disagree_tokens']} differ)"
         mode = "full vocab" if topc == 0 else f"top-{topc}"

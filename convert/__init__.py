@@ -7,7 +7,7 @@ Library::
     print("\\n".join(report.lines()))
 
     import xpress_jax as xj
-    config, params = xj.load_params("head_ckpt/")
+    head = xj.load_params("head_ckpt/")   # a Head: config + params; refine(head, logits, h, anchors)
 
 Command line: ``xpress-convert SRC DST [...]`` and ``xpress-convert inspect PATH``
 (`convert.cli`); also ``python -m convert``.

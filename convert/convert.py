@@ -2,7 +2,9 @@
 
 Steps, each refusing bad input with a `ConversionError` that names the problem:
 
-1. destination: must not exist unless ``force``; must not contain the source;
+1. source and destination: the source must not be an already converted
+   checkpoint; the destination must not lie inside the source folder, must not
+   exist unless ``force``, and must not contain the source;
 2. source: list the tensors (`convert.sources.open_source`; safetensors headers
    are validated, pickles opened with ``weights_only=True``);
 3. head: the tensors under ``xpress_head.`` / ``model.xpress_head.`` by
@@ -164,11 +166,31 @@ def resolve_config(
 
 
 def _check_dst(src: Path, dst: Path, force: bool) -> None:
+    s, d = src.resolve(), dst.resolve()
+    if s.is_dir() and s in d.parents:  # before anything else: nothing may be written inside the source
+        raise ConversionError(
+            f"destination {dst} lies inside the source folder {src}; write the checkpoint somewhere else "
+            "(e.g. next to the source folder), so the source stays as vLLM loads it"
+        )
     if (dst.exists() or dst.is_symlink()) and not force:
         raise ConversionError(f"destination {dst} already exists; pass --force to replace it")
-    s, d = src.resolve(), dst.resolve()
     if s == d or d in s.parents:
         raise ConversionError(f"destination {dst} is or contains the source {src}; refusing to overwrite it")
+
+
+def _check_not_converted(src: Path) -> None:
+    """A converted (Orbax) checkpoint as the source: say so, and what to do with it instead."""
+    from xpress_jax.checkpoint import is_checkpoint
+
+    folder = src if src.is_dir() else None
+    # Also catch a path inside a converted checkpoint (e.g. DST/params).
+    for p in ([folder] if folder else []) + list(src.parents)[:3]:
+        if p is not None and is_checkpoint(p):
+            raise ConversionError(
+                f"{src} is {'' if p == src else 'inside '}an already converted xpress-jax checkpoint ({p}): there "
+                f"is nothing to convert. Load it with xpress_jax.load_params({str(p)!r}), look at it with "
+                f"`xpress-convert inspect {p}`, or run it with `xpress demo --checkpoint {p}`"
+            )
 
 
 def _pick_dtype(dtype: str, source_dtypes: set[str], warn: Callable[[str], None]) -> np.dtype:
@@ -278,6 +300,7 @@ def convert_checkpoint(
     src_p, dst_p = Path(src).expanduser().absolute(), Path(dst).expanduser().absolute()
     if not src_p.exists():
         raise ConversionError(f"source {src_p} does not exist")
+    _check_not_converted(src_p)
     _check_dst(src_p, dst_p, force)
 
     source = open_source(src_p)

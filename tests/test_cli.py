@@ -1,25 +1,137 @@
-"""The README's main command, `xpress demo`, on a small head: report printed, checks pass."""
+"""The README's main command, `xpress demo`, in-process on tiny heads: report, checks, and refusals of nonsense."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
+import jax
+import pytest
 
-def test_xpress_demo_small_both_backends():
-    for backend in ("xla", "pallas"):
-        cmd = [sys.executable, "-m", "xpress_jax.cli", "demo", "--vocab", "999", "--hidden", "32", "--block", "6",
-               "--rank", "32", "--mlp", "48", "--topc", "40", "--passes", "3", "--n", "2", "--reps", "1",
-               "--backend", backend]
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        assert out.returncode == 0, out.stderr[-2000:]
-        text = out.stdout
-        assert "full-vocab" in text and "top-40" in text
-        assert "fixed point" in text and "identical" in text
-        assert text.strip().endswith("OK")
+import xpress_jax as xj
+from xpress_jax import cli
+
+TINY = ["--vocab", "97", "--hidden", "16", "--block", "5", "--rank", "8", "--mlp", "8", "--n", "2", "--reps", "1"]
 
 
-def test_xpress_demo_rejects_bad_sizes():
-    cmd = [sys.executable, "-m", "xpress_jax.cli", "demo", "--vocab", "10", "--topc", "20"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2 and "topc" in out.stderr
+def run(capsys, *argv):
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize("backend", ["xla", "pallas"])
+def test_demo_tiny_runs_both_modes_and_checks(capsys, backend):
+    code, out, err = run(capsys, "demo", *TINY, "--topc", "11", "--passes", "3", "--backend", backend)
+    assert code == 0, err
+    assert "full-vocab" in out and "top-11" in out and "compile+1st s" in out
+    assert "fixed point" in out and "identical" in out
+    assert out.strip().endswith("OK")
+    assert "compile + first call" in err  # progress on stderr, the report on stdout
+    if backend == "pallas":
+        assert "(interpret mode)" in out
+
+
+def test_demo_default_topc_is_clamped_to_a_small_vocab(capsys):
+    # `xpress demo --vocab 100` used to fail: the default C=512 exceeded V.
+    code, out, err = run(capsys, "demo", *TINY, "--passes", "2", "-q")
+    assert code == 0, err
+    assert "C=97" in out and "top-97" in out
+    assert err == ""  # --quiet
+
+
+@pytest.mark.parametrize(
+    "argv,option",
+    [
+        (["--n", "0"], "--n"),
+        (["--n", "-3"], "--n"),
+        (["--reps", "0"], "--reps"),
+        (["--vocab", "0"], "--vocab"),
+        (["--block", "1"], "--block"),
+        (["--hidden", "-1"], "--hidden"),
+        (["--rank", "0"], "--rank"),
+        (["--mlp", "0"], "--mlp"),
+        (["--passes", "0"], "--passes"),
+        (["--topc", "-1"], "--topc"),
+        (["--topc", "98"], "--topc"),  # explicit C > V (97)
+        (["--std", "0"], "--std"),
+        (["--std", "nan"], "--std"),
+        (["--seed", "-1"], "--seed"),
+        (["--n", "x"], "--n"),
+        (["--backend", "cuda"], "--backend"),
+    ],
+)
+def test_demo_refuses_nonsense_with_exit_2_naming_the_option(capsys, argv, option):
+    code, out, err = run(capsys, "demo", *TINY, *argv)
+    assert code == 2, (out, err)
+    assert option in err.splitlines()[-1], err
+    assert "Traceback" not in err and out == ""
+
+
+def test_help_shows_every_option_with_help_and_default(capsys):
+    assert cli.main(["demo", "--help"]) == 0
+    text = capsys.readouterr().out
+    parser = cli.build_parser()
+    demo = parser._subparsers._group_actions[0].choices["demo"]
+    for action in demo._actions:
+        assert action.help, f"{action.option_strings} has no help"
+        if action.option_strings and action.option_strings[0] not in ("-h", "-q"):
+            helptext = " ".join(action.help.split())
+            assert "default" in helptext or action.default is not None, action.option_strings
+    assert "(default: 4)" in text and "(default: 5)" in text and "default: 32000" in text
+
+
+def test_version(capsys):
+    assert cli.main(["--version"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"xpress-jax {xj.__version__} (jax {jax.__version__}")
+
+
+def test_version_matches_pyproject():
+    import tomllib
+    from pathlib import Path
+
+    meta = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    assert meta["project"]["version"] == xj.__version__
+
+
+def test_demo_on_a_converted_checkpoint(tmp_path, capsys):
+    cfg = xj.HeadConfig(vocab_size=61, hidden_size=12, block_size=5, rank=8, mlp_hidden=8, topc=7, num_passes=3,
+                        max_num_reqs=4)
+    path = xj.save_params(tmp_path / "head", xj.init_head(cfg, jax.random.key(0), std=0.3))
+    code, out, err = run(capsys, "demo", "--checkpoint", str(path), "--n", "2", "--reps", "1")
+    assert code == 0, err
+    assert f"checkpoint {path}" in out and "V=61" in out and "C=7 K=3" in out and "top-7" in out
+    assert out.strip().endswith("OK")
+    # Same sizes as the checkpoint: fine. Other sizes, --std, N above max_num_reqs: refused, naming the option.
+    assert cli.main(["demo", "--checkpoint", str(path), "--vocab", "61", "--n", "1", "--reps", "1", "-q"]) == 0
+    capsys.readouterr()
+    for argv, option in ((["--vocab", "62"], "--vocab 62"), (["--std", "0.1"], "--std"), (["--n", "5"], "--n 5"),
+                         (["--topc", "62"], "--topc 62")):
+        code, out, err = run(capsys, "demo", "--checkpoint", str(path), *argv)
+        assert code == 2 and option in err, (argv, err)
+    code, out, err = run(capsys, "demo", "--checkpoint", str(tmp_path / "nope"))
+    assert code == 2 and "--checkpoint" in err and "no checkpoint" in err
+
+
+def test_a_failed_check_exits_1(capsys, monkeypatch):
+    real = xj.refine
+
+    def broken(head, *a, num_passes=None, **kw):  # more passes change tokens: the fixed point breaks
+        out = real(head, *a, num_passes=num_passes, **kw)
+        return out + (num_passes == head.config.block_size if num_passes else 0)
+
+    monkeypatch.setattr(xj, "refine", broken)
+    code, out, err = run(capsys, "demo", *TINY, "--topc", "0", "-q")
+    assert code == 1 and "DIFFERENT" in out and out.strip().endswith("FAILED")
+
+
+def test_console_entry_point_version():
+    """The one subprocess check: `python -m xpress_jax.cli` exits with main's code (0 here, 2 on usage)."""
+    res = subprocess.run([sys.executable, "-m", "xpress_jax.cli", "--version"], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0 and re.match(r"xpress-jax \S+ \(jax ", res.stdout), res.stderr
+    res = subprocess.run([sys.executable, "-m", "xpress_jax.cli", "demo", "--n", "0"], capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 2 and "--n" in res.stderr

@@ -590,3 +590,23 @@ def test_cli_exit_codes_in_process(tmp_path, raw, monkeypatch, capsys):
     monkeypatch.setattr(cv, "params_from_state_dict", real)
     assert main([str(good), str(tmp_path / "out"), "--verify", "--reference", "jnp", "-q", "--dtype", "bfloat16"]) == 0
     assert "reported, not required" in capsys.readouterr().out
+
+
+def test_converted_checkpoint_as_source_says_so(tmp_path, raw, capsys):
+    src = write_folder(tmp_path / "src", prefixed(raw), config=hf_config())
+    convert_checkpoint(src, tmp_path / "ckpt")
+    msg = refuse(tmp_path / "ckpt", tmp_path / "again", "already converted")
+    assert "load_params" in msg and "xpress-convert inspect" in msg
+    refuse(tmp_path / "ckpt" / "params", tmp_path / "again", "inside an already converted")
+    assert main([str(tmp_path / "ckpt"), str(tmp_path / "again")]) == 2
+    assert "already converted" in capsys.readouterr().err
+
+
+def test_dst_inside_src_is_refused_and_nothing_is_written(tmp_path, raw, capsys):
+    src = write_folder(tmp_path / "src", prefixed(raw), config=hf_config())
+    before = sorted(p.relative_to(src) for p in src.rglob("*"))
+    for force in (False, True):
+        refuse(src, src / "sub", "lies inside the source folder", force=force)
+    assert main([str(src), str(src / "sub" / "deeper"), "-q"]) == 2
+    assert "inside the source folder" in capsys.readouterr().err
+    assert sorted(p.relative_to(src) for p in src.rglob("*")) == before

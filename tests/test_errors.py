@@ -28,8 +28,9 @@ def test_config_validation():
         xj.HeadConfig(vocab_size=10, hidden_size=4, rank="256")
     with pytest.raises(ValueError, match="block_size"):
         xj.HeadConfig(vocab_size=10, hidden_size=4, block_size=1)
+    assert xj.HeadConfig(vocab_size=10, hidden_size=4, topc=11).topc == 10  # clamped: vLLM's min(topc, V)
     with pytest.raises(ValueError, match="topc"):
-        xj.HeadConfig(vocab_size=10, hidden_size=4, topc=11)
+        xj.HeadConfig(vocab_size=10, hidden_size=4, topc=-1)
     with pytest.raises(ValueError, match="num_passes"):
         xj.HeadConfig(vocab_size=10, hidden_size=4, num_passes=0)
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -50,8 +51,7 @@ def test_from_hf_config_reads_vllm_fields():
     assert xj.HeadConfig.from_hf_config(cfg.to_hf_config()) == cfg
     with pytest.raises(ValueError, match="hidden_size"):
         xj.HeadConfig.from_hf_config({"vocab_size": 10})
-    with pytest.raises(ValueError, match="xpress_topc|topc"):
-        xj.HeadConfig.from_hf_config({"vocab_size": 10, "hidden_size": 4, "xpress_topc": 20})
+    assert xj.HeadConfig.from_hf_config({"vocab_size": 10, "hidden_size": 4, "xpress_topc": 20}).topc == 10
     hash(cfg)
 
 

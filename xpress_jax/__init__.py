@@ -4,9 +4,9 @@ Quickstart::
 
     import jax, jax.numpy as jnp, xpress_jax as xj
     cfg = xj.HeadConfig(vocab_size=V, hidden_size=H, block_size=16)
-    params = xj.init_params(cfg, jax.random.key(0), dtype=jnp.bfloat16)
+    head = xj.init_head(cfg, jax.random.key(0), dtype=jnp.bfloat16)   # or xj.load_params(path)
     refine = jax.jit(xj.refine, static_argnames=xj.STATIC_ARGNAMES)
-    draft = refine(params, logits, h, anchors, config=cfg)   # [N, B-1] int32
+    draft = refine(head, logits, h, anchors)   # [N, B-1] int32; C and K from head.config
 """
 
 from .checkpoint import load_params, save_params
@@ -14,6 +14,8 @@ from .config import HeadConfig
 from .head import XPressHead, hidden_input, latent, round_to
 from .params import (
     HYBRID_KEY_MAP,
+    Head,
+    init_head,
     PARAM_NAMES,
     check_params,
     config_from_params,
@@ -29,7 +31,9 @@ from .serving import BucketedRefiner
 __version__ = "0.1.0"
 
 __all__ = [
+    "Head",
     "HeadConfig",
+    "init_head",
     "XPressHead",
     "HYBRID_KEY_MAP",
     "PARAM_NAMES",

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from .config import HeadConfig
-from .params import PARAM_NAMES, check_params, param_shapes
+from .params import PARAM_NAMES, Head, check_params, param_shapes
 
 __all__ = [
     "FORMAT",
@@ -150,17 +150,24 @@ def write_checkpoint(
 
 def save_params(
     path: str | os.PathLike,
-    config: HeadConfig,
-    params: Mapping[str, Any],
+    config: HeadConfig | Head,
+    params: Mapping[str, Any] | None = None,
     *,
     metadata: Mapping[str, Any] | None = None,
     overwrite: bool = False,
 ) -> Path:
     """Save ``params`` (serving form, checked against ``config``) and ``config`` as an Orbax checkpoint.
 
-    ``metadata`` (JSON-serialisable) is stored beside the config, e.g. where the
-    params came from. Atomic: see `staged_directory`. Returns the absolute path.
+    ``save_params(path, head)`` saves a `Head` (its config and params). ``metadata``
+    (JSON-serialisable) is stored beside the config, e.g. where the params came from.
+    Atomic: see `staged_directory`. Returns the absolute path.
     """
+    if isinstance(config, Head):
+        if params is not None:
+            raise TypeError("save_params(path, head) takes no params: the Head holds them")
+        config, params = config.config, config.params
+    if params is None:
+        raise TypeError("save_params(path, config, params): params missing (or pass a Head: save_params(path, head))")
     if not isinstance(config, HeadConfig):
         raise TypeError(f"config must be a HeadConfig, got {type(config).__name__}")
     check_params(params, config)
@@ -205,19 +212,52 @@ def read_checkpoint_info(path: str | os.PathLike) -> tuple[HeadConfig, dict]:
     return config, info
 
 
-def load_params(path: str | os.PathLike, dtype: Any = None) -> tuple[HeadConfig, dict[str, jax.Array]]:
-    """Restore ``(config, params)`` from a checkpoint written by `save_params` / ``xpress-convert``.
+def _shardings(sharding: Any) -> dict[str, jax.sharding.Sharding]:
+    """``sharding=`` of `load_params` as one `jax.sharding.Sharding` per param name."""
+    def one(s: Any, what: str) -> jax.sharding.Sharding:
+        if s is None:
+            return jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        if isinstance(s, jax.sharding.Sharding):
+            return s
+        if isinstance(s, jax.Device):
+            return jax.sharding.SingleDeviceSharding(s)
+        raise TypeError(
+            f"{what} must be None (the default device), a jax.Device, a jax.sharding.Sharding, or a dict "
+            f"{{param name: Device | Sharding}}, got {type(s).__name__}"
+        )
+
+    if isinstance(sharding, Mapping):
+        unknown = sorted(set(sharding) - set(PARAM_NAMES))
+        if unknown:
+            raise ValueError(f"sharding: unknown param name(s) {unknown}; the params are {list(PARAM_NAMES)}")
+        return {k: one(sharding.get(k), f"sharding[{k!r}]") for k in PARAM_NAMES}
+    s = one(sharding, "sharding")
+    return {k: s for k in PARAM_NAMES}
+
+
+def load_params(path: str | os.PathLike, dtype: Any = None, sharding: Any = None) -> Head:
+    """Restore the `Head` (config + params) from a checkpoint written by `save_params` / ``xpress-convert``.
 
     The params are restored against an abstract target built from the stored
-    config (shapes) and dtype, on the default device; ``dtype`` (optional) casts
-    them afterwards. The result is ready for ``refine(params, ..., config=config)``.
+    config (shapes) and dtype, straight onto the devices ``sharding`` names:
+
+    - ``None``: the default device (``jax.devices()[0]``);
+    - a ``jax.Device``: that device;
+    - a ``jax.sharding.Sharding`` (e.g. a ``NamedSharding`` over a mesh): every param laid
+      out by it (it must fit every param's rank; ``PartitionSpec()`` replicates);
+    - a dict ``{param name: Device | Sharding}``: per param (names left out: the default device).
+
+    ``dtype`` (optional) casts the params afterwards (on the same devices). The result
+    runs as ``refine(head, logits, h, anchors)``; it also unpacks as
+    ``config, params = load_params(path)`` (the form earlier versions returned).
     """
+    shardings = _shardings(sharding)
     config, info = read_checkpoint_info(path)
     path = Path(path).expanduser().absolute()
     stored = jnp.dtype(info["dtype"])
-    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     abstract = {
-        name: jax.ShapeDtypeStruct(shape, stored, sharding=sharding) for name, shape in param_shapes(config).items()
+        name: jax.ShapeDtypeStruct(shape, stored, sharding=shardings[name])
+        for name, shape in param_shapes(config).items()
     }
     # Compare the abstract target with Orbax's metadata first: a clear message, and no failed restore.
     try:
@@ -246,7 +286,7 @@ def load_params(path: str | os.PathLike, dtype: Any = None) -> tuple[HeadConfig,
         if not jnp.issubdtype(dtype, jnp.floating):
             raise TypeError(f"dtype must be a floating dtype, got {dtype}")
         params = {k: v.astype(dtype) for k, v in params.items()}
-    return config, params
+    return Head(config, params)
 
 
 def stored_param_metadata(path: str | os.PathLike) -> dict[str, tuple[tuple[int, ...], str]]:

@@ -1,13 +1,110 @@
-"""`xpress` console command: ``xpress demo`` runs a synthetic head end to end and reports."""
+"""`xpress` console command: ``xpress demo`` runs a head end to end and reports.
+
+``xpress demo`` builds a synthetic head (or loads a converted one with
+``--checkpoint``) and synthetic drafter logits, runs the jitted `refine` in
+full-vocabulary and top-C mode, prints compile + first-call time, call latency
+and how many drafter tokens refinement changed, and checks the fixed-point
+property. Progress goes to stderr, the report to stdout.
+
+Exit codes: 0 every check passed; 1 a check failed; 2 bad usage (the message
+names the option); 3 an unexpected error (a bug: a traceback is printed).
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import time
+import traceback
+from typing import Sequence
 
-__all__ = ["main", "demo"]
+__all__ = ["main", "demo", "build_parser"]
+
+EXIT_OK, EXIT_CHECK_FAILED, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
+
+#: The synthetic head's sizes when no --checkpoint is given: (option, HeadConfig field, default, meaning).
+_SIZES = (
+    ("--vocab", "vocab_size", 32000, "V, vocabulary size", 1),
+    ("--hidden", "hidden_size", 1024, "H, the drafter's hidden size", 1),
+    ("--block", "block_size", 16, "B, slots per block (slot 0 = anchor)", 2),
+    ("--rank", "rank", 256, "r, latent rank", 1),
+    ("--mlp", "mlp_hidden", 512, "M, SwiGLU hidden width", 1),
+)
+_DEFAULT_TOPC, _DEFAULT_PASSES, _DEFAULT_N, _DEFAULT_STD = 512, 6, 4, 0.05
+_OPTION_OF = {field: opt for opt, field, *_ in _SIZES} | {"topc": "--topc", "num_passes": "--passes",
+                                                          "max_num_reqs": "--n"}
+
+
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows ``(default: X)`` for every option that has a fixed default; the others say theirs in words."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default is None or isinstance(action.default, bool):
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
+class _VersionAction(argparse.Action):
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings=option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        import platform
+
+        import jax
+
+        from . import __version__
+
+        print(f"xpress-jax {__version__} (jax {jax.__version__}, python {platform.python_version()})")
+        parser.exit()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="xpress", description="XPress refiner head in JAX.", formatter_class=_Formatter,
+        epilog="Exit codes: 0 ok, 1 a check failed, 2 bad usage, 3 internal error.",
+    )
+    parser.add_argument("--version", action=_VersionAction, help="print the versions of xpress-jax, JAX and Python")
+    sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+    d = sub.add_parser(
+        "demo", formatter_class=_Formatter,
+        help="run the jitted refine on a synthetic or converted head and report",
+        description=(
+            "Build a synthetic head (or load a converted one with --checkpoint) and synthetic drafter "
+            "logits, run the jitted refine in full-vocabulary and top-C mode, report compile + first-call "
+            "time, call latency and how many drafter tokens refinement changed, and check the fixed point "
+            "(full vocab: K=B-1 passes == K=B passes; slots 1..K final after K passes). Exits 1 if a check fails."
+        ),
+        epilog="Exit codes: 0 ok, 1 a check failed, 2 bad usage, 3 internal error.",
+    )
+    d.add_argument("--checkpoint", metavar="PATH",
+                   help="a converted head (xpress-convert output, or xpress_jax.save_params); its config gives the "
+                        "sizes, C and K (default: a synthetic head)")
+    for opt, field, default, what, minimum in _SIZES:
+        d.add_argument(opt, type=int, metavar="N", dest=field,
+                       help=f"{what}, >= {minimum} (default: {default}; with --checkpoint: the checkpoint's)")
+    d.add_argument("--topc", type=int, metavar="C",
+                   help=f"C, candidates per draft slot; 0 = run full vocabulary only (default: {_DEFAULT_TOPC}, "
+                        "clamped to V as vLLM does; with --checkpoint: the checkpoint's). An explicit C > V is refused")
+    d.add_argument("--passes", type=int, metavar="K",
+                   help=f"K, Jacobi passes per call, >= 1 (default: {_DEFAULT_PASSES}; with --checkpoint: the checkpoint's)")
+    d.add_argument("--n", type=int, default=_DEFAULT_N, metavar="N",
+                   help="blocks (requests) per call, >= 1 (and <= the checkpoint's max_num_reqs)")
+    d.add_argument("--dtype", choices=["float32", "bfloat16"],
+                   help="params and logits dtype (default: float32; with --checkpoint: the stored dtype)")
+    d.add_argument("--std", type=float,
+                   help=f"weight std of the synthetic head, > 0 (default: {_DEFAULT_STD}: strong enough that "
+                        "refinement changes many drafter tokens); not with --checkpoint")
+    d.add_argument("--seed", type=int, default=0, help="random seed of the head and the inputs, >= 0")
+    d.add_argument("--reps", type=int, default=5, help="timed calls per mode (the median is reported), >= 1")
+    d.add_argument("--backend", default="auto", choices=["auto", "xla", "pallas"],
+                   help="auto = Pallas kernels on a supported GPU, else the XLA (jnp) path; pallas on a CPU runs "
+                        "the kernels in (slow) interpret mode")
+    d.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
+    d.set_defaults(_parser=d)
+    return parser
 
 
 def _median_ms(fn, reps: int) -> float:
@@ -19,91 +116,176 @@ def _median_ms(fn, reps: int) -> float:
     return statistics.median(times)
 
 
-def demo(args: argparse.Namespace) -> int:
+class _Progress:
+    """One line per step on stderr, with the time since the start (so a long step is visibly running)."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.t0 = time.perf_counter()
+
+    def __call__(self, msg: str) -> None:
+        if self.enabled:
+            print(f"[{time.perf_counter() - self.t0:6.1f} s] {msg}", file=sys.stderr, flush=True)
+
+
+def _resolve(args: argparse.Namespace, error) -> tuple:
+    """(config, head or None, dtype name): the head's config from the options or the checkpoint; errors name the option."""
+    import xpress_jax as xj
+
+    for opt, field, _, _, minimum in _SIZES:
+        v = getattr(args, field)
+        if v is not None and v < minimum:
+            error(f"{opt} must be >= {minimum}, got {v}")
+    if args.topc is not None and args.topc < 0:
+        error(f"--topc must be >= 0 (0 = full vocabulary only), got {args.topc}")
+    if args.passes is not None and args.passes < 1:
+        error(f"--passes must be >= 1, got {args.passes}")
+    if args.n < 1:
+        error(f"--n must be >= 1 (blocks per call), got {args.n}")
+    if args.reps < 1:
+        error(f"--reps must be >= 1, got {args.reps}")
+    if args.seed < 0:
+        error(f"--seed must be >= 0, got {args.seed}")
+    if args.std is not None and not args.std > 0:  # also refuses nan
+        error(f"--std must be > 0, got {args.std}")
+
+    run = {}
+    if args.passes is not None:
+        run["num_passes"] = args.passes
+    if args.checkpoint is not None:
+        if args.std is not None:
+            error("--std sets the synthetic head's weights; it cannot be used with --checkpoint")
+        try:
+            head = xj.load_params(args.checkpoint)
+        except (OSError, ValueError, TypeError) as e:
+            error(f"--checkpoint {args.checkpoint}: {e}")
+        cfg = head.config
+        clash = [f"{opt} {getattr(args, field)} (the checkpoint has {getattr(cfg, field)})"
+                 for opt, field, *_ in _SIZES
+                 if getattr(args, field) is not None and getattr(args, field) != getattr(cfg, field)]
+        if clash:
+            error("size options conflict with --checkpoint: " + ", ".join(clash) + "; leave them out")
+        if args.n > cfg.max_num_reqs:
+            error(f"--n {args.n} exceeds the checkpoint's max_num_reqs={cfg.max_num_reqs}")
+        if args.topc is not None:
+            run["topc"] = args.topc
+        dtype = args.dtype or head.dtype.name
+    else:
+        head = None
+        sizes = {field: default if getattr(args, field) is None else getattr(args, field)
+                 for _, field, default, _, _ in _SIZES}
+        if args.topc is not None:
+            run["topc"] = args.topc
+        try:
+            cfg = xj.HeadConfig(**sizes, max_num_reqs=args.n)
+        except (TypeError, ValueError) as e:  # unreachable after the checks above; named anyway
+            msg = str(e)
+            for field, opt in _OPTION_OF.items():
+                msg = msg.replace(field, opt)
+            error(msg)
+        dtype = args.dtype or "float32"
+    if run.get("topc", 0) > cfg.vocab_size:
+        error(f"--topc {run['topc']} exceeds the vocabulary (V={cfg.vocab_size}); leave it out to use "
+              f"min({_DEFAULT_TOPC}, V), or pass 0 for full vocabulary only")
+    if head is None:
+        run.setdefault("topc", min(_DEFAULT_TOPC, cfg.vocab_size))
+        run.setdefault("num_passes", _DEFAULT_PASSES)
+    return dataclasses.replace(cfg, **run), head, dtype
+
+
+def demo(args: argparse.Namespace, error=None) -> int:
+    """Run ``xpress demo``; ``error(msg)`` reports a usage error (default: raise ValueError)."""
+    def _raise(msg):
+        raise ValueError(msg)
+
+    error = error or _raise
+    progress = _Progress(not getattr(args, "quiet", False))
     import jax
     import jax.numpy as jnp
     import numpy as np
 
     import xpress_jax as xj
 
-    dtype = jnp.dtype(args.dtype)
-    cfg = xj.HeadConfig(
-        vocab_size=args.vocab, hidden_size=args.hidden, block_size=args.block, rank=args.rank,
-        mlp_hidden=args.mlp, topc=args.topc, num_passes=args.passes, max_num_reqs=max(args.n, 1),
-    )
+    cfg, head, dtype_name = _resolve(args, error)
+    dtype = jnp.dtype(dtype_name)
     key = jax.random.key(args.seed)
     kp, kl, kh, ka = jax.random.split(key, 4)
-    # Weights strong enough that refinement changes many of the drafter's tokens.
-    params = xj.init_params(cfg, kp, dtype=dtype, std=args.std)
+    if head is None:
+        progress(f"building a synthetic head (V={cfg.vocab_size}, H={cfg.hidden_size}, std={args.std or _DEFAULT_STD})")
+        # Weights strong enough that refinement changes many of the drafter's tokens.
+        head = xj.init_head(cfg, kp, dtype=dtype, std=args.std or _DEFAULT_STD)
+        source = "synthetic head"
+    else:
+        source = f"checkpoint {args.checkpoint}"
+        head = xj.Head(cfg, head.params)  # the run's C and K (--topc/--passes) on the checkpoint's weights
+        if head.dtype != dtype:
+            head = head.astype(dtype)
     N, B, V = args.n, cfg.block_size, cfg.vocab_size
     logits = (jax.random.normal(kl, (N, B, V), jnp.float32) * 2).astype(dtype)
     h = jax.random.normal(kh, (N, B, cfg.hidden_size), jnp.float32).astype(dtype)
     anchors = jax.random.randint(ka, (N,), 0, V, jnp.int32)
     refine = jax.jit(xj.refine, static_argnames=xj.STATIC_ARGNAMES)
     # Pallas kernels only compile for GPUs; on a CPU they run in (slow) interpret mode.
-    interpret = args.backend.startswith("pallas") and jax.default_backend() == "cpu"
+    interpret = args.backend.startswith("pallas") and jax.default_backend() != "gpu"
     drafter = np.asarray(jnp.argmax(logits[:, 1:], axis=-1))
 
-    print(f"xpress demo: V={V} H={cfg.hidden_size} B={B} r={cfg.rank} M={cfg.mlp_hidden} "
+    print(f"xpress demo: {source}: V={V} H={cfg.hidden_size} B={B} r={cfg.rank} M={cfg.mlp_hidden} "
           f"C={cfg.topc} K={cfg.num_passes} N={N} dtype={dtype.name} backend={args.backend}"
           f"{' (interpret mode)' if interpret else ''}")
     print(f"jax {jax.__version__} on {jax.devices()[0].platform} ({jax.devices()[0].device_kind})")
     print()
-    print(f"{'mode':<12} {'K':>3} {'compile s':>10} {'call ms':>9} {'tokens changed vs drafter':>27}")
+    call_col = f"call ms (median of {args.reps})"
+    print(f"{'mode':<12} {'K':>3} {'compile+1st s':>13} {call_col:>{max(len(call_col), 9)}} "
+          f"{'tokens changed vs drafter':>27}")
     ok = True
-    for mode, topc in (("full-vocab", 0), (f"top-{cfg.topc}", cfg.topc)):
-        if mode.startswith("top") and topc == 0:
-            continue
-        kw = dict(num_passes=cfg.num_passes, topc=topc, config=cfg, backend=args.backend, interpret=interpret)
+    modes = [("full-vocab", 0)] + ([(f"top-{cfg.topc}", cfg.topc)] if cfg.topc else [])
+    for mode, topc in modes:
+        kw = dict(topc=topc, backend=args.backend, interpret=interpret)
+        progress(f"{mode}: compile + first call")
         t0 = time.perf_counter()
-        out = refine(params, logits, h, anchors, **kw).block_until_ready()
+        out = refine(head, logits, h, anchors, **kw).block_until_ready()
         compile_s = time.perf_counter() - t0
-        ms = _median_ms(lambda: refine(params, logits, h, anchors, **kw), args.reps)
+        progress(f"{mode}: {args.reps} timed call(s)")
+        ms = _median_ms(lambda: refine(head, logits, h, anchors, **kw), args.reps)
         changed = float(np.mean(np.asarray(out) != drafter))
-        print(f"{mode:<12} {cfg.num_passes:>3} {compile_s:>10.2f} {ms:>9.2f} {changed:>26.1%}")
+        print(f"{mode:<12} {cfg.num_passes:>3} {compile_s:>13.2f} {ms:>{max(len(call_col), 9)}.2f} {changed:>26.1%}")
 
     # Fixed point: with K >= B-1 full-vocab passes the block is the sequential greedy decode,
     # so one more pass changes nothing.
-    kw = dict(topc=0, config=cfg, backend=args.backend, interpret=interpret)
-    a = np.asarray(refine(params, logits, h, anchors, num_passes=B - 1, **kw))
-    b = np.asarray(refine(params, logits, h, anchors, num_passes=B, **kw))
+    kw = dict(topc=0, backend=args.backend, interpret=interpret)
+    progress(f"fixed-point check: full vocab with K={B - 1}, K={B} and K={cfg.num_passes} passes (3 compiles)")
+    a = np.asarray(refine(head, logits, h, anchors, num_passes=B - 1, **kw))
+    b = np.asarray(refine(head, logits, h, anchors, num_passes=B, **kw))
     same = bool(np.array_equal(a, b))
     ok &= same
     print()
     print(f"fixed point: full vocab K=B-1={B - 1} vs K={B}: {'identical' if same else 'DIFFERENT'} "
           f"({int(np.sum(a != b))} of {a.size} tokens differ)")
-    early = np.asarray(refine(params, logits, h, anchors, num_passes=cfg.num_passes, **kw))
+    early = np.asarray(refine(head, logits, h, anchors, num_passes=cfg.num_passes, **kw))
     settled = bool(np.array_equal(early[:, : cfg.num_passes], a[:, : cfg.num_passes]))
     ok &= settled
-    print(f"after K={cfg.num_passes} passes slots 1..{cfg.num_passes} are final: {'yes' if settled else 'NO'}; "
-          f"slots still moving after K: {int(np.sum(early != a))} of {a.size}")
+    print(f"after K={cfg.num_passes} passes slots 1..{min(cfg.num_passes, B - 1)} are final: "
+          f"{'yes' if settled else 'NO'}; slots still moving after K: {int(np.sum(early != a))} of {a.size}")
+    progress("done")
     print("OK" if ok else "FAILED")
-    return 0 if ok else 1
+    return EXIT_OK if ok else EXIT_CHECK_FAILED
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="xpress", description="XPress refiner head in JAX.")
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    d = sub.add_parser("demo", help="build a synthetic head and drafter logits, run the jitted refine, report")
-    d.add_argument("--vocab", type=int, default=32000)
-    d.add_argument("--hidden", type=int, default=1024)
-    d.add_argument("--block", type=int, default=16)
-    d.add_argument("--rank", type=int, default=256)
-    d.add_argument("--mlp", type=int, default=512)
-    d.add_argument("--topc", type=int, default=512)
-    d.add_argument("--passes", type=int, default=6)
-    d.add_argument("--n", type=int, default=4, help="blocks per call")
-    d.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    d.add_argument("--std", type=float, default=0.05, help="weight std of the synthetic head")
-    d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--reps", type=int, default=5)
-    d.add_argument("--backend", default="auto", choices=["auto", "xla", "pallas"])
-    args = parser.parse_args(argv)
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``xpress``; returns the exit code (the console script exits with it)."""
+    parser = build_parser()
     try:
-        return demo(args)
-    except (ValueError, TypeError) as e:
-        print(f"xpress demo: error: {e}", file=sys.stderr)
-        return 2
+        args = parser.parse_args(argv)
+        return demo(args, error=args._parser.error)  # usage errors: the subcommand's usage, exit 2
+    except SystemExit as e:  # argparse: --help/--version (0) or a usage error (2)
+        return e.code if isinstance(e.code, int) else EXIT_USAGE
+    except KeyboardInterrupt:
+        print("xpress: interrupted", file=sys.stderr)
+        return 130
+    except Exception:
+        traceback.print_exc()
+        print("xpress: internal error (a bug: please report it with the traceback above)", file=sys.stderr)
+        return EXIT_INTERNAL
 
 
 if __name__ == "__main__":

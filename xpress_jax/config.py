@@ -36,8 +36,14 @@ class HeadConfig:
       rank:         r, latent width.
       mlp_hidden:   M, SwiGLU hidden width.
       topc:         C, candidates per draft slot; 0 = exact full-vocabulary scoring.
+                    A C larger than V is clamped to V, as vLLM does (``min(topc, V)``):
+                    ``HeadConfig(vocab_size=97, hidden_size=24).topc == 97``. (C = V scores
+                    every token, so it gives the same tokens as topc=0, by a slower route.)
       num_passes:   K, Jacobi passes per call.
       max_num_reqs: the largest N (blocks per call) the head accepts.
+
+    A config is what gives `refine` its ``num_passes``, ``topc`` and ``max_num_reqs``:
+    pass a `xpress_jax.Head` (params with their config) or ``config=``.
     """
 
     vocab_size: int
@@ -62,10 +68,8 @@ class HeadConfig:
         ):
             object.__setattr__(self, field, _check_int(field, getattr(self, field), minimum=minimum))
         if self.topc > self.vocab_size:
-            raise ValueError(
-                f"topc must be <= vocab_size ({self.vocab_size}), got {self.topc}; "
-                "use topc=0 for exact full-vocabulary scoring"
-            )
+            # vLLM's rule: a top-C larger than the vocabulary is the whole vocabulary (min(topc, V)).
+            object.__setattr__(self, "topc", self.vocab_size)
 
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any], **overrides: Any) -> "HeadConfig":
@@ -75,7 +79,8 @@ class HeadConfig:
         ``xpress_rank``, ``xpress_mlp_hidden``, ``xpress_topc``,
         ``xpress_num_passes``, ``vocab_size``, ``hidden_size``, and
         ``max_num_seqs`` (vLLM's scheduler limit) for ``max_num_reqs``.
-        Keyword ``overrides`` win over the dict.
+        Keyword ``overrides`` win over the dict. An ``xpress_topc`` above ``vocab_size``
+        is clamped to ``vocab_size``, as vLLM does.
         """
         if not isinstance(config, Mapping):
             raise TypeError(f"config must be a mapping (a parsed config.json), got {type(config).__name__}")

@@ -22,6 +22,12 @@ name               shape        meaning (PyTorch source in HYBRID_KEY_MAP names)
 =================  ===========  ===============================================
 
 All params share one floating dtype.
+
+`Head` pairs such a dict with the `HeadConfig` that sizes it (a pytree whose
+leaves are the arrays and whose static aux data is the config), so that the
+config travels with the weights into `refine` and through ``jax.jit``.
+`init_head` and `xpress_jax.load_params` return a `Head`; `init_params` and
+`params_from_state_dict` return the plain dict (wrap it: ``Head(config, params)``).
 """
 
 from __future__ import annotations
@@ -36,6 +42,8 @@ import numpy as np
 from .config import HeadConfig
 
 __all__ = [
+    "Head",
+    "init_head",
     "HYBRID_KEY_MAP",
     "PARAM_NAMES",
     "param_shapes",
@@ -143,6 +151,86 @@ def _fold_np(raw: np.ndarray) -> np.ndarray:
     return wide.astype(raw.dtype)
 
 
+@jax.tree_util.register_pytree_node_class
+class Head:
+    """A head's params together with the `HeadConfig` that sizes them (sizes, C, K, max N).
+
+    A registered pytree: the params dict is its only child (so its leaves are the ten
+    arrays) and the frozen, hashable config is static aux data. Under ``jax.jit`` a
+    `Head` argument therefore traces its arrays and keys the compile cache on its
+    config: new weights with the same config never retrace; ``jax.tree.map`` over a
+    `Head` returns a `Head` with the same config.
+
+    ``refine(head, logits, h, anchors)`` takes ``num_passes``, ``topc`` and
+    ``max_num_reqs`` from ``head.config`` (explicit keywords still win). For backward
+    compatibility it unpacks like the ``(config, params)`` tuple `load_params` used to
+    return: ``config, params = head``, ``head[0]``, ``head[1]``.
+
+    Build one with ``Head(config, params)`` (checked with `check_params`), `init_head`
+    or `xpress_jax.load_params`. Treat it as immutable.
+    """
+
+    __slots__ = ("config", "params")
+
+    def __init__(self, config: HeadConfig, params: Mapping[str, Any]):
+        if not isinstance(config, HeadConfig):
+            raise TypeError(f"Head(config, params): config must be a HeadConfig, got {type(config).__name__}")
+        check_params(params, config)
+        self.config = config
+        self.params = dict(params)
+
+    def tree_flatten(self):
+        return (self.params,), self.config
+
+    @classmethod
+    def tree_unflatten(cls, config, children):
+        # No checks here: JAX unflattens with tracers, ShapeDtypeStructs, shardings, None, ...
+        head = object.__new__(cls)
+        head.config = config
+        head.params = children[0]
+        return head
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        """The params' (common) dtype."""
+        return jnp.dtype(self.params["w1"].dtype)
+
+    def astype(self, dtype: Any) -> "Head":
+        """The same head with every param cast to ``dtype``."""
+        return Head(self.config, {k: v.astype(dtype) for k, v in self.params.items()})
+
+    def __iter__(self):
+        yield self.config
+        yield self.params
+
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, i: int):
+        if isinstance(i, str):
+            raise KeyError(f"{i!r}: a Head is (config, params); index its params: head.params[{i!r}]")
+        return (self.config, self.params)[i]
+
+    def __repr__(self) -> str:
+        try:
+            dtype = self.dtype.name
+        except Exception:  # unflattened with non-array leaves
+            dtype = "?"
+        return f"Head({self.config!r}, params=<{len(self.params)} arrays, {dtype}>)"
+
+
+def init_head(
+    config: HeadConfig,
+    key: jax.Array,
+    dtype: Any = jnp.float32,
+    *,
+    std: float = 0.02,
+    mix_std: float | None = None,
+) -> Head:
+    """`init_params` wrapped with its config: a `Head` that `refine` runs without ``config=``."""
+    return Head(config, init_params(config, key, dtype, std=std, mix_std=mix_std))
+
+
 def init_params(
     config: HeadConfig,
     key: jax.Array,
@@ -191,6 +279,7 @@ def params_from_state_dict(
     config: HeadConfig,
     *,
     dtype: Any = None,
+    prefix: str = "",
 ) -> dict[str, jax.Array]:
     """Params from the head's source tensors (HYBRID_KEY_MAP names, no prefix).
 
@@ -200,11 +289,22 @@ def params_from_state_dict(
     mixer is folded exactly once here. ``dtype`` (default: the source's common
     dtype) is the params' dtype. Missing, unexpected and mis-shaped keys are all
     reported by name in one ``ValueError``.
+
+    ``prefix`` (e.g. ``"xpress_head."``, where a vLLM drafter checkpoint keeps the
+    head): only keys that start with it are read, with the prefix removed; every
+    other key (the backbone) is ignored. Without it, keys that look prefixed get a
+    hint naming the prefix to pass. Returns the plain dict; ``Head(config, params)``
+    pairs it with its config.
     """
     if not isinstance(config, HeadConfig):
         raise TypeError(f"config must be a HeadConfig, got {type(config).__name__}")
     if not isinstance(tensors, Mapping):
         raise TypeError(f"tensors must be a mapping of name -> array, got {type(tensors).__name__}")
+    if not isinstance(prefix, str):
+        raise TypeError(f"prefix must be a str, got {type(prefix).__name__}")
+    given = list(tensors)
+    if prefix:
+        tensors = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
     expected = source_shapes(config)
     missing = sorted(set(expected) - set(tensors))
     extra = sorted(set(tensors) - set(expected))
@@ -229,7 +329,8 @@ def params_from_state_dict(
     if bad_dtype:
         problems.append("non-floating tensors: " + "; ".join(bad_dtype))
     if problems:
-        raise ValueError("params_from_state_dict: " + " | ".join(problems))
+        hint = _prefix_hint(missing, given, prefix)
+        raise ValueError("params_from_state_dict: " + " | ".join(problems) + hint)
 
     if dtype is None:
         dtypes = {a.dtype for a in arrays.values()}
@@ -254,6 +355,23 @@ def params_from_state_dict(
         "w2": arrays["w2.weight"],
     }
     return {k: jnp.asarray(np.ascontiguousarray(v).astype(dtype)) for k, v in out.items()}
+
+
+def _prefix_hint(missing: list[str], keys: list[str], prefix: str) -> str:
+    """When the given keys are the missing names behind a common prefix: say which prefix to pass."""
+    found: dict[str, int] = {}
+    for k in keys:
+        for name in missing:
+            if k.endswith("." + name) and k != prefix + name:
+                p = k[: len(k) - len(name)]
+                found[p] = found.get(p, 0) + 1
+    if not found:
+        return ""
+    best = max(found, key=lambda p: (found[p], -len(p)))
+    return (
+        f". The head's keys carry the prefix {best!r}: pass prefix={best!r} "
+        "(keys without it, e.g. the drafter's backbone, are then ignored)"
+    )
 
 
 def config_from_params(params: Mapping[str, Any], **kwargs: Any) -> HeadConfig:

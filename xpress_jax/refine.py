@@ -6,7 +6,6 @@ Pallas kernels (``pallas_kernels``).
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Mapping
 
 import jax
@@ -15,7 +14,7 @@ import numpy as np
 
 from .config import HeadConfig
 from .head import _dot, acc_dtype, hidden_input, latent, precision_for, round_to
-from .params import check_params
+from .params import Head, check_params
 
 __all__ = ["refine", "INVALID_TOKEN", "BACKENDS"]
 
@@ -24,9 +23,6 @@ __all__ = ["refine", "INVALID_TOKEN", "BACKENDS"]
 INVALID_TOKEN = -1
 
 BACKENDS = ("auto", "xla", "pallas")
-
-#: `HeadConfig`'s field defaults (num_passes, topc, max_num_reqs, ...): refine's defaults without a config.
-_CONFIG_DEFAULTS = {f.name: f.default for f in dataclasses.fields(HeadConfig) if f.default is not dataclasses.MISSING}
 
 #: Steps that ``backend="pallas:<step>+<step>"`` can run as kernels (the others use jnp).
 KERNEL_STEPS = ("latent", "pick", "select")
@@ -77,7 +73,8 @@ def _readout(lat: jax.Array, w2: jax.Array, dtype) -> jax.Array:
     return round_to(_dot(lat, w2.T, acc), dtype)
 
 
-def _validate(params, logits, h, anchors, prev_ids, num_passes, topc, max_num_reqs, backend, config=None):
+def _validate(params, logits, h, anchors, prev_ids, num_passes, topc, max_num_reqs, backend, config=None,
+              interpret=False):
     check_params(params, config)
     V, r = params["w1"].shape
     H = params["down_h"].shape[0]
@@ -117,15 +114,23 @@ def _validate(params, logits, h, anchors, prev_ids, num_passes, topc, max_num_re
         raise TypeError(f"topc must be an int (0 = full vocabulary), got {topc!r}")
     if not 0 <= topc <= V:
         raise ValueError(f"topc must be in [0, vocab_size={V}], got {topc}")
-    if isinstance(max_num_reqs, bool) or not isinstance(max_num_reqs, (int, np.integer)) or max_num_reqs < 1:
-        raise ValueError(f"max_num_reqs must be a positive int, got {max_num_reqs!r}")
-    if N > max_num_reqs:
-        raise ValueError(f"logits has N={N} blocks, more than max_num_reqs={max_num_reqs}")
+    if max_num_reqs is not None:  # None: no config and no limit given
+        if isinstance(max_num_reqs, bool) or not isinstance(max_num_reqs, (int, np.integer)) or max_num_reqs < 1:
+            raise ValueError(f"max_num_reqs must be a positive int, got {max_num_reqs!r}")
+        if N > max_num_reqs:
+            raise ValueError(f"logits has N={N} blocks, more than max_num_reqs={max_num_reqs}")
     name, _, steps = str(backend).partition(":")
     if name not in BACKENDS or (steps and name != "pallas"):
         raise ValueError(f"backend must be one of {BACKENDS} (or 'pallas:<steps>'), got {backend!r}")
     if steps and not set(steps.split("+")) <= set(KERNEL_STEPS):
         raise ValueError(f"backend={backend!r}: steps must be '+'-joined names from {KERNEL_STEPS}")
+    if name == "pallas" and not interpret and jax.default_backend() != "gpu":
+        # Before any kernel is traced: Pallas-Triton only compiles for CUDA GPUs.
+        raise ValueError(
+            f"backend={backend!r} compiles Pallas-Triton kernels, which need a CUDA GPU, but JAX's default "
+            f"backend here is {jax.default_backend()!r}. Pass interpret=True to run the kernels in interpret "
+            "mode (slow: for tests), or backend='xla' (or 'auto', which picks the jnp path off a GPU)"
+        )
     for name, ids in (("anchors", anchors), ("prev_ids", prev_ids)):
         if ids is not None and _is_concrete(ids):
             a = np.asarray(ids)
@@ -137,8 +142,18 @@ def _validate(params, logits, h, anchors, prev_ids, num_passes, topc, max_num_re
                 )
 
 
+def _no_defaults_error(missing: list[str]) -> TypeError:
+    return TypeError(
+        f"refine: plain params carry no HeadConfig, so {' and '.join(missing)} "
+        f"{'has' if len(missing) == 1 else 'have'} no default (refine does not guess C and K). "
+        "Fix it one of three ways: pass a Head (xj.load_params and xj.init_head return one; "
+        "xj.Head(config, params) wraps a dict); or pass config=HeadConfig(...), whose num_passes and topc "
+        "are then the defaults; or pass num_passes=K and topc=C explicitly (topc=0: full vocabulary)"
+    )
+
+
 def refine(
-    params: Mapping[str, jax.Array],
+    params: Head | Mapping[str, jax.Array],
     logits: jax.Array,
     h: jax.Array,
     anchors: jax.Array,
@@ -155,22 +170,31 @@ def refine(
     """Refine N draft blocks with K greedy Jacobi passes; returns the draft [N, B-1] int32.
 
     Args:
-      params: the head's params (see `xpress_jax.params`), all of one dtype.
+      params: a `xpress_jax.Head` (params with their `HeadConfig`: what `load_params` and
+        `init_head` return), or the plain params dict (see `xpress_jax.params`), all of one dtype.
       logits: [N, B, V] drafter logits (slot 0's row is unused), params' dtype.
       h: [N, B, H] drafter hidden states, params' dtype.
       anchors: [N] int, the verified token of each block (slot 0).
       prev_ids: [N] int, the token before each anchor; defaults to ``anchors``
         (what vLLM's speculator passes).
-      num_passes: K >= 1 (default: ``config.num_passes``, else 6).
+      num_passes: K >= 1. Default: the config's ``num_passes``.
       topc: 0 = exact full-vocabulary scoring; C in [1, V] = score only each draft
-        slot's C largest base logits (default: ``config.topc``, else 512).
-      max_num_reqs: largest accepted N (default: ``config.max_num_reqs``, else 256).
-      config: optional `HeadConfig` supplying the defaults above; its sizes must match the params.
-      backend: ``"xla"`` (pure jnp), ``"pallas"`` (Pallas kernels) or ``"auto"``;
+        slot's C largest base logits. Default: the config's ``topc``. An explicit C > V raises.
+      max_num_reqs: largest accepted N. Default: the config's ``max_num_reqs``; without a
+        config, no limit.
+      config: the `HeadConfig` for plain params (its sizes must match them). With a `Head`
+        it may be left out; if given it must equal the Head's config.
+      backend: ``"xla"`` (pure jnp), ``"pallas"`` (Pallas-Triton kernels: a CUDA GPU, or
+        ``interpret=True``) or ``"auto"`` (Pallas on a supported GPU, else jnp);
         ``"pallas:latent+pick"`` runs only the named steps (`KERNEL_STEPS`) as kernels (for measurement).
       interpret: run Pallas kernels in interpret mode (CPU tests).
       unroll: unroll the K passes instead of a ``lax.fori_loop`` (same tokens). Default:
         unrolled on GPUs (an XLA while loop costs several µs per iteration there), a loop elsewhere.
+
+    No silent defaults: the config (from the `Head` or ``config=``) is the only source of
+    ``num_passes`` and ``topc``. With a plain dict and no config both must be given, else
+    ``TypeError`` (refine never falls back to `HeadConfig`'s field defaults, which would
+    quietly give different tokens than the checkpoint's own C and K).
 
     Tie and value rules: a slot's score is ``float(dtype(base + bias))`` (the sum
     rounded to the logits' dtype before comparing); the largest score wins. Ties:
@@ -187,16 +211,27 @@ def refine(
     marked with anchor -1.
 
     Use under jit with ``static_argnames=xpress_jax.STATIC_ARGNAMES`` (``num_passes``,
-    ``topc``, ``max_num_reqs``, ``config``, ``backend``, ``interpret``, ``unroll``).
+    ``topc``, ``max_num_reqs``, ``config``, ``backend``, ``interpret``, ``unroll``); a
+    `Head` argument needs nothing more (its config is static pytree aux data).
     """
-    if config is not None:
-        if not isinstance(config, HeadConfig):
-            raise TypeError(f"config must be a HeadConfig, got {type(config).__name__}")
-    defaults = dataclasses.asdict(config) if config is not None else _CONFIG_DEFAULTS
-    num_passes = defaults["num_passes"] if num_passes is None else num_passes
-    topc = defaults["topc"] if topc is None else topc
-    max_num_reqs = defaults["max_num_reqs"] if max_num_reqs is None else max_num_reqs
-    _validate(params, logits, h, anchors, prev_ids, num_passes, topc, max_num_reqs, backend, config)
+    if config is not None and not isinstance(config, HeadConfig):
+        raise TypeError(f"config must be a HeadConfig, got {type(config).__name__}")
+    if isinstance(params, Head):
+        if config is not None and config != params.config:
+            raise ValueError(
+                f"config={config} disagrees with the Head's own config {params.config}; leave config= out "
+                "(the Head carries it), or override single values with num_passes=/topc=/max_num_reqs="
+            )
+        config, params = params.config, params.params
+    if config is None:
+        missing = [name for name, v in (("num_passes", num_passes), ("topc", topc)) if v is None]
+        if missing:
+            raise _no_defaults_error(missing)
+    else:
+        num_passes = config.num_passes if num_passes is None else num_passes
+        topc = config.topc if topc is None else topc
+        max_num_reqs = config.max_num_reqs if max_num_reqs is None else max_num_reqs
+    _validate(params, logits, h, anchors, prev_ids, num_passes, topc, max_num_reqs, backend, config, interpret)
     if prev_ids is None:
         prev_ids = anchors
     ops = _select_ops(backend, interpret)

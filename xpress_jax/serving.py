@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from .config import HeadConfig
-from .params import check_params
+from .params import Head, check_params
 from .refine import refine
 
 __all__ = ["BucketedRefiner", "default_buckets"]
@@ -34,8 +34,17 @@ class BucketedRefiner:
     weights of the same shapes (`update_params`) never recompiles.
     """
 
-    def __init__(self, params: Mapping[str, jax.Array], config: HeadConfig, *,
+    def __init__(self, params: Head | Mapping[str, jax.Array], config: HeadConfig | None = None, *,
                  buckets: Sequence[int] | None = None, backend: str = "auto", **refine_kwargs: Any):
+        if isinstance(params, Head):
+            if config is not None and config != params.config:
+                raise ValueError(f"config={config} disagrees with the Head's own config {params.config}")
+            config, params = params.config, params.params
+        if not isinstance(config, HeadConfig):
+            raise TypeError(
+                "BucketedRefiner(head) takes a Head, or BucketedRefiner(params, config) a params dict and its "
+                f"HeadConfig; got config={type(config).__name__}"
+            )
         check_params(params, config)
         self.config = config
         self.params = dict(params)
@@ -50,7 +59,12 @@ class BucketedRefiner:
 
         self._fn = jax.jit(run)
 
-    def update_params(self, params: Mapping[str, jax.Array]) -> None:
+    def update_params(self, params: Head | Mapping[str, jax.Array]) -> None:
+        """Swap in new weights of the same config (never recompiles)."""
+        if isinstance(params, Head):
+            if params.config != self.config:
+                raise ValueError(f"the new Head's config {params.config} differs from {self.config}")
+            params = params.params
         check_params(params, self.config)
         self.params = dict(params)
 
