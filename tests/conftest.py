@@ -5,6 +5,10 @@ from __future__ import annotations
 import os
 import warnings
 
+# On a GPU, `pytest -n 2` runs two processes on one device: without this each would preallocate
+# 75% of its memory and the second would run out. Read when the backend starts (lazily, later).
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -1,6 +1,6 @@
 """Awkward shapes through the config selection serving uses (`pallas_kernels.api`), interpret mode.
 
-Every kernel is reached the way `refine` reaches it: `api.ops(interpret=True)` and its
+Every kernel is reached the way `refine` reaches it: `api.ops(...)` and its
 `full_vocab_config` / `topc_config` / latent and selection dispatch, at ranks that are not
 powers of two (24, 40, 48, 96, 192, and an odd 37), odd vocabularies, small and odd block
 sizes (B = 2, 3, 7), C = 1 and C = V, and row counts on both sides of every dispatch
@@ -26,7 +26,7 @@ import pytest
 
 import xpress_jax as xj
 from conftest import make_head, make_inputs, near_tie_rows, pick_inputs, sequential_greedy
-from pallas_kernels import api, full_vocab, latent, select, topc_pick
+from pallas_kernels import api, common, full_vocab, latent, select
 from xpress_jax.refine import _JnpOps
 
 DTYPES = [jnp.bfloat16, jnp.float32]
@@ -34,7 +34,10 @@ ODD_RANK = 37
 RANKS = [24, 40, 48, 96, 192, ODD_RANK]
 V_ODD = 1001  # > one 384-column part of the small-row table configs: several parts, a vocab tail
 
-OPS = api.ops(interpret=True)
+#: Kernel-level tests run compiled on a supported GPU, in interpret mode elsewhere (the refine-level
+#: ones always compare the interpret-mode refine with the XLA one).
+INTERPRET = not common.gpu_supported()
+OPS = api.ops(interpret=INTERPRET)
 slow = pytest.mark.slow
 
 
@@ -138,7 +141,7 @@ def test_full_vocab_check_shape_refuses_what_cannot_run():
     base, lat, w2 = pick_inputs(15, 300, 24, jnp.float32, seed=0)
     with pytest.raises(ValueError, match="row_tile=8"):
         full_vocab.full_vocab_pick(base, lat, w2, variant="fused", config=dataclasses.replace(ok, row_tile=8),
-                                   interpret=True)
+                                   interpret=INTERPRET)
 
 
 def test_rank_chunks_are_tensor_core_sized():
@@ -234,15 +237,19 @@ def _check_latent(n, b, rank, dtype, m=40, vocab=97, seed=0):
     from test_kernel_latent import assert_close
 
     params, xh, blk, prev = _latent_inputs(n, b, vocab, rank, m, dtype, seed)
+    ref = _JnpOps.latent_pass(params, xh, blk, prev)
     out = OPS.latent_pass(params, xh, blk, prev)
     assert out.shape == (n, b - 1, rank)
-    assert_close(out, _JnpOps.latent_pass(params, xh, blk, prev))
+    assert_close(out, ref)
+    if not INTERPRET and n <= api.LATENT_XLA_MAX_N:  # compiled, the dispatch took XLA's latent: the kernel too
+        assert_close(latent.latent_pass(params, xh, blk, prev), ref)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=_name)
 @pytest.mark.parametrize("rank", RANKS)
 def test_latent_ranks(rank, dtype):
-    """The split variant (served for N <= SPLIT_MAX_N) at every awkward rank, 2 blocks of B = 3."""
+    """The split variant (served for N <= SPLIT_MAX_N) at every awkward rank, 2 blocks of B = 3
+    (compiled on a GPU, 2 blocks take XLA's latent: LATENT_XLA_MAX_N)."""
     _check_latent(2, 3, rank, dtype, seed=rank)
 
 
@@ -267,7 +274,7 @@ def test_latent_fused_at_awkward_shapes():
 
     for rank, b in ((ODD_RANK, 3), (48, 7)):
         params, xh, blk, prev = _latent_inputs(3, b, 97, rank, 40, jnp.bfloat16, rank)
-        out = latent.latent_pass(params, xh, blk, prev, interpret=True,
+        out = latent.latent_pass(params, xh, blk, prev, interpret=INTERPRET,
                                  config=latent.default_config(latent.SPLIT_MAX_N + 1, jnp.bfloat16, rank=rank))
         assert_close(out, _JnpOps.latent_pass(params, xh, blk, prev))
 
