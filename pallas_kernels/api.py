@@ -39,15 +39,21 @@ _FULL_VOCAB_TABLE = (
 
 
 def full_vocab_config(rows: int, vocab: int, rank: int, dtype) -> tuple[str, full_vocab.FullVocabConfig]:
-    """(variant, config) for the full-vocab pick at these shapes (16-bit dtypes: the measured table)."""
+    """(variant, config) for the full-vocab pick at these shapes (16-bit dtypes: the measured table).
+
+    Any rank, vocab and row count: the kernel masks rank, vocab and row tails; a table config
+    whose shared memory would not fit at this rank (ranks well above 256) is shrunk by
+    `full_vocab.fit_shared_memory`. The result always passes `FullVocabConfig.check_shape`.
+    """
     import jax.numpy as jnp
 
     if jnp.dtype(dtype).itemsize > 2:  # float32 (exactness runs): the kernel's own heuristic
-        return "fused", full_vocab.default_config(rows, vocab, rank, dtype, "fused")
-    for limit, kw in _FULL_VOCAB_TABLE:
-        if limit is None or rows <= limit:
-            return "fused", full_vocab.FullVocabConfig(**kw)
-    raise AssertionError("unreachable")
+        cfg = full_vocab.default_config(rows, vocab, rank, dtype, "fused")
+    else:
+        kw = next(kw for limit, kw in _FULL_VOCAB_TABLE if limit is None or rows <= limit)
+        cfg = full_vocab.fit_shared_memory(full_vocab.FullVocabConfig(**kw), rank, dtype)
+    cfg.check_shape("fused", rows, vocab, rank, dtype)
+    return "fused", cfg
 
 
 #: Up to this many blocks XLA's fused latent (jnp) beats the split kernel (dev_latent, H200:
@@ -58,7 +64,9 @@ LATENT_XLA_MAX_N = 4
 def topc_config(rows: int, c: int, rank: int, dtype) -> topc_pick.TopCConfig:
     """Top-C pick config: 128-candidate tiles, 64-wide rank chunks, 8 warps (best at N=1..256 on an H200)."""
     d = topc_pick.default_config(rows, c, rank, dtype)
-    return dataclasses.replace(d, c_tile=128, c_steps=max(1, d.c_steps // 2), k_tile=64, num_warps=8)
+    cfg = dataclasses.replace(d, c_tile=128, c_steps=max(1, d.c_steps // 2), k_tile=64, num_warps=8)
+    cfg.check_shape(rows, c, rank, dtype)
+    return cfg
 
 
 @functools.lru_cache(maxsize=None)

@@ -57,6 +57,13 @@ VARIANTS = ("add_argmax", "fused")
 #: Index of a lane that must never win (masked columns, padded parts).
 _BIG = 2**31 - 1
 
+#: Smallest dimension of a tensor-core dot the kernels issue: Triton's ``tl.dot`` wants M, N and
+#: K >= 16 on NVIDIA GPUs, so the fused kernel's row, vocab and rank tiles are at least this.
+MIN_DOT = 16
+
+#: Shared memory one program may use on an H100/H200 (227 KB, the opt-in maximum per block).
+SMEM_LIMIT = 227 * 1024
+
 
 @dataclasses.dataclass(frozen=True)
 class FullVocabConfig:
@@ -65,9 +72,10 @@ class FullVocabConfig:
     row_tile: rows per program (power of two; rows are masked to the real count).
     v_tile: vocab columns per step (power of two; the vocab tail is masked).
     v_steps: vocab tiles looped inside one program (a "part"); parts = cdiv(V, v_tile * v_steps).
-    k_tile: fused only: rank columns per dot step (power of two; 0 = the whole rank). Lowered
-      to the largest power of two dividing the rank if needed (r = 256 in serving; an odd
-      rank would mean k_tile = 1).
+    k_tile: fused only: rank columns per dot step (0 = the whole rank; else a power of two >= 16).
+      The chunk used is ``min(k_tile, max(16, next_pow2(rank)))`` (`_k_tile`); a rank it does not
+      divide ends in a masked tail chunk (masked lanes load 0 on both operands, adding nothing
+      to the float32 sum), so any rank works (r = 256 in serving: 4 chunks of 64 or one of 256).
     num_warps, num_stages: Triton launch parameters of stage 1.
     combine: ``"pallas"`` (the `combine_partials` kernel) or ``"xla"`` (a jnp reduction).
     hold_lat: fused only: load the program's latent tile once, before the vocab loop (it is
@@ -114,6 +122,43 @@ class FullVocabConfig:
         if self.flat and self.hold_lat:
             raise ValueError(f"flat={self.flat} needs hold_lat=False (the rank chunk index is dynamic)")
 
+    def check_shape(self, variant: str, rows: int, vocab: int, rank: int, dtype) -> None:
+        """`check`, then refuse (ValueError) what ``variant`` cannot run at these shapes on an H200.
+
+        Fused: a tensor-core dot needs every tile dimension >= `MIN_DOT`, and the operands Triton
+        stages in shared memory (`smem_bytes`) must fit in `SMEM_LIMIT`.
+        """
+        self.check()
+        if variant not in VARIANTS:
+            raise ValueError(f"variant={variant!r} must be one of {VARIANTS}")
+        for name, v in (("rows", rows), ("vocab", vocab), ("rank", rank)):
+            if v < 1:
+                raise ValueError(f"full-vocab pick needs {name} >= 1, got {v}")
+        if variant != "fused":
+            return
+        for name in ("row_tile", "v_tile"):
+            if getattr(self, name) < MIN_DOT:
+                raise ValueError(f"fused: {name}={getattr(self, name)} must be >= {MIN_DOT} (a tensor-core dot "
+                                 f"dimension; Triton's dot needs M, N, K >= {MIN_DOT})")
+        if self.k_tile and self.k_tile < MIN_DOT:
+            raise ValueError(f"fused: k_tile={self.k_tile} must be 0 or >= {MIN_DOT} (the dot's K dimension)")
+        need = self.smem_bytes(rank, dtype)
+        if need > SMEM_LIMIT:
+            raise ValueError(
+                f"fused: {self} at rank={rank}, {jnp.dtype(dtype).name} stages ~{need // 1024} KB in shared memory, "
+                f"more than the {SMEM_LIMIT // 1024} KB an H200 program may use (lower row_tile/v_tile/k_tile/"
+                f"num_stages, or hold_lat=False)")
+
+    def smem_bytes(self, rank: int, dtype) -> int:
+        """Estimate of the fused kernel's shared memory: the held latent tile (hold_lat) plus
+        ``num_stages`` copies of each pipelined dot operand (the w2 tile, and the latent chunk
+        when it is not held)."""
+        item = jnp.dtype(dtype).itemsize
+        kc = _k_tile(self.k_tile, rank, MIN_DOT)
+        held = self.row_tile * kc * _cdiv(rank, kc) * item if self.hold_lat else 0
+        stage = (self.v_tile + (0 if self.hold_lat else self.row_tile)) * kc * item
+        return held + max(1, self.num_stages) * stage
+
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
@@ -123,10 +168,12 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _k_tile(k_tile: int, rank: int) -> int:
-    """The rank chunk actually used: a power of two that divides ``rank`` (so no rank mask), <= k_tile."""
-    low = rank & -rank  # largest power of two dividing rank
-    return min(k_tile, low) if k_tile else low
+def _k_tile(k_tile: int, rank: int, min_tile: int = 1) -> int:
+    """The rank chunk actually used: a power of two, at least ``min_tile``, at most ``k_tile`` (0 = no
+    limit) and no wider than the rank rounded up to a power of two. When it does not divide
+    ``rank`` the last of the ``cdiv(rank, chunk)`` chunks is a masked tail."""
+    full = max(min_tile, _next_pow2(rank))
+    return min(k_tile, full) if k_tile else full
 
 
 def default_config(rows: int, vocab: int, rank: int, dtype, variant: str) -> FullVocabConfig:
@@ -157,7 +204,28 @@ def default_config(rows: int, vocab: int, rank: int, dtype, variant: str) -> Ful
     v_steps = 1
     while v_steps < 16 and programs // (2 * v_steps) >= 1024:
         v_steps *= 2
-    return FullVocabConfig(row_tile, v_tile, v_steps, k_tile, num_warps, num_stages, hold_lat=hold_lat)
+    cfg = FullVocabConfig(row_tile, v_tile, v_steps, k_tile, num_warps, num_stages, hold_lat=hold_lat)
+    return fit_shared_memory(cfg, rank, dtype) if variant == "fused" else cfg
+
+
+def fit_shared_memory(cfg: FullVocabConfig, rank: int, dtype) -> FullVocabConfig:
+    """``cfg``, or the nearest config whose fused kernel fits `SMEM_LIMIT` at this rank (large ranks):
+    drop the held latent, then 64-wide rank chunks, then fewer pipeline stages, then smaller tiles."""
+    steps = (
+        lambda c: dataclasses.replace(c, hold_lat=False),
+        lambda c: dataclasses.replace(c, k_tile=min(c.k_tile or 64, 64)),
+        lambda c: dataclasses.replace(c, num_stages=c.num_stages - 1) if c.num_stages > 1 else c,
+        lambda c: dataclasses.replace(c, row_tile=c.row_tile // 2) if c.row_tile > MIN_DOT else c,
+        lambda c: dataclasses.replace(c, v_tile=c.v_tile // 2) if c.v_tile > MIN_DOT else c,
+        lambda c: dataclasses.replace(c, k_tile=c.k_tile // 2) if c.k_tile > MIN_DOT else c,
+    )
+    for step in steps:
+        while cfg.smem_bytes(rank, dtype) > SMEM_LIMIT:
+            nxt = step(cfg)
+            if nxt == cfg:
+                break
+            cfg = nxt
+    return cfg
 
 
 def reference(base: jax.Array, lat: jax.Array, w2: jax.Array) -> jax.Array:
@@ -273,7 +341,11 @@ def _fused_kernel(
     i, j = pl.program_id(0), pl.program_id(1)
     r0 = i * row_tile
     row_ok = (r0 + _iota(row_tile)) < rows
-    n_k = rank // k_tile
+    n_k = _cdiv(rank, k_tile)
+    # A rank k_tile does not divide ends in a masked tail chunk: its lanes past the rank load 0 on
+    # both operands (adding nothing). Those loads index with arrays, never a slice past the end
+    # (JAX >= 0.12 refuses a static one; interpret mode would shift an unmasked one).
+    k_tail = rank % k_tile != 0
     precision = jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
     lat_mask = jnp.broadcast_to(row_ok[:, None], (row_tile, k_tile))
 
@@ -281,12 +353,21 @@ def _fused_kernel(
         return (j * v_steps + t) * v_tile
 
     def load_lat(k0):
+        if k_tail:
+            kc = k0 + _iota(k_tile)
+            idx = ((r0 + _iota(row_tile))[:, None], kc[None, :])
+            return plt.load(lat_ref.at[idx], mask=lat_mask & (kc < rank)[None, :], other=0.0)
         return plt.load(lat_ref.at[pl.ds(r0, row_tile), pl.ds(k0, k_tile)], mask=lat_mask, other=0.0)
 
     def dot_chunk(acc, v0, k0, x=None):  # acc + lat[:, k0:k0+k_tile] @ w2[v0:v0+v_tile, k0:...].T
-        x = load_lat(k0) if x is None else x  # [row_tile, k_tile]; k_tile divides rank: no rank mask
+        x = load_lat(k0) if x is None else x  # [row_tile, k_tile]
         w_mask = jnp.broadcast_to(((v0 + _iota(v_tile)) < vocab)[:, None], (v_tile, k_tile))
-        w = plt.load(w2_ref.at[pl.ds(v0, v_tile), pl.ds(k0, k_tile)], mask=w_mask, other=0.0)  # [v_tile, k_tile]
+        if k_tail:
+            kc = k0 + _iota(k_tile)
+            idx = ((v0 + _iota(v_tile))[:, None], kc[None, :])
+            w = plt.load(w2_ref.at[idx], mask=w_mask & (kc < rank)[None, :], other=0.0)
+        else:
+            w = plt.load(w2_ref.at[pl.ds(v0, v_tile), pl.ds(k0, k_tile)], mask=w_mask, other=0.0)  # [v_tile, k_tile]
         return acc + jax.lax.dot_general(
             x, w, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
         )
@@ -329,12 +410,15 @@ def _fused_kernel(
     b0 = load_base(v_start(0)) if prefetch_base else jnp.zeros((), jnp.int32)
 
     if flat:
-        # t -> (vocab tile t // n_k, rank chunk t % n_k); n_k is a power of two.
+        # t -> (vocab tile t // n_k, rank chunk t % n_k): a shift and a mask when n_k is a power of two.
         shift = n_k.bit_length() - 1
 
         def flat_step(t, carry):
             acc, best, bidx, b = carry
-            vt, kk = t >> shift, t & (n_k - 1)
+            if n_k & (n_k - 1) == 0:
+                vt, kk = t >> shift, t & (n_k - 1)
+            else:
+                vt, kk = jax.lax.div(t, jnp.int32(n_k)), jax.lax.rem(t, jnp.int32(n_k))
             v0 = v_start(vt)
             acc = dot_chunk(acc, v0, kk * k_tile)
 
@@ -393,7 +477,12 @@ def _combine_kernel(
     def step(t, carry):
         p0 = t * part_tile
         ok = jnp.broadcast_to(((p0 + _iota(part_tile)) < parts)[:, None], shape)
-        idx = (pl.ds(p0, part_tile), pl.ds(r0, row_tile))
+        if isinstance(p0, int) and p0 + part_tile > parts:
+            # A static slice past the end (one masked tile): JAX >= 0.12 refuses it at trace time,
+            # so index with arrays (the same addresses).
+            idx = ((p0 + _iota(part_tile))[:, None], (r0 + _iota(row_tile))[None, :])
+        else:
+            idx = (pl.ds(p0, part_tile), pl.ds(r0, row_tile))
         v = plt.load(mv_ref.at[idx], mask=ok, other=-jnp.inf)
         ix = plt.load(mi_ref.at[idx], mask=ok, other=_BIG)
         v = jnp.where(ok, v, -jnp.inf)
@@ -499,7 +588,7 @@ def full_vocab_pick(
     vocab = base.shape[1]
     rows, rank = lat.shape
     cfg = config or default_config(rows, vocab, rank, dtype, variant)
-    cfg.check()
+    cfg.check_shape(variant, rows, vocab, rank, dtype)
     parts = _cdiv(vocab, cfg.v_tile * cfg.v_steps)
     row_tiles = _cdiv(rows, cfg.row_tile)
     rows_pad = row_tiles * cfg.row_tile
@@ -517,7 +606,7 @@ def full_vocab_pick(
         operands = (base, bias)
         name = "xpress_full_vocab_add_argmax"
     else:
-        k_tile = _k_tile(cfg.k_tile, rank)
+        k_tile = _k_tile(cfg.k_tile, rank, MIN_DOT)
         kernel = functools.partial(_fused_kernel, rank=rank, k_tile=k_tile, hold_lat=cfg.hold_lat, flat=cfg.flat,
                                    prefetch_base=cfg.prefetch_base, lazy=cfg.lazy, **statics)
         operands = (base, lat, w2)

@@ -115,7 +115,7 @@ class LatentConfig:
 
     variant:  one of `VARIANTS` (see the module doc).
     blocks_per_program: blocks (of B slots) per program (fused; split: stage 1);
-      rows per dot = this * Bp.
+      rows per dot = this * Bp, raised to 16 rows for B <= 8 (`_dot_bpp`).
     k_block:  K chunk of every dot (fused: of ``w1[ids] @ in_proj_token``; split: of all
       three stages, i.e. over r in stages 1-2 and over M in stage 3). Power of two, >= 16.
     h_block:  SwiGLU hidden chunk (fused: loop step; split: the hidden slice of one
@@ -162,11 +162,29 @@ class LatentConfig:
         if 0 < self.row_block < 16:
             raise ValueError(f"row_block={self.row_block} must be 0 (auto) or >= 16 (tensor-core dot minimum)")
 
+    def check_shape(self, rank: int, dtype: Any) -> None:
+        """Refuse (ValueError) a config the GPU cannot run at this rank: the fused kernel stages
+        rank-wide weight tiles in shared memory (`smem_bytes`), which must fit in `SMEM_LIMIT`.
+        The split variants tile every dimension by the config, so they run at any rank."""
+        if self.variant == "fused" and self.smem_bytes(rank, dtype) > SMEM_LIMIT:
+            raise ValueError(
+                f"latent variant='fused' at rank={rank}, {jnp.dtype(dtype).name}: its rank-wide weight tiles "
+                f"need ~{self.smem_bytes(rank, dtype) // 1024} KB of shared memory, more than the "
+                f"{SMEM_LIMIT // 1024} KB an H200 program may use; use variant='split' or smaller k_block/h_block")
 
-def default_config(n: int, dtype: Any, variant: str | None = None) -> LatentConfig:
+    def smem_bytes(self, rank: int, dtype: Any) -> int:
+        """Fused variant: estimate of the shared memory of its dot operands (one K chunk of
+        in_proj_token plus the gate, up and down tiles of one hidden chunk, all rank-wide). At
+        r=256 (bf16, 64/64) this gives 128 KB; the offline sm_90a compile measured 108 KB."""
+        rp = max(16, _next_pow2(rank))
+        return (min(self.k_block, rp) * rp + 3 * rp * self.h_block) * jnp.dtype(dtype).itemsize
+
+
+def default_config(n: int, dtype: Any, variant: str | None = None, rank: int = 256) -> LatentConfig:
     """Block config for N blocks of params dtype ``dtype`` (tune with benchmarks/dev_latent.py).
 
-    ``variant=None`` picks ``"split"`` for ``n <= SPLIT_MAX_N``, else ``"fused"``.
+    ``variant=None`` picks ``"split"`` for ``n <= SPLIT_MAX_N``, else ``"fused"`` (``"split"``
+    also when the fused kernel would not fit in shared memory at ``rank``, see `LatentConfig.check_shape`).
 
     Fused: chosen from an offline sm_90a compile (Triton 3.9 + ptxas, not XLA's own
     Triton): bf16 with 1 block/program, k_block = h_block = 64, 8 warps, 2 stages
@@ -182,11 +200,15 @@ def default_config(n: int, dtype: Any, variant: str | None = None) -> LatentConf
     gate/up (h_block 32, ~32 KB + its u rows), a stage-3 program 1/8 of down
     (~32 KB + its act rows); 4 warps each (small tiles).
     """
+    auto = variant is None
     if variant is None:
         variant = "split" if n <= SPLIT_MAX_N else "fused"
     if variant not in VARIANTS:
         raise ValueError(f"variant={variant!r} must be one of {VARIANTS}")
     f32 = jnp.dtype(dtype).itemsize >= 4
+    if auto and variant == "fused":
+        fused = default_config(n, dtype, "fused", rank)
+        return fused if fused.smem_bytes(rank, dtype) <= SMEM_LIMIT else default_config(n, dtype, "split", rank)
     if variant != "fused":
         return LatentConfig(variant=variant, blocks_per_program=1, k_block=32 if f32 else 64, h_block=32,
                             col_block=32, row_block=0, mixer="unroll", num_warps=4, num_stages=2)
@@ -194,6 +216,20 @@ def default_config(n: int, dtype: Any, variant: str | None = None) -> LatentConf
         return LatentConfig(blocks_per_program=1, k_block=32, h_block=32, num_warps=8, num_stages=2)
     return LatentConfig(blocks_per_program=1 if n < 128 else 2, k_block=64, h_block=64,
                         num_warps=8, num_stages=2)
+
+
+#: Smallest dimension of the kernels' tensor-core dots (Triton's dot wants M, N, K >= 16 on NVIDIA GPUs).
+MIN_DOT = 16
+
+#: Shared memory one program may use on an H100/H200 (227 KB, the opt-in maximum per block).
+SMEM_LIMIT = 227 * 1024
+
+
+def _dot_bpp(bpp: int, bp: int) -> int:
+    """Blocks per program actually used: at least ``MIN_DOT / bp``, so that a program's rows
+    (``bpp * bp``, the dots' M) are >= `MIN_DOT` also for small blocks (B <= 8). Unchanged for
+    B > 8 (serving: B = 16)."""
+    return max(bpp, MIN_DOT // bp)
 
 
 def reference(params: Mapping[str, jax.Array], xh: jax.Array, blk: jax.Array,
@@ -513,7 +549,7 @@ def _latent_split(xh, blk, prev_ids, w1, wt, mix, wg, wu, wd, *, cfg: LatentConf
     rp = max(16, _next_pow2(r))
     mp = max(16, _next_pow2(m))
     bp = _next_pow2(b)
-    bpp = cfg.blocks_per_program
+    bpp = _dot_bpp(cfg.blocks_per_program, bp)
     cb = min(cfg.col_block, rp)
     kb1 = min(cfg.k_block, rp)
     with_uc = jnp.dtype(cd) != jnp.dtype(f32)
@@ -573,7 +609,7 @@ def _latent_pallas(xh, blk, prev_ids, w1, wt, mix, wg, wu, wd, *, cfg: LatentCon
     bp = _next_pow2(b)
     kb = min(cfg.k_block, rp)
     hb = min(cfg.h_block, mp)
-    bpp = cfg.blocks_per_program
+    bpp = _dot_bpp(cfg.blocks_per_program, bp)
     if cfg.variant != "fused":
         return _latent_split(xh, blk, prev_ids, w1, wt, mix, wg, wu, wd, cfg=cfg,
                              interpret=interpret).reshape(n, b - 1, r)
@@ -640,7 +676,7 @@ def latent_pass(
         return reference(params, xh, blk, prev_ids)
     if config is not None and variant is not None and config.variant != variant:
         raise ValueError(f"variant={variant!r} contradicts config.variant={config.variant!r}")
-    cfg = config if config is not None else default_config(n, cd, variant)
+    cfg = config if config is not None else default_config(n, cd, variant, rank=r)
     overrides = {
         k: val for k, val in (("blocks_per_program", blocks_per_program), ("k_block", k_block),
                               ("h_block", h_block), ("num_warps", num_warps),
@@ -649,6 +685,7 @@ def latent_pass(
     }
     if overrides:
         cfg = dataclasses.replace(cfg, **overrides)
+    cfg.check_shape(r, cd)
     return _latent_pallas(
         xh, blk, prev_ids, w1, params["in_proj_token"], params["mix"], params["mlp_gate"],
         params["mlp_up"], params["mlp_down"], cfg=cfg, interpret=bool(interpret))

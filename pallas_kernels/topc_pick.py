@@ -54,8 +54,8 @@ class TopCConfig:
     """Static block sizes of the top-C pick (hashable: a jit static arg).
 
     c_tile: candidates per step (power of two). c_steps: steps per program.
-    k_tile: rank chunk per step (power of two; 0 = the whole rank), lowered to the largest
-      power of two dividing the rank if needed.
+    k_tile: rank chunk per step (power of two; 0 = the whole rank): the chunk used is
+      ``min(k_tile, next_pow2(rank))``; a rank it does not divide ends in a masked tail chunk.
     splits = cdiv(C, c_tile * c_steps) programs per row (1 = no combine launch).
     combine: ``"pallas"`` or ``"xla"`` reduction of the splits.
     """
@@ -78,6 +78,17 @@ class TopCConfig:
             raise ValueError(f"c_steps={self.c_steps} must be >= 1")
         if self.combine not in ("pallas", "xla"):
             raise ValueError(f"combine={self.combine!r} must be 'pallas' or 'xla'")
+
+    def check_shape(self, rows: int, c: int, rank: int, dtype) -> None:
+        """`check`, then refuse (ValueError) shapes the kernel cannot run. Any C (tail tiles are
+        masked, C = 1 included), any rank (tail chunk masked) and any row count work; the kernel
+        issues no tensor-core dot, so no tile has a minimum size."""
+        self.check()
+        for name, v in (("rows", rows), ("c", c), ("rank", rank)):
+            if v < 1:
+                raise ValueError(f"top-C pick needs {name} >= 1, got {v}")
+        if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)):
+            raise ValueError(f"top-C pick kernel: dtype {jnp.dtype(dtype).name} not supported (float64 uses the reference)")
 
 
 def default_config(rows: int, c: int, rank: int, dtype) -> TopCConfig:
@@ -143,8 +154,22 @@ def _topc_kernel(
     dtype,
 ):
     n, j = pl.program_id(0), pl.program_id(1)
-    n_k = rank // k_tile
-    xs = [lat_ref[n, pl.ds(kk * k_tile, k_tile)].astype(jnp.float32) for kk in range(n_k)]  # k_tile divides r
+    n_k = _cdiv(rank, k_tile)
+    # A rank k_tile does not divide ends in a masked tail chunk (zeros on both operands add nothing),
+    # loaded with index arrays: never a static slice past the end (JAX >= 0.12 refuses one).
+    k_tail = rank % k_tile != 0
+
+    def kcols(kk):  # rank columns of chunk kk and their mask (None: all inside the rank)
+        kc = kk * k_tile + _iota(k_tile)
+        return kc, (kc < rank if k_tail and kk == n_k - 1 else None)
+
+    def load_x(kk):
+        kc, km = kcols(kk)
+        if km is None:
+            return lat_ref[n, pl.ds(kk * k_tile, k_tile)]
+        return plt.load(lat_ref.at[n, kc], mask=km, other=0.0)
+
+    xs = [load_x(kk).astype(jnp.float32) for kk in range(n_k)]
 
     def step(t, carry):
         c0 = (j * c_steps + t) * c_tile
@@ -155,8 +180,15 @@ def _topc_kernel(
         acc = jnp.zeros((c_tile,), jnp.float32)
         for kk in range(n_k):  # static: the rank is small (256)
             k0 = kk * k_tile
-            if gather:
+            kc, km = kcols(kk)
+            if gather and km is not None:  # [c_tile, k_tile] row gather, rank tail masked
+                w = plt.load(w_ref.at[ids[:, None], kc[None, :]], mask=jnp.broadcast_to(km[None, :], (c_tile, k_tile)),
+                             other=0.0)
+            elif gather:
                 w = w_ref[ids, pl.ds(k0, k_tile)]  # [c_tile, k_tile] row gather (masked lanes read row 0)
+            elif km is not None:
+                ci = c0 + _iota(c_tile)
+                w = plt.load(w_ref.at[n, ci[:, None], kc[None, :]], mask=ok[:, None] & km[None, :], other=0.0)
             else:
                 mask = jnp.broadcast_to(ok[:, None], (c_tile, k_tile))
                 w = plt.load(w_ref.at[n, pl.ds(c0, c_tile), pl.ds(k0, k_tile)], mask=mask, other=0.0)
@@ -204,7 +236,7 @@ def topc_pick(
         w2c = jnp.take(prepared, cand, axis=0) if gather else prepared
         return reference_pick(base_c, cand, lat, w2c)
     cfg = config or default_config(rows, c, rank, dtype)
-    cfg.check()
+    cfg.check_shape(rows, c, rank, dtype)
     k_tile = _k_tile(cfg.k_tile, rank)
     splits = _cdiv(c, cfg.c_tile * cfg.c_steps)
     kernel = functools.partial(

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import warnings
+
+# On a GPU, `pytest -n 2` runs two processes on one device: without this each would preallocate
+# 75% of its memory and the second would run out. Read when the backend starts (lazily, later).
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +17,23 @@ import pytest
 import xpress_jax as xj
 
 warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated")
+
+
+# --- The `slow` marker: expensive sweeps (e.g. the 961-row side of a dispatch boundary) -------
+# Skipped by default; run them with `-m slow` (only them) or XPRESS_SLOW=1 (everything).
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: expensive sweep, skipped unless `-m slow` or XPRESS_SLOW=1")
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get("XPRESS_SLOW") == "1" or "slow" in (config.getoption("markexpr", "") or ""):
+        return
+    skip = pytest.mark.skip(reason="slow sweep: run with `-m slow` or XPRESS_SLOW=1")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
 
 # Small enough for 2 CPU cores, large enough that refinement changes most draft tokens.
 SMALL = dict(vocab_size=611, hidden_size=48, block_size=8, rank=24, mlp_hidden=40, topc=37, max_num_reqs=8)

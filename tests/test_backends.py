@@ -31,12 +31,19 @@ def test_pallas_interpret_equals_xla(dtype, topc, n):
     np.testing.assert_array_equal(got, want)
 
 
-def test_auto_on_cpu_is_xla():
-    assert not api.gpu_supported()
+def test_auto_backend_choice():
+    """"auto" runs the kernels on a supported GPU (CUDA, sm80+) and the jnp path anywhere else."""
     from xpress_jax.refine import _JnpOps, _select_ops
 
-    assert _select_ops("auto", False) is _JnpOps
+    dev = jax.devices()[0]
+    cc = getattr(dev, "compute_capability", None)
+    supported = dev.platform == "gpu" and (cc is None or float(cc) >= 8.0)
+    assert api.gpu_supported() == supported
+    assert _select_ops("auto", False) is (api.ops(interpret=False) if supported else _JnpOps)
+    assert _select_ops("auto", False).name == ("pallas" if supported else "xla")
+    assert _select_ops("auto", True).name == "pallas-interpret"
     assert _select_ops("pallas", True).name == "pallas-interpret"
+    assert _select_ops("pallas", False).name == "pallas"
 
 
 @pytest.mark.parametrize("topc", [0, 512])
