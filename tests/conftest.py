@@ -25,6 +25,33 @@ warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecat
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: expensive sweep, skipped unless `-m slow` or XPRESS_SLOW=1")
+    config.addinivalue_line("markers", "interpret: runs Pallas kernels in interpret mode (on the host CPU device)")
+    config.addinivalue_line("markers", "interpret_refine: compares refine(backend='pallas', interpret=True) with "
+                            "the XLA backend; CPU only (refine lowers for JAX's default backend)")
+
+
+@pytest.fixture(autouse=True)
+def _interpret_mode_on_the_cpu_device(request):
+    """Interpret-mode tests run on the host's CPU device, also on a GPU machine.
+
+    They stand in for the compiled kernels where there is no GPU. On a GPU, XLA would compile the
+    interpreted kernel body for the GPU and drop its ``f32 -> bf16 -> f32`` roundings
+    (``xla_allow_excess_precision``): the test would then check XLA's fusion choices, not the
+    kernel. There the compiled twins (``Test*`` classes without ``Interpret``) test the kernels.
+    Applies to classes with ``INTERPRET = True`` and tests marked ``interpret``. Tests marked
+    ``interpret_refine`` skip off a CPU: `refine` picks GPU lowerings (the readout dot's output
+    dtype, unrolled passes) from JAX's default backend, so on a GPU machine the XLA side of such a
+    comparison is not the CPU oracle; there `test_kernel_shapes.py`'s compiled refine tests run.
+    """
+    if request.node.get_closest_marker("interpret_refine") and jax.default_backend() != "cpu":
+        pytest.skip("interpret-mode refine comparison: CPU only (the compiled refine is tested on the GPU)")
+    cls = request.cls
+    interp = bool(cls is not None and getattr(cls, "INTERPRET", False)) or request.node.get_closest_marker("interpret")
+    if interp and jax.default_backend() != "cpu":
+        with jax.default_device(jax.devices("cpu")[0]):
+            yield
+    else:
+        yield
 
 
 def pytest_collection_modifyitems(config, items):

@@ -18,6 +18,7 @@ refine_jit = jax.jit(xj.refine, static_argnames=xj.STATIC_ARGNAMES)
 CFG = xj.HeadConfig(vocab_size=1337, hidden_size=40, block_size=6, rank=32, mlp_hidden=48, topc=50, max_num_reqs=8)
 
 
+@pytest.mark.interpret_refine
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("topc", [0, 50])
 @pytest.mark.parametrize("n", [1, 3])
@@ -67,6 +68,7 @@ def test_refine_lowers_to_triton_kernels(topc):
         assert name in text, f"{name} missing from the lowered HLO"
 
 
+@pytest.mark.interpret_refine
 def test_partial_pallas_backends_match_xla():
     params = make_head(CFG)
     x = make_inputs(CFG, 2, seed=5)

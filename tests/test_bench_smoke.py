@@ -10,7 +10,10 @@ import jax
 def test_bench_refine_small_runs_on_cpu_and_writes_as_it_goes(tmp_path, capsys):
     from benchmarks import bench_refine
 
-    assert jax.default_backend() == "cpu"
+    if jax.default_backend() != "cpu":
+        import pytest
+
+        pytest.skip("the CPU smoke path: on a GPU bench_refine runs the full sweep")
     bench_refine.main(["--small", "--n", "1", "--reps", "1", "--walls", "1", "--no-select", "--out", str(tmp_path)])
     lines = [json.loads(x) for x in (tmp_path / "bench.jsonl").read_text().splitlines()]
     kinds = [x["kind"] for x in lines]

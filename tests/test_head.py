@@ -139,7 +139,8 @@ def test_bucketed_refiner_takes_a_head(head):
 
 
 def test_pallas_on_cpu_without_interpret_names_the_fix(head):
-    assert jax.default_backend() == "cpu"
+    if jax.default_backend() != "cpu":
+        pytest.skip("a CPU-only property: on a GPU backend='pallas' compiles the kernels")
     x = make_inputs(CFG, 1)
     for f in (xj.refine, refine_jit):
         with pytest.raises(ValueError, match=r"interpret=True") as e:
@@ -171,9 +172,10 @@ def test_load_params_places_the_arrays_where_asked(tmp_path, head):
     for sharding in (None, cpu, jax.sharding.SingleDeviceSharding(cpu)):
         loaded = xj.load_params(path, sharding=sharding)
         assert isinstance(loaded, xj.Head) and loaded.config == CFG
+        where = jax.devices()[0] if sharding is None else cpu  # None: JAX's default device
         for k, v in loaded.params.items():
-            assert v.devices() == {cpu}, k
-            assert v.sharding == jax.sharding.SingleDeviceSharding(cpu), k
+            assert v.devices() == {where}, k
+            assert v.sharding == jax.sharding.SingleDeviceSharding(where), k
             np.testing.assert_array_equal(np.asarray(v), np.asarray(head.params[k]))
     mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")[:1]), ("x",))
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())

@@ -54,7 +54,10 @@ def test_every_rounding_of_the_jnp_path_uses_reduce_precision():
     for topc in (0, 8):
         f = jax.jit(lambda p, l, hh, a: xj.refine(p, l, hh, a, num_passes=1, topc=topc, backend="xla"))
         n_rp = f.lower(params, logits, h, anchors).as_text().count("reduce_precision")
-        assert n_rp >= 4 + 5, (topc, n_rp)
+        # On a GPU the full-vocab readout dot writes bf16 itself (preferred_element_type: one rounding
+        # of the float32 accumulator, which XLA cannot skip), so it needs no reduce_precision there.
+        dot_rounds = topc == 0 and jax.default_backend() == "gpu"
+        assert n_rp >= 4 + 5 - dot_rounds, (topc, n_rp)
 
 
 def test_oracles_apply_both_roundings():

@@ -88,6 +88,7 @@ def test_jnp_rule_equals_sorted_first_position(dtype_name, rows, vocab, rank, c)
         assert np.sum(old != want) >= 3, "no row where the tie rules differ: the test would be vacuous"
 
 
+@pytest.mark.interpret
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
 @pytest.mark.parametrize("rows,vocab,rank,c", CASES)
 def test_kernels_equal_sorted_first_position(dtype_name, rows, vocab, rank, c):
