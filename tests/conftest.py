@@ -9,6 +9,22 @@ import warnings
 # 75% of its memory and the second would run out. Read when the backend starts (lazily, later).
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
+
+def _cpu_only_jax() -> bool:
+    import importlib.util
+
+    return not any(importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_plugins"))
+
+
+# On a CPU-only install, compile the tests' XLA programs without LLVM's optimisation passes: the
+# suite's cost is mostly compiling interpret-mode kernels (one ~1 s compile per shape and config,
+# each run on tiny inputs), and -O0 cuts that by about a quarter. Results are the same: XLA's CPU
+# code is IEEE either way (no fast-math), only slower to run. XPRESS_TEST_XLA_OPT=1, or an
+# optimisation level already in XLA_FLAGS, keeps XLA's default. Read when the backend starts.
+if (_cpu_only_jax() and os.environ.get("XPRESS_TEST_XLA_OPT") != "1"
+        and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", "")):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -18,10 +18,19 @@ refine_jit = jax.jit(xj.refine, static_argnames=xj.STATIC_ARGNAMES)
 CFG = xj.HeadConfig(vocab_size=1337, hidden_size=40, block_size=6, rank=32, mlp_hidden=48, topc=50, max_num_reqs=8)
 
 
+_F32, _BF = jnp.float32, jnp.bfloat16
+slow = pytest.mark.slow
+
+
+# n x topc x dtype: each interpret-mode refine compiles every kernel (seconds); the default run keeps
+# the four cases where every pair of values meets once, the other four are `slow`.
 @pytest.mark.interpret_refine
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("topc", [0, 50])
-@pytest.mark.parametrize("n", [1, 3])
+@pytest.mark.parametrize("n,topc,dtype", [
+    pytest.param(1, 0, _F32, id="1-0-float32"), pytest.param(3, 0, _BF, id="3-0-bfloat16"),
+    pytest.param(1, 50, _BF, id="1-50-bfloat16"), pytest.param(3, 50, _F32, id="3-50-float32"),
+    pytest.param(1, 0, _BF, id="1-0-bfloat16", marks=slow), pytest.param(3, 0, _F32, id="3-0-float32", marks=slow),
+    pytest.param(1, 50, _F32, id="1-50-float32", marks=slow), pytest.param(3, 50, _BF, id="3-50-bfloat16", marks=slow),
+])
 def test_pallas_interpret_equals_xla(dtype, topc, n):
     params = make_head(CFG, dtype=dtype)
     x = make_inputs(CFG, n, seed=n + topc, dtype=dtype)
@@ -69,13 +78,20 @@ def test_refine_lowers_to_triton_kernels(topc):
 
 
 @pytest.mark.interpret_refine
-def test_partial_pallas_backends_match_xla():
+@pytest.mark.parametrize("steps", ["latent", "pick", "select", "latent+pick+select",
+                                   pytest.param("latent+pick", marks=slow)])
+def test_partial_pallas_backends_match_xla(steps):
+    """Each kernel alone (and all three named) in the XLA refine; a pair of them is `slow`."""
     params = make_head(CFG)
     x = make_inputs(CFG, 2, seed=5)
     want = np.asarray(refine_jit(params, *x, num_passes=3, topc=50, backend="xla"))
-    for steps in ("latent", "pick", "select", "latent+pick", "latent+pick+select"):
-        got = refine_jit(params, *x, num_passes=3, topc=50, backend=f"pallas:{steps}", interpret=True)
-        np.testing.assert_array_equal(np.asarray(got), want)
+    got = refine_jit(params, *x, num_passes=3, topc=50, backend=f"pallas:{steps}", interpret=True)
+    np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def test_partial_backend_names_are_checked():
+    params = make_head(CFG)
+    x = make_inputs(CFG, 2, seed=5)
     with pytest.raises(ValueError, match="backend"):
         xj.refine(params, *x, num_passes=1, topc=0, backend="pallas:nope")
     with pytest.raises(ValueError, match="backend"):

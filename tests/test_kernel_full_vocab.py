@@ -47,6 +47,19 @@ SHAPES = [
 ]
 
 
+def _shape_dtypes():
+    """Every shape (config path) once in the default run, dtypes alternating; the rest `slow`."""
+    out = []
+    for i, shape in enumerate(SHAPES):
+        for j, dt in enumerate(DTYPES):
+            name = f"rows{shape[0]}-V{shape[1]}-r{shape[2]}_{i}-{jnp.dtype(dt).name}"
+            out.append(pytest.param(shape, dt, id=name, marks=pytest.mark.slow if (i + j) % 2 else ()))
+    return out
+
+
+SHAPE_DTYPES = _shape_dtypes()
+
+
 class TestFullVocabPick:
     INTERPRET = False
 
@@ -58,8 +71,7 @@ class TestFullVocabPick:
         return fv.full_vocab_pick(base, lat, w2, interpret=self.INTERPRET, variant=variant, config=config)
 
     @pytest.mark.parametrize("variant", fv.VARIANTS)
-    @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
-    @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"rows{s[0]}-V{s[1]}-r{s[2]}")
+    @pytest.mark.parametrize("shape,dtype", SHAPE_DTYPES)
     def test_matches_reference(self, shape, dtype, variant):
         rows, vocab, rank, config = shape
         # Random normal inputs.

@@ -119,8 +119,9 @@ class TestLatentKernel:
     def run(self, params, xh, blk, prev, **cfg):
         return latent.latent_pass(params, xh, blk, prev, interpret=self.INTERPRET, **cfg)
 
-    @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-    @pytest.mark.parametrize("case", list(CASES))
+    @pytest.mark.parametrize("case,dtype", [  # every case once in the default run, dtypes alternating
+        pytest.param(case, dt, id=f"{case}-{name}", marks=() if (i + j) % 2 else pytest.mark.slow)
+        for i, case in enumerate(CASES) for j, (dt, name) in enumerate(((jnp.float32, "f32"), (jnp.bfloat16, "bf16")))])
     def test_matches_reference(self, case, dtype):
         N, B, V, r, M, cfg = CASES[case]
         params, xh, blk, prev = _inputs(sorted(CASES).index(case), N, B, V, r, M, dtype)
@@ -163,9 +164,11 @@ class TestLatentKernel:
         np.testing.assert_array_equal(moved[0, :-1], base[0, :-1])
         assert (moved[0, -1] != base[0, -1]).all()
 
-    @pytest.mark.parametrize("variant", VARIANTS)
-    @pytest.mark.parametrize(
-        "dtype,topc", [(jnp.float32, 0), (jnp.bfloat16, 7)], ids=["f32_full", "bf16_top7"])
+    @pytest.mark.parametrize("dtype,topc,variant", [
+        pytest.param(jnp.float32, 0, "fused", id="f32_full-fused"),
+        pytest.param(jnp.bfloat16, 7, "split", id="bf16_top7-split"),
+        pytest.param(jnp.float32, 0, "split", id="f32_full-split", marks=pytest.mark.slow),
+        pytest.param(jnp.bfloat16, 7, "fused", id="bf16_top7-fused", marks=pytest.mark.slow)])
     def test_refined_tokens_identical(self, dtype, topc, variant):
         """Downstream: K passes of refine with the kernel give the oracle's tokens."""
         cfg = HeadConfig(vocab_size=97, hidden_size=24, block_size=6, rank=48, mlp_hidden=80,

@@ -98,9 +98,30 @@ def _assert_matches_oracle(got, base, c):
     np.testing.assert_array_equal(arg, ra, err_msg="argmax")
 
 
+slow = pytest.mark.slow
+#: (dtype, segments) cross products: the default run keeps two corners per method, bf16 with several
+#: segments per row (separate bound kernel) and f32 with one (stats and bound fused), so both dtypes
+#: and both stats layouts run in every test that sweeps them; the other two corners are `slow`.
+DTYPE_SEGMENTS = [
+    pytest.param(BF16, None, id="bfloat16-None"), pytest.param(F32, 1, id="float32-1"),
+    pytest.param(BF16, 1, id="bfloat16-1", marks=slow), pytest.param(F32, None, id="float32-None", marks=slow),
+]
+
+
+def slow_for(*methods):
+    """Run the test for both methods, ``methods`` only under the slow marker (the other method's case
+    stays in the default run)."""
+    return pytest.mark.parametrize(
+        "_device", [pytest.param(m, marks=slow) if m in methods else m for m in ("strided", "blocks")], indirect=True)
+
+
 class TestSelect:
     """Kernels vs oracle, every test for both methods; skipped without a CUDA GPU (the subclass below
-    runs them on CPU)."""
+    runs them on CPU).
+
+    Cost in interpret mode is one XLA compile (~1.5 s) per distinct (shape, config, dtype): the
+    tests reuse the `_mixed_rows` shapes and `SMALLS` configs so one compile serves several tests.
+    """
 
     INTERPRET = False
 
@@ -121,8 +142,7 @@ class TestSelect:
         return got
 
     # one segment per row (stats and bound fused) and several (a separate bound kernel)
-    @pytest.mark.parametrize("segments", [None, 1])
-    @pytest.mark.parametrize("dtype", [BF16, F32])
+    @pytest.mark.parametrize("dtype,segments", DTYPE_SEGMENTS)
     def test_matches_oracle_on_every_kind_of_row(self, dtype, segments):
         base = jnp.asarray(_mixed_rows(seed=1), dtype)
         _, vals, arg = self.run(base, C, segments=segments, **self.small)
@@ -144,13 +164,17 @@ class TestSelect:
             want = set(perm[i, :40].tolist()) | set(np.sort(perm[i, 40:340])[:60].tolist())
             assert set(np.asarray(cand[i]).tolist()) == want
 
-    @pytest.mark.parametrize("dtype", [BF16, F16])
+    @pytest.mark.parametrize("_device,dtype", [
+        pytest.param("blocks", F16, id="blocks-float16"), pytest.param("strided", BF16, id="strided-bfloat16"),
+        pytest.param("blocks", BF16, id="blocks-bfloat16", marks=slow),
+        pytest.param("strided", F16, id="strided-float16", marks=slow)], indirect=["_device"])
     def test_45_rows_default_config(self, dtype):
         rng = np.random.default_rng(3)
         x = rng.standard_normal((45, 2500))
         x[::3] = np.round(x[::3] * 4) / 4
         self.run(jnp.asarray(x, dtype), 77)
 
+    @slow_for("strided")  # the strided bound also loops over segments in the _mixed_rows tests
     def test_serving_blocks_many_segments(self):
         # default block sizes, many stats segments (the bound kernel loops over them)
         base = jnp.asarray(np.random.default_rng(6).standard_normal((15, 40000)), BF16)
@@ -162,8 +186,7 @@ class TestSelect:
         self.run(base, 700, groups=64, unroll=2, cap=1024, chunk=128, scan_chunk=128, block=4, stats_blocks=16,
                  stats_unroll=2)
 
-    @pytest.mark.parametrize("segments", [None, 1])
-    @pytest.mark.parametrize("dtype", [BF16, F32])
+    @pytest.mark.parametrize("dtype,segments", DTYPE_SEGMENTS)
     def test_block_and_segment_edges(self, dtype, segments):
         # hot elements (far above the rest) at the edges of blocks, loads, segments and the row; C cuts
         # through a class of equal hot values, so the lowest ids must win there too
@@ -184,8 +207,7 @@ class TestSelect:
             x[14, edges[::2]] = 6e-39
         self.run(jnp.asarray(x, dtype), C, segments=segments, **self.small)
 
-    @pytest.mark.parametrize("segments", [None, 1])
-    @pytest.mark.parametrize("dtype", [BF16, F32])
+    @pytest.mark.parametrize("dtype,segments", DTYPE_SEGMENTS)
     def test_slot_stride_reads_slots_1_to_b(self, dtype, segments):
         # logits [N, B, V] with N=3, B=6: the 15 draft rows (slots 1..5) are the mixed rows (every
         # finish path: fast, heavy ties at the bound, flooded row); slot 0 of each block holds huge
@@ -206,6 +228,7 @@ class TestSelect:
             assert g.shape == w.shape and g.dtype == w.dtype, what
             np.testing.assert_array_equal(np.asarray(g).view(np.uint8), np.asarray(w).view(np.uint8), err_msg=what)
 
+    @slow_for("strided")
     def test_small_vocab_one_chunk(self):
         base = jnp.asarray(np.random.default_rng(8).standard_normal((15, 37)), F32)
         self.run(base, 37)  # V < groups: empty groups, bound = the minimum

@@ -64,12 +64,10 @@ class TestTopCPick:
         prepared = tp.topc_prepare(w2, cand, materialize=materialize)
         return tp.topc_pick(base_c, cand, lat, prepared, interpret=self.INTERPRET, config=config)
 
-    @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
-    @pytest.mark.parametrize(
-        "shape,materialize",
-        [(s, False) for s in SHAPES] + [(SHAPES[1], True)],
-        ids=lambda p: f"rows{p[0]}-V{p[1]}-C{p[2]}-r{p[3]}" if isinstance(p, tuple) else ("w2c" if p else "gather"),
-    )
+    @pytest.mark.parametrize("shape,materialize,dtype", [  # each shape once in the default run, dtypes
+        pytest.param(sh, m, dt, id=f"rows{sh[0]}-V{sh[1]}-C{sh[2]}-r{sh[3]}-{'w2c' if m else 'gather'}-"  # alternating
+                     f"{jnp.dtype(dt).name}", marks=pytest.mark.slow if (i + j) % 2 else ())
+        for i, (sh, m) in enumerate([(s, False) for s in SHAPES] + [(SHAPES[1], True)]) for j, dt in enumerate(DTYPES)])
     def test_matches_reference(self, shape, dtype, materialize):
         rows, vocab, c, rank, config = shape
         args = _inputs(rows, vocab, c, rank, dtype, seed=rows + c)

@@ -89,8 +89,10 @@ def test_jnp_rule_equals_sorted_first_position(dtype_name, rows, vocab, rank, c)
 
 
 @pytest.mark.interpret
-@pytest.mark.parametrize("dtype_name", list(DTYPES))
-@pytest.mark.parametrize("rows,vocab,rank,c", CASES)
+@pytest.mark.parametrize("rows,vocab,rank,c,dtype_name", [
+    pytest.param(*case, dt, id="-".join(map(str, case + (dt,))),
+                 marks=pytest.mark.slow if (i + j) % 2 else ()) for i, case in enumerate(CASES)
+    for j, dt in enumerate(DTYPES)])  # default run: each case once, dtypes alternating; the rest `slow`
 def test_kernels_equal_sorted_first_position(dtype_name, rows, vocab, rank, c):
     """Selection kernel + top-C pick kernel with the configs serving uses (interpret mode)."""
     base, lat, w2, want, old = _case(dtype_name, rows, vocab, rank, c, seed=rows + c)
