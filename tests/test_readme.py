@@ -37,6 +37,7 @@ NOT_RUN = {
     'python -m benchmarks.bench_refine --out results/': "the GPU sweep (serving shapes)",
     'python -m benchmarks.bench_refine --small': "a CPU smoke run of a minute or more",
     'python -m benchmarks.agreement --out results/': "GPU only",
+    'python -m benchmarks.agreement vllm --out results/': "GPU only (serving shapes, PyTorch on CUDA)",
 }
 
 
