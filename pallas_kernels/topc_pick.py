@@ -10,14 +10,9 @@ holding the largest score wins; spelled here without depending on the order of t
 candidates, which the selection kernel does not sort). Rows whose scores are all
 -inf follow the same order (largest base logit, then lowest id).
 
-Hook pair, as `refine._refine` calls it:
-
-* `topc_prepare(w2, cand, materialize=False)` runs once per call. By default it
-  returns ``w2`` itself and the pick kernel gathers the candidates' w2 rows
-  (``r`` contiguous values each) straight from it, so ``w2[cand]`` [rows, C, r]
-  is never stored. ``materialize=True`` returns ``w2[cand]`` (one XLA gather per
-  call); the kernel then reads it contiguously. benchmarks/dev_pick.py measures both.
-* `topc_pick(base_c, cand, lat, prepared)` runs once per pass.
+The kernel gathers the candidates' w2 rows (``r`` contiguous values each) straight from ``w2``,
+so ``w2[cand]`` [rows, C, r] is never stored. (Reading a materialised ``w2[cand]`` instead was
+measured slower at every N and removed: benchmarks/RESULTS.md "Top-C pick".)
 
 Kernel: grid ``(rows, splits)``, dim 0 launched fastest. Program (n, j) loops over
 ``c_steps`` tiles of ``c_tile`` candidates of row n (the tail of C is masked),
@@ -46,7 +41,7 @@ from jax.experimental.pallas import triton as plt
 from . import common
 from .full_vocab import _BIG, _cdiv, _iota, _k_tile, _next_pow2, _score
 
-__all__ = ["TopCConfig", "default_config", "topc_prepare", "topc_pick", "reference_prepare", "reference_pick"]
+__all__ = ["TopCConfig", "default_config", "topc_pick", "combine_splits", "reference_prepare", "reference_pick"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +52,6 @@ class TopCConfig:
     k_tile: rank chunk per step (power of two; 0 = the whole rank): the chunk used is
       ``min(k_tile, next_pow2(rank))``; a rank it does not divide ends in a masked tail chunk.
     splits = cdiv(C, c_tile * c_steps) programs per row (1 = no combine launch).
-    combine: ``"pallas"`` or ``"xla"`` reduction of the splits.
     """
 
     c_tile: int = 64
@@ -65,7 +59,6 @@ class TopCConfig:
     k_tile: int = 0
     num_warps: int = 4
     num_stages: int = 1
-    combine: str = "pallas"
 
     def check(self) -> None:
         for name in ("c_tile",):
@@ -76,8 +69,6 @@ class TopCConfig:
             raise ValueError(f"k_tile={self.k_tile} must be 0 or a power of two")
         if self.c_steps < 1:
             raise ValueError(f"c_steps={self.c_steps} must be >= 1")
-        if self.combine not in ("pallas", "xla"):
-            raise ValueError(f"combine={self.combine!r} must be 'pallas' or 'xla'")
 
     def check_shape(self, rows: int, c: int, rank: int, dtype) -> None:
         """`check`, then refuse (ValueError) shapes the kernel cannot run. Any C (tail tiles are
@@ -129,18 +120,11 @@ def reference_pick(base_c, cand, lat, w2c) -> jax.Array:
     return _JnpOps.topc_pick(base_c, cand, lat, w2c)
 
 
-def topc_prepare(w2: jax.Array, cand: jax.Array, *, materialize: bool = False) -> jax.Array:
-    """Once per call: ``w2`` itself (the kernel gathers rows), or ``w2[cand]`` [rows, C, r] if ``materialize``."""
-    if materialize or jnp.dtype(w2.dtype) == jnp.float64:
-        return reference_prepare(w2, cand)
-    return w2
-
-
 def _topc_kernel(
     base_ref,  # [rows, C] whole array
     cand_ref,  # [rows, C] int32 whole array
     lat_ref,  # [rows, r] whole array
-    w_ref,  # [V, r] (gather) or [rows, C, r] (materialised), whole array
+    w_ref,  # [V, r] (w2), whole array
     mv_ref,  # [] block of [splits, rows_pad] float32: best score
     mb_ref,  # [] block of [splits, rows_pad] float32: the largest base logit holding it
     mi_ref,  # [] block of [splits, rows_pad] int32: the lowest vocab id holding both
@@ -150,7 +134,6 @@ def _topc_kernel(
     c_tile: int,
     c_steps: int,
     k_tile: int,
-    gather: bool,
     dtype,
 ):
     n, j = pl.program_id(0), pl.program_id(1)
@@ -181,17 +164,11 @@ def _topc_kernel(
         for kk in range(n_k):  # static: the rank is small (256)
             k0 = kk * k_tile
             kc, km = kcols(kk)
-            if gather and km is not None:  # [c_tile, k_tile] row gather, rank tail masked
+            if km is not None:  # [c_tile, k_tile] row gather, rank tail masked
                 w = plt.load(w_ref.at[ids[:, None], kc[None, :]], mask=jnp.broadcast_to(km[None, :], (c_tile, k_tile)),
                              other=0.0)
-            elif gather:
-                w = w_ref[ids, pl.ds(k0, k_tile)]  # [c_tile, k_tile] row gather (masked lanes read row 0)
-            elif km is not None:
-                ci = c0 + _iota(c_tile)
-                w = plt.load(w_ref.at[n, ci[:, None], kc[None, :]], mask=ok[:, None] & km[None, :], other=0.0)
             else:
-                mask = jnp.broadcast_to(ok[:, None], (c_tile, k_tile))
-                w = plt.load(w_ref.at[n, pl.ds(c0, c_tile), pl.ds(k0, k_tile)], mask=mask, other=0.0)
+                w = w_ref[ids, pl.ds(k0, k_tile)]  # [c_tile, k_tile] row gather (masked lanes read row 0)
             acc = acc + jnp.sum(w.astype(jnp.float32) * xs[kk][None, :], axis=1)
         s = jnp.where(ok, _score(b, acc.astype(dtype), dtype), -jnp.inf)
         bf = b.astype(jnp.float32)
@@ -210,15 +187,14 @@ def topc_pick(
     base_c: jax.Array,
     cand: jax.Array,
     lat: jax.Array,
-    prepared: jax.Array,
+    w2: jax.Array,
     *,
     interpret: bool = False,
     config: TopCConfig | None = None,
 ) -> jax.Array:
-    """[rows,C], [rows,C] int, [rows,r], topc_prepare(...) -> [rows] int32 vocab ids.
+    """[rows,C], [rows,C] int, [rows,r], [V,r] -> [rows] int32 vocab ids.
 
-    ``prepared`` is ``w2`` [V, r] (rows gathered in the kernel) or ``w2[cand]``
-    [rows, C, r]. Candidate ids must lie in [0, V).
+    The kernel gathers the candidates' rows of ``w2``. Candidate ids must lie in [0, V).
     """
     if base_c.ndim != 2 or cand.shape != base_c.shape or lat.ndim != 2 or lat.shape[0] != base_c.shape[0]:
         raise ValueError(
@@ -226,27 +202,25 @@ def topc_pick(
         )
     rows, c = base_c.shape
     rank = lat.shape[1]
-    gather = prepared.ndim == 2
-    if (gather and prepared.shape[1] != rank) or (not gather and prepared.shape != (rows, c, rank)):
-        raise ValueError(f"prepared must be w2 [V, {rank}] or w2[cand] {(rows, c, rank)}; got {prepared.shape}")
-    if not (base_c.dtype == lat.dtype == prepared.dtype):
-        raise ValueError(f"dtypes must agree: {base_c.dtype=} {lat.dtype=} {prepared.dtype=}")
+    if w2.ndim != 2 or w2.shape[1] != rank:
+        raise ValueError(f"w2 must be [V, {rank}]; got {w2.shape}")
+    if not (base_c.dtype == lat.dtype == w2.dtype):
+        raise ValueError(f"dtypes must agree: {base_c.dtype=} {lat.dtype=} {w2.dtype=}")
     dtype = jnp.dtype(base_c.dtype)
     if dtype == jnp.float64:
-        w2c = jnp.take(prepared, cand, axis=0) if gather else prepared
-        return reference_pick(base_c, cand, lat, w2c)
+        return reference_pick(base_c, cand, lat, jnp.take(w2, cand, axis=0))
     cfg = config or default_config(rows, c, rank, dtype)
     cfg.check_shape(rows, c, rank, dtype)
     k_tile = _k_tile(cfg.k_tile, rank)
     splits = _cdiv(c, cfg.c_tile * cfg.c_steps)
     kernel = functools.partial(
-        _topc_kernel, c=c, rank=rank, c_tile=cfg.c_tile, c_steps=cfg.c_steps, k_tile=k_tile, gather=gather, dtype=dtype
+        _topc_kernel, c=c, rank=rank, c_tile=cfg.c_tile, c_steps=cfg.c_steps, k_tile=k_tile, dtype=dtype
     )
     rows_pad = _cdiv(rows, 16) * 16  # padding rows are never written; combine_splits gets >= 16-row tiles
     out_spec = pl.BlockSpec((None, None), lambda n, j: (j, n))
     mv, mb, mi = common.pallas_call(
         kernel,
-        name="xpress_topc_pick" + ("" if gather else "_w2c"),
+        name="xpress_topc_pick",
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         interpret=interpret,
@@ -258,8 +232,8 @@ def topc_pick(
             jax.ShapeDtypeStruct((splits, rows_pad), jnp.float32),
             jax.ShapeDtypeStruct((splits, rows_pad), jnp.int32),
         ),
-    )(base_c, cand.astype(jnp.int32), lat, prepared)
-    return combine_splits(mv, mb, mi, interpret=interpret, how=cfg.combine)[:rows]
+    )(base_c, cand.astype(jnp.int32), lat, w2)
+    return combine_splits(mv, mb, mi, interpret=interpret)[:rows]
 
 
 def _combine_kernel(mv_ref, mb_ref, mi_ref, o_ref, *, splits: int, row_tile: int, split_tile: int):
@@ -283,16 +257,13 @@ def _combine_kernel(mv_ref, mb_ref, mi_ref, o_ref, *, splits: int, row_tile: int
     o_ref[...] = bidx
 
 
-def combine_splits(mv: jax.Array, mb: jax.Array, mi: jax.Array, *, interpret: bool = False,
-                   how: str = "pallas") -> jax.Array:
+def combine_splits(mv: jax.Array, mb: jax.Array, mi: jax.Array, *, interpret: bool = False) -> jax.Array:
     """[splits, rows_pad] best scores, their base logits (float32) and ids (int32) -> [rows_pad] int32.
 
     The top-C rule across splits: the largest score, then the larger base logit, then the lowest id.
     ``rows_pad`` must be a multiple of 16.
     """
     splits, rows_pad = mv.shape
-    if how == "xla":
-        return _best3(mv, mb, mi, axis=0)[2]
     if splits == 1:
         return mi[0]
     row_tile = 16
