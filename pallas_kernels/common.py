@@ -6,8 +6,7 @@ Everything Triton-specific lives in this package; `xpress_jax` only sees `api.op
 from __future__ import annotations
 
 import functools
-import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 from jax.experimental import pallas as pl
@@ -15,7 +14,9 @@ from jax.experimental.pallas import triton as plt
 
 __all__ = ["pallas_call", "compiler_params", "lower_triton", "gpu_supported"]
 
-warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated")
+# JAX >= 0.11 warns (DeprecationWarning) at every Pallas-Triton lowering. This package installs no
+# warning filter: Python hides DeprecationWarnings outside __main__ by default, and the tests filter
+# it in their pytest configuration.
 
 
 def compiler_params(num_warps: int = 4, num_stages: int = 1) -> Any:
@@ -35,20 +36,38 @@ def pallas_call(kernel: Callable, *, name: str, num_warps: int = 4, num_stages: 
     )
 
 
+def gpu_supported(devices: Sequence[Any] | None = None) -> bool:
+    """True only on an NVIDIA GPU whose compute capability is known and >= 8.0 (what the Triton
+    kernels target and were checked on).
+
+    ``devices``: the devices to judge (default: ``jax.devices()``; the first one decides). A GPU
+    that is not NVIDIA's (ROCm), or reports no compute capability, or one that does not parse,
+    is not supported: the caller then runs the jnp path.
+    """
+    if devices is None:
+        return _default_gpu_supported()
+    return _supported(list(devices))
+
+
 @functools.lru_cache(maxsize=None)
-def gpu_supported() -> bool:
-    """True on a CUDA GPU of compute capability >= 8.0 (what the Triton kernels target)."""
+def _default_gpu_supported() -> bool:
     try:
         devs = jax.devices()
     except RuntimeError:
         return False
-    if not devs or devs[0].platform != "gpu":
+    return _supported(devs)
+
+
+def _supported(devs: list) -> bool:
+    if not devs:
         return False
-    cc = getattr(devs[0], "compute_capability", None)
+    d = devs[0]
+    if getattr(d, "platform", None) != "gpu" or "nvidia" not in str(getattr(d, "device_kind", "")).lower():
+        return False
     try:
-        return cc is None or float(cc) >= 8.0
-    except (TypeError, ValueError):
-        return True
+        return float(getattr(d, "compute_capability")) >= 8.0
+    except (AttributeError, TypeError, ValueError):
+        return False
 
 
 def lower_triton(f: Callable, *args: Any, **kwargs: Any):
