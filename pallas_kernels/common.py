@@ -1,4 +1,6 @@
-"""Shared Pallas-Triton plumbing: compiler params, interpret switch, CPU lowering check.
+"""Shared Pallas-Triton plumbing: compiler params, interpret switch, CPU lowering check, and the
+in-kernel helpers every kernel module uses (one copy each: `BIG`, `iota`, `cdiv`, `next_pow2`,
+`k_chunk`, `score`, `best`, `merge`).
 
 Everything Triton-specific lives in this package; `xpress_jax` only sees `api.ops()`.
 """
@@ -9,10 +11,15 @@ import functools
 from typing import Any, Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-__all__ = ["pallas_call", "compiler_params", "lower_triton", "gpu_supported"]
+__all__ = ["pallas_call", "compiler_params", "lower_triton", "gpu_supported", "BIG", "iota", "cdiv", "next_pow2",
+           "k_chunk", "score", "best", "merge"]
+
+#: Index of a lane that must never win (masked columns, padded parts); also int32's largest value.
+BIG = 2**31 - 1
 
 # JAX >= 0.11 warns (DeprecationWarning) at every Pallas-Triton lowering. This package installs no
 # warning filter: Python hides DeprecationWarnings outside __main__ by default, and the tests filter
@@ -85,3 +92,46 @@ def lower_triton(f: Callable, *args: Any, **kwargs: Any):
     mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=ad)
     with jax.sharding.use_abstract_mesh(mesh):
         return low()
+
+
+# ---------------------------------------------------------------------------
+# In-kernel helpers (shared by the kernel modules).
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def k_chunk(k_tile: int, rank: int, min_tile: int = 1) -> int:
+    """The rank chunk actually used: a power of two, at least ``min_tile``, at most ``k_tile`` (0 = no
+    limit) and no wider than the rank rounded up to a power of two. When it does not divide
+    ``rank`` the last of the ``cdiv(rank, chunk)`` chunks is a masked tail."""
+    full = max(min_tile, next_pow2(rank))
+    return min(k_tile, full) if k_tile else full
+
+
+def iota(n: int) -> jax.Array:
+    return jax.lax.broadcasted_iota(jnp.int32, (n,), 0)
+
+
+def score(base: jax.Array, bias: jax.Array, dtype) -> jax.Array:
+    """float32 of ``dtype(float32(base) + float32(bias))`` with NaN -> -inf."""
+    s = (base.astype(jnp.float32) + bias.astype(jnp.float32)).astype(dtype).astype(jnp.float32)
+    return jnp.where(s != s, -jnp.inf, s)
+
+
+def best(s: jax.Array, ids: jax.Array, axis: int):
+    """Max of ``s`` along ``axis`` and the lowest id attaining it (``ids`` = BIG never wins)."""
+    m = jnp.max(s, axis=axis)
+    idx = jnp.min(jnp.where(s == jnp.expand_dims(m, axis), ids, BIG), axis=axis)
+    return m, idx
+
+
+def merge(best, bidx, m, idx):
+    """Keep the larger value; on equal values the lower id (order-independent)."""
+    take = (m > best) | ((m == best) & (idx < bidx))
+    return jnp.where(take, m, best), jnp.where(take, idx, bidx)

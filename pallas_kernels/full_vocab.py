@@ -36,6 +36,7 @@ from jax.experimental.pallas import triton as plt
 
 
 from . import common
+from .common import BIG, cdiv, iota, k_chunk, next_pow2, score
 
 __all__ = [
     "FullVocabConfig",
@@ -43,9 +44,6 @@ __all__ = [
     "full_vocab_pick",
     "combine_partials",
 ]
-
-#: Index of a lane that must never win (masked columns, padded parts).
-_BIG = 2**31 - 1
 
 #: Smallest dimension of a tensor-core dot the kernels issue: Triton's ``tl.dot`` wants M, N and
 #: K >= 16 on NVIDIA GPUs, so the fused kernel's row, vocab and rank tiles are at least this.
@@ -63,7 +61,7 @@ class FullVocabConfig:
     v_tile: vocab columns per step (power of two; the vocab tail is masked).
     v_steps: vocab tiles looped inside one program (a "part"); parts = cdiv(V, v_tile * v_steps).
     k_tile: rank columns per dot step (0 = the whole rank; else a power of two >= 16).
-      The chunk used is ``min(k_tile, max(16, next_pow2(rank)))`` (`_k_tile`); a rank it does not
+      The chunk used is ``min(k_tile, max(16, next_pow2(rank)))`` (`k_chunk`); a rank it does not
       divide ends in a masked tail chunk (masked lanes load 0 on both operands, adding nothing
       to the float32 sum), so any rank works (r = 256 in serving: 4 chunks of 64 or one of 256).
     num_warps, num_stages: Triton launch parameters of stage 1.
@@ -136,26 +134,10 @@ class FullVocabConfig:
         ``num_stages`` copies of each pipelined dot operand (the w2 tile, and the latent chunk
         when it is not held)."""
         item = jnp.dtype(dtype).itemsize
-        kc = _k_tile(self.k_tile, rank, MIN_DOT)
-        held = self.row_tile * kc * _cdiv(rank, kc) * item if self.hold_lat else 0
+        kc = k_chunk(self.k_tile, rank, MIN_DOT)
+        held = self.row_tile * kc * cdiv(rank, kc) * item if self.hold_lat else 0
         stage = (self.v_tile + (0 if self.hold_lat else self.row_tile)) * kc * item
         return held + max(1, self.num_stages) * stage
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _k_tile(k_tile: int, rank: int, min_tile: int = 1) -> int:
-    """The rank chunk actually used: a power of two, at least ``min_tile``, at most ``k_tile`` (0 = no
-    limit) and no wider than the rank rounded up to a power of two. When it does not divide
-    ``rank`` the last of the ``cdiv(rank, chunk)`` chunks is a masked tail."""
-    full = max(min_tile, _next_pow2(rank))
-    return min(k_tile, full) if k_tile else full
 
 
 def default_config(rows: int, vocab: int, rank: int, dtype) -> FullVocabConfig:
@@ -165,7 +147,7 @@ def default_config(rows: int, vocab: int, rank: int, dtype) -> FullVocabConfig:
     # Shared memory (Triton 3.9 offline compile for sm_90a, bf16, r=256, 8 warps): the held
     # latent tile [128, 256] is 64 KB, each w2 stage [64, 256] 32 KB -> ~147 KB, 80 regs.
     # (128 x 128 tiles with 2 stages need ~224 KB of the 227 KB an H200 block may have.)
-    row_tile = min(64 if itemsize >= 4 else 128, max(16, _next_pow2(rows)))
+    row_tile = min(64 if itemsize >= 4 else 128, max(16, next_pow2(rows)))
     v_tile = 64
     k_tile = 64 if itemsize >= 4 else 0
     num_warps = 8 if row_tile >= 64 else 4
@@ -173,7 +155,7 @@ def default_config(rows: int, vocab: int, rank: int, dtype) -> FullVocabConfig:
     hold_lat = row_tile * rank * itemsize <= 64 * 1024
     # Enough programs to fill an H200 (132 SMs) a few times; the rest goes into v_steps
     # so that stage 2 reads few partials.
-    programs = _cdiv(rows, row_tile) * _cdiv(vocab, v_tile)
+    programs = cdiv(rows, row_tile) * cdiv(vocab, v_tile)
     v_steps = 1
     while v_steps < 16 and programs // (2 * v_steps) >= 1024:
         v_steps *= 2
@@ -209,33 +191,6 @@ def reference(base: jax.Array, lat: jax.Array, w2: jax.Array) -> jax.Array:
 
 
 # ---------------------------------------------------------------------------
-# Shared in-kernel helpers.
-
-
-def _iota(n: int) -> jax.Array:
-    return jax.lax.broadcasted_iota(jnp.int32, (n,), 0)
-
-
-def _score(base: jax.Array, bias: jax.Array, dtype) -> jax.Array:
-    """float32 of ``dtype(float32(base) + float32(bias))`` with NaN -> -inf."""
-    s = (base.astype(jnp.float32) + bias.astype(jnp.float32)).astype(dtype).astype(jnp.float32)
-    return jnp.where(s != s, -jnp.inf, s)
-
-
-def _best(s: jax.Array, ids: jax.Array, axis: int):
-    """Max of ``s`` along ``axis`` and the lowest id attaining it (``ids`` = _BIG never wins)."""
-    m = jnp.max(s, axis=axis)
-    idx = jnp.min(jnp.where(s == jnp.expand_dims(m, axis), ids, _BIG), axis=axis)
-    return m, idx
-
-
-def _merge(best, bidx, m, idx):
-    """Keep the larger value; on equal values the lower id (order-independent)."""
-    take = (m > best) | ((m == best) & (idx < bidx))
-    return jnp.where(take, m, best), jnp.where(take, idx, bidx)
-
-
-# ---------------------------------------------------------------------------
 # Stage 1 kernels.
 
 
@@ -248,9 +203,9 @@ def _base_index(r0, row_tile: int, v0, v_tile: int, rows: int, slot_stride: int)
     """
     if not slot_stride:
         return (pl.ds(r0, row_tile), pl.ds(v0, v_tile))
-    q = jnp.minimum(r0 + _iota(row_tile), rows - 1)
+    q = jnp.minimum(r0 + iota(row_tile), rows - 1)
     src = (q // (slot_stride - 1)) * slot_stride + 1 + q % (slot_stride - 1)
-    return (src[:, None], (v0 + _iota(v_tile))[None, :])
+    return (src[:, None], (v0 + iota(v_tile))[None, :])
 
 
 def _fused_kernel(
@@ -276,8 +231,8 @@ def _fused_kernel(
 ):
     i, j = pl.program_id(0), pl.program_id(1)
     r0 = i * row_tile
-    row_ok = (r0 + _iota(row_tile)) < rows
-    n_k = _cdiv(rank, k_tile)
+    row_ok = (r0 + iota(row_tile)) < rows
+    n_k = cdiv(rank, k_tile)
     # A rank k_tile does not divide ends in a masked tail chunk: its lanes past the rank load 0 on
     # both operands (adding nothing). Those loads index with arrays, never a slice past the end
     # (JAX >= 0.12 refuses a static one; interpret mode would shift an unmasked one).
@@ -290,17 +245,17 @@ def _fused_kernel(
 
     def load_lat(k0):
         if k_tail:
-            kc = k0 + _iota(k_tile)
-            idx = ((r0 + _iota(row_tile))[:, None], kc[None, :])
+            kc = k0 + iota(k_tile)
+            idx = ((r0 + iota(row_tile))[:, None], kc[None, :])
             return plt.load(lat_ref.at[idx], mask=lat_mask & (kc < rank)[None, :], other=0.0)
         return plt.load(lat_ref.at[pl.ds(r0, row_tile), pl.ds(k0, k_tile)], mask=lat_mask, other=0.0)
 
     def dot_chunk(acc, v0, k0, x=None):  # acc + lat[:, k0:k0+k_tile] @ w2[v0:v0+v_tile, k0:...].T
         x = load_lat(k0) if x is None else x  # [row_tile, k_tile]
-        w_mask = jnp.broadcast_to(((v0 + _iota(v_tile)) < vocab)[:, None], (v_tile, k_tile))
+        w_mask = jnp.broadcast_to(((v0 + iota(v_tile)) < vocab)[:, None], (v_tile, k_tile))
         if k_tail:
-            kc = k0 + _iota(k_tile)
-            idx = ((v0 + _iota(v_tile))[:, None], kc[None, :])
+            kc = k0 + iota(k_tile)
+            idx = ((v0 + iota(v_tile))[:, None], kc[None, :])
             w = plt.load(w2_ref.at[idx], mask=w_mask & (kc < rank)[None, :], other=0.0)
         else:
             w = plt.load(w2_ref.at[pl.ds(v0, v_tile), pl.ds(k0, k_tile)], mask=w_mask, other=0.0)  # [v_tile, k_tile]
@@ -309,7 +264,7 @@ def _fused_kernel(
         )
 
     def load_base(v0, valid=True):  # [row_tile, v_tile]; valid=False (traced) reads nothing
-        col_ok = (v0 + _iota(v_tile)) < vocab
+        col_ok = (v0 + iota(v_tile)) < vocab
         mask = row_ok[:, None] & col_ok[None, :]
         if valid is not True:
             mask = mask & valid
@@ -320,12 +275,12 @@ def _fused_kernel(
         return load_base(v_start(t + 1), (t + 1) < v_steps)
 
     def epilogue_eager(acc, b, v0, best, bidx):  # round, add base, keep each row's best
-        cols = v0 + _iota(v_tile)
+        cols = v0 + iota(v_tile)
         col_ok = cols < vocab
-        s = jnp.where(col_ok[None, :], _score(b, acc.astype(dtype), dtype), -jnp.inf)
-        ids = jnp.where(col_ok, cols, _BIG)
-        m, k = _best(s, jnp.broadcast_to(ids[None, :], s.shape), axis=1)
-        return _merge(best, bidx, m, k)
+        s = jnp.where(col_ok[None, :], score(b, acc.astype(dtype), dtype), -jnp.inf)
+        ids = jnp.where(col_ok, cols, BIG)
+        m, k = common.best(s, jnp.broadcast_to(ids[None, :], s.shape), axis=1)
+        return common.merge(best, bidx, m, k)
 
     lanes = jax.lax.broadcasted_iota(jnp.int32, (row_tile, v_tile), 1)
 
@@ -341,7 +296,7 @@ def _fused_kernel(
         init = (jnp.full((row_tile, v_tile), -jnp.inf, jnp.float32), v_start(0) + lanes)
     else:
         epilogue = epilogue_eager
-        init = (jnp.full((row_tile,), -jnp.inf, jnp.float32), jnp.full((row_tile,), _BIG, jnp.int32))
+        init = (jnp.full((row_tile,), -jnp.inf, jnp.float32), jnp.full((row_tile,), BIG, jnp.int32))
     # The carried base tile (prefetch_base) or an unused stand-in.
     b0 = load_base(v_start(0)) if prefetch_base else jnp.zeros((), jnp.int32)
 
@@ -389,7 +344,7 @@ def _fused_kernel(
 
         best, bidx, _ = jax.lax.fori_loop(0, v_steps, step, (*init, b0))
     if lazy:  # one reduction over the lanes per part
-        best, bidx = _best(best, bidx, axis=1)
+        best, bidx = common.best(best, bidx, axis=1)
     mv_ref[...] = best
     mi_ref[...] = bidx
 
@@ -412,22 +367,22 @@ def _combine_kernel(
 
     def step(t, carry):
         p0 = t * part_tile
-        ok = jnp.broadcast_to(((p0 + _iota(part_tile)) < parts)[:, None], shape)
+        ok = jnp.broadcast_to(((p0 + iota(part_tile)) < parts)[:, None], shape)
         if isinstance(p0, int) and p0 + part_tile > parts:
             # A static slice past the end (one masked tile): JAX >= 0.12 refuses it at trace time,
             # so index with arrays (the same addresses).
-            idx = ((p0 + _iota(part_tile))[:, None], (r0 + _iota(row_tile))[None, :])
+            idx = ((p0 + iota(part_tile))[:, None], (r0 + iota(row_tile))[None, :])
         else:
             idx = (pl.ds(p0, part_tile), pl.ds(r0, row_tile))
         v = plt.load(mv_ref.at[idx], mask=ok, other=-jnp.inf)
-        ix = plt.load(mi_ref.at[idx], mask=ok, other=_BIG)
+        ix = plt.load(mi_ref.at[idx], mask=ok, other=BIG)
         v = jnp.where(ok, v, -jnp.inf)
-        ix = jnp.where(ok, ix, _BIG)
-        m, k = _best(v, ix, axis=0)
-        return _merge(*carry, m, k)
+        ix = jnp.where(ok, ix, BIG)
+        m, k = common.best(v, ix, axis=0)
+        return common.merge(*carry, m, k)
 
-    init = (jnp.full((row_tile,), -jnp.inf, jnp.float32), jnp.full((row_tile,), _BIG, jnp.int32))
-    n_t = _cdiv(parts, part_tile)
+    init = (jnp.full((row_tile,), -jnp.inf, jnp.float32), jnp.full((row_tile,), BIG, jnp.int32))
+    n_t = cdiv(parts, part_tile)
     _, bidx = step(0, init) if n_t == 1 else jax.lax.fori_loop(0, n_t, step, init)
     o_ref[...] = bidx
 
@@ -451,7 +406,7 @@ def combine_partials(mv: jax.Array, mi: jax.Array, *, interpret: bool = False) -
         return mi[0]
     row_tile = _combine_row_tile(rows_pad)
     # Up to 16K partials per load: few sequential steps even for ~2K parts (N=1, 64-wide tiles).
-    part_tile = min(_next_pow2(parts), max(1, 16384 // row_tile))
+    part_tile = min(next_pow2(parts), max(1, 16384 // row_tile))
     kernel = functools.partial(_combine_kernel, parts=parts, row_tile=row_tile, part_tile=part_tile)
     return common.pallas_call(
         kernel,
@@ -518,8 +473,8 @@ def full_vocab_pick(
     rows, rank = lat.shape
     cfg = config or default_config(rows, vocab, rank, dtype)
     cfg.check_shape(rows, vocab, rank, dtype)
-    parts = _cdiv(vocab, cfg.v_tile * cfg.v_steps)
-    row_tiles = _cdiv(rows, cfg.row_tile)
+    parts = cdiv(vocab, cfg.v_tile * cfg.v_steps)
+    row_tiles = cdiv(rows, cfg.row_tile)
     rows_pad = row_tiles * cfg.row_tile
     out_shape = (
         jax.ShapeDtypeStruct((parts, rows_pad), jnp.float32),
@@ -528,7 +483,7 @@ def full_vocab_pick(
     out_spec = pl.BlockSpec((None, cfg.row_tile), lambda i, j: (j, i))
     statics = dict(rows=rows, vocab=vocab, row_tile=cfg.row_tile, v_tile=cfg.v_tile, v_steps=cfg.v_steps, dtype=dtype,
                    slot_stride=slot_stride)
-    k_tile = _k_tile(cfg.k_tile, rank, MIN_DOT)
+    k_tile = k_chunk(cfg.k_tile, rank, MIN_DOT)
     kernel = functools.partial(_fused_kernel, rank=rank, k_tile=k_tile, hold_lat=cfg.hold_lat, flat=cfg.flat,
                                prefetch_base=cfg.prefetch_base, lazy=cfg.lazy, **statics)
     operands = (base, lat, w2)

@@ -91,6 +91,7 @@ from jax.experimental.pallas import triton as plt
 
 
 from . import common
+from .common import next_pow2
 
 __all__ = ["LatentConfig", "VARIANTS", "SPLIT_MAX_N", "default_config", "reference", "latent_pass"]
 
@@ -165,7 +166,7 @@ class LatentConfig:
         """Fused variant: estimate of the shared memory of its dot operands (one K chunk of
         in_proj_token plus the gate, up and down tiles of one hidden chunk, all rank-wide). At
         r=256 (bf16, 64/64) this gives 128 KB; the offline sm_90a compile measured 108 KB."""
-        rp = max(16, _next_pow2(rank))
+        rp = max(16, next_pow2(rank))
         return (min(self.k_block, rp) * rp + 3 * rp * self.h_block) * jnp.dtype(dtype).itemsize
 
 
@@ -228,10 +229,6 @@ def reference(params: Mapping[str, jax.Array], xh: jax.Array, blk: jax.Array,
     from xpress_jax.refine import _JnpOps
 
     return _JnpOps.latent_pass(params, xh, blk, prev_ids)
-
-
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, int(x) - 1).bit_length()
 
 
 # ---------------------------------------------------------------------------
@@ -512,7 +509,7 @@ def _split_down_kernel(
 
 def _auto_row_block(rows: int) -> int:
     """Rows per split stage-2/3 program: about 8 row tiles, 16..64 rows each."""
-    return min(64, max(16, _next_pow2(-(-rows // 8))))
+    return min(64, max(16, next_pow2(-(-rows // 8))))
 
 
 def _latent_split(xh, blk, prev_ids, w1, wt, mix, wg, wu, wd, *, cfg: LatentConfig, interpret: bool):
@@ -523,9 +520,9 @@ def _latent_split(xh, blk, prev_ids, w1, wt, mix, wg, wu, wd, *, cfg: LatentConf
     cd = w1.dtype
     f32 = jnp.float32
     rows = n * (b - 1)
-    rp = max(16, _next_pow2(r))
-    mp = max(16, _next_pow2(m))
-    bp = _next_pow2(b)
+    rp = max(16, next_pow2(r))
+    mp = max(16, next_pow2(m))
+    bp = next_pow2(b)
     bpp = _dot_bpp(cfg.blocks_per_program, bp)
     cb = min(cfg.col_block, rp)
     kb1 = min(cfg.k_block, rp)
@@ -545,7 +542,7 @@ def _latent_split(xh, blk, prev_ids, w1, wt, mix, wg, wu, wd, *, cfg: LatentConf
     u = outs[0]
     uc = outs[1] if with_uc else u
 
-    rb = min(cfg.row_block or _auto_row_block(rows), max(16, _next_pow2(rows)))
+    rb = min(cfg.row_block or _auto_row_block(rows), max(16, next_pow2(rows)))
     hb = min(cfg.h_block, mp)
     gateup_call = common.pallas_call(
         functools.partial(_split_gateup_kernel, rows=rows, r=r, m=m, rb=rb, hb=hb, kb=kb1),
@@ -575,9 +572,9 @@ def _latent_pallas(xh, blk, prev_ids, w1, wt, mix, wg, wu, wd, *, cfg: LatentCon
     v, r = w1.shape
     m = wg.shape[1]
     cd = w1.dtype
-    rp = max(16, _next_pow2(r))
-    mp = max(16, _next_pow2(m))
-    bp = _next_pow2(b)
+    rp = max(16, next_pow2(r))
+    mp = max(16, next_pow2(m))
+    bp = next_pow2(b)
     kb = min(cfg.k_block, rp)
     hb = min(cfg.h_block, mp)
     bpp = _dot_bpp(cfg.blocks_per_program, bp)

@@ -70,11 +70,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from . import common
+from .common import BIG, next_pow2
 
 __all__ = ["SelectConfig", "select_candidates", "select_candidates_reference"]
 
 _SENT = -(2**31)  # key of masked lanes: below every real key (NaN is keyed as -inf)
-_BIG = 2**31 - 1
 _KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
 
@@ -224,10 +224,6 @@ def _bound(gm, c, groups):
     return jnp.where(la == 0, -1, la)
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def _src_row(r, slot_stride: int):
     """Row of ``base`` that draft row ``r`` reads.
 
@@ -257,7 +253,7 @@ def _finish_kernel(L_ref, hi_ref, cnt_ref, st_ref, bk_ref, bi_ref, x_ref, cand_r
     j = jnp.arange(cap, dtype=jnp.int32)
     lane = jnp.arange(ch, dtype=jnp.int32)
     nch = -(-v // ch)
-    sp = _pow2(nseg)
+    sp = next_pow2(nseg)
     sidx = jnp.arange(sp, dtype=jnp.int32)
     cnt = plt.load(cnt_ref.at[r, sidx], mask=sidx < nseg, other=0)  # [sp] per-segment counts above L
     M = _isum(cnt)
@@ -296,7 +292,7 @@ def _finish_kernel(L_ref, hi_ref, cnt_ref, st_ref, bk_ref, bi_ref, x_ref, cand_r
         def _():  # t == L: all M buffered elements, then the first c - M ties at L in vocab order
             out(j, ids, k, valid)
             need = c - M
-            start = jnp.min(plt.load(st_ref.at[r, sidx], mask=sidx < nseg, other=_BIG))  # no tie before
+            start = jnp.min(plt.load(st_ref.at[r, sidx], mask=sidx < nseg, other=BIG))  # no tie before
 
             def cond(st):
                 ci, found = st
@@ -382,7 +378,7 @@ def _blocks_bound(bm_ref, x_ref, r, xr, m, b, *, v, nb, bs, g, c, dtype):
     ok = col < v
     x = plt.load(x_ref.at[xr, pl.ds(b * bs, bs)], mask=ok, other=0)
     k = jnp.where(ok, _canon(_to_key(x, dtype)), _SENT)
-    arg = jnp.min(jnp.where(k == m, col, _BIG))  # first element of the first block holding the max
+    arg = jnp.min(jnp.where(k == m, col, BIG))  # first element of the first block holding the max
     return _bound(gm, c, g), m + 1, arg
 
 
@@ -424,7 +420,7 @@ def _bstats_kernel(x_ref, *out_refs, v, nb, bs, tb, unroll, per, g, c, fused, dt
     carry = lax.fori_loop(c0, full, functools.partial(body, masked=False), init)
     am, ab = lax.fori_loop(jnp.maximum(full, c0), c1, functools.partial(body, masked=True), carry)
     m = jnp.max(am)
-    b = jnp.min(jnp.where(am == m, ab, _BIG))
+    b = jnp.min(jnp.where(am == m, ab, BIG))
     if fused:
         _, L_ref, hi_ref, arg_ref = out_refs
         _barrier(interpret)
@@ -442,11 +438,11 @@ def _bbound_kernel(bm_ref, smax_ref, sblk_ref, x_ref, L_ref, hi_ref, arg_ref, *,
                    slot_stride=0):
     # bm_ref [rows, *], smax_ref / sblk_ref [rows, S], x_ref [rows, V] (whole); L / hi0 / arg: 0-d blocks
     r = pl.program_id(0)
-    sidx = jnp.arange(_pow2(nseg), dtype=jnp.int32)
+    sidx = jnp.arange(next_pow2(nseg), dtype=jnp.int32)
     smax = plt.load(smax_ref.at[r, sidx], mask=sidx < nseg, other=_SENT)
-    sblk = plt.load(sblk_ref.at[r, sidx], mask=sidx < nseg, other=_BIG)
+    sblk = plt.load(sblk_ref.at[r, sidx], mask=sidx < nseg, other=BIG)
     m = jnp.max(smax)
-    b = jnp.min(jnp.where(smax == m, sblk, _BIG))  # segments in order: the first block
+    b = jnp.min(jnp.where(smax == m, sblk, BIG))  # segments in order: the first block
     L, hi, arg = _blocks_bound(bm_ref, x_ref, r, _src_row(r, slot_stride), m, b, v=v, nb=nb, bs=bs, g=g, c=c,
                                dtype=dtype)
     L_ref[()] = L
@@ -477,9 +473,9 @@ def _bgather_kernel(L_ref, bm_ref, x_ref, bl_ref, bk_ref, bi_ref, cnt_ref, st_re
         selb = kb > T
         pos = jnp.where(selb, nsel + _icumsum(selb) - 1, pb)
         plt.store(bl_ref.at[r, s, pos], blk, mask=selb)
-        return nsel + _isum(selb), jnp.minimum(fb, jnp.min(jnp.where(kb >= T, blk, _BIG)))
+        return nsel + _isum(selb), jnp.minimum(fb, jnp.min(jnp.where(kb >= T, blk, BIG)))
 
-    nsel, fb = lax.fori_loop(0, -(-pb // tbs), scan, (jnp.int32(0), jnp.int32(_BIG)))
+    nsel, fb = lax.fori_loop(0, -(-pb // tbs), scan, (jnp.int32(0), jnp.int32(BIG)))
     _barrier(interpret)
 
     # 2. read those blocks; compact their elements above L, in vocab order
@@ -505,7 +501,7 @@ def _bgather_kernel(L_ref, bm_ref, x_ref, bl_ref, bk_ref, bi_ref, cnt_ref, st_re
 
     off = lax.fori_loop(0, (nsel + tb2 - 1) // tb2, body, jnp.int32(0))
     cnt_ref[()] = off
-    st_ref[()] = jnp.where(fb < _BIG, fb * bs, _BIG)
+    st_ref[()] = jnp.where(fb < BIG, fb * bs, BIG)
 
 
 # ----------------------------------------------------------------------------- wrapper
@@ -573,7 +569,7 @@ def _blocks_stages(base, *, c, cfg, interpret, want, upto, slot_stride=0):
     nb = -(-v // bs)
 
     # 1. block maxima (+ bound)
-    tb, su = _tile_for(nb, min(cfg.stats_blocks, _pow2(nb)), cfg.stats_unroll, want, min(64, cfg.stats_blocks))
+    tb, su = _tile_for(nb, min(cfg.stats_blocks, next_pow2(nb)), cfg.stats_unroll, want, min(64, cfg.stats_blocks))
     nsteps = -(-nb // (tb * su))
     s1, per1 = _split(nsteps, want)
     fused = s1 == 1
@@ -606,8 +602,8 @@ def _blocks_stages(base, *, c, cfg, interpret, want, upto, slot_stride=0):
     pb = -(-nb // want)
     s3 = -(-nb // pb)
     bl, bk, bi, cnt, st = common.pallas_call(
-        functools.partial(_bgather_kernel, v=v, nb=nb, bs=bs, pb=pb, tbs=min(cfg.scan_blocks, _pow2(pb)),
-                          tb2=min(cfg.gather_blocks, _pow2(pb)), cap=cap, dtype=dtype, interpret=interpret,
+        functools.partial(_bgather_kernel, v=v, nb=nb, bs=bs, pb=pb, tbs=min(cfg.scan_blocks, next_pow2(pb)),
+                          tb2=min(cfg.gather_blocks, next_pow2(pb)), cap=cap, dtype=dtype, interpret=interpret,
                           slot_stride=slot_stride),
         name="select_bgather", grid=(rows, s3), interpret=interpret, num_warps=cfg.gather_warps,
         in_specs=[anyspec] * 3, out_specs=[anyspec] * 3 + [_scalar_spec2(), _scalar_spec2()],

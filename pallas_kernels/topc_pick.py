@@ -39,7 +39,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from . import common
-from .full_vocab import _BIG, _cdiv, _iota, _k_tile, _next_pow2, _score
+from .common import BIG, cdiv, iota, k_chunk, next_pow2, score
 
 __all__ = ["TopCConfig", "default_config", "topc_pick", "combine_splits", "reference_prepare", "reference_pick"]
 
@@ -84,13 +84,13 @@ class TopCConfig:
 
 def default_config(rows: int, c: int, rank: int, dtype) -> TopCConfig:
     """Heuristic: one program per row when there are enough rows, else split C over programs."""
-    c_tile = min(64, _next_pow2(c))
+    c_tile = min(64, next_pow2(c))
     k_tile = 64 if jnp.dtype(dtype).itemsize >= 4 else 128
-    tiles = _cdiv(c, c_tile)
+    tiles = cdiv(c, c_tile)
     splits = 1
     while splits < tiles and rows * splits < 512:
         splits *= 2
-    return TopCConfig(c_tile=c_tile, c_steps=_cdiv(tiles, splits), k_tile=k_tile, num_warps=4, num_stages=2)
+    return TopCConfig(c_tile=c_tile, c_steps=cdiv(tiles, splits), k_tile=k_tile, num_warps=4, num_stages=2)
 
 
 def _best3(s: jax.Array, b: jax.Array, ids: jax.Array, axis: int):
@@ -98,7 +98,7 @@ def _best3(s: jax.Array, b: jax.Array, ids: jax.Array, axis: int):
     m = jnp.max(s, axis=axis)
     tied = s == jnp.expand_dims(m, axis)
     mb = jnp.max(jnp.where(tied, b, -jnp.inf), axis=axis)
-    k = jnp.min(jnp.where(tied & (b == jnp.expand_dims(mb, axis)), ids, _BIG), axis=axis)
+    k = jnp.min(jnp.where(tied & (b == jnp.expand_dims(mb, axis)), ids, BIG), axis=axis)
     return m, mb, k
 
 
@@ -137,13 +137,13 @@ def _topc_kernel(
     dtype,
 ):
     n, j = pl.program_id(0), pl.program_id(1)
-    n_k = _cdiv(rank, k_tile)
+    n_k = cdiv(rank, k_tile)
     # A rank k_tile does not divide ends in a masked tail chunk (zeros on both operands add nothing),
     # loaded with index arrays: never a static slice past the end (JAX >= 0.12 refuses one).
     k_tail = rank % k_tile != 0
 
     def kcols(kk):  # rank columns of chunk kk and their mask (None: all inside the rank)
-        kc = kk * k_tile + _iota(k_tile)
+        kc = kk * k_tile + iota(k_tile)
         return kc, (kc < rank if k_tail and kk == n_k - 1 else None)
 
     def load_x(kk):
@@ -156,7 +156,7 @@ def _topc_kernel(
 
     def step(t, carry):
         c0 = (j * c_steps + t) * c_tile
-        ok = (c0 + _iota(c_tile)) < c
+        ok = (c0 + iota(c_tile)) < c
         ids = plt.load(cand_ref.at[n, pl.ds(c0, c_tile)], mask=ok, other=0)  # [c_tile]
         ids = jnp.where(ok, ids, 0)
         b = plt.load(base_ref.at[n, pl.ds(c0, c_tile)], mask=ok, other=0.0)  # [c_tile]
@@ -170,12 +170,12 @@ def _topc_kernel(
             else:
                 w = w_ref[ids, pl.ds(k0, k_tile)]  # [c_tile, k_tile] row gather (masked lanes read row 0)
             acc = acc + jnp.sum(w.astype(jnp.float32) * xs[kk][None, :], axis=1)
-        s = jnp.where(ok, _score(b, acc.astype(dtype), dtype), -jnp.inf)
+        s = jnp.where(ok, score(b, acc.astype(dtype), dtype), -jnp.inf)
         bf = b.astype(jnp.float32)
         bf = jnp.where(ok & (bf == bf), bf, -jnp.inf)  # NaN base (and masked lanes) rank as -inf
-        return _merge3(*carry, *_best3(s, bf, jnp.where(ok, ids, _BIG), axis=0))
+        return _merge3(*carry, *_best3(s, bf, jnp.where(ok, ids, BIG), axis=0))
 
-    init = (jnp.array(-jnp.inf, jnp.float32), jnp.array(-jnp.inf, jnp.float32), jnp.array(_BIG, jnp.int32))
+    init = (jnp.array(-jnp.inf, jnp.float32), jnp.array(-jnp.inf, jnp.float32), jnp.array(BIG, jnp.int32))
     best, bbase, bidx = step(0, init) if c_steps == 1 else jax.lax.fori_loop(0, c_steps, step, init)
     mv_ref[...] = best
     mb_ref[...] = bbase
@@ -211,12 +211,12 @@ def topc_pick(
         return reference_pick(base_c, cand, lat, jnp.take(w2, cand, axis=0))
     cfg = config or default_config(rows, c, rank, dtype)
     cfg.check_shape(rows, c, rank, dtype)
-    k_tile = _k_tile(cfg.k_tile, rank)
-    splits = _cdiv(c, cfg.c_tile * cfg.c_steps)
+    k_tile = k_chunk(cfg.k_tile, rank)
+    splits = cdiv(c, cfg.c_tile * cfg.c_steps)
     kernel = functools.partial(
         _topc_kernel, c=c, rank=rank, c_tile=cfg.c_tile, c_steps=cfg.c_steps, k_tile=k_tile, dtype=dtype
     )
-    rows_pad = _cdiv(rows, 16) * 16  # padding rows are never written; combine_splits gets >= 16-row tiles
+    rows_pad = cdiv(rows, 16) * 16  # padding rows are never written; combine_splits gets >= 16-row tiles
     out_spec = pl.BlockSpec((None, None), lambda n, j: (j, n))
     mv, mb, mi = common.pallas_call(
         kernel,
@@ -243,16 +243,16 @@ def _combine_kernel(mv_ref, mb_ref, mi_ref, o_ref, *, splits: int, row_tile: int
 
     def step(t, carry):
         p0 = t * split_tile
-        ok = jnp.broadcast_to(((p0 + _iota(split_tile)) < splits)[:, None], shape)
+        ok = jnp.broadcast_to(((p0 + iota(split_tile)) < splits)[:, None], shape)
         idx = (pl.ds(p0, split_tile), pl.ds(r0, row_tile))
         v = jnp.where(ok, plt.load(mv_ref.at[idx], mask=ok, other=-jnp.inf), -jnp.inf)
         b = jnp.where(ok, plt.load(mb_ref.at[idx], mask=ok, other=-jnp.inf), -jnp.inf)
-        ix = jnp.where(ok, plt.load(mi_ref.at[idx], mask=ok, other=_BIG), _BIG)
+        ix = jnp.where(ok, plt.load(mi_ref.at[idx], mask=ok, other=BIG), BIG)
         return _merge3(*carry, *_best3(v, b, ix, axis=0))
 
     init = (jnp.full((row_tile,), -jnp.inf, jnp.float32), jnp.full((row_tile,), -jnp.inf, jnp.float32),
-            jnp.full((row_tile,), _BIG, jnp.int32))
-    n_t = _cdiv(splits, split_tile)
+            jnp.full((row_tile,), BIG, jnp.int32))
+    n_t = cdiv(splits, split_tile)
     _, _, bidx = step(0, init) if n_t == 1 else jax.lax.fori_loop(0, n_t, step, init)
     o_ref[...] = bidx
 
@@ -269,7 +269,7 @@ def combine_splits(mv: jax.Array, mb: jax.Array, mi: jax.Array, *, interpret: bo
     row_tile = 16
     while row_tile < 128 and rows_pad % (2 * row_tile) == 0:
         row_tile *= 2
-    split_tile = min(_next_pow2(splits), max(1, 8192 // row_tile))
+    split_tile = min(next_pow2(splits), max(1, 8192 // row_tile))
     kernel = functools.partial(_combine_kernel, splits=splits, row_tile=row_tile, split_tile=split_tile)
     return common.pallas_call(
         kernel,
