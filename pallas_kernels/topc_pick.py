@@ -244,7 +244,12 @@ def _combine_kernel(mv_ref, mb_ref, mi_ref, o_ref, *, splits: int, row_tile: int
     def step(t, carry):
         p0 = t * split_tile
         ok = jnp.broadcast_to(((p0 + iota(split_tile)) < splits)[:, None], shape)
-        idx = (pl.ds(p0, split_tile), pl.ds(r0, row_tile))
+        if isinstance(p0, int) and p0 + split_tile > splits:
+            # A static slice past the end (one masked tile): JAX >= 0.12 refuses it at trace time,
+            # so index with arrays (the same addresses), as full_vocab's combine does.
+            idx = ((p0 + iota(split_tile))[:, None], (r0 + iota(row_tile))[None, :])
+        else:
+            idx = (pl.ds(p0, split_tile), pl.ds(r0, row_tile))
         v = jnp.where(ok, plt.load(mv_ref.at[idx], mask=ok, other=-jnp.inf), -jnp.inf)
         b = jnp.where(ok, plt.load(mb_ref.at[idx], mask=ok, other=-jnp.inf), -jnp.inf)
         ix = jnp.where(ok, plt.load(mi_ref.at[idx], mask=ok, other=BIG), BIG)

@@ -139,7 +139,7 @@ def test_full_vocab_check_shape_refuses_what_cannot_run():
     # the kernel wrapper checks the config against the shapes before tracing the kernel
     base, lat, w2 = pick_inputs(15, 300, 24, jnp.float32, seed=0)
     with pytest.raises(ValueError, match="row_tile=8"):
-        full_vocab.full_vocab_pick(base, lat, w2, variant="fused", config=dataclasses.replace(ok, row_tile=8),
+        full_vocab.full_vocab_pick(base, lat, w2, config=dataclasses.replace(ok, row_tile=8),
                                    interpret=INTERPRET)
 
 
