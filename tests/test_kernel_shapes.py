@@ -147,9 +147,9 @@ def test_rank_chunks_are_tensor_core_sized():
     """The fused kernel's rank chunk is a power of two >= 16 for every rank (a masked tail, not k=8 or 1)."""
     for rank in RANKS + [1, 7, 16, 256, 300]:
         for k_tile in (0, 16, 64, 128):
-            kc = full_vocab._k_tile(k_tile, rank, full_vocab.MIN_DOT)
+            kc = common.k_chunk(k_tile, rank, full_vocab.MIN_DOT)
             assert kc >= 16 and kc & (kc - 1) == 0 and (not k_tile or kc <= k_tile), (rank, k_tile, kc)
-            assert full_vocab._cdiv(rank, kc) * kc - rank < kc  # the tail chunk holds part of the rank
+            assert common.cdiv(rank, kc) * kc - rank < kc  # the tail chunk holds part of the rank
 
 
 # ---------------------------------------------------------------------------- top-C pick
