@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import jax.numpy as jnp
+
 from . import full_vocab, latent, select, topc_pick
 from .common import gpu_supported
 
@@ -38,8 +40,8 @@ _FULL_VOCAB_TABLE = (
 )
 
 
-def full_vocab_config(rows: int, vocab: int, rank: int, dtype) -> tuple[str, full_vocab.FullVocabConfig]:
-    """(variant, config) for the full-vocab pick at these shapes (16-bit dtypes: the measured table).
+def full_vocab_config(rows: int, vocab: int, rank: int, dtype) -> full_vocab.FullVocabConfig:
+    """The config for the full-vocab pick at these shapes (16-bit dtypes: the measured table).
 
     Any rank, vocab and row count: the kernel masks rank, vocab and row tails; a table config
     whose shared memory would not fit at this rank (ranks well above 256) is shrunk by
@@ -48,12 +50,12 @@ def full_vocab_config(rows: int, vocab: int, rank: int, dtype) -> tuple[str, ful
     import jax.numpy as jnp
 
     if jnp.dtype(dtype).itemsize > 2:  # float32 (exactness runs): the kernel's own heuristic
-        cfg = full_vocab.default_config(rows, vocab, rank, dtype, "fused")
+        cfg = full_vocab.default_config(rows, vocab, rank, dtype)
     else:
         kw = next(kw for limit, kw in _FULL_VOCAB_TABLE if limit is None or rows <= limit)
         cfg = full_vocab.fit_shared_memory(full_vocab.FullVocabConfig(**kw), rank, dtype)
-    cfg.check_shape("fused", rows, vocab, rank, dtype)
-    return "fused", cfg
+    cfg.check_shape(rows, vocab, rank, dtype)
+    return cfg
 
 
 #: Up to this many blocks XLA's fused latent (jnp) beats the split kernel (dev_latent, H200:
@@ -93,14 +95,14 @@ def _pallas_ops(interpret: bool):
 
         @staticmethod
         def full_vocab_pick(base, lat, w2):
-            variant, cfg = full_vocab_config(base.shape[0], base.shape[1], lat.shape[1], base.dtype)
-            return full_vocab.full_vocab_pick(base, lat, w2, variant=variant, config=cfg, interpret=interpret)
+            cfg = full_vocab_config(base.shape[0], base.shape[1], lat.shape[1], base.dtype)
+            return full_vocab.full_vocab_pick(base, lat, w2, config=cfg, interpret=interpret)
 
         @staticmethod
         def full_vocab_pick_logits(logits, lat, w2):
             N, B, V = logits.shape
-            variant, cfg = full_vocab_config(lat.shape[0], V, lat.shape[1], logits.dtype)
-            return full_vocab.full_vocab_pick(logits.reshape(N * B, V), lat, w2, variant=variant, config=cfg,
+            cfg = full_vocab_config(lat.shape[0], V, lat.shape[1], logits.dtype)
+            return full_vocab.full_vocab_pick(logits.reshape(N * B, V), lat, w2, config=cfg,
                                               interpret=interpret, slot_stride=B)
 
         @staticmethod
@@ -126,10 +128,13 @@ def _pallas_ops(interpret: bool):
 
         @staticmethod
         def topc_prepare(w2, cand):
-            return topc_pick.topc_prepare(w2, cand)
+            # The pick kernel gathers the candidates' rows from w2 itself (float64: the jnp w2[cand]).
+            return _JnpOps.topc_prepare(w2, cand) if w2.dtype == jnp.float64 else w2
 
         @staticmethod
         def topc_pick(base_c, cand, lat, prepared):
+            if prepared.ndim == 3:  # float64: w2[cand], the jnp path
+                return _JnpOps.topc_pick(base_c, cand, lat, prepared)
             cfg = topc_config(base_c.shape[0], base_c.shape[1], lat.shape[1], base_c.dtype)
             return topc_pick.topc_pick(base_c, cand, lat, prepared, config=cfg, interpret=interpret)
 

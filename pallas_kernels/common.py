@@ -1,4 +1,6 @@
-"""Shared Pallas-Triton plumbing: compiler params, interpret switch, CPU lowering check.
+"""Shared Pallas-Triton plumbing: compiler params, interpret switch, CPU lowering check, and the
+in-kernel helpers every kernel module uses (one copy each: `BIG`, `iota`, `cdiv`, `next_pow2`,
+`k_chunk`, `score`, `best`, `merge`).
 
 Everything Triton-specific lives in this package; `xpress_jax` only sees `api.ops()`.
 """
@@ -6,16 +8,22 @@ Everything Triton-specific lives in this package; `xpress_jax` only sees `api.op
 from __future__ import annotations
 
 import functools
-import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-__all__ = ["pallas_call", "compiler_params", "lower_triton", "gpu_supported"]
+__all__ = ["pallas_call", "compiler_params", "lower_triton", "gpu_supported", "BIG", "iota", "cdiv", "next_pow2",
+           "k_chunk", "score", "best", "merge"]
 
-warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated")
+#: Index of a lane that must never win (masked columns, padded parts); also int32's largest value.
+BIG = 2**31 - 1
+
+# JAX >= 0.11 warns (DeprecationWarning) at every Pallas-Triton lowering. This package installs no
+# warning filter: Python hides DeprecationWarnings outside __main__ by default, and the tests filter
+# it in their pytest configuration.
 
 
 def compiler_params(num_warps: int = 4, num_stages: int = 1) -> Any:
@@ -35,20 +43,38 @@ def pallas_call(kernel: Callable, *, name: str, num_warps: int = 4, num_stages: 
     )
 
 
+def gpu_supported(devices: Sequence[Any] | None = None) -> bool:
+    """True only on an NVIDIA GPU whose compute capability is known and >= 8.0 (what the Triton
+    kernels target and were checked on).
+
+    ``devices``: the devices to judge (default: ``jax.devices()``; the first one decides). A GPU
+    that is not NVIDIA's (ROCm), or reports no compute capability, or one that does not parse,
+    is not supported: the caller then runs the jnp path.
+    """
+    if devices is None:
+        return _default_gpu_supported()
+    return _supported(list(devices))
+
+
 @functools.lru_cache(maxsize=None)
-def gpu_supported() -> bool:
-    """True on a CUDA GPU of compute capability >= 8.0 (what the Triton kernels target)."""
+def _default_gpu_supported() -> bool:
     try:
         devs = jax.devices()
     except RuntimeError:
         return False
-    if not devs or devs[0].platform != "gpu":
+    return _supported(devs)
+
+
+def _supported(devs: list) -> bool:
+    if not devs:
         return False
-    cc = getattr(devs[0], "compute_capability", None)
+    d = devs[0]
+    if getattr(d, "platform", None) != "gpu" or "nvidia" not in str(getattr(d, "device_kind", "")).lower():
+        return False
     try:
-        return cc is None or float(cc) >= 8.0
-    except (TypeError, ValueError):
-        return True
+        return float(getattr(d, "compute_capability")) >= 8.0
+    except (AttributeError, TypeError, ValueError):
+        return False
 
 
 def lower_triton(f: Callable, *args: Any, **kwargs: Any):
@@ -66,3 +92,46 @@ def lower_triton(f: Callable, *args: Any, **kwargs: Any):
     mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=ad)
     with jax.sharding.use_abstract_mesh(mesh):
         return low()
+
+
+# ---------------------------------------------------------------------------
+# In-kernel helpers (shared by the kernel modules).
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def k_chunk(k_tile: int, rank: int, min_tile: int = 1) -> int:
+    """The rank chunk actually used: a power of two, at least ``min_tile``, at most ``k_tile`` (0 = no
+    limit) and no wider than the rank rounded up to a power of two. When it does not divide
+    ``rank`` the last of the ``cdiv(rank, chunk)`` chunks is a masked tail."""
+    full = max(min_tile, next_pow2(rank))
+    return min(k_tile, full) if k_tile else full
+
+
+def iota(n: int) -> jax.Array:
+    return jax.lax.broadcasted_iota(jnp.int32, (n,), 0)
+
+
+def score(base: jax.Array, bias: jax.Array, dtype) -> jax.Array:
+    """float32 of ``dtype(float32(base) + float32(bias))`` with NaN -> -inf."""
+    s = (base.astype(jnp.float32) + bias.astype(jnp.float32)).astype(dtype).astype(jnp.float32)
+    return jnp.where(s != s, -jnp.inf, s)
+
+
+def best(s: jax.Array, ids: jax.Array, axis: int):
+    """Max of ``s`` along ``axis`` and the lowest id attaining it (``ids`` = BIG never wins)."""
+    m = jnp.max(s, axis=axis)
+    idx = jnp.min(jnp.where(s == jnp.expand_dims(m, axis), ids, BIG), axis=axis)
+    return m, idx
+
+
+def merge(best, bidx, m, idx):
+    """Keep the larger value; on equal values the lower id (order-independent)."""
+    take = (m > best) | ((m == best) & (idx < bidx))
+    return jnp.where(take, m, best), jnp.where(take, idx, bidx)

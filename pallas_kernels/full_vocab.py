@@ -1,32 +1,27 @@
 """Full-vocabulary pick: ``argmax_v float(dtype(base + dtype(lat @ w2.T)))``, lowest vocab id on ties.
 
-Reference (the spec): `xpress_jax.refine._JnpOps.full_vocab_pick`. Value rules
-(from `refine._round_sum` / `_clean`): the bias is accumulated in float32 and
+Reference (the spec): `xpress_jax.reference.full_vocab_pick`. Value rules: the bias is accumulated in float32 and
 rounded to the logits' dtype, the sum ``base + bias`` is formed in float32 and
 rounded to the logits' dtype *before* comparing, NaN counts as -inf, the
 largest score wins, ties go to the lowest vocab id. The [rows, V] sum is never
 stored.
 
-Two Pallas-Triton variants (the GPU measurement decides which one serves):
+The Pallas-Triton kernel computes ``lat_tile @ w2_tile.T`` on the tensor cores (float32
+accumulation), rounds it, adds base, rounds again and keeps the per-row best of its tiles; the
+bias never exists in HBM. Its float32 dot may sum in another order than XLA's, so a score within
+an ulp of a rounding boundary can round differently (tokens differ only at such near ties).
+(An ``add_argmax`` variant, an XLA dot then a Pallas add+argmax, and a jnp combine were measured
+slower and removed: benchmarks/RESULTS.md "Full-vocab pick".)
 
-* ``"add_argmax"``: ``bias = dtype(lat @ w2.T)`` by an XLA dot (the same op as the
-  reference, so it is bit-exact wherever XLA computes that dot the same way),
-  then a Pallas add+argmax kernel over vocab tiles.
-* ``"fused"``: one Pallas kernel computes ``lat_tile @ w2_tile.T`` on the tensor
-  cores (float32 accumulation), rounds it, adds base, rounds again and keeps the
-  per-row best of its tiles; the bias never exists in HBM. Its float32 dot may
-  sum in another order than XLA's, so a score within an ulp of a rounding
-  boundary can round differently (tokens differ only at such near ties).
-
-Both are two launches: stage 1 (grid ``(row tiles, vocab parts)``; dim 0 is
+Two launches: stage 1 (grid ``(row tiles, vocab parts)``; dim 0 is
 launched fastest, so the row tiles that share a w2 tile run together and w2 is
 read from HBM about once) writes each part's best value and its lowest vocab id
 to ``[parts, rows_pad]``; stage 2 (`combine_partials`, shared with the top-C
 pick) keeps the largest value, lowest id on ties. A part is ``v_steps``
 consecutive vocab tiles of ``v_tile`` columns looped inside one program.
 
-Float64 falls back to the jnp reference (Triton's argmax-style reductions and
-float64 dots are not worth supporting for a dtype nobody serves in).
+Float64 is refused (``TypeError``): Triton's argmax-style reductions and float64 dots are not
+worth supporting for a dtype nobody serves in; `xpress_jax` routes float64 to its jnp reference.
 """
 
 from __future__ import annotations
@@ -39,23 +34,16 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from xpress_jax.head import precision_for
 
 from . import common
+from .common import BIG, cdiv, iota, k_chunk, next_pow2, score
 
 __all__ = [
     "FullVocabConfig",
-    "VARIANTS",
     "default_config",
     "full_vocab_pick",
     "combine_partials",
-    "reference",
 ]
-
-VARIANTS = ("add_argmax", "fused")
-
-#: Index of a lane that must never win (masked columns, padded parts).
-_BIG = 2**31 - 1
 
 #: Smallest dimension of a tensor-core dot the kernels issue: Triton's ``tl.dot`` wants M, N and
 #: K >= 16 on NVIDIA GPUs, so the fused kernel's row, vocab and rank tiles are at least this.
@@ -67,27 +55,26 @@ SMEM_LIMIT = 227 * 1024
 
 @dataclasses.dataclass(frozen=True)
 class FullVocabConfig:
-    """Static block sizes of one full-vocab variant (hashable: a jit static arg).
+    """Static block sizes of the full-vocab pick (hashable: a jit static arg).
 
     row_tile: rows per program (power of two; rows are masked to the real count).
     v_tile: vocab columns per step (power of two; the vocab tail is masked).
     v_steps: vocab tiles looped inside one program (a "part"); parts = cdiv(V, v_tile * v_steps).
-    k_tile: fused only: rank columns per dot step (0 = the whole rank; else a power of two >= 16).
-      The chunk used is ``min(k_tile, max(16, next_pow2(rank)))`` (`_k_tile`); a rank it does not
+    k_tile: rank columns per dot step (0 = the whole rank; else a power of two >= 16).
+      The chunk used is ``min(k_tile, max(16, next_pow2(rank)))`` (`k_chunk`); a rank it does not
       divide ends in a masked tail chunk (masked lanes load 0 on both operands, adding nothing
       to the float32 sum), so any rank works (r = 256 in serving: 4 chunks of 64 or one of 256).
     num_warps, num_stages: Triton launch parameters of stage 1.
-    combine: ``"pallas"`` (the `combine_partials` kernel) or ``"xla"`` (a jnp reduction).
-    hold_lat: fused only: load the program's latent tile once, before the vocab loop (it is
+    hold_lat: load the program's latent tile once, before the vocab loop (it is
       loop-invariant; Triton keeps it in shared memory, row_tile * r values), instead of once
       per vocab tile (then the rank loop is a `fori_loop` that Triton can pipeline).
     flat: fused only, needs ``hold_lat=False``: one loop over (vocab tile, rank chunk) pairs,
       the add/argmax epilogue under a `lax.cond` on the last rank chunk (Triton's persistent
       matmul pattern), so the pipelined loads run across vocab tiles instead of restarting
       every ``r / k_tile`` chunks.
-    prefetch_base: fused only: load the next vocab tile's base block one step ahead (carried
+    prefetch_base: load the next vocab tile's base block one step ahead (carried
       in registers), so its HBM latency hides behind the tile's dots.
-    lazy: fused only: keep a running best per (row, column lane) of the tile, elementwise across
+    lazy: keep a running best per (row, column lane) of the tile, elementwise across
       the part's vocab tiles (``s > best``: strict, so a lane keeps its earliest = lowest id on
       ties; NaN never wins), and reduce the lanes to each row's (max, lowest id) once per part,
       instead of two cross-thread reductions per tile. Base columns past V load as -inf, so no
@@ -102,7 +89,6 @@ class FullVocabConfig:
     k_tile: int = 0
     num_warps: int = 4
     num_stages: int = 1
-    combine: str = "pallas"
     hold_lat: bool = True
     flat: bool = False
     prefetch_base: bool = False
@@ -117,35 +103,29 @@ class FullVocabConfig:
             raise ValueError(f"k_tile={self.k_tile} must be 0 or a power of two")
         if self.v_steps < 1:
             raise ValueError(f"v_steps={self.v_steps} must be >= 1")
-        if self.combine not in ("pallas", "xla"):
-            raise ValueError(f"combine={self.combine!r} must be 'pallas' or 'xla'")
         if self.flat and self.hold_lat:
             raise ValueError(f"flat={self.flat} needs hold_lat=False (the rank chunk index is dynamic)")
 
-    def check_shape(self, variant: str, rows: int, vocab: int, rank: int, dtype) -> None:
-        """`check`, then refuse (ValueError) what ``variant`` cannot run at these shapes on an H200.
+    def check_shape(self, rows: int, vocab: int, rank: int, dtype) -> None:
+        """`check`, then refuse (ValueError) what the kernel cannot run at these shapes on an H200.
 
-        Fused: a tensor-core dot needs every tile dimension >= `MIN_DOT`, and the operands Triton
+        A tensor-core dot needs every tile dimension >= `MIN_DOT`, and the operands Triton
         stages in shared memory (`smem_bytes`) must fit in `SMEM_LIMIT`.
         """
         self.check()
-        if variant not in VARIANTS:
-            raise ValueError(f"variant={variant!r} must be one of {VARIANTS}")
         for name, v in (("rows", rows), ("vocab", vocab), ("rank", rank)):
             if v < 1:
                 raise ValueError(f"full-vocab pick needs {name} >= 1, got {v}")
-        if variant != "fused":
-            return
         for name in ("row_tile", "v_tile"):
             if getattr(self, name) < MIN_DOT:
-                raise ValueError(f"fused: {name}={getattr(self, name)} must be >= {MIN_DOT} (a tensor-core dot "
+                raise ValueError(f"{name}={getattr(self, name)} must be >= {MIN_DOT} (a tensor-core dot "
                                  f"dimension; Triton's dot needs M, N, K >= {MIN_DOT})")
         if self.k_tile and self.k_tile < MIN_DOT:
-            raise ValueError(f"fused: k_tile={self.k_tile} must be 0 or >= {MIN_DOT} (the dot's K dimension)")
+            raise ValueError(f"k_tile={self.k_tile} must be 0 or >= {MIN_DOT} (the dot's K dimension)")
         need = self.smem_bytes(rank, dtype)
         if need > SMEM_LIMIT:
             raise ValueError(
-                f"fused: {self} at rank={rank}, {jnp.dtype(dtype).name} stages ~{need // 1024} KB in shared memory, "
+                f"{self} at rank={rank}, {jnp.dtype(dtype).name} stages ~{need // 1024} KB in shared memory, "
                 f"more than the {SMEM_LIMIT // 1024} KB an H200 program may use (lower row_tile/v_tile/k_tile/"
                 f"num_stages, or hold_lat=False)")
 
@@ -154,58 +134,33 @@ class FullVocabConfig:
         ``num_stages`` copies of each pipelined dot operand (the w2 tile, and the latent chunk
         when it is not held)."""
         item = jnp.dtype(dtype).itemsize
-        kc = _k_tile(self.k_tile, rank, MIN_DOT)
-        held = self.row_tile * kc * _cdiv(rank, kc) * item if self.hold_lat else 0
+        kc = k_chunk(self.k_tile, rank, MIN_DOT)
+        held = self.row_tile * kc * cdiv(rank, kc) * item if self.hold_lat else 0
         stage = (self.v_tile + (0 if self.hold_lat else self.row_tile)) * kc * item
         return held + max(1, self.num_stages) * stage
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _k_tile(k_tile: int, rank: int, min_tile: int = 1) -> int:
-    """The rank chunk actually used: a power of two, at least ``min_tile``, at most ``k_tile`` (0 = no
-    limit) and no wider than the rank rounded up to a power of two. When it does not divide
-    ``rank`` the last of the ``cdiv(rank, chunk)`` chunks is a masked tail."""
-    full = max(min_tile, _next_pow2(rank))
-    return min(k_tile, full) if k_tile else full
-
-
-def default_config(rows: int, vocab: int, rank: int, dtype, variant: str) -> FullVocabConfig:
-    """Heuristic block sizes (a starting point; benchmarks/dev_pick.py measures alternatives)."""
+def default_config(rows: int, vocab: int, rank: int, dtype) -> FullVocabConfig:
+    """Heuristic block sizes (float32, and shapes no measured table covers; `xpress_jax.dispatch`
+    holds the measured serving configs)."""
     itemsize = jnp.dtype(dtype).itemsize
-    hold_lat = True
-    if variant == "fused":
-        # Shared memory (Triton 3.9 offline compile for sm_90a, bf16, r=256, 8 warps): the held
-        # latent tile [128, 256] is 64 KB, each w2 stage [64, 256] 32 KB -> ~147 KB, 80 regs.
-        # (128 x 128 tiles with 2 stages need ~224 KB of the 227 KB an H200 block may have.)
-        row_tile = min(64 if itemsize >= 4 else 128, max(16, _next_pow2(rows)))
-        v_tile = 64
-        k_tile = 64 if itemsize >= 4 else 0
-        num_warps = 8 if row_tile >= 64 else 4
-        num_stages = 1 if itemsize >= 4 else 2
-        hold_lat = row_tile * rank * itemsize <= 64 * 1024
-    elif variant == "add_argmax":
-        row_tile = min(16, _next_pow2(rows))
-        v_tile = 1024 if itemsize <= 2 else 512
-        k_tile = 0
-        num_warps = 8
-        num_stages = 1
-    else:
-        raise ValueError(f"variant={variant!r} must be one of {VARIANTS}")
+    # Shared memory (Triton 3.9 offline compile for sm_90a, bf16, r=256, 8 warps): the held
+    # latent tile [128, 256] is 64 KB, each w2 stage [64, 256] 32 KB -> ~147 KB, 80 regs.
+    # (128 x 128 tiles with 2 stages need ~224 KB of the 227 KB an H200 block may have.)
+    row_tile = min(64 if itemsize >= 4 else 128, max(16, next_pow2(rows)))
+    v_tile = 64
+    k_tile = 64 if itemsize >= 4 else 0
+    num_warps = 8 if row_tile >= 64 else 4
+    num_stages = 1 if itemsize >= 4 else 2
+    hold_lat = row_tile * rank * itemsize <= 64 * 1024
     # Enough programs to fill an H200 (132 SMs) a few times; the rest goes into v_steps
     # so that stage 2 reads few partials.
-    programs = _cdiv(rows, row_tile) * _cdiv(vocab, v_tile)
+    programs = cdiv(rows, row_tile) * cdiv(vocab, v_tile)
     v_steps = 1
     while v_steps < 16 and programs // (2 * v_steps) >= 1024:
         v_steps *= 2
     cfg = FullVocabConfig(row_tile, v_tile, v_steps, k_tile, num_warps, num_stages, hold_lat=hold_lat)
-    return fit_shared_memory(cfg, rank, dtype) if variant == "fused" else cfg
+    return fit_shared_memory(cfg, rank, dtype)
 
 
 def fit_shared_memory(cfg: FullVocabConfig, rank: int, dtype) -> FullVocabConfig:
@@ -236,33 +191,6 @@ def reference(base: jax.Array, lat: jax.Array, w2: jax.Array) -> jax.Array:
 
 
 # ---------------------------------------------------------------------------
-# Shared in-kernel helpers.
-
-
-def _iota(n: int) -> jax.Array:
-    return jax.lax.broadcasted_iota(jnp.int32, (n,), 0)
-
-
-def _score(base: jax.Array, bias: jax.Array, dtype) -> jax.Array:
-    """float32 of ``dtype(float32(base) + float32(bias))`` with NaN -> -inf."""
-    s = (base.astype(jnp.float32) + bias.astype(jnp.float32)).astype(dtype).astype(jnp.float32)
-    return jnp.where(s != s, -jnp.inf, s)
-
-
-def _best(s: jax.Array, ids: jax.Array, axis: int):
-    """Max of ``s`` along ``axis`` and the lowest id attaining it (``ids`` = _BIG never wins)."""
-    m = jnp.max(s, axis=axis)
-    idx = jnp.min(jnp.where(s == jnp.expand_dims(m, axis), ids, _BIG), axis=axis)
-    return m, idx
-
-
-def _merge(best, bidx, m, idx):
-    """Keep the larger value; on equal values the lower id (order-independent)."""
-    take = (m > best) | ((m == best) & (idx < bidx))
-    return jnp.where(take, m, best), jnp.where(take, idx, bidx)
-
-
-# ---------------------------------------------------------------------------
 # Stage 1 kernels.
 
 
@@ -275,46 +203,9 @@ def _base_index(r0, row_tile: int, v0, v_tile: int, rows: int, slot_stride: int)
     """
     if not slot_stride:
         return (pl.ds(r0, row_tile), pl.ds(v0, v_tile))
-    q = jnp.minimum(r0 + _iota(row_tile), rows - 1)
+    q = jnp.minimum(r0 + iota(row_tile), rows - 1)
     src = (q // (slot_stride - 1)) * slot_stride + 1 + q % (slot_stride - 1)
-    return (src[:, None], (v0 + _iota(v_tile))[None, :])
-
-
-def _add_argmax_kernel(
-    base_ref,  # [rows, V] whole array
-    bias_ref,  # [rows, V] whole array
-    mv_ref,  # [row_tile] block of [parts, rows_pad] float32: best score
-    mi_ref,  # [row_tile] block of [parts, rows_pad] int32: its lowest vocab id
-    *,
-    rows: int,
-    vocab: int,
-    row_tile: int,
-    v_tile: int,
-    v_steps: int,
-    dtype,
-    slot_stride: int = 0,
-):
-    i, j = pl.program_id(0), pl.program_id(1)
-    r0 = i * row_tile
-    row_ok = (r0 + _iota(row_tile)) < rows
-
-    def step(t, carry):
-        v0 = (j * v_steps + t) * v_tile
-        cols = v0 + _iota(v_tile)
-        col_ok = cols < vocab
-        mask = row_ok[:, None] & col_ok[None, :]
-        idx = (pl.ds(r0, row_tile), pl.ds(v0, v_tile))
-        b = plt.load(base_ref.at[_base_index(r0, row_tile, v0, v_tile, rows, slot_stride)], mask=mask, other=0.0)
-        c = plt.load(bias_ref.at[idx], mask=mask, other=0.0)
-        s = jnp.where(col_ok[None, :], _score(b, c, dtype), -jnp.inf)
-        ids = jnp.where(col_ok, cols, _BIG)
-        m, k = _best(s, jnp.broadcast_to(ids[None, :], s.shape), axis=1)
-        return _merge(*carry, m, k)
-
-    init = (jnp.full((row_tile,), -jnp.inf, jnp.float32), jnp.full((row_tile,), _BIG, jnp.int32))
-    best, bidx = jax.lax.fori_loop(0, v_steps, step, init)
-    mv_ref[...] = best
-    mi_ref[...] = bidx
+    return (src[:, None], (v0 + iota(v_tile))[None, :])
 
 
 def _fused_kernel(
@@ -340,8 +231,8 @@ def _fused_kernel(
 ):
     i, j = pl.program_id(0), pl.program_id(1)
     r0 = i * row_tile
-    row_ok = (r0 + _iota(row_tile)) < rows
-    n_k = _cdiv(rank, k_tile)
+    row_ok = (r0 + iota(row_tile)) < rows
+    n_k = cdiv(rank, k_tile)
     # A rank k_tile does not divide ends in a masked tail chunk: its lanes past the rank load 0 on
     # both operands (adding nothing). Those loads index with arrays, never a slice past the end
     # (JAX >= 0.12 refuses a static one; interpret mode would shift an unmasked one).
@@ -354,17 +245,17 @@ def _fused_kernel(
 
     def load_lat(k0):
         if k_tail:
-            kc = k0 + _iota(k_tile)
-            idx = ((r0 + _iota(row_tile))[:, None], kc[None, :])
+            kc = k0 + iota(k_tile)
+            idx = ((r0 + iota(row_tile))[:, None], kc[None, :])
             return plt.load(lat_ref.at[idx], mask=lat_mask & (kc < rank)[None, :], other=0.0)
         return plt.load(lat_ref.at[pl.ds(r0, row_tile), pl.ds(k0, k_tile)], mask=lat_mask, other=0.0)
 
     def dot_chunk(acc, v0, k0, x=None):  # acc + lat[:, k0:k0+k_tile] @ w2[v0:v0+v_tile, k0:...].T
         x = load_lat(k0) if x is None else x  # [row_tile, k_tile]
-        w_mask = jnp.broadcast_to(((v0 + _iota(v_tile)) < vocab)[:, None], (v_tile, k_tile))
+        w_mask = jnp.broadcast_to(((v0 + iota(v_tile)) < vocab)[:, None], (v_tile, k_tile))
         if k_tail:
-            kc = k0 + _iota(k_tile)
-            idx = ((v0 + _iota(v_tile))[:, None], kc[None, :])
+            kc = k0 + iota(k_tile)
+            idx = ((v0 + iota(v_tile))[:, None], kc[None, :])
             w = plt.load(w2_ref.at[idx], mask=w_mask & (kc < rank)[None, :], other=0.0)
         else:
             w = plt.load(w2_ref.at[pl.ds(v0, v_tile), pl.ds(k0, k_tile)], mask=w_mask, other=0.0)  # [v_tile, k_tile]
@@ -373,7 +264,7 @@ def _fused_kernel(
         )
 
     def load_base(v0, valid=True):  # [row_tile, v_tile]; valid=False (traced) reads nothing
-        col_ok = (v0 + _iota(v_tile)) < vocab
+        col_ok = (v0 + iota(v_tile)) < vocab
         mask = row_ok[:, None] & col_ok[None, :]
         if valid is not True:
             mask = mask & valid
@@ -384,12 +275,12 @@ def _fused_kernel(
         return load_base(v_start(t + 1), (t + 1) < v_steps)
 
     def epilogue_eager(acc, b, v0, best, bidx):  # round, add base, keep each row's best
-        cols = v0 + _iota(v_tile)
+        cols = v0 + iota(v_tile)
         col_ok = cols < vocab
-        s = jnp.where(col_ok[None, :], _score(b, acc.astype(dtype), dtype), -jnp.inf)
-        ids = jnp.where(col_ok, cols, _BIG)
-        m, k = _best(s, jnp.broadcast_to(ids[None, :], s.shape), axis=1)
-        return _merge(best, bidx, m, k)
+        s = jnp.where(col_ok[None, :], score(b, acc.astype(dtype), dtype), -jnp.inf)
+        ids = jnp.where(col_ok, cols, BIG)
+        m, k = common.best(s, jnp.broadcast_to(ids[None, :], s.shape), axis=1)
+        return common.merge(best, bidx, m, k)
 
     lanes = jax.lax.broadcasted_iota(jnp.int32, (row_tile, v_tile), 1)
 
@@ -405,7 +296,7 @@ def _fused_kernel(
         init = (jnp.full((row_tile, v_tile), -jnp.inf, jnp.float32), v_start(0) + lanes)
     else:
         epilogue = epilogue_eager
-        init = (jnp.full((row_tile,), -jnp.inf, jnp.float32), jnp.full((row_tile,), _BIG, jnp.int32))
+        init = (jnp.full((row_tile,), -jnp.inf, jnp.float32), jnp.full((row_tile,), BIG, jnp.int32))
     # The carried base tile (prefetch_base) or an unused stand-in.
     b0 = load_base(v_start(0)) if prefetch_base else jnp.zeros((), jnp.int32)
 
@@ -453,7 +344,7 @@ def _fused_kernel(
 
         best, bidx, _ = jax.lax.fori_loop(0, v_steps, step, (*init, b0))
     if lazy:  # one reduction over the lanes per part
-        best, bidx = _best(best, bidx, axis=1)
+        best, bidx = common.best(best, bidx, axis=1)
     mv_ref[...] = best
     mi_ref[...] = bidx
 
@@ -476,22 +367,22 @@ def _combine_kernel(
 
     def step(t, carry):
         p0 = t * part_tile
-        ok = jnp.broadcast_to(((p0 + _iota(part_tile)) < parts)[:, None], shape)
+        ok = jnp.broadcast_to(((p0 + iota(part_tile)) < parts)[:, None], shape)
         if isinstance(p0, int) and p0 + part_tile > parts:
             # A static slice past the end (one masked tile): JAX >= 0.12 refuses it at trace time,
             # so index with arrays (the same addresses).
-            idx = ((p0 + _iota(part_tile))[:, None], (r0 + _iota(row_tile))[None, :])
+            idx = ((p0 + iota(part_tile))[:, None], (r0 + iota(row_tile))[None, :])
         else:
             idx = (pl.ds(p0, part_tile), pl.ds(r0, row_tile))
         v = plt.load(mv_ref.at[idx], mask=ok, other=-jnp.inf)
-        ix = plt.load(mi_ref.at[idx], mask=ok, other=_BIG)
+        ix = plt.load(mi_ref.at[idx], mask=ok, other=BIG)
         v = jnp.where(ok, v, -jnp.inf)
-        ix = jnp.where(ok, ix, _BIG)
-        m, k = _best(v, ix, axis=0)
-        return _merge(*carry, m, k)
+        ix = jnp.where(ok, ix, BIG)
+        m, k = common.best(v, ix, axis=0)
+        return common.merge(*carry, m, k)
 
-    init = (jnp.full((row_tile,), -jnp.inf, jnp.float32), jnp.full((row_tile,), _BIG, jnp.int32))
-    n_t = _cdiv(parts, part_tile)
+    init = (jnp.full((row_tile,), -jnp.inf, jnp.float32), jnp.full((row_tile,), BIG, jnp.int32))
+    n_t = cdiv(parts, part_tile)
     _, bidx = step(0, init) if n_t == 1 else jax.lax.fori_loop(0, n_t, step, init)
     o_ref[...] = bidx
 
@@ -504,21 +395,18 @@ def _combine_row_tile(rows_pad: int) -> int:
     return t
 
 
-def combine_partials(mv: jax.Array, mi: jax.Array, *, interpret: bool = False, how: str = "pallas") -> jax.Array:
+def combine_partials(mv: jax.Array, mi: jax.Array, *, interpret: bool = False) -> jax.Array:
     """[parts, rows_pad] float32 best values + int32 ids -> [rows_pad] int32.
 
     The largest value wins, the lowest id among equal values (so "earliest vocab
     tile" in full-vocab mode and "lowest vocab id" in top-C mode alike).
     """
     parts, rows_pad = mv.shape
-    if how == "xla":
-        m, k = _best(mv, mi, axis=0)
-        return k
     if parts == 1:
         return mi[0]
     row_tile = _combine_row_tile(rows_pad)
     # Up to 16K partials per load: few sequential steps even for ~2K parts (N=1, 64-wide tiles).
-    part_tile = min(_next_pow2(parts), max(1, 16384 // row_tile))
+    part_tile = min(next_pow2(parts), max(1, 16384 // row_tile))
     kernel = functools.partial(_combine_kernel, parts=parts, row_tile=row_tile, part_tile=part_tile)
     return common.pallas_call(
         kernel,
@@ -549,23 +437,21 @@ def _check_shapes(base, lat, w2, rows=None):
         raise ValueError(f"dtypes must agree: {base.dtype=} {lat.dtype=} {w2.dtype=}")
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "variant", "config", "slot_stride"))
+@functools.partial(jax.jit, static_argnames=("interpret", "config", "slot_stride"))
 def full_vocab_pick(
     base: jax.Array,
     lat: jax.Array,
     w2: jax.Array,
     *,
     interpret: bool = False,
-    variant: str = "add_argmax",
     config: FullVocabConfig | None = None,
     slot_stride: int = 0,
 ) -> jax.Array:
     """[rows,V], [rows,r], [V,r] -> [rows] int32: argmax_v float(dtype(base + dtype(lat @ w2.T))).
 
     Lowest vocab id on ties, NaN counts as -inf (a row of -inf/NaN picks id 0).
-    ``variant``: ``"add_argmax"`` (XLA dot + Pallas add/argmax) or ``"fused"``
-    (Pallas matmul with an add/argmax epilogue). ``config``: block sizes
-    (default: `default_config`). Float64 uses the jnp reference.
+    One Pallas matmul with an add/argmax epilogue, then the combine launch. ``config``: block
+    sizes (default: `default_config`). Float64 uses the jnp reference.
     ``slot_stride=B``: ``base`` is the whole logits reshaped to [N*B, V]; draft row
     n*(B-1) + b reads logits row n*B + 1 + b (no copy of ``logits[:, 1:]``).
     """
@@ -580,17 +466,15 @@ def full_vocab_pick(
             _check_shapes(base, lat, w2, rows=n * (slot_stride - 1))
     if not slot_stride:
         _check_shapes(base, lat, w2)
-    if variant not in VARIANTS:
-        raise ValueError(f"variant={variant!r} must be one of {VARIANTS}")
     dtype = jnp.dtype(base.dtype)
     if dtype == jnp.float64:
         return reference(base, lat, w2)
     vocab = base.shape[1]
     rows, rank = lat.shape
-    cfg = config or default_config(rows, vocab, rank, dtype, variant)
-    cfg.check_shape(variant, rows, vocab, rank, dtype)
-    parts = _cdiv(vocab, cfg.v_tile * cfg.v_steps)
-    row_tiles = _cdiv(rows, cfg.row_tile)
+    cfg = config or default_config(rows, vocab, rank, dtype)
+    cfg.check_shape(rows, vocab, rank, dtype)
+    parts = cdiv(vocab, cfg.v_tile * cfg.v_steps)
+    row_tiles = cdiv(rows, cfg.row_tile)
     rows_pad = row_tiles * cfg.row_tile
     out_shape = (
         jax.ShapeDtypeStruct((parts, rows_pad), jnp.float32),
@@ -599,21 +483,13 @@ def full_vocab_pick(
     out_spec = pl.BlockSpec((None, cfg.row_tile), lambda i, j: (j, i))
     statics = dict(rows=rows, vocab=vocab, row_tile=cfg.row_tile, v_tile=cfg.v_tile, v_steps=cfg.v_steps, dtype=dtype,
                    slot_stride=slot_stride)
-    if variant == "add_argmax":
-        acc = jnp.float32
-        bias = jnp.dot(lat, w2.T, precision=precision_for(dtype), preferred_element_type=acc).astype(dtype)
-        kernel = functools.partial(_add_argmax_kernel, **statics)
-        operands = (base, bias)
-        name = "xpress_full_vocab_add_argmax"
-    else:
-        k_tile = _k_tile(cfg.k_tile, rank, MIN_DOT)
-        kernel = functools.partial(_fused_kernel, rank=rank, k_tile=k_tile, hold_lat=cfg.hold_lat, flat=cfg.flat,
-                                   prefetch_base=cfg.prefetch_base, lazy=cfg.lazy, **statics)
-        operands = (base, lat, w2)
-        name = "xpress_full_vocab_fused"
+    k_tile = k_chunk(cfg.k_tile, rank, MIN_DOT)
+    kernel = functools.partial(_fused_kernel, rank=rank, k_tile=k_tile, hold_lat=cfg.hold_lat, flat=cfg.flat,
+                               prefetch_base=cfg.prefetch_base, lazy=cfg.lazy, **statics)
+    operands = (base, lat, w2)
     mv, mi = common.pallas_call(
         kernel,
-        name=name,
+        name="xpress_full_vocab_fused",
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         interpret=interpret,
@@ -622,4 +498,4 @@ def full_vocab_pick(
         out_specs=(out_spec, out_spec),
         out_shape=out_shape,
     )(*operands)
-    return combine_partials(mv, mi, interpret=interpret, how=cfg.combine)[:rows]
+    return combine_partials(mv, mi, interpret=interpret)[:rows]

@@ -39,7 +39,7 @@ so each dependency is a kernel boundary; the intermediates are tiny):
 
 1. ``xpress_latent_pass_mix``, grid ``(cdiv(N, bpp), cdiv(r, col_block))``: steps 1-3
    above for ``col_block`` rank columns (the ids/w1 gather covers all of r: the dot
-   contracts over it; the mixer is per channel; `LatentConfig.mixer` picks its form).
+   contracts over it; the mixer is per channel, straight-line code over j).
    Writes ``u`` [N*(B-1), r] float32 for slots 1..B-1 and its ``cd`` rounding (the
    gate/up operand; float32 params: u only).
 2. ``xpress_latent_pass_gateup``, grid ``(cdiv(rows, row_block), cdiv(M, h_block))``:
@@ -49,8 +49,9 @@ so each dependency is a kernel boundary; the intermediates are tiny):
    deterministic, no partial sums), rounded to ``cd`` -> [N*(B-1), r].
 
 Rows of stages 2-3 are the draft rows n*(B-1) + slot-1 (slot 0 never enters the
-MLP), so they are plain row-tiled matmuls. ``variant="split_xla"`` runs stage 1 and
-then the SwiGLU as XLA dots (same precision as `reference`).
+MLP), so they are plain row-tiled matmuls. (A ``split_xla`` variant, stage 1 then the
+SwiGLU as XLA dots, and other mixer forms, a fori_loop over j or one 3-D sum, were never
+served and were removed; benchmarks/RESULTS.md "Latent pass".)
 
 Untiled, the 256x512 weights as dot operands need ~272 KB of shared memory (more
 than an H200 block may use). Tiled at the bf16 default (k_block = h_block = 64,
@@ -88,24 +89,21 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from xpress_jax.head import precision_for
 
 from . import common
+from .common import next_pow2
 
-__all__ = ["LatentConfig", "VARIANTS", "MIXERS", "SPLIT_MAX_N", "default_config", "reference", "latent_pass"]
+__all__ = ["LatentConfig", "VARIANTS", "SPLIT_MAX_N", "default_config", "reference", "latent_pass"]
 
 _HI = jax.lax.Precision.HIGHEST
 
 
 #: Kernel variants: ``"fused"`` (one kernel, one program per block(s)), ``"split"`` (three
-#: kernels that spread the weights over many programs), ``"split_xla"`` (the split variant's
-#: first kernel, then the SwiGLU as XLA dots; a diagnostic/alternative).
-VARIANTS = ("fused", "split", "split_xla")
-#: Forms of the split stage 1's mixer (`LatentConfig.mixer`).
-MIXERS = ("unroll", "loop", "sum3d")
+#: kernels that spread the weights over many programs).
+VARIANTS = ("fused", "split")
 
 #: `default_config` picks the split variant for N <= SPLIT_MAX_N blocks (set from H200 numbers,
-#: benchmarks/dev_latent.py).
+#: dev_latent, benchmarks/RESULTS.md "Latent pass").
 SPLIT_MAX_N = 64
 
 
@@ -123,11 +121,6 @@ class LatentConfig:
     col_block: split only: rank columns per program of stages 1 and 3. Power of two, >= 16.
     row_block: split only: rows per program of stages 2 and 3; 0 = chosen from the row
       count (`_auto_row_block`). 0 or a power of two >= 16.
-    mixer: split only: stage 1's mixer form, one of `MIXERS`: ``"unroll"`` (j = 0..B-1 as
-      straight-line code: the B loads of mix are independent), ``"loop"`` (a fori_loop over
-      j, as the fused kernel; the same float32 sums), ``"sum3d"`` (one [Bp, Bp, col_block]
-      load and a sum over j: another summation order; with blocks_per_program > 1 it
-      falls back to ``"unroll"``).
     num_warps, num_stages: Triton compiler params (all stages).
     """
 
@@ -139,13 +132,10 @@ class LatentConfig:
     variant: str = "fused"
     col_block: int = 32
     row_block: int = 0
-    mixer: str = "unroll"
 
     def __post_init__(self) -> None:
         if self.variant not in VARIANTS:
             raise ValueError(f"variant={self.variant!r} must be one of {VARIANTS}")
-        if self.mixer not in MIXERS:
-            raise ValueError(f"mixer={self.mixer!r} must be one of {MIXERS}")
         for name in ("blocks_per_program", "k_block", "h_block", "num_warps", "num_stages", "col_block"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -176,12 +166,12 @@ class LatentConfig:
         """Fused variant: estimate of the shared memory of its dot operands (one K chunk of
         in_proj_token plus the gate, up and down tiles of one hidden chunk, all rank-wide). At
         r=256 (bf16, 64/64) this gives 128 KB; the offline sm_90a compile measured 108 KB."""
-        rp = max(16, _next_pow2(rank))
+        rp = max(16, next_pow2(rank))
         return (min(self.k_block, rp) * rp + 3 * rp * self.h_block) * jnp.dtype(dtype).itemsize
 
 
 def default_config(n: int, dtype: Any, variant: str | None = None, rank: int = 256) -> LatentConfig:
-    """Block config for N blocks of params dtype ``dtype`` (tune with benchmarks/dev_latent.py).
+    """Block config for N blocks of params dtype ``dtype`` (measure with benchmarks/bench_kernels.py).
 
     ``variant=None`` picks ``"split"`` for ``n <= SPLIT_MAX_N``, else ``"fused"`` (``"split"``
     also when the fused kernel would not fit in shared memory at ``rank``, see `LatentConfig.check_shape`).
@@ -211,7 +201,7 @@ def default_config(n: int, dtype: Any, variant: str | None = None, rank: int = 2
         return fused if fused.smem_bytes(rank, dtype) <= SMEM_LIMIT else default_config(n, dtype, "split", rank)
     if variant != "fused":
         return LatentConfig(variant=variant, blocks_per_program=1, k_block=32 if f32 else 64, h_block=32,
-                            col_block=32, row_block=0, mixer="unroll", num_warps=4, num_stages=2)
+                            col_block=32, row_block=0, num_warps=4, num_stages=2)
     if f32:
         return LatentConfig(blocks_per_program=1, k_block=32, h_block=32, num_warps=8, num_stages=2)
     return LatentConfig(blocks_per_program=1 if n < 128 else 2, k_block=64, h_block=64,
@@ -239,10 +229,6 @@ def reference(params: Mapping[str, jax.Array], xh: jax.Array, blk: jax.Array,
     from xpress_jax.refine import _JnpOps
 
     return _JnpOps.latent_pass(params, xh, blk, prev_ids)
-
-
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, int(x) - 1).bit_length()
 
 
 # ---------------------------------------------------------------------------
@@ -412,10 +398,8 @@ def _split_mix_kernel(
     r: int,
     cb: int,
     kb: int,
-    mixer: str,
 ):
     """Split stage 1, grid (cdiv(N, bpp), cdiv(r, cb)): x and the mixer for ``cb`` rank columns."""
-    f32 = jnp.float32
     cd = w1_ref.dtype
     _, slot, blk_c, valid = _block_rows(pl.program_id(0) * bpp, n=n, b=b, bp=bp, bpp=bpp)
     col = pl.program_id(1) * cb + jnp.arange(cb, dtype=jnp.int32)  # [cb]
@@ -427,19 +411,9 @@ def _split_mix_kernel(
     xrow = jnp.where(valid, blk_c * b + slot, 0)
     x = _x_rows(ids, xrow, valid, col, col_ok, xh_ref, w1_ref, wt_ref, r=r, kb=kb, col_tail=c_tail)  # [R, cb]
 
-    # folded causal mixer on these channels, float32: "loop" (as the fused kernel), "unroll"
-    # (the same sums as straight-line code), or "sum3d": one [Bp, Bp, cb] load and a sum over j
-    # (another summation order; 1 block per program).
-    if mixer == "sum3d" and bpp == 1:
-        kslot = jnp.arange(bp, dtype=jnp.int32)
-        # Padded slots k, j >= b load zeros (their x rows are finite: w1[0] + xh 0).
-        m3_mask = _and((kslot < b)[:, None, None] & (kslot < b)[None, :, None] if bp != b else None,
-                       col_ok[None, None, :] if c_tail else None)
-        m3 = _load(mix_ref.at[kslot[:, None, None], kslot[None, :, None], col[None, None, :]],
-                   m3_mask).astype(f32)  # [k, j, cb]
-        u = jnp.sum(m3 * x[None, :, :], axis=1)  # [R = bp, cb]
-    else:
-        u = _mix_rows(x, slot, col, col_ok, mix_ref, b=b, bp=bp, bpp=bpp, col_tail=c_tail, unroll=mixer != "loop")
+    # folded causal mixer on these channels, float32, j = 0..B-1 as straight-line code (the B loads
+    # of mix are independent; the same sums as the fused kernel's loop).
+    u = _mix_rows(x, slot, col, col_ok, mix_ref, b=b, bp=bp, bpp=bpp, col_tail=c_tail, unroll=True)
 
     # slots 1..B-1 -> row n*(B-1) + slot-1; masked lanes one past the end (see the fused kernel).
     keep = valid & (slot >= 1)
@@ -535,7 +509,7 @@ def _split_down_kernel(
 
 def _auto_row_block(rows: int) -> int:
     """Rows per split stage-2/3 program: about 8 row tiles, 16..64 rows each."""
-    return min(64, max(16, _next_pow2(-(-rows // 8))))
+    return min(64, max(16, next_pow2(-(-rows // 8))))
 
 
 def _latent_split(xh, blk, prev_ids, w1, wt, mix, wg, wu, wd, *, cfg: LatentConfig, interpret: bool):
@@ -546,17 +520,16 @@ def _latent_split(xh, blk, prev_ids, w1, wt, mix, wg, wu, wd, *, cfg: LatentConf
     cd = w1.dtype
     f32 = jnp.float32
     rows = n * (b - 1)
-    rp = max(16, _next_pow2(r))
-    mp = max(16, _next_pow2(m))
-    bp = _next_pow2(b)
+    rp = max(16, next_pow2(r))
+    mp = max(16, next_pow2(m))
+    bp = next_pow2(b)
     bpp = _dot_bpp(cfg.blocks_per_program, bp)
     cb = min(cfg.col_block, rp)
     kb1 = min(cfg.k_block, rp)
     with_uc = jnp.dtype(cd) != jnp.dtype(f32)
     u_shape = jax.ShapeDtypeStruct((rows, r), f32)
     mix_call = common.pallas_call(
-        functools.partial(_split_mix_kernel, n=n, b=b, bp=bp, bpp=bpp, v=v, r=r, cb=cb, kb=kb1,
-                          mixer=cfg.mixer),
+        functools.partial(_split_mix_kernel, n=n, b=b, bp=bp, bpp=bpp, v=v, r=r, cb=cb, kb=kb1),
         name="xpress_latent_pass_mix",
         out_shape=(u_shape, jax.ShapeDtypeStruct((rows, r), cd)) if with_uc else (u_shape,),
         grid=(pl.cdiv(n, bpp), pl.cdiv(r, cb)),
@@ -568,13 +541,8 @@ def _latent_split(xh, blk, prev_ids, w1, wt, mix, wg, wu, wd, *, cfg: LatentConf
                     w1, wt, mix)
     u = outs[0]
     uc = outs[1] if with_uc else u
-    if cfg.variant == "split_xla":
-        prec = precision_for(cd)
-        act = (jax.nn.silu(jnp.matmul(uc, wg, precision=prec, preferred_element_type=f32))
-               * jnp.matmul(uc, wu, precision=prec, preferred_element_type=f32)).astype(cd)
-        return (u + jnp.matmul(act, wd, precision=prec, preferred_element_type=f32)).astype(cd)
 
-    rb = min(cfg.row_block or _auto_row_block(rows), max(16, _next_pow2(rows)))
+    rb = min(cfg.row_block or _auto_row_block(rows), max(16, next_pow2(rows)))
     hb = min(cfg.h_block, mp)
     gateup_call = common.pallas_call(
         functools.partial(_split_gateup_kernel, rows=rows, r=r, m=m, rb=rb, hb=hb, kb=kb1),
@@ -604,9 +572,9 @@ def _latent_pallas(xh, blk, prev_ids, w1, wt, mix, wg, wu, wd, *, cfg: LatentCon
     v, r = w1.shape
     m = wg.shape[1]
     cd = w1.dtype
-    rp = max(16, _next_pow2(r))
-    mp = max(16, _next_pow2(m))
-    bp = _next_pow2(b)
+    rp = max(16, next_pow2(r))
+    mp = max(16, next_pow2(m))
+    bp = next_pow2(b)
     kb = min(cfg.k_block, rp)
     hb = min(cfg.h_block, mp)
     bpp = _dot_bpp(cfg.blocks_per_program, bp)
@@ -649,7 +617,6 @@ def latent_pass(
     num_stages: int | None = None,
     col_block: int | None = None,
     row_block: int | None = None,
-    mixer: str | None = None,
 ) -> jax.Array:
     """[N,B,r], [N,B] int32, [N] int32 -> [N, B-1, r]: the draft slots' latents (see module doc).
 
@@ -681,7 +648,7 @@ def latent_pass(
         k: val for k, val in (("blocks_per_program", blocks_per_program), ("k_block", k_block),
                               ("h_block", h_block), ("num_warps", num_warps),
                               ("num_stages", num_stages), ("col_block", col_block),
-                              ("row_block", row_block), ("mixer", mixer)) if val is not None
+                              ("row_block", row_block)) if val is not None
     }
     if overrides:
         cfg = dataclasses.replace(cfg, **overrides)

@@ -15,17 +15,23 @@ Algorithm (exact for any input; "bound, gather, finish"):
 logits become order-preserving int32 *keys* (bf16/f16: sign-extended 16-bit pattern, f32: 32-bit;
 ``key = bits ^ (sign ? 0x7FFF[FFFF] : 0)``, NaN -> key(-inf), so key order == lax.top_k order).
 
-1. ``stats`` (grid rows x segments, reads the logits once): for ``G`` strided groups
-   (element i is in group ``i % G``) the group's max key, and the row's argmax. When the row is one
-   segment the same program also computes the bound below; otherwise ``bound`` (grid rows) combines
-   the segments' group maxima.
-   Bound: ``L`` = the c-th largest of the ``G`` group maxima. They are ``G`` distinct elements, so
-   ``count(key >= L) >= c``: ``L`` is a lower bound of the row's c-th largest key ``t``. On smooth
-   logits few elements lie above it (~700 for c=512, G=1024 on 151936 normal logits).
-2. ``gather`` (grid rows x segments, reads the logits a second time): compacts every element with
-   ``key > L`` (key, id) into a per-segment buffer, in vocab order (a count + cumsum per block),
-   and counts per segment the elements above and equal to ``L``. No atomics: each segment owns its
-   slice of the buffer, so the result is deterministic and interpret mode tests what the GPU runs.
+1. ``bstats`` (grid rows x segments, reads the logits once) keeps the max key of every block of
+   ``block`` (32) contiguous elements (exact integer work: max / min of the raw bits, cheaper than
+   keys) in ``bm`` [rows, ~V/32] (int16 for 16-bit dtypes), the row's max and its first block. When
+   the row is one segment the same program also computes the bound below; otherwise ``bbound``
+   (grid rows) combines the segments. The argmax is the first element of the first block holding
+   the max.
+   Bound: blocks fall in ``G`` groups (block b in group ``b % G``); ``L`` = the c-th largest of the
+   ``G`` group maxima. They are ``G`` distinct elements, so ``count(key >= L) >= c``: ``L`` is a
+   lower bound of the row's c-th largest key ``t``. On smooth logits few elements lie above it.
+2. ``bgather`` (grid rows x segments) first compacts the ids of the blocks whose max is above ``L``
+   (~12% of them on smooth logits; a block whose max is <= L holds no survivor), then reads only
+   those blocks (tiles of ``gather_blocks`` blocks) and compacts their elements with ``key > L``
+   (key, id) into a per-segment buffer, in vocab order (a count + cumsum per block). It also
+   reports the first block whose max is >= L: the finish's scan for ties starts there. The block
+   ids pass through global memory inside one program (a barrier orders the write and the read).
+   No atomics: each segment owns its slice of the buffer, so the result is deterministic and
+   interpret mode tests what the GPU runs.
 3. ``finish`` (grid rows): with ``M = count(key > L)``:
    * ``c <= M <= cap`` (the usual case): the M elements are loaded into registers (vocab order);
      a 16-way threshold search over ``(L, max]`` (each round counts 16 thresholds at once and
@@ -34,25 +40,14 @@ logits become order-preserving int32 *keys* (bf16/f16: sign-extended 16-bit patt
      ``c - count(key > t)`` elements equal to ``t`` in vocab order (a cumsum: the lowest ids).
    * ``M < c`` (then ``t = L``; heavy ties): the M buffered elements go in, then the first
      ``c - M`` elements equal to ``L`` found by scanning the row in vocab order from the first
-     segment holding one, stopping when enough are found.
+     block holding one, stopping when enough are found.
    * ``M > cap`` (adversarial rows): one program does the 16-way threshold search over the whole
      row (full passes, each counting 16 thresholds), then one compaction pass. Exact, slower.
 
-Passes over the logits: 2 in the usual case (stats, gather); the finish reads only ~M elements.
-
-Blocks method (``SelectConfig.method``; "auto" uses it from 64 rows on): the same three stages, but
-1. ``bstats`` keeps the max key of every block of ``block`` (32) contiguous elements (exact integer
-   work: max / min of the raw bits, cheaper than keys) in ``bm`` [rows, ~V/32] (int16 for 16-bit
-   dtypes), the row's max and its first block; the bound groups blocks (block b in group b % G), and
-   the argmax is the first element of the first block holding the max.
-2. ``bgather`` first compacts the ids of the blocks whose max is above ``L`` (~12% of them on smooth
-   logits; a block whose max is <= L holds no survivor), then reads only those blocks (tiles of
-   ``gather_blocks`` blocks) and compacts their elements above ``L`` in vocab order, as above. It
-   also reports the first block whose max is >= L: the finish's scan for ties starts there.
-   The ids pass through global memory inside one program (a barrier orders the write and the read).
-Per element the strided gather pays a count + cumsum + scatter on every chunk (almost every chunk
-holds a survivor); the blocks gather pays that only on the selected blocks, and its stats pass does
-about half the integer work per element of the strided one.
+Passes over the logits: one full read (bstats) in the usual case; the gather reads only the
+selected blocks and the finish only ~M elements. (An earlier "strided" method, strided element
+groups and a gather that compacted the whole row, measured 2x slower at every row count on an
+H200 and was removed: benchmarks/RESULTS.md "Top-C selection".)
 Why not radix histograms: Pallas-Triton has no shared-memory scratch or histogram op, so a 256-bin
 digit pass costs ~256 compares per element; the group-max bound needs one max per element.
 
@@ -75,11 +70,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from . import common
+from .common import BIG, next_pow2
 
 __all__ = ["SelectConfig", "select_candidates", "select_candidates_reference"]
 
 _SENT = -(2**31)  # key of masked lanes: below every real key (NaN is keyed as -inf)
-_BIG = 2**31 - 1
 _KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
 
@@ -99,33 +94,21 @@ def select_candidates_reference(base: jax.Array, c: int):
 class SelectConfig:
     """Block sizes (powers of two) and launch shape; hashable, a static jit argument.
 
-    method: "strided" (bound from strided groups, gather compacts the whole row), "blocks" (stats
-      keeps the max of every ``block`` contiguous elements; gather reads only the blocks whose max
-      is above the bound) or "auto" (blocks from ``blocks_min_rows`` rows on, else strided).
-    groups: G, the number of groups whose maxima give the bound (strided: groups of elements,
-      element i in group ``i % G``; blocks: groups of blocks, block b in group ``b % G``).
-    unroll: the strided stats issues ``unroll`` loads of G elements per loop step.
-    chunk: elements per block in the strided gather (one count + cumsum per block).
-    gather_unroll: the strided gather issues ``gather_unroll`` loads of ``chunk`` elements per step.
-    block: elements per block (blocks method): the unit of the maxima and of the gather's reads.
-    stats_blocks / stats_unroll: the blocks stats issues ``stats_unroll`` loads of ``stats_blocks``
-      blocks per loop step (it halves the unroll, then the blocks down to 64, to reach ``segments``).
-    scan_blocks: block maxima per step in the blocks gather's first phase (which blocks to read).
-    gather_blocks: blocks per load (and per compaction) in the blocks gather's second phase.
+    groups: G, the number of groups of blocks whose maxima give the bound (block b in group ``b % G``).
+    block: elements per block: the unit of the maxima and of the gather's reads.
+    stats_blocks / stats_unroll: stats issues ``stats_unroll`` loads of ``stats_blocks`` blocks per
+      loop step (it halves the unroll, then the blocks down to 64, to reach ``segments``).
+    scan_blocks: block maxima per step in the gather's first phase (which blocks to read).
+    gather_blocks: blocks per load (and per compaction) in the gather's second phase.
     cap: buffer capacity, the most elements above the bound that the fast finish handles.
     scan_chunk: elements per block in the finish's row scans (ties at the bound, flooded rows).
     num_warps / gather_warps / finish_warps: warps of stats and bound / gather / finish.
     segments: programs per row in stats and gather (None: the power of two at or below
-      ``target_programs / rows``; fewer when a row has fewer loop steps; the strided gather halves
-      its unroll, down to 1, to reach it).
+      ``target_programs / rows``; fewer when a row has fewer loop steps).
     """
 
-    method: str = "auto"
     groups: int = 2048
-    unroll: int = 8
     num_warps: int = 8
-    chunk: int = 1024
-    gather_unroll: int = 8
     gather_warps: int = 4
     block: int = 32
     stats_blocks: int = 512
@@ -137,24 +120,16 @@ class SelectConfig:
     finish_warps: int = 16
     segments: int | None = None
     target_programs: int = 512
-    blocks_min_rows: int = 1  # H200, 2026-11-30: blocks 9.7 µs vs strided 20.4 µs at 15 rows
 
     def __post_init__(self):
-        for f in ("groups", "cap", "chunk", "scan_chunk", "unroll", "gather_unroll", "block", "stats_blocks",
-                  "stats_unroll", "scan_blocks", "gather_blocks"):
+        for f in ("groups", "cap", "scan_chunk", "block", "stats_blocks", "stats_unroll", "scan_blocks",
+                  "gather_blocks"):
             v = getattr(self, f)
             lo = 1 if "unroll" in f or "block" in f else 16
             if isinstance(v, bool) or not isinstance(v, int) or v < lo or v & (v - 1):
                 raise ValueError(f"{f}={v!r} must be a power of two >= {lo}")
-        if self.method not in ("auto", "strided", "blocks"):
-            raise ValueError(f"method={self.method!r} must be 'auto', 'strided' or 'blocks'")
         if self.segments is not None and (not isinstance(self.segments, int) or self.segments < 1):
             raise ValueError(f"segments={self.segments!r} must be a positive int or None")
-
-    def resolved_method(self, rows: int) -> str:
-        if self.method != "auto":
-            return self.method
-        return "blocks" if rows >= self.blocks_min_rows else "strided"
 
 
 def _want_segments(rows: int, cfg: SelectConfig) -> int:
@@ -167,14 +142,6 @@ def _split(nsteps: int, want: int) -> tuple[int, int]:
     """(segments, loop steps per segment): about ``want`` segments (fewer if the row is short)."""
     per = max(1, nsteps // max(want, 1))
     return -(-nsteps // per), per
-
-
-def _gather_unroll(v: int, want: int, cfg: SelectConfig) -> int:
-    """Largest power of two <= cfg.gather_unroll that still gives ``want`` segments of whole steps."""
-    u = cfg.gather_unroll
-    while u > 1 and -(-v // (cfg.chunk * u)) < want:
-        u //= 2
-    return u
 
 
 # ----------------------------------------------------------------------------- keys
@@ -257,10 +224,6 @@ def _bound(gm, c, groups):
     return jnp.where(la == 0, -1, la)
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def _src_row(r, slot_stride: int):
     """Row of ``base`` that draft row ``r`` reads.
 
@@ -278,110 +241,6 @@ def _draft_rows(base_rows: int, slot_stride: int) -> int:
 
 
 # ----------------------------------------------------------------------------- kernels
-def _stats_kernel(x_ref, *out_refs, v, g, unroll, per, c, fused, dtype, slot_stride=0):
-    # x_ref [rows, V] (whole array); one loop step reads `unroll` blocks of G
-    # fused:  L, hi0, arg: 0-d blocks of [rows]
-    # else :  gm [rows, S, G] block (G,), smax / sarg: 0-d blocks of [rows, S]
-    r = pl.program_id(0)
-    s = pl.program_id(1)
-    xr = _src_row(r, slot_stride)
-    lane = jnp.arange(g, dtype=jnp.int32)
-    step = g * unroll
-    nsteps = -(-v // step)
-    c0 = s * per
-    c1 = jnp.minimum(c0 + per, nsteps)
-
-    def body(ci, carry):
-        acc_k, acc_i = carry
-        cols = [ci * step + u * g + lane for u in range(unroll)]
-        xs = [plt.load(x_ref.at[xr, pl.ds(ci * step + u * g, g)], mask=col < v, other=0)
-              for u, col in enumerate(cols)]  # all loads first: bytes in flight
-        for col, x in zip(cols, xs):
-            ka = jnp.where(col < v, _canon(_to_key(x, dtype)), _SENT)
-            gt = ka > acc_k  # strict: the earliest element keeps the group
-            acc_k, acc_i = jnp.where(gt, ka, acc_k), jnp.where(gt, col, acc_i)
-        return acc_k, acc_i
-
-    init = (jnp.full((g,), _SENT, jnp.int32), jnp.zeros((g,), jnp.int32))
-    acc_k, acc_i = lax.fori_loop(c0, c1, body, init)
-    m = jnp.max(acc_k)
-    arg = jnp.min(jnp.where(acc_k == m, acc_i, _BIG))
-    if fused:
-        L_ref, hi_ref, arg_ref = out_refs
-        L_ref[()] = _bound(acc_k, c, g)
-        hi_ref[()] = m + 1
-        arg_ref[()] = arg
-    else:
-        gm_ref, smax_ref, sarg_ref = out_refs
-        gm_ref[...] = acc_k
-        smax_ref[()] = m
-        sarg_ref[()] = arg
-
-
-def _bound_kernel(gm_ref, smax_ref, sarg_ref, L_ref, hi_ref, arg_ref, *, nseg, g, c, rows_per_step):
-    # gm_ref [rows, S, G], smax_ref/sarg_ref [rows, S] (whole arrays); L/hi0/arg: 0-d blocks of [rows]
-    r = pl.program_id(0)
-    sp = _pow2(nseg)
-    sidx = jnp.arange(sp, dtype=jnp.int32)
-    smax = plt.load(smax_ref.at[r, sidx], mask=sidx < nseg, other=_SENT)
-    sarg = plt.load(sarg_ref.at[r, sidx], mask=sidx < nseg, other=_BIG)
-    m = jnp.max(smax)
-    arg = jnp.min(jnp.where(smax == m, sarg, _BIG))  # segments in order: the lowest id
-
-    u = jnp.arange(rows_per_step, dtype=jnp.int32)[:, None]
-    lane = jnp.arange(g, dtype=jnp.int32)[None, :]
-
-    def body(i, gm):
-        seg = i * rows_per_step + u
-        blk = plt.load(gm_ref.at[r, seg, lane], mask=(seg < nseg) & (lane >= 0), other=_SENT)
-        return jnp.maximum(gm, jnp.max(blk, axis=0))
-
-    gm = lax.fori_loop(0, -(-nseg // rows_per_step), body, jnp.full((g,), _SENT, jnp.int32))
-    L_ref[()] = _bound(gm, c, g)
-    hi_ref[()] = m + 1
-    arg_ref[()] = arg
-
-
-def _gather_kernel(L_ref, x_ref, bk_ref, bi_ref, cnt_ref, st_ref, *, v, ch, unroll, per, cap, dtype, slot_stride=0):
-    # L_ref [rows]; x_ref [rows, V]; one loop step reads `unroll` blocks of `ch`
-    # bk_ref/bi_ref [rows, S, cap+1] (slot cap = trash); cnt_ref/st_ref: 0-d blocks of [rows, S]
-    # st: where the finish's scan for ties at L may start (the segment's first element; BIG: no tie)
-    r = pl.program_id(0)
-    s = pl.program_id(1)
-    xr = _src_row(r, slot_stride)
-    T = L_ref[r]
-    lane = jnp.arange(ch, dtype=jnp.int32)
-    step = ch * unroll
-    nsteps = -(-v // step)
-    c0 = s * per
-    c1 = jnp.minimum(c0 + per, nsteps)
-
-    def body(ci, carry):
-        cols = [ci * step + u * ch + lane for u in range(unroll)]
-        xs = [plt.load(x_ref.at[xr, pl.ds(ci * step + u * ch, ch)], mask=col < v, other=0)
-              for u, col in enumerate(cols)]  # all loads first: bytes in flight
-        for col, x in zip(cols, xs):
-            off, eqv = carry
-            k = jnp.where(col < v, _to_key(x, dtype), _SENT)
-            sel = k > T
-            n = _isum(sel)
-
-            @pl.when(n > 0)
-            def _():
-                pos = off + _icumsum(sel) - 1
-                w = sel & (pos < cap)
-                pos = jnp.where(w, pos, cap)
-                plt.store(bk_ref.at[r, s, pos], k, mask=w)
-                plt.store(bi_ref.at[r, s, pos], col, mask=w)
-
-            carry = off + n, eqv + (k == T).astype(jnp.int32)  # per lane: one reduction at the end
-        return carry
-
-    off, eqv = lax.fori_loop(c0, c1, body, (jnp.int32(0), jnp.zeros((ch,), jnp.int32)))
-    cnt_ref[()] = off
-    st_ref[()] = jnp.where(_isum(eqv) > 0, c0 * step, _BIG)
-
-
 def _finish_kernel(L_ref, hi_ref, cnt_ref, st_ref, bk_ref, bi_ref, x_ref, cand_ref, val_ref, *,
                    v, c, cap, nseg, ch, dtype, trash, slot_stride=0):
     # L_ref/hi_ref [rows]; cnt_ref/st_ref [rows, S]; bk_ref/bi_ref [rows, S, cap+1]; x_ref [rows, V]
@@ -394,7 +253,7 @@ def _finish_kernel(L_ref, hi_ref, cnt_ref, st_ref, bk_ref, bi_ref, x_ref, cand_r
     j = jnp.arange(cap, dtype=jnp.int32)
     lane = jnp.arange(ch, dtype=jnp.int32)
     nch = -(-v // ch)
-    sp = _pow2(nseg)
+    sp = next_pow2(nseg)
     sidx = jnp.arange(sp, dtype=jnp.int32)
     cnt = plt.load(cnt_ref.at[r, sidx], mask=sidx < nseg, other=0)  # [sp] per-segment counts above L
     M = _isum(cnt)
@@ -433,7 +292,7 @@ def _finish_kernel(L_ref, hi_ref, cnt_ref, st_ref, bk_ref, bi_ref, x_ref, cand_r
         def _():  # t == L: all M buffered elements, then the first c - M ties at L in vocab order
             out(j, ids, k, valid)
             need = c - M
-            start = jnp.min(plt.load(st_ref.at[r, sidx], mask=sidx < nseg, other=_BIG))  # no tie before
+            start = jnp.min(plt.load(st_ref.at[r, sidx], mask=sidx < nseg, other=BIG))  # no tie before
 
             def cond(st):
                 ci, found = st
@@ -519,7 +378,7 @@ def _blocks_bound(bm_ref, x_ref, r, xr, m, b, *, v, nb, bs, g, c, dtype):
     ok = col < v
     x = plt.load(x_ref.at[xr, pl.ds(b * bs, bs)], mask=ok, other=0)
     k = jnp.where(ok, _canon(_to_key(x, dtype)), _SENT)
-    arg = jnp.min(jnp.where(k == m, col, _BIG))  # first element of the first block holding the max
+    arg = jnp.min(jnp.where(k == m, col, BIG))  # first element of the first block holding the max
     return _bound(gm, c, g), m + 1, arg
 
 
@@ -561,7 +420,7 @@ def _bstats_kernel(x_ref, *out_refs, v, nb, bs, tb, unroll, per, g, c, fused, dt
     carry = lax.fori_loop(c0, full, functools.partial(body, masked=False), init)
     am, ab = lax.fori_loop(jnp.maximum(full, c0), c1, functools.partial(body, masked=True), carry)
     m = jnp.max(am)
-    b = jnp.min(jnp.where(am == m, ab, _BIG))
+    b = jnp.min(jnp.where(am == m, ab, BIG))
     if fused:
         _, L_ref, hi_ref, arg_ref = out_refs
         _barrier(interpret)
@@ -579,11 +438,11 @@ def _bbound_kernel(bm_ref, smax_ref, sblk_ref, x_ref, L_ref, hi_ref, arg_ref, *,
                    slot_stride=0):
     # bm_ref [rows, *], smax_ref / sblk_ref [rows, S], x_ref [rows, V] (whole); L / hi0 / arg: 0-d blocks
     r = pl.program_id(0)
-    sidx = jnp.arange(_pow2(nseg), dtype=jnp.int32)
+    sidx = jnp.arange(next_pow2(nseg), dtype=jnp.int32)
     smax = plt.load(smax_ref.at[r, sidx], mask=sidx < nseg, other=_SENT)
-    sblk = plt.load(sblk_ref.at[r, sidx], mask=sidx < nseg, other=_BIG)
+    sblk = plt.load(sblk_ref.at[r, sidx], mask=sidx < nseg, other=BIG)
     m = jnp.max(smax)
-    b = jnp.min(jnp.where(smax == m, sblk, _BIG))  # segments in order: the first block
+    b = jnp.min(jnp.where(smax == m, sblk, BIG))  # segments in order: the first block
     L, hi, arg = _blocks_bound(bm_ref, x_ref, r, _src_row(r, slot_stride), m, b, v=v, nb=nb, bs=bs, g=g, c=c,
                                dtype=dtype)
     L_ref[()] = L
@@ -614,9 +473,9 @@ def _bgather_kernel(L_ref, bm_ref, x_ref, bl_ref, bk_ref, bi_ref, cnt_ref, st_re
         selb = kb > T
         pos = jnp.where(selb, nsel + _icumsum(selb) - 1, pb)
         plt.store(bl_ref.at[r, s, pos], blk, mask=selb)
-        return nsel + _isum(selb), jnp.minimum(fb, jnp.min(jnp.where(kb >= T, blk, _BIG)))
+        return nsel + _isum(selb), jnp.minimum(fb, jnp.min(jnp.where(kb >= T, blk, BIG)))
 
-    nsel, fb = lax.fori_loop(0, -(-pb // tbs), scan, (jnp.int32(0), jnp.int32(_BIG)))
+    nsel, fb = lax.fori_loop(0, -(-pb // tbs), scan, (jnp.int32(0), jnp.int32(BIG)))
     _barrier(interpret)
 
     # 2. read those blocks; compact their elements above L, in vocab order
@@ -642,7 +501,7 @@ def _bgather_kernel(L_ref, bm_ref, x_ref, bl_ref, bk_ref, bi_ref, cnt_ref, st_re
 
     off = lax.fori_loop(0, (nsel + tb2 - 1) // tb2, body, jnp.int32(0))
     cnt_ref[()] = off
-    st_ref[()] = jnp.where(fb < _BIG, fb * bs, _BIG)
+    st_ref[()] = jnp.where(fb < BIG, fb * bs, BIG)
 
 
 # ----------------------------------------------------------------------------- wrapper
@@ -678,8 +537,7 @@ def _select_pallas(base, *, c: int, cfg: SelectConfig, interpret: bool, upto: st
     rows = _draft_rows(base.shape[0], slot_stride)
     dtype = jnp.dtype(base.dtype)
     want = _want_segments(rows, cfg)
-    stages = _strided_stages if cfg.resolved_method(rows) == "strided" else _blocks_stages
-    out = stages(base, c=c, cfg=cfg, interpret=interpret, want=want, upto=upto, slot_stride=slot_stride)
+    out = _blocks_stages(base, c=c, cfg=cfg, interpret=interpret, want=want, upto=upto, slot_stride=slot_stride)
     if upto != "finish":
         return out
     L, hi0, arg, cnt, st, bk, bi = out
@@ -699,55 +557,6 @@ def _select_pallas(base, *, c: int, cfg: SelectConfig, interpret: bool, upto: st
     return cand, vals, arg
 
 
-def _strided_stages(base, *, c, cfg, interpret, want, upto, slot_stride=0):
-    v = base.shape[1]
-    rows = _draft_rows(base.shape[0], slot_stride)
-    dtype = jnp.dtype(base.dtype)
-    g, cap, ch = cfg.groups, cfg.cap, cfg.chunk
-    i32 = jnp.int32
-    call = functools.partial(common.pallas_call, interpret=interpret, num_warps=cfg.num_warps)
-    anyspec = pl.no_block_spec
-
-    # 1. stats (+ bound)
-    s1, per1 = _split(-(-v // (g * cfg.unroll)), want)
-    fused = s1 == 1
-    kern = functools.partial(_stats_kernel, v=v, g=g, unroll=cfg.unroll, per=per1, c=c, fused=fused, dtype=dtype,
-                             slot_stride=slot_stride)
-    if fused:
-        L, hi0, arg = call(
-            kern, name="select_stats_bound", grid=(rows, 1), in_specs=[anyspec],
-            out_specs=[_scalar_spec2_1d() for _ in range(3)],
-            out_shape=[jax.ShapeDtypeStruct((rows,), i32)] * 3,
-        )(base)
-    else:
-        gm, smax, sarg = call(
-            kern, name="select_stats", grid=(rows, s1), in_specs=[anyspec],
-            out_specs=[pl.BlockSpec((None, None, g), lambda r, s: (r, s, 0)), _scalar_spec2(), _scalar_spec2()],
-            out_shape=[jax.ShapeDtypeStruct((rows, s1, g), i32), jax.ShapeDtypeStruct((rows, s1), i32),
-                       jax.ShapeDtypeStruct((rows, s1), i32)],
-        )(base)
-        L, hi0, arg = call(
-            functools.partial(_bound_kernel, nseg=s1, g=g, c=c, rows_per_step=min(_pow2(s1), max(1, 8192 // g))),
-            name="select_bound", grid=(rows,),
-            in_specs=[anyspec] * 3, out_specs=[_scalar_spec1() for _ in range(3)],
-            out_shape=[jax.ShapeDtypeStruct((rows,), i32)] * 3,
-        )(gm, smax, sarg)
-    if upto == "stats":
-        return L, hi0, arg
-
-    # 2. gather everything above the bound
-    gu = _gather_unroll(v, want, cfg)
-    s3, per3 = _split(-(-v // (ch * gu)), want)
-    bk, bi, cnt, st = common.pallas_call(
-        functools.partial(_gather_kernel, v=v, ch=ch, unroll=gu, per=per3, cap=cap, dtype=dtype,
-                          slot_stride=slot_stride),
-        name="select_gather", grid=(rows, s3), interpret=interpret, num_warps=cfg.gather_warps,
-        in_specs=[anyspec, anyspec], out_specs=[anyspec, anyspec, _scalar_spec2(), _scalar_spec2()],
-        out_shape=[jax.ShapeDtypeStruct((rows, s3, cap + 1), i32)] * 2 + [jax.ShapeDtypeStruct((rows, s3), i32)] * 2,
-    )(L, base)
-    return L, hi0, arg, cnt, st, bk, bi
-
-
 def _blocks_stages(base, *, c, cfg, interpret, want, upto, slot_stride=0):
     v = base.shape[1]
     rows = _draft_rows(base.shape[0], slot_stride)
@@ -760,7 +569,7 @@ def _blocks_stages(base, *, c, cfg, interpret, want, upto, slot_stride=0):
     nb = -(-v // bs)
 
     # 1. block maxima (+ bound)
-    tb, su = _tile_for(nb, min(cfg.stats_blocks, _pow2(nb)), cfg.stats_unroll, want, min(64, cfg.stats_blocks))
+    tb, su = _tile_for(nb, min(cfg.stats_blocks, next_pow2(nb)), cfg.stats_unroll, want, min(64, cfg.stats_blocks))
     nsteps = -(-nb // (tb * su))
     s1, per1 = _split(nsteps, want)
     fused = s1 == 1
@@ -793,8 +602,8 @@ def _blocks_stages(base, *, c, cfg, interpret, want, upto, slot_stride=0):
     pb = -(-nb // want)
     s3 = -(-nb // pb)
     bl, bk, bi, cnt, st = common.pallas_call(
-        functools.partial(_bgather_kernel, v=v, nb=nb, bs=bs, pb=pb, tbs=min(cfg.scan_blocks, _pow2(pb)),
-                          tb2=min(cfg.gather_blocks, _pow2(pb)), cap=cap, dtype=dtype, interpret=interpret,
+        functools.partial(_bgather_kernel, v=v, nb=nb, bs=bs, pb=pb, tbs=min(cfg.scan_blocks, next_pow2(pb)),
+                          tb2=min(cfg.gather_blocks, next_pow2(pb)), cap=cap, dtype=dtype, interpret=interpret,
                           slot_stride=slot_stride),
         name="select_bgather", grid=(rows, s3), interpret=interpret, num_warps=cfg.gather_warps,
         in_specs=[anyspec] * 3, out_specs=[anyspec] * 3 + [_scalar_spec2(), _scalar_spec2()],

@@ -10,14 +10,9 @@ holding the largest score wins; spelled here without depending on the order of t
 candidates, which the selection kernel does not sort). Rows whose scores are all
 -inf follow the same order (largest base logit, then lowest id).
 
-Hook pair, as `refine._refine` calls it:
-
-* `topc_prepare(w2, cand, materialize=False)` runs once per call. By default it
-  returns ``w2`` itself and the pick kernel gathers the candidates' w2 rows
-  (``r`` contiguous values each) straight from it, so ``w2[cand]`` [rows, C, r]
-  is never stored. ``materialize=True`` returns ``w2[cand]`` (one XLA gather per
-  call); the kernel then reads it contiguously. benchmarks/dev_pick.py measures both.
-* `topc_pick(base_c, cand, lat, prepared)` runs once per pass.
+The kernel gathers the candidates' w2 rows (``r`` contiguous values each) straight from ``w2``,
+so ``w2[cand]`` [rows, C, r] is never stored. (Reading a materialised ``w2[cand]`` instead was
+measured slower at every N and removed: benchmarks/RESULTS.md "Top-C pick".)
 
 Kernel: grid ``(rows, splits)``, dim 0 launched fastest. Program (n, j) loops over
 ``c_steps`` tiles of ``c_tile`` candidates of row n (the tail of C is masked),
@@ -44,9 +39,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from . import common
-from .full_vocab import _BIG, _cdiv, _iota, _k_tile, _next_pow2, _score
+from .common import BIG, cdiv, iota, k_chunk, next_pow2, score
 
-__all__ = ["TopCConfig", "default_config", "topc_prepare", "topc_pick", "reference_prepare", "reference_pick"]
+__all__ = ["TopCConfig", "default_config", "topc_pick", "combine_splits", "reference_prepare", "reference_pick"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +52,6 @@ class TopCConfig:
     k_tile: rank chunk per step (power of two; 0 = the whole rank): the chunk used is
       ``min(k_tile, next_pow2(rank))``; a rank it does not divide ends in a masked tail chunk.
     splits = cdiv(C, c_tile * c_steps) programs per row (1 = no combine launch).
-    combine: ``"pallas"`` or ``"xla"`` reduction of the splits.
     """
 
     c_tile: int = 64
@@ -65,7 +59,6 @@ class TopCConfig:
     k_tile: int = 0
     num_warps: int = 4
     num_stages: int = 1
-    combine: str = "pallas"
 
     def check(self) -> None:
         for name in ("c_tile",):
@@ -76,8 +69,6 @@ class TopCConfig:
             raise ValueError(f"k_tile={self.k_tile} must be 0 or a power of two")
         if self.c_steps < 1:
             raise ValueError(f"c_steps={self.c_steps} must be >= 1")
-        if self.combine not in ("pallas", "xla"):
-            raise ValueError(f"combine={self.combine!r} must be 'pallas' or 'xla'")
 
     def check_shape(self, rows: int, c: int, rank: int, dtype) -> None:
         """`check`, then refuse (ValueError) shapes the kernel cannot run. Any C (tail tiles are
@@ -93,13 +84,13 @@ class TopCConfig:
 
 def default_config(rows: int, c: int, rank: int, dtype) -> TopCConfig:
     """Heuristic: one program per row when there are enough rows, else split C over programs."""
-    c_tile = min(64, _next_pow2(c))
+    c_tile = min(64, next_pow2(c))
     k_tile = 64 if jnp.dtype(dtype).itemsize >= 4 else 128
-    tiles = _cdiv(c, c_tile)
+    tiles = cdiv(c, c_tile)
     splits = 1
     while splits < tiles and rows * splits < 512:
         splits *= 2
-    return TopCConfig(c_tile=c_tile, c_steps=_cdiv(tiles, splits), k_tile=k_tile, num_warps=4, num_stages=2)
+    return TopCConfig(c_tile=c_tile, c_steps=cdiv(tiles, splits), k_tile=k_tile, num_warps=4, num_stages=2)
 
 
 def _best3(s: jax.Array, b: jax.Array, ids: jax.Array, axis: int):
@@ -107,7 +98,7 @@ def _best3(s: jax.Array, b: jax.Array, ids: jax.Array, axis: int):
     m = jnp.max(s, axis=axis)
     tied = s == jnp.expand_dims(m, axis)
     mb = jnp.max(jnp.where(tied, b, -jnp.inf), axis=axis)
-    k = jnp.min(jnp.where(tied & (b == jnp.expand_dims(mb, axis)), ids, _BIG), axis=axis)
+    k = jnp.min(jnp.where(tied & (b == jnp.expand_dims(mb, axis)), ids, BIG), axis=axis)
     return m, mb, k
 
 
@@ -129,18 +120,11 @@ def reference_pick(base_c, cand, lat, w2c) -> jax.Array:
     return _JnpOps.topc_pick(base_c, cand, lat, w2c)
 
 
-def topc_prepare(w2: jax.Array, cand: jax.Array, *, materialize: bool = False) -> jax.Array:
-    """Once per call: ``w2`` itself (the kernel gathers rows), or ``w2[cand]`` [rows, C, r] if ``materialize``."""
-    if materialize or jnp.dtype(w2.dtype) == jnp.float64:
-        return reference_prepare(w2, cand)
-    return w2
-
-
 def _topc_kernel(
     base_ref,  # [rows, C] whole array
     cand_ref,  # [rows, C] int32 whole array
     lat_ref,  # [rows, r] whole array
-    w_ref,  # [V, r] (gather) or [rows, C, r] (materialised), whole array
+    w_ref,  # [V, r] (w2), whole array
     mv_ref,  # [] block of [splits, rows_pad] float32: best score
     mb_ref,  # [] block of [splits, rows_pad] float32: the largest base logit holding it
     mi_ref,  # [] block of [splits, rows_pad] int32: the lowest vocab id holding both
@@ -150,17 +134,16 @@ def _topc_kernel(
     c_tile: int,
     c_steps: int,
     k_tile: int,
-    gather: bool,
     dtype,
 ):
     n, j = pl.program_id(0), pl.program_id(1)
-    n_k = _cdiv(rank, k_tile)
+    n_k = cdiv(rank, k_tile)
     # A rank k_tile does not divide ends in a masked tail chunk (zeros on both operands add nothing),
     # loaded with index arrays: never a static slice past the end (JAX >= 0.12 refuses one).
     k_tail = rank % k_tile != 0
 
     def kcols(kk):  # rank columns of chunk kk and their mask (None: all inside the rank)
-        kc = kk * k_tile + _iota(k_tile)
+        kc = kk * k_tile + iota(k_tile)
         return kc, (kc < rank if k_tail and kk == n_k - 1 else None)
 
     def load_x(kk):
@@ -173,7 +156,7 @@ def _topc_kernel(
 
     def step(t, carry):
         c0 = (j * c_steps + t) * c_tile
-        ok = (c0 + _iota(c_tile)) < c
+        ok = (c0 + iota(c_tile)) < c
         ids = plt.load(cand_ref.at[n, pl.ds(c0, c_tile)], mask=ok, other=0)  # [c_tile]
         ids = jnp.where(ok, ids, 0)
         b = plt.load(base_ref.at[n, pl.ds(c0, c_tile)], mask=ok, other=0.0)  # [c_tile]
@@ -181,24 +164,18 @@ def _topc_kernel(
         for kk in range(n_k):  # static: the rank is small (256)
             k0 = kk * k_tile
             kc, km = kcols(kk)
-            if gather and km is not None:  # [c_tile, k_tile] row gather, rank tail masked
+            if km is not None:  # [c_tile, k_tile] row gather, rank tail masked
                 w = plt.load(w_ref.at[ids[:, None], kc[None, :]], mask=jnp.broadcast_to(km[None, :], (c_tile, k_tile)),
                              other=0.0)
-            elif gather:
-                w = w_ref[ids, pl.ds(k0, k_tile)]  # [c_tile, k_tile] row gather (masked lanes read row 0)
-            elif km is not None:
-                ci = c0 + _iota(c_tile)
-                w = plt.load(w_ref.at[n, ci[:, None], kc[None, :]], mask=ok[:, None] & km[None, :], other=0.0)
             else:
-                mask = jnp.broadcast_to(ok[:, None], (c_tile, k_tile))
-                w = plt.load(w_ref.at[n, pl.ds(c0, c_tile), pl.ds(k0, k_tile)], mask=mask, other=0.0)
+                w = w_ref[ids, pl.ds(k0, k_tile)]  # [c_tile, k_tile] row gather (masked lanes read row 0)
             acc = acc + jnp.sum(w.astype(jnp.float32) * xs[kk][None, :], axis=1)
-        s = jnp.where(ok, _score(b, acc.astype(dtype), dtype), -jnp.inf)
+        s = jnp.where(ok, score(b, acc.astype(dtype), dtype), -jnp.inf)
         bf = b.astype(jnp.float32)
         bf = jnp.where(ok & (bf == bf), bf, -jnp.inf)  # NaN base (and masked lanes) rank as -inf
-        return _merge3(*carry, *_best3(s, bf, jnp.where(ok, ids, _BIG), axis=0))
+        return _merge3(*carry, *_best3(s, bf, jnp.where(ok, ids, BIG), axis=0))
 
-    init = (jnp.array(-jnp.inf, jnp.float32), jnp.array(-jnp.inf, jnp.float32), jnp.array(_BIG, jnp.int32))
+    init = (jnp.array(-jnp.inf, jnp.float32), jnp.array(-jnp.inf, jnp.float32), jnp.array(BIG, jnp.int32))
     best, bbase, bidx = step(0, init) if c_steps == 1 else jax.lax.fori_loop(0, c_steps, step, init)
     mv_ref[...] = best
     mb_ref[...] = bbase
@@ -210,15 +187,14 @@ def topc_pick(
     base_c: jax.Array,
     cand: jax.Array,
     lat: jax.Array,
-    prepared: jax.Array,
+    w2: jax.Array,
     *,
     interpret: bool = False,
     config: TopCConfig | None = None,
 ) -> jax.Array:
-    """[rows,C], [rows,C] int, [rows,r], topc_prepare(...) -> [rows] int32 vocab ids.
+    """[rows,C], [rows,C] int, [rows,r], [V,r] -> [rows] int32 vocab ids.
 
-    ``prepared`` is ``w2`` [V, r] (rows gathered in the kernel) or ``w2[cand]``
-    [rows, C, r]. Candidate ids must lie in [0, V).
+    The kernel gathers the candidates' rows of ``w2``. Candidate ids must lie in [0, V).
     """
     if base_c.ndim != 2 or cand.shape != base_c.shape or lat.ndim != 2 or lat.shape[0] != base_c.shape[0]:
         raise ValueError(
@@ -226,27 +202,25 @@ def topc_pick(
         )
     rows, c = base_c.shape
     rank = lat.shape[1]
-    gather = prepared.ndim == 2
-    if (gather and prepared.shape[1] != rank) or (not gather and prepared.shape != (rows, c, rank)):
-        raise ValueError(f"prepared must be w2 [V, {rank}] or w2[cand] {(rows, c, rank)}; got {prepared.shape}")
-    if not (base_c.dtype == lat.dtype == prepared.dtype):
-        raise ValueError(f"dtypes must agree: {base_c.dtype=} {lat.dtype=} {prepared.dtype=}")
+    if w2.ndim != 2 or w2.shape[1] != rank:
+        raise ValueError(f"w2 must be [V, {rank}]; got {w2.shape}")
+    if not (base_c.dtype == lat.dtype == w2.dtype):
+        raise ValueError(f"dtypes must agree: {base_c.dtype=} {lat.dtype=} {w2.dtype=}")
     dtype = jnp.dtype(base_c.dtype)
     if dtype == jnp.float64:
-        w2c = jnp.take(prepared, cand, axis=0) if gather else prepared
-        return reference_pick(base_c, cand, lat, w2c)
+        return reference_pick(base_c, cand, lat, jnp.take(w2, cand, axis=0))
     cfg = config or default_config(rows, c, rank, dtype)
     cfg.check_shape(rows, c, rank, dtype)
-    k_tile = _k_tile(cfg.k_tile, rank)
-    splits = _cdiv(c, cfg.c_tile * cfg.c_steps)
+    k_tile = k_chunk(cfg.k_tile, rank)
+    splits = cdiv(c, cfg.c_tile * cfg.c_steps)
     kernel = functools.partial(
-        _topc_kernel, c=c, rank=rank, c_tile=cfg.c_tile, c_steps=cfg.c_steps, k_tile=k_tile, gather=gather, dtype=dtype
+        _topc_kernel, c=c, rank=rank, c_tile=cfg.c_tile, c_steps=cfg.c_steps, k_tile=k_tile, dtype=dtype
     )
-    rows_pad = _cdiv(rows, 16) * 16  # padding rows are never written; combine_splits gets >= 16-row tiles
+    rows_pad = cdiv(rows, 16) * 16  # padding rows are never written; combine_splits gets >= 16-row tiles
     out_spec = pl.BlockSpec((None, None), lambda n, j: (j, n))
     mv, mb, mi = common.pallas_call(
         kernel,
-        name="xpress_topc_pick" + ("" if gather else "_w2c"),
+        name="xpress_topc_pick",
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         interpret=interpret,
@@ -258,8 +232,8 @@ def topc_pick(
             jax.ShapeDtypeStruct((splits, rows_pad), jnp.float32),
             jax.ShapeDtypeStruct((splits, rows_pad), jnp.int32),
         ),
-    )(base_c, cand.astype(jnp.int32), lat, prepared)
-    return combine_splits(mv, mb, mi, interpret=interpret, how=cfg.combine)[:rows]
+    )(base_c, cand.astype(jnp.int32), lat, w2)
+    return combine_splits(mv, mb, mi, interpret=interpret)[:rows]
 
 
 def _combine_kernel(mv_ref, mb_ref, mi_ref, o_ref, *, splits: int, row_tile: int, split_tile: int):
@@ -269,41 +243,38 @@ def _combine_kernel(mv_ref, mb_ref, mi_ref, o_ref, *, splits: int, row_tile: int
 
     def step(t, carry):
         p0 = t * split_tile
-        ok = jnp.broadcast_to(((p0 + _iota(split_tile)) < splits)[:, None], shape)
+        ok = jnp.broadcast_to(((p0 + iota(split_tile)) < splits)[:, None], shape)
         if isinstance(p0, int) and p0 + split_tile > splits:
             # A static slice past the end (one masked tile): JAX >= 0.12 refuses it at trace time,
-            # so index with arrays (the same addresses).
-            idx = ((p0 + _iota(split_tile))[:, None], (r0 + _iota(row_tile))[None, :])
+            # so index with arrays (the same addresses), as full_vocab's combine does.
+            idx = ((p0 + iota(split_tile))[:, None], (r0 + iota(row_tile))[None, :])
         else:
             idx = (pl.ds(p0, split_tile), pl.ds(r0, row_tile))
         v = jnp.where(ok, plt.load(mv_ref.at[idx], mask=ok, other=-jnp.inf), -jnp.inf)
         b = jnp.where(ok, plt.load(mb_ref.at[idx], mask=ok, other=-jnp.inf), -jnp.inf)
-        ix = jnp.where(ok, plt.load(mi_ref.at[idx], mask=ok, other=_BIG), _BIG)
+        ix = jnp.where(ok, plt.load(mi_ref.at[idx], mask=ok, other=BIG), BIG)
         return _merge3(*carry, *_best3(v, b, ix, axis=0))
 
     init = (jnp.full((row_tile,), -jnp.inf, jnp.float32), jnp.full((row_tile,), -jnp.inf, jnp.float32),
-            jnp.full((row_tile,), _BIG, jnp.int32))
-    n_t = _cdiv(splits, split_tile)
+            jnp.full((row_tile,), BIG, jnp.int32))
+    n_t = cdiv(splits, split_tile)
     _, _, bidx = step(0, init) if n_t == 1 else jax.lax.fori_loop(0, n_t, step, init)
     o_ref[...] = bidx
 
 
-def combine_splits(mv: jax.Array, mb: jax.Array, mi: jax.Array, *, interpret: bool = False,
-                   how: str = "pallas") -> jax.Array:
+def combine_splits(mv: jax.Array, mb: jax.Array, mi: jax.Array, *, interpret: bool = False) -> jax.Array:
     """[splits, rows_pad] best scores, their base logits (float32) and ids (int32) -> [rows_pad] int32.
 
     The top-C rule across splits: the largest score, then the larger base logit, then the lowest id.
     ``rows_pad`` must be a multiple of 16.
     """
     splits, rows_pad = mv.shape
-    if how == "xla":
-        return _best3(mv, mb, mi, axis=0)[2]
     if splits == 1:
         return mi[0]
     row_tile = 16
     while row_tile < 128 and rows_pad % (2 * row_tile) == 0:
         row_tile *= 2
-    split_tile = min(_next_pow2(splits), max(1, 8192 // row_tile))
+    split_tile = min(next_pow2(splits), max(1, 8192 // row_tile))
     kernel = functools.partial(_combine_kernel, splits=splits, row_tile=row_tile, split_tile=split_tile)
     return common.pallas_call(
         kernel,

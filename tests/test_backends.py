@@ -47,13 +47,34 @@ def test_auto_backend_choice():
 
     dev = jax.devices()[0]
     cc = getattr(dev, "compute_capability", None)
-    supported = dev.platform == "gpu" and (cc is None or float(cc) >= 8.0)
+    supported = dev.platform == "gpu" and "nvidia" in dev.device_kind.lower() and cc is not None and float(cc) >= 8.0
     assert api.gpu_supported() == supported
     assert _select_ops("auto", False) is (api.ops(interpret=False) if supported else _JnpOps)
     assert _select_ops("auto", False).name == ("pallas" if supported else "xla")
     assert _select_ops("auto", True).name == "pallas-interpret"
     assert _select_ops("pallas", True).name == "pallas-interpret"
     assert _select_ops("pallas", False).name == "pallas"
+
+
+class _FakeDevice:
+    def __init__(self, platform, device_kind, **attrs):
+        self.platform, self.device_kind = platform, device_kind
+        self.__dict__.update(attrs)
+
+
+@pytest.mark.parametrize("dev,want", [
+    (_FakeDevice("gpu", "NVIDIA H200", compute_capability="9.0"), True),
+    (_FakeDevice("gpu", "NVIDIA A100-SXM4-80GB", compute_capability="8.0"), True),
+    (_FakeDevice("gpu", "NVIDIA GeForce RTX 2080 Ti", compute_capability="7.5"), False),  # NVIDIA, but sm75
+    (_FakeDevice("gpu", "NVIDIA H200"), False),  # no compute capability: not checked, not supported
+    (_FakeDevice("gpu", "NVIDIA H200", compute_capability="n/a"), False),
+    (_FakeDevice("gpu", "AMD Instinct MI300X", compute_capability="9.4"), False),  # not NVIDIA (ROCm)
+    (_FakeDevice("cpu", "cpu"), False),
+    (_FakeDevice("tpu", "TPU v5 lite"), False),
+])
+def test_gpu_supported_only_for_checked_nvidia_gpus(dev, want):
+    assert api.gpu_supported([dev]) is want
+    assert api.gpu_supported([]) is False
 
 
 @pytest.mark.parametrize("topc", [0, 512])
@@ -96,3 +117,14 @@ def test_partial_backend_names_are_checked():
         xj.refine(params, *x, num_passes=1, topc=0, backend="pallas:nope")
     with pytest.raises(ValueError, match="backend"):
         xj.refine(params, *x, num_passes=1, topc=0, backend="xla:latent")
+
+
+def test_importing_installs_no_warning_filter():
+    """Library code leaves the process's warning filters alone (the tests filter in pytest config)."""
+    import subprocess
+    import sys
+
+    # (numpy and friends add their own filters on import: only a Pallas one would be ours)
+    code = ("import warnings, xpress_jax, pallas_kernels.api, pallas_kernels.common; "
+            "ours = [f for f in warnings.filters if 'Pallas' in str(f[1])]; assert not ours, ours")
+    subprocess.run([sys.executable, "-c", code], check=True)

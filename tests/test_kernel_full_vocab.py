@@ -4,10 +4,7 @@
 `TestFullVocabPickInterpret` runs the same tests on CPU in interpret mode.
 `TestFullVocabLowering` lowers every kernel for an H200 on CPU.
 
-Exactness. The outputs are token ids: demanded equal. ``add_argmax`` computes
-the bias with the oracle's own XLA dot, so in interpret mode it must equal the
-oracle on every row of random inputs. The ``fused`` kernel (and anything on a
-GPU) sums the float32 dot in its own order, so a bias within an ulp of a
+Exactness. The outputs are token ids: demanded equal. The kernel sums the float32 dot in its own order, so a bias within an ulp of a
 rounding boundary may round the other way; there we demand equality on every
 row that is not such a near tie (`conftest.near_tie_rows` bounds the float32
 accumulation error and checks whether the oracle's winner could lose), and
@@ -39,7 +36,7 @@ SHAPES = [
     (25, 1337, 64, fv.FullVocabConfig(row_tile=16, v_tile=128, v_steps=3, k_tile=16, hold_lat=False)),
     (25, 1337, 64, fv.FullVocabConfig(row_tile=16, v_tile=128, v_steps=3, k_tile=16, hold_lat=False, flat=True,
                                       prefetch_base=True)),
-    (75, 2053, 32, fv.FullVocabConfig(row_tile=32, v_tile=256, v_steps=1, combine="xla")),
+    (75, 2053, 32, fv.FullVocabConfig(row_tile=32, v_tile=256, v_steps=1)),
     # lazy (elementwise running best, one lane reduction per part): held latent and flat loop.
     (25, 1337, 64, fv.FullVocabConfig(row_tile=16, v_tile=128, v_steps=4, lazy=True, prefetch_base=True)),
     (75, 2053, 32, fv.FullVocabConfig(row_tile=32, v_tile=64, v_steps=3, k_tile=16, hold_lat=False, flat=True,
@@ -67,33 +64,28 @@ class TestFullVocabPick:
         if not self.INTERPRET and not common.gpu_supported():
             pytest.skip("needs a CUDA GPU; TestFullVocabPickInterpret runs these tests on CPU")
 
-    def pick(self, base, lat, w2, variant, config=None):
-        return fv.full_vocab_pick(base, lat, w2, interpret=self.INTERPRET, variant=variant, config=config)
+    def pick(self, base, lat, w2, config=None):
+        return fv.full_vocab_pick(base, lat, w2, interpret=self.INTERPRET, config=config)
 
-    @pytest.mark.parametrize("variant", fv.VARIANTS)
     @pytest.mark.parametrize("shape,dtype", SHAPE_DTYPES)
-    def test_matches_reference(self, shape, dtype, variant):
+    def test_matches_reference(self, shape, dtype):
         rows, vocab, rank, config = shape
         # Random normal inputs.
         base, lat, w2 = pick_inputs(rows, vocab, rank, dtype, seed=rows + vocab)
         ref = np.asarray(fv.reference(base, lat, w2))
-        got = np.asarray(self.pick(base, lat, w2, variant, config))
+        got = np.asarray(self.pick(base, lat, w2, config))
         assert got.dtype == np.int32 and got.shape == (rows,)
-        if self.INTERPRET and variant == "add_argmax":
-            np.testing.assert_array_equal(got, ref)  # same XLA dot: bit-exact
-        else:
-            near = near_tie_rows(base, lat, w2, ref)
-            assert near.mean() < 0.1, f"{near.sum()} near ties of {rows}: the check would be vacuous"
-            np.testing.assert_array_equal(got[~near], ref[~near])
+        near = near_tie_rows(base, lat, w2, ref)
+        assert near.mean() < 0.1, f"{near.sum()} near ties of {rows}: the check would be vacuous"
+        np.testing.assert_array_equal(got[~near], ref[~near])
         # Dyadic inputs: exact dot in any order, many ties -> strict equality for every variant.
         base, lat, w2 = pick_inputs(rows, vocab, rank, dtype, seed=rows, dyadic=True)
         ref = np.asarray(fv.reference(base, lat, w2))
-        np.testing.assert_array_equal(np.asarray(self.pick(base, lat, w2, variant, config)), ref)
+        np.testing.assert_array_equal(np.asarray(self.pick(base, lat, w2, config)), ref)
 
-    @pytest.mark.parametrize("variant,lazy", [("add_argmax", False), ("fused", False), ("fused", True)],
-                             ids=["add_argmax", "fused", "fused-lazy"])
+    @pytest.mark.parametrize("lazy", [False, True], ids=["fused", "fused-lazy"])
     @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
-    def test_ties_and_nonfinite(self, dtype, variant, lazy):
+    def test_ties_and_nonfinite(self, dtype, lazy):
         # rows = 5 blocks of B=6; V=1000 is not a multiple of the 128-wide tile;
         # 2 tiles per part -> parts [0,256) [256,512) [512,768) [768,1000).
         rows, vocab, rank = 25, 1000, 16
@@ -124,7 +116,7 @@ class TestFullVocabPick:
             expect[r] = int(np.argmax(base[r]))
         base, lat, w2 = (jnp.asarray(a).astype(dtype) for a in (base, lat, w2))
         ref = np.asarray(fv.reference(base, lat, w2))
-        got = np.asarray(self.pick(base, lat, w2, variant, cfg))
+        got = np.asarray(self.pick(base, lat, w2, cfg))
         want = np.array([expect[r] for r in range(rows)])
         np.testing.assert_array_equal(ref, want)  # the oracle obeys the rules as stated
         np.testing.assert_array_equal(got, want)
@@ -132,19 +124,16 @@ class TestFullVocabPick:
     def test_float64_falls_back_to_reference(self):
         with jax.enable_x64(True):
             base, lat, w2 = pick_inputs(15, 300, 8, jnp.float64, seed=3)
-            for variant in fv.VARIANTS:
-                f = functools.partial(fv.full_vocab_pick, interpret=self.INTERPRET, variant=variant)
-                np.testing.assert_array_equal(np.asarray(f(base, lat, w2)), np.asarray(fv.reference(base, lat, w2)))
-                assert "pallas_call" not in str(jax.make_jaxpr(f)(base, lat, w2))
+            f = functools.partial(fv.full_vocab_pick, interpret=self.INTERPRET)
+            np.testing.assert_array_equal(np.asarray(f(base, lat, w2)), np.asarray(fv.reference(base, lat, w2)))
+            assert "pallas_call" not in str(jax.make_jaxpr(f)(base, lat, w2))
 
     def test_bad_arguments(self):
         base, lat, w2 = pick_inputs(15, 300, 8, jnp.float32, seed=4)
         with pytest.raises(ValueError, match="row_tile"):
-            self.pick(base, lat, w2, "fused", fv.FullVocabConfig(row_tile=12))
-        with pytest.raises(ValueError, match="variant"):
-            self.pick(base, lat, w2, "nope")
+            self.pick(base, lat, w2, fv.FullVocabConfig(row_tile=12))
         with pytest.raises(ValueError, match="shapes"):
-            self.pick(base, lat, w2[:-1], "fused")
+            self.pick(base, lat, w2[:-1])
 
 
 class TestFullVocabPickInterpret(TestFullVocabPick):
@@ -154,18 +143,15 @@ class TestFullVocabPickInterpret(TestFullVocabPick):
 class TestFullVocabLowering:
     """Every kernel lowers to Triton for an H200 at serving shapes (catches what interpret mode accepts)."""
 
-    @pytest.mark.parametrize("variant", fv.VARIANTS)
     @pytest.mark.parametrize("rows,dtype", [(15, jnp.bfloat16), (3840, jnp.bfloat16), (240, jnp.float32)])
-    def test_lowers_at_serving_shapes(self, variant, rows, dtype):
+    def test_lowers_at_serving_shapes(self, rows, dtype):
         V, r = 151936, 256
         args = (jax.ShapeDtypeStruct((rows, V), dtype), jax.ShapeDtypeStruct((rows, r), dtype),
                 jax.ShapeDtypeStruct((V, r), dtype))
-        for combine, calls in (("pallas", 2), ("xla", 1)):
-            cfg = dataclasses.replace(fv.default_config(rows, V, r, dtype, variant), combine=combine)
-            f = functools.partial(fv.full_vocab_pick, variant=variant, config=cfg)
-            hlo = common.lower_triton(f, *args).as_text()
-            assert hlo.count(TRITON_CALL) == calls, (variant, combine)
-            assert f"xpress_full_vocab_{variant}" in hlo
+        f = functools.partial(fv.full_vocab_pick, config=fv.default_config(rows, V, r, dtype))
+        hlo = common.lower_triton(f, *args).as_text()
+        assert hlo.count(TRITON_CALL) == 2
+        assert "xpress_full_vocab_fused" in hlo
 
     @pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
     @pytest.mark.parametrize("n", [1, 4, 16, 64, 256])
@@ -175,18 +161,17 @@ class TestFullVocabLowering:
 
         V, r, B = 151936, 256, 16
         rows = n * (B - 1)
-        variant, cfg = api.full_vocab_config(rows, V, r, jnp.bfloat16)
+        cfg = api.full_vocab_config(rows, V, r, jnp.bfloat16)
         cfg = dataclasses.replace(cfg, lazy=lazy)
         args = (jax.ShapeDtypeStruct((n * B, V), jnp.bfloat16), jax.ShapeDtypeStruct((rows, r), jnp.bfloat16),
                 jax.ShapeDtypeStruct((V, r), jnp.bfloat16))
-        f = functools.partial(fv.full_vocab_pick, variant=variant, config=cfg, slot_stride=B)
+        f = functools.partial(fv.full_vocab_pick, config=cfg, slot_stride=B)
         assert common.lower_triton(f, *args).as_text().count(TRITON_CALL) == 2
 
 
 
-@pytest.mark.parametrize("variant", ["add_argmax", "fused"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_slot_stride_reads_draft_rows_of_the_whole_logits(variant, dtype):
+def test_slot_stride_reads_draft_rows_of_the_whole_logits(dtype):
     """slot_stride=B on logits.reshape(N*B, V) == the pick on logits[:, 1:] (slot 0 never read)."""
     rng = np.random.default_rng(11)
     N, B, V, r = 3, 6, 1337, 32
@@ -197,7 +182,7 @@ def test_slot_stride_reads_draft_rows_of_the_whole_logits(variant, dtype):
     logits, lat, w2 = (jnp.asarray(a, dtype) for a in (logits, lat, w2))
     cfg = fv.FullVocabConfig(row_tile=16, v_tile=128, v_steps=3, k_tile=16, hold_lat=False)
     interpret = not common.gpu_supported()  # compiled on a GPU
-    want = fv.full_vocab_pick(logits[:, 1:].reshape(-1, V), lat, w2, variant=variant, config=cfg, interpret=interpret)
-    got = fv.full_vocab_pick(logits.reshape(-1, V), lat, w2, variant=variant, config=cfg, interpret=interpret,
+    want = fv.full_vocab_pick(logits[:, 1:].reshape(-1, V), lat, w2, config=cfg, interpret=interpret)
+    got = fv.full_vocab_pick(logits.reshape(-1, V), lat, w2, config=cfg, interpret=interpret,
                              slot_stride=B)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

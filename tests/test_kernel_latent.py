@@ -2,8 +2,7 @@
 
 `TestLatentKernel` runs the kernel compiled for a GPU (skipped without one);
 `TestLatentKernelInterpret` runs the same tests in Pallas interpret mode on CPU.
-Every test runs the fused variant and the split one (three kernels for small N;
-`split_xla` = its first kernel + XLA dots is compared with the reference too).
+Every test runs the fused variant and the split one (three kernels for small N).
 The lowering tests build the kernels' Triton IR for an H200 on any machine.
 
 Exactness: interpret mode groups the float32 sums differently from
@@ -28,7 +27,7 @@ from xpress_jax.params import param_shapes
 
 refine_mod = importlib.import_module("xpress_jax.refine")  # the package re-exports `refine`, the function
 
-VARIANTS = ("fused", "split")  # split_xla: only in test_matches_reference
+VARIANTS = ("fused", "split")
 
 CASES = {
     # name: (N, B, V, r, M, config overrides). K and hidden dims are split in several
@@ -45,11 +44,6 @@ CASES = {
                                                     blocks_per_program=2)),
     # serving r, M with the split defaults: 45 rows -> three 16-row tiles, the last one partial.
     "split_n3_b16_serving_rm": (3, 16, 97, 256, 512, dict(variant="split")),
-    # the other mixer forms (default "unroll"): "sum3d" with masked slots (Bp = 8 > B = 6).
-    "split_n3_b6_odd_sum3d": (3, 6, 97, 48, 80, dict(variant="split", mixer="sum3d", k_block=32, h_block=32,
-                                                     col_block=32)),
-    "split_n1_b16_loop": (1, 16, 97, 64, 128, dict(variant="split", mixer="loop", col_block=32)),
-    "split_xla_n3_b6_odd": (3, 6, 97, 48, 80, dict(variant="split_xla", k_block=32, col_block=32)),
 }
 
 
@@ -229,13 +223,9 @@ SPLIT_NAMES = ("xpress_latent_pass_mix", "xpress_latent_pass_gateup", "xpress_la
         (32, 16, jnp.bfloat16, dict(row_block=64, num_warps=8, blocks_per_program=2), SPLIT_NAMES),
         (5, 12, jnp.bfloat16, dict(variant="split", col_block=16, h_block=64, k_block=32), SPLIT_NAMES),
         (3, 16, jnp.float32, {}, SPLIT_NAMES),
-        (4, 16, jnp.bfloat16, dict(mixer="sum3d"), SPLIT_NAMES),
-        (4, 16, jnp.bfloat16, dict(mixer="loop"), SPLIT_NAMES),
-        (2, 16, jnp.bfloat16, dict(variant="split_xla"), SPLIT_NAMES[:1]),
     ],
     ids=["bf16_n4_fused", "bf16_n256", "bf16_bpp4", "bf16_b12", "f32_n4_fused", "bf16_n1_split",
-         "bf16_n4_split", "bf16_n32_split_rb64", "bf16_b12_split", "f32_n3_split", "bf16_n4_sum3d", "bf16_n4_loop",
-         "bf16_n2_split_xla"],
+         "bf16_n4_split", "bf16_n32_split_rb64", "bf16_b12_split", "f32_n3_split"],
 )
 def test_lowers_to_triton_for_h200(N, B, dtype, cfg, names):
     """Serving-like shapes lower to one Triton custom call per kernel, each named after it."""
@@ -253,7 +243,6 @@ def test_default_config_variant():
         assert latent.default_config(latent.SPLIT_MAX_N, dtype).variant == "split"
         assert latent.default_config(latent.SPLIT_MAX_N + 1, dtype).variant == "fused"
         assert latent.default_config(1, dtype, "fused").variant == "fused"
-        assert latent.default_config(256, dtype, "split_xla").variant == "split_xla"
 
 
 def test_float64_falls_back_to_reference():
@@ -276,8 +265,6 @@ def test_bad_arguments_raise():
         latent.LatentConfig(col_block=24)
     with pytest.raises(ValueError, match="row_block"):
         latent.LatentConfig(row_block=8)
-    with pytest.raises(ValueError, match="mixer"):
-        latent.LatentConfig(mixer="nope")
     with pytest.raises(ValueError, match="variant"):
         latent.latent_pass(params, xh, blk, prev, interpret=True, variant="split",
                            config=latent.default_config(2, jnp.float32, "fused"))

@@ -19,11 +19,9 @@ BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 
 
 V, C = 3001, 100  # V no multiple of any block, C no power of two
-SMALL = dict(method="strided", groups=128, unroll=2, cap=256, chunk=128, gather_unroll=2, scan_chunk=512)  # scaled to V
-# blocks method scaled to V: 751 blocks of 4 (the last one partial), 256 groups of ~3 blocks, 8 blocks per gather load
-SMALL_BLOCKS = dict(method="blocks", groups=256, stats_unroll=2, cap=256, block=4, stats_blocks=16, scan_blocks=64,
-                    gather_blocks=8, scan_chunk=512)
-SMALLS = {"strided": SMALL, "blocks": SMALL_BLOCKS}
+# scaled to V: 751 blocks of 4 (the last one partial), 256 groups of ~3 blocks, 8 blocks per gather load
+SMALL = dict(groups=256, stats_unroll=2, cap=256, block=4, stats_blocks=16, scan_blocks=64,
+             gather_blocks=8, scan_chunk=512)
 
 
 def _mixed_rows(seed: int) -> np.ndarray:
@@ -74,10 +72,7 @@ def _paths_from(x, units, c, groups, cap):
 
 
 def test_mixed_rows_cover_every_path():
-    paths = _paths(_mixed_rows(seed=1), C, SMALL["groups"], SMALL["cap"])
-    assert {"fast", "ties", "row"} <= set(paths), paths
-    assert paths[12] == "row" and paths[4] == paths[5] == "ties" and paths[0] == "fast"
-    b = SMALL_BLOCKS
+    b = SMALL
     paths = _paths(_mixed_rows(seed=1), C, b["groups"], b["cap"], b["block"])
     assert {"fast", "ties", "row"} <= set(paths), paths
     assert paths[5] == "row" and paths[4] == "ties" and paths[0] == paths[12] == "fast"  # sorted: a flood of blocks
@@ -99,7 +94,7 @@ def _assert_matches_oracle(got, base, c):
 
 
 slow = pytest.mark.slow
-#: (dtype, segments) cross products: the default run keeps two corners per method, bf16 with several
+#: (dtype, segments) cross products: the default run keeps two corners, bf16 with several
 #: segments per row (separate bound kernel) and f32 with one (stats and bound fused), so both dtypes
 #: and both stats layouts run in every test that sweeps them; the other two corners are `slow`.
 DTYPE_SEGMENTS = [
@@ -108,16 +103,8 @@ DTYPE_SEGMENTS = [
 ]
 
 
-def slow_for(*methods):
-    """Run the test for both methods, ``methods`` only under the slow marker (the other method's case
-    stays in the default run)."""
-    return pytest.mark.parametrize(
-        "_device", [pytest.param(m, marks=slow) if m in methods else m for m in ("strided", "blocks")], indirect=True)
-
-
 class TestSelect:
-    """Kernels vs oracle, every test for both methods; skipped without a CUDA GPU (the subclass below
-    runs them on CPU).
+    """Kernels vs oracle; skipped without a CUDA GPU (the subclass below runs them on CPU).
 
     Cost in interpret mode is one XLA compile (~1.5 s) per distinct (shape, config, dtype): the
     tests reuse the `_mixed_rows` shapes and `SMALLS` configs so one compile serves several tests.
@@ -125,18 +112,16 @@ class TestSelect:
 
     INTERPRET = False
 
-    @pytest.fixture(autouse=True, params=["strided", "blocks"])
-    def _device(self, request):
+    @pytest.fixture(autouse=True)
+    def _device(self):
         if self.INTERPRET:
             if jax.default_backend() != "cpu":
                 pytest.skip("interpret tests run on CPU")
         elif not common.gpu_supported():
             pytest.skip("needs a CUDA GPU (sm80+)")
-        self.method = request.param
-        self.small = SMALLS[self.method]
+        self.small = SMALL
 
     def run(self, base, c, **cfg):
-        cfg.setdefault("method", self.method)
         got = sel.select_candidates(base, c, interpret=self.INTERPRET, **cfg)
         _assert_matches_oracle(got, base, c)
         return got
@@ -164,27 +149,22 @@ class TestSelect:
             want = set(perm[i, :40].tolist()) | set(np.sort(perm[i, 40:340])[:60].tolist())
             assert set(np.asarray(cand[i]).tolist()) == want
 
-    @pytest.mark.parametrize("_device,dtype", [
-        pytest.param("blocks", F16, id="blocks-float16"), pytest.param("strided", BF16, id="strided-bfloat16"),
-        pytest.param("blocks", BF16, id="blocks-bfloat16", marks=slow),
-        pytest.param("strided", F16, id="strided-float16", marks=slow)], indirect=["_device"])
+    @pytest.mark.parametrize("dtype", [pytest.param(F16, id="float16"), pytest.param(BF16, id="bfloat16", marks=slow)])
     def test_45_rows_default_config(self, dtype):
         rng = np.random.default_rng(3)
         x = rng.standard_normal((45, 2500))
         x[::3] = np.round(x[::3] * 4) / 4
         self.run(jnp.asarray(x, dtype), 77)
 
-    @slow_for("strided")  # the strided bound also loops over segments in the _mixed_rows tests
     def test_serving_blocks_many_segments(self):
         # default block sizes, many stats segments (the bound kernel loops over them)
         base = jnp.asarray(np.random.default_rng(6).standard_normal((15, 40000)), BF16)
-        self.run(base, 512, unroll=1, groups=1024, cap=2048, stats_blocks=64)
+        self.run(base, 512, groups=1024, cap=2048, stats_blocks=64)
 
     def test_c_equals_v(self):
         base = jnp.asarray(np.round(np.random.default_rng(4).standard_normal((15, 700)) * 2), BF16)
         # c > groups: no bound, everything buffered
-        self.run(base, 700, groups=64, unroll=2, cap=1024, chunk=128, scan_chunk=128, block=4, stats_blocks=16,
-                 stats_unroll=2)
+        self.run(base, 700, groups=64, cap=1024, scan_chunk=128, block=4, stats_blocks=16, stats_unroll=2)
 
     @pytest.mark.parametrize("dtype,segments", DTYPE_SEGMENTS)
     def test_block_and_segment_edges(self, dtype, segments):
@@ -228,7 +208,6 @@ class TestSelect:
             assert g.shape == w.shape and g.dtype == w.dtype, what
             np.testing.assert_array_equal(np.asarray(g).view(np.uint8), np.asarray(w).view(np.uint8), err_msg=what)
 
-    @slow_for("strided")
     def test_small_vocab_one_chunk(self):
         base = jnp.asarray(np.random.default_rng(8).standard_normal((15, 37)), F32)
         self.run(base, 37)  # V < groups: empty groups, bound = the minimum
@@ -258,8 +237,8 @@ class TestSelect:
             sel.select_candidates(base, 10, interpret=self.INTERPRET, cap=100)
         with pytest.raises(ValueError, match=r"\[rows, V\]"):
             sel.select_candidates(base[0], 10, interpret=self.INTERPRET)
-        with pytest.raises(ValueError, match="method"):
-            sel.select_candidates(base, 10, interpret=self.INTERPRET, method="radix")
+        with pytest.raises(TypeError, match="method"):  # the removed strided method's field
+            sel.select_candidates(base, 10, interpret=self.INTERPRET, method="strided")
         for bad in (1, -3, 4):  # < 2, or 15 rows not a multiple of it
             with pytest.raises(ValueError, match="slot_stride"):
                 sel.select_candidates(base, 10, interpret=self.INTERPRET, slot_stride=bad)
@@ -282,22 +261,16 @@ def test_keys_follow_top_k_order_over_all_bf16_values():
     np.testing.assert_array_equal(back, clean)
 
 
-@pytest.mark.parametrize("rows,segments,x64,method", [
-    (15, None, False, "auto"), (15, 1, False, "auto"), (3840, None, False, "auto"), (15, None, True, "auto"),
-    (15, None, False, "blocks"), (15, 1, False, "blocks"), (15, None, True, "blocks"), (3840, None, False, "strided"),
-    (15, None, False, "strided"),
-])
+@pytest.mark.parametrize("rows,segments,x64", [(15, None, False), (15, 1, False), (3840, None, False), (15, None, True)])
 @pytest.mark.parametrize("dtype", [BF16, F32])
-def test_lowers_to_triton_for_h200(rows, segments, x64, method, dtype):
+def test_lowers_to_triton_for_h200(rows, segments, x64, dtype):
     """Every kernel lowers to Triton IR at serving shapes (V=151936, c=512); no XLA fallback."""
     kw = {} if segments is None else {"segments": segments}
-    f = functools.partial(sel.select_candidates, c=512, method=method, **kw)
+    f = functools.partial(sel.select_candidates, c=512, **kw)
     with jax.enable_x64(x64):
         hlo = common.lower_triton(f, jax.ShapeDtypeStruct((rows, 151936), dtype)).as_text()
-    # "auto" serves the blocks method at every serving row count (H200: faster from 15 rows on).
-    blocks = method in ("blocks", "auto")
     fused = rows >= 512 or segments == 1
-    p = "select_b" if blocks else "select_"
+    p = "select_b"
     names = ["select_finish", p + "gather"] + ([p + "stats_bound"] if fused else [p + "stats", p + "bound"])
     assert hlo.count("__gpu$xla.gpu.triton") == len(names)
     for n in names:
@@ -305,13 +278,12 @@ def test_lowers_to_triton_for_h200(rows, segments, x64, method, dtype):
     assert "topk" not in hlo.lower() and "sort" not in hlo.lower()
 
 
-@pytest.mark.parametrize("method", ["blocks", "strided"])
-def test_lowers_to_triton_with_slot_stride(method):
+def test_lowers_to_triton_with_slot_stride():
     """slot_stride=16 (whole logits [2*16, V], 15*2 draft rows): every kernel lowers, no copy of logits[:, 1:]."""
-    f = functools.partial(sel.select_candidates, c=512, method=method, slot_stride=16)
+    f = functools.partial(sel.select_candidates, c=512, slot_stride=16)
     lowered = common.lower_triton(f, jax.ShapeDtypeStruct((2 * 16, 151936), BF16))
     hlo = lowered.as_text()
-    p = "select_b" if method == "blocks" else "select_"
+    p = "select_b"
     names = ["select_finish", p + "gather", p + "stats", p + "bound"]  # 30 rows: several segments per row
     assert hlo.count("__gpu$xla.gpu.triton") == len(names)
     for n in names:

@@ -78,8 +78,8 @@ def test_full_vocab_boundaries_cover_the_table():
         assert {limit, limit + 1} <= rows, limit
     # and the two sides really get different configs
     for limit in _table_limits():
-        lo = api.full_vocab_config(limit, V_ODD, 24, jnp.bfloat16)[1]
-        hi = api.full_vocab_config(limit + 1, V_ODD, 24, jnp.bfloat16)[1]
+        lo = api.full_vocab_config(limit, V_ODD, 24, jnp.bfloat16)
+        hi = api.full_vocab_config(limit + 1, V_ODD, 24, jnp.bfloat16)
         assert lo != hi, limit
 
 
@@ -132,29 +132,28 @@ def test_full_vocab_configs_pass_their_shape_check():
     for dtype in DTYPES:
         for rows in (1, 15, 16, 60, 61, 240, 241, 960, 961, 3840):
             for rank in RANKS + [1, 256, 1024, 4096]:
-                variant, cfg = api.full_vocab_config(rows, 151936, rank, dtype)
-                cfg.check_shape(variant, rows, 151936, rank, dtype)
+                cfg = api.full_vocab_config(rows, 151936, rank, dtype)
+                cfg.check_shape(rows, 151936, rank, dtype)
                 assert cfg.smem_bytes(rank, dtype) <= full_vocab.SMEM_LIMIT
 
 
 def test_full_vocab_check_shape_refuses_what_cannot_run():
     ok = full_vocab.FullVocabConfig(row_tile=16, v_tile=64, k_tile=64, hold_lat=False)
-    ok.check_shape("fused", 15, 1000, 24, jnp.bfloat16)
+    ok.check_shape(15, 1000, 24, jnp.bfloat16)
     with pytest.raises(ValueError, match=r"row_tile=8 must be >= 16"):
-        dataclasses.replace(ok, row_tile=8).check_shape("fused", 15, 1000, 24, jnp.bfloat16)
-    dataclasses.replace(ok, row_tile=8).check_shape("add_argmax", 15, 1000, 24, jnp.bfloat16)  # no dot there
+        dataclasses.replace(ok, row_tile=8).check_shape(15, 1000, 24, jnp.bfloat16)
     with pytest.raises(ValueError, match=r"k_tile=8 must be 0 or >= 16"):
-        dataclasses.replace(ok, k_tile=8).check_shape("fused", 15, 1000, 24, jnp.bfloat16)
+        dataclasses.replace(ok, k_tile=8).check_shape(15, 1000, 24, jnp.bfloat16)
     held = full_vocab.FullVocabConfig(row_tile=128, v_tile=64, k_tile=0, num_stages=3, hold_lat=True)
-    held.check_shape("fused", 240, 151936, 256, jnp.bfloat16)  # the served N=16 config at r=256 fits
+    held.check_shape(240, 151936, 256, jnp.bfloat16)  # the served N=16 config at r=256 fits
     with pytest.raises(ValueError, match="shared memory"):
-        held.check_shape("fused", 240, 151936, 1024, jnp.bfloat16)
+        held.check_shape(240, 151936, 1024, jnp.bfloat16)
     with pytest.raises(ValueError, match="rank >= 1"):
-        ok.check_shape("fused", 15, 1000, 0, jnp.bfloat16)
+        ok.check_shape(15, 1000, 0, jnp.bfloat16)
     # the kernel wrapper checks the config against the shapes before tracing the kernel
     base, lat, w2 = pick_inputs(15, 300, 24, jnp.float32, seed=0)
     with pytest.raises(ValueError, match="row_tile=8"):
-        full_vocab.full_vocab_pick(base, lat, w2, variant="fused", config=dataclasses.replace(ok, row_tile=8),
+        full_vocab.full_vocab_pick(base, lat, w2, config=dataclasses.replace(ok, row_tile=8),
                                    interpret=INTERPRET)
 
 
@@ -162,9 +161,9 @@ def test_rank_chunks_are_tensor_core_sized():
     """The fused kernel's rank chunk is a power of two >= 16 for every rank (a masked tail, not k=8 or 1)."""
     for rank in RANKS + [1, 7, 16, 256, 300]:
         for k_tile in (0, 16, 64, 128):
-            kc = full_vocab._k_tile(k_tile, rank, full_vocab.MIN_DOT)
+            kc = common.k_chunk(k_tile, rank, full_vocab.MIN_DOT)
             assert kc >= 16 and kc & (kc - 1) == 0 and (not k_tile or kc <= k_tile), (rank, k_tile, kc)
-            assert full_vocab._cdiv(rank, kc) * kc - rank < kc  # the tail chunk holds part of the rank
+            assert common.cdiv(rank, kc) * kc - rank < kc  # the tail chunk holds part of the rank
 
 
 # ---------------------------------------------------------------------------- top-C pick

@@ -32,7 +32,7 @@ TRITON_CALL = "__gpu$xla.gpu.triton"
 SHAPES = [
     (15, 1000, 100, 32, None),
     (25, 5000, 512, 64, tp.TopCConfig(c_tile=64, c_steps=3, k_tile=16)),  # 3 splits, the last partial
-    (45, 3000, 100, 32, tp.TopCConfig(c_tile=32, c_steps=4, combine="xla")),  # 1 split, tail masked
+    (45, 3000, 100, 32, tp.TopCConfig(c_tile=32, c_steps=4)),  # 1 split, tail masked
 ]
 
 
@@ -60,33 +60,28 @@ class TestTopCPick:
         if not self.INTERPRET and not common.gpu_supported():
             pytest.skip("needs a CUDA GPU; TestTopCPickInterpret runs these tests on CPU")
 
-    def pick(self, base_c, cand, lat, w2, materialize, config=None):
-        prepared = tp.topc_prepare(w2, cand, materialize=materialize)
-        return tp.topc_pick(base_c, cand, lat, prepared, interpret=self.INTERPRET, config=config)
+    def pick(self, base_c, cand, lat, w2, config=None):
+        return tp.topc_pick(base_c, cand, lat, w2, interpret=self.INTERPRET, config=config)
 
-    @pytest.mark.parametrize("shape,materialize,dtype", [  # each shape once in the default run, dtypes
-        pytest.param(sh, m, dt, id=f"rows{sh[0]}-V{sh[1]}-C{sh[2]}-r{sh[3]}-{'w2c' if m else 'gather'}-"  # alternating
-                     f"{jnp.dtype(dt).name}", marks=pytest.mark.slow if (i + j) % 2 else ())
-        for i, (sh, m) in enumerate([(s, False) for s in SHAPES] + [(SHAPES[1], True)]) for j, dt in enumerate(DTYPES)])
-    def test_matches_reference(self, shape, dtype, materialize):
+    @pytest.mark.parametrize("shape,dtype", [  # each shape once in the default run, dtypes alternating
+        pytest.param(sh, dt, id=f"rows{sh[0]}-V{sh[1]}-C{sh[2]}-r{sh[3]}-{jnp.dtype(dt).name}",
+                     marks=pytest.mark.slow if (i + j) % 2 else ())
+        for i, sh in enumerate(SHAPES) for j, dt in enumerate(DTYPES)])
+    def test_matches_reference(self, shape, dtype):
         rows, vocab, c, rank, config = shape
         args = _inputs(rows, vocab, c, rank, dtype, seed=rows + c)
         ref = _reference(*args)
-        got = np.asarray(self.pick(*args, materialize, config))
+        got = np.asarray(self.pick(*args, config))
         assert got.dtype == np.int32 and got.shape == (rows,)
         base_c, cand, lat, w2 = args
         near = near_tie_rows(base_c, lat, w2, ref, cand=cand)
         assert near.mean() < 0.1, f"{near.sum()} near ties of {rows}: the check would be vacuous"
         np.testing.assert_array_equal(got[~near], ref[~near])
         args = _inputs(rows, vocab, c, rank, dtype, seed=rows, dyadic=True)
-        np.testing.assert_array_equal(np.asarray(self.pick(*args, materialize, config)), _reference(*args))
+        np.testing.assert_array_equal(np.asarray(self.pick(*args, config)), _reference(*args))
 
-    @pytest.mark.parametrize(
-        "dtype,materialize",
-        [(jnp.float32, False), (jnp.bfloat16, False), (jnp.bfloat16, True)],
-        ids=["float32-gather", "bfloat16-gather", "bfloat16-w2c"],
-    )
-    def test_ties_and_nonfinite(self, dtype, materialize):
+    @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+    def test_ties_and_nonfinite(self, dtype):
         # rows = 5 blocks of B=6; C=100 candidates in tiles of 16, 2 tiles per split -> 4 splits, the last partial.
         rows, vocab, c, rank = 25, 1000, 100, 16
         cfg = tp.TopCConfig(c_tile=16, c_steps=2, k_tile=8)
@@ -138,27 +133,20 @@ class TestTopCPick:
             jnp.asarray(a).astype(dtype) for a in (lat, w2))
         want = np.array([expect[r] for r in range(rows)])
         np.testing.assert_array_equal(_reference(*args), want)  # the oracle obeys the rules as stated
-        np.testing.assert_array_equal(np.asarray(self.pick(*args, materialize, cfg)), want)
-
-    def test_prepare(self):
-        base_c, cand, lat, w2 = _inputs(15, 300, 20, 8, jnp.float32, seed=5)
-        assert tp.topc_prepare(w2, cand) is w2  # the kernel gathers w2 rows itself
-        np.testing.assert_array_equal(np.asarray(tp.topc_prepare(w2, cand, materialize=True)),
-                                      np.asarray(tp.reference_prepare(w2, cand)))
+        np.testing.assert_array_equal(np.asarray(self.pick(*args, cfg)), want)
 
     def test_float64_falls_back_to_reference(self):
         with jax.enable_x64(True):
             base_c, cand, lat, w2 = _inputs(15, 300, 20, 8, jnp.float64, seed=3)
-            prepared = tp.topc_prepare(w2, cand)  # float64: always the materialised w2[cand]
             f = functools.partial(tp.topc_pick, interpret=self.INTERPRET)
-            np.testing.assert_array_equal(np.asarray(f(base_c, cand, lat, prepared)), _reference(base_c, cand, lat, w2))
-            assert "pallas_call" not in str(jax.make_jaxpr(f)(base_c, cand, lat, prepared))
+            np.testing.assert_array_equal(np.asarray(f(base_c, cand, lat, w2)), _reference(base_c, cand, lat, w2))
+            assert "pallas_call" not in str(jax.make_jaxpr(f)(base_c, cand, lat, w2))
 
     def test_bad_arguments(self):
         base_c, cand, lat, w2 = _inputs(15, 300, 20, 8, jnp.float32, seed=4)
         with pytest.raises(ValueError, match="c_tile"):
-            self.pick(base_c, cand, lat, w2, False, tp.TopCConfig(c_tile=24))
-        with pytest.raises(ValueError, match="prepared"):
+            self.pick(base_c, cand, lat, w2, tp.TopCConfig(c_tile=24))
+        with pytest.raises(ValueError, match="w2"):
             tp.topc_pick(base_c, cand, lat, w2[:, :4], interpret=self.INTERPRET)
 
 
@@ -167,15 +155,13 @@ class TestTopCPickInterpret(TestTopCPick):
 
 
 class TestTopCLowering:
-    """The kernel lowers to Triton for an H200 at serving shapes, both forms of `prepared`."""
+    """The kernel lowers to Triton for an H200 at serving shapes."""
 
-    @pytest.mark.parametrize("materialize", [False, True], ids=["gather", "w2c"])
     @pytest.mark.parametrize("rows", [15, 3840])
-    def test_lowers_at_serving_shapes(self, materialize, rows):
+    def test_lowers_at_serving_shapes(self, rows):
         V, C, r, dt = 151936, 512, 256, jnp.bfloat16
         S = jax.ShapeDtypeStruct
-        prepared = S((rows, C, r), dt) if materialize else S((V, r), dt)
-        args = (S((rows, C), dt), S((rows, C), jnp.int32), S((rows, r), dt), prepared)
+        args = (S((rows, C), dt), S((rows, C), jnp.int32), S((rows, r), dt), S((V, r), dt))
         cfg = tp.default_config(rows, C, r, dt)
         splits = -(-C // (cfg.c_tile * cfg.c_steps))
         hlo = common.lower_triton(functools.partial(tp.topc_pick, config=cfg), *args).as_text()

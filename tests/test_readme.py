@@ -30,6 +30,7 @@ NOT_RUN = {
     'pip install -e ".[test]"': "installs the test extra",
     'pip install -e ".[cuda12]"': "GPU install",
     'pip install -e ".[bench]"': "installs matplotlib",
+    'python -m benchmarks.bench_kernels --out results/': "GPU benchmark (its CPU smoke run: test_bench_kernels_smoke.py)",
     'pip install torch --index-url https://download.pytorch.org/whl/cpu': "downloads torch",
     'pip install torch': "downloads torch",
     'python -m pytest -q -n 2': "this test suite itself",

@@ -98,7 +98,7 @@ def test_kernels_equal_sorted_first_position(dtype_name, rows, vocab, rank, c):
     base, lat, w2, want, old = _case(dtype_name, rows, vocab, rank, c, seed=rows + c)
     cand, base_c, _ = select.select_candidates(base, c, interpret=True)
     cfg = api.topc_config(rows, c, rank, base.dtype)
-    got = np.asarray(topc_pick.topc_pick(base_c, cand, lat, topc_pick.topc_prepare(w2, cand), config=cfg,
+    got = np.asarray(topc_pick.topc_pick(base_c, cand, lat, w2, config=cfg,
                                          interpret=True))
     np.testing.assert_array_equal(got, want)
     # Several splits, so the combine step's tie rule is exercised too (C = 37: 3 splits of 16).
