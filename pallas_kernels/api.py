@@ -21,7 +21,7 @@ from .common import gpu_supported
 __all__ = ["ops", "gpu_supported", "full_vocab_config", "topc_config"]
 
 #: Full-vocab pick configs by draft-row count (upper bound of the bucket): the fastest agreeing
-#: configs of benchmarks/dev_pick_sweep.py on an H200 (2026-11-30), all the fused readout-matmul +
+#: configs of dev_pick_sweep (a removed script; RESULTS.md "Full-vocab pick") on an H200 (2026-11-30), all the fused readout-matmul +
 #: add/argmax kernel (the bias never reaches HBM) with the lazy epilogue (elementwise running best,
 #: one lane reduction per program). v_steps sizes the grid in whole waves of 132 programs at
 #: N = 16 / 64 / 256 (1 / 12 / 5 waves). One pass's pick at N = 1 / 4 / 16 / 64 / 256:
@@ -58,7 +58,7 @@ def full_vocab_config(rows: int, vocab: int, rank: int, dtype) -> full_vocab.Ful
     return cfg
 
 
-#: Up to this many blocks XLA's fused latent (jnp) beats the split kernel (dev_latent, H200:
+#: Up to this many blocks XLA's fused latent (jnp) beats the split kernel (dev_latent, removed; RESULTS.md "Latent pass"; H200:
 #: N=1 -0.7 vs 1.9 µs net, N=4 0.8 vs 3.5; from N=16 on the kernel wins: 6.8 vs 8.5).
 LATENT_XLA_MAX_N = 4
 
@@ -107,7 +107,7 @@ def _pallas_ops(interpret: bool):
 
         @staticmethod
         def select_candidates(base, c, slot_stride=0):
-            # 16-element blocks measured faster than 32 at 240 and 3840 rows (dev_select, H200).
+            # 16-element blocks measured faster than 32 at 240 and 3840 rows (dev_select, removed; RESULTS.md "Top-C selection"; H200).
             rows = base.shape[0] // slot_stride * (slot_stride - 1) if slot_stride else base.shape[0]
             kw = dict(block=16) if rows >= 240 else {}
             return select.select_candidates(base, c, interpret=interpret, slot_stride=slot_stride, **kw)
@@ -116,7 +116,7 @@ def _pallas_ops(interpret: bool):
         def select_candidates_logits(cls, logits, c):
             # The draft rows of the whole logits, read in place (slot_stride): no logits[:, 1:] copy.
             # H200, top-512 refine: N=64 1174 -> 999 µs, N=256 3856 -> 3145 µs against selecting on
-            # the copy, same tokens (benchmarks/dev_variants.py "pallas-select-copy", RESULTS.md).
+            # the copy, same tokens (dev_variants "pallas-select-copy", removed; RESULTS.md).
             N, B, V = logits.shape
             return cls.select_candidates(logits.reshape(N * B, V), c, slot_stride=B)
 

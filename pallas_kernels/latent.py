@@ -103,7 +103,7 @@ _HI = jax.lax.Precision.HIGHEST
 VARIANTS = ("fused", "split")
 
 #: `default_config` picks the split variant for N <= SPLIT_MAX_N blocks (set from H200 numbers,
-#: dev_latent, benchmarks/RESULTS.md "Latent pass").
+#: dev_latent (removed), benchmarks/RESULTS.md "Latent pass").
 SPLIT_MAX_N = 64
 
 
