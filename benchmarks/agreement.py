@@ -51,7 +51,7 @@ def _midpoint_dist(x):
 
 def pick_evidence(cfg, n, topc, seed=3):
     params, logits, h, anchors = make_problem(cfg, n, seed=seed)
-    from pallas_kernels import api
+    from xpress_jax.kernels import api
 
     ops = api.ops()
     B, V, r = cfg.block_size, cfg.vocab_size, cfg.rank
@@ -125,7 +125,7 @@ def explain_flips(cfg, n, topc):
     """Step both backends pass by pass on the end-to-end problem; at each first divergence
     (same block state in, different token out) report how far apart the two latents are and
     the exact scores of the two tokens under each latent."""
-    from pallas_kernels import api
+    from xpress_jax.kernels import api
 
     P, X = api.ops(interpret=jax.default_backend() == "cpu"), _JnpOps
     params, logits, h, anchors = make_problem(cfg, n)
@@ -270,7 +270,7 @@ def torch_refine(params, logits, h, anchors, *, num_passes, topc, spelling="fuse
     """
     import torch
 
-    from convert.torch_reference import to_torch
+    from xpress_jax.convert.torch_reference import to_torch
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False

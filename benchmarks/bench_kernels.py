@@ -31,7 +31,7 @@ STEPS = ("select", "latent", "full_vocab", "topc")
 
 
 def _impls(interpret: bool):
-    from pallas_kernels import api
+    from xpress_jax.kernels import api
     from xpress_jax.refine import _JnpOps
 
     return {"pallas": api.ops(interpret=interpret), "xla": _JnpOps}

@@ -80,7 +80,7 @@ def select_rows(cfg, n, reps, interpret=False, pallas=True):
     Same chaining as the refines: each call's first candidate is written into the next
     call's logits. Returns {backend: device µs per call}.
     """
-    from pallas_kernels import api
+    from xpress_jax.kernels import api
     from xpress_jax.refine import _JnpOps
 
     _, logits, _, _ = make_problem(cfg, n)

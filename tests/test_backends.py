@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import xpress_jax as xj
-from pallas_kernels import api
-from pallas_kernels.common import lower_triton
+from xpress_jax.kernels import api
+from xpress_jax.kernels.common import lower_triton
 
 from conftest import make_head, make_inputs
 
@@ -125,6 +125,6 @@ def test_importing_installs_no_warning_filter():
     import sys
 
     # (numpy and friends add their own filters on import: only a Pallas one would be ours)
-    code = ("import warnings, xpress_jax, pallas_kernels.api, pallas_kernels.common; "
+    code = ("import warnings, xpress_jax, xpress_jax.kernels.api, xpress_jax.kernels.common; "
             "ours = [f for f in warnings.filters if 'Pallas' in str(f[1])]; assert not ours, ours")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 import xpress_jax as xj
-from convert import (
+from xpress_jax.convert import (
     ConversionError,
     SafetensorsError,
     SafetensorsFile,
@@ -36,7 +36,7 @@ from convert import (
     mixer_looks_folded,
     save_file,
 )
-from convert.cli import main
+from xpress_jax.convert.cli import main
 from xpress_jax.params import source_shapes
 
 REPO = Path(__file__).resolve().parents[1]
@@ -118,7 +118,7 @@ def write_folder(
     if fmt == "bin":
         import torch
 
-        from convert.torch_reference import to_torch
+        from xpress_jax.convert.torch_reference import to_torch
 
         torch.save({k: to_torch(v) for k, v in tensors.items()}, folder / "pytorch_model.bin")
         return folder
@@ -160,7 +160,7 @@ def reference_tokens(raw, topc, seed=0):
     """The PyTorch spelling on the raw tensors (torch), else the jnp path built straight from them."""
     logits, h, anchors = inputs(seed)
     if HAS_TORCH:
-        from convert.torch_reference import reference_refine
+        from xpress_jax.convert.torch_reference import reference_refine
 
         return reference_refine(raw, logits, h, anchors, num_passes=K, topc=topc)
     return jax_tokens(xj.params_from_state_dict(raw, CFG, dtype=jnp.float32), CFG, topc, seed)
@@ -439,7 +439,7 @@ def test_pickle_that_runs_code_is_refused(tmp_path, raw):
     if HAS_TORCH:
         import torch
 
-        from convert.torch_reference import to_torch
+        from xpress_jax.convert.torch_reference import to_torch
 
         torch.save({**{k: to_torch(v) for k, v in prefixed(raw).items()}, "evil": Evil()}, src / "pytorch_model.bin")
         msg = refuse(src, tmp_path / "out", "refusing .*weights_only=True")
@@ -494,7 +494,7 @@ def test_dst_exists_without_force(tmp_path, raw):
 
 
 def test_exception_while_writing_leaves_nothing(tmp_path, raw, monkeypatch):
-    import convert.convert as cc
+    import xpress_jax.convert.convert as cc
 
     real = cc.write_checkpoint
 
@@ -524,7 +524,7 @@ def run_cli(*args, cwd=None):
     """The installed ``xpress-convert`` console script when this venv has it, else ``python -m convert``."""
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), JAX_PLATFORMS="cpu")
     script = Path(sys.executable).parent / "xpress-convert"
-    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "convert"]
+    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "xpress_jax.convert"]
     return subprocess.run([*cmd, *map(str, args)], capture_output=True, text=True, env=env, cwd=cwd, timeout=120)
 
 
@@ -579,7 +579,7 @@ def test_cli_exit_codes_in_process(tmp_path, raw, monkeypatch, capsys):
     assert "missing head tensor(s): 'xpress_head.w2.weight'" in capsys.readouterr().out
 
     # A verify mismatch exits 1 and writes nothing: corrupt the jnp reference's params.
-    import convert.verify as cv
+    import xpress_jax.convert.verify as cv
 
     good = write_folder(tmp_path / "good", prefixed(raw), config=hf_config())
     real = cv.params_from_state_dict

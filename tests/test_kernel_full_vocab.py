@@ -1,4 +1,4 @@
-"""Full-vocab pick kernels (pallas_kernels.full_vocab) against the jnp oracle.
+"""Full-vocab pick kernels (xpress_jax.kernels.full_vocab) against the jnp oracle.
 
 `TestFullVocabPick` runs the kernels for real (GPU only); its twin
 `TestFullVocabPickInterpret` runs the same tests on CPU in interpret mode.
@@ -24,8 +24,8 @@ import pytest
 
 from conftest import near_tie_rows, pick_inputs
 
-from pallas_kernels import common
-from pallas_kernels import full_vocab as fv
+from xpress_jax.kernels import common
+from xpress_jax.kernels import full_vocab as fv
 
 DTYPES = [jnp.float32, jnp.bfloat16]
 TRITON_CALL = "__gpu$xla.gpu.triton"
@@ -156,8 +156,8 @@ class TestFullVocabLowering:
     @pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
     @pytest.mark.parametrize("n", [1, 4, 16, 64, 256])
     def test_served_configs_lower(self, n, lazy):
-        """The measured configs refine serves (pallas_kernels.api), eager and lazy, build for an H200."""
-        from pallas_kernels import api
+        """The measured configs refine serves (xpress_jax.kernels.api), eager and lazy, build for an H200."""
+        from xpress_jax.kernels import api
 
         V, r, B = 151936, 256, 16
         rows = n * (B - 1)

@@ -1,4 +1,4 @@
-"""Latent-pass kernel (`pallas_kernels.latent`) against its jnp reference.
+"""Latent-pass kernel (`xpress_jax.kernels.latent`) against its jnp reference.
 
 `TestLatentKernel` runs the kernel compiled for a GPU (skipped without one);
 `TestLatentKernelInterpret` runs the same tests in Pallas interpret mode on CPU.
@@ -21,7 +21,7 @@ import pytest
 
 import importlib
 
-from pallas_kernels import common, latent
+from xpress_jax.kernels import common, latent
 from xpress_jax.config import HeadConfig
 from xpress_jax.params import param_shapes
 

@@ -1,4 +1,4 @@
-"""`pallas_kernels.select`: top-C candidates + full-vocab argmax, against the jnp oracle (lax.top_k)."""
+"""`xpress_jax.kernels.select`: top-C candidates + full-vocab argmax, against the jnp oracle (lax.top_k)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import common
-from pallas_kernels import select as sel
+from xpress_jax.kernels import common
+from xpress_jax.kernels import select as sel
 
 warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated")
 

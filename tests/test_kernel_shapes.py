@@ -1,4 +1,4 @@
-"""Awkward shapes through the config selection serving uses (`pallas_kernels.api`), interpret mode.
+"""Awkward shapes through the config selection serving uses (`xpress_jax.kernels.api`), interpret mode.
 
 Every kernel is reached the way `refine` reaches it: `api.ops(...)` and its
 `full_vocab_config` / `topc_config` / latent and selection dispatch, at ranks that are not
@@ -26,7 +26,7 @@ import pytest
 
 import xpress_jax as xj
 from conftest import make_head, make_inputs, near_tie_rows, pick_inputs, sequential_greedy
-from pallas_kernels import api, common, full_vocab, latent, select
+from xpress_jax.kernels import api, common, full_vocab, latent, select
 from xpress_jax.refine import _JnpOps
 
 DTYPES = [jnp.bfloat16, jnp.float32]

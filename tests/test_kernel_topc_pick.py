@@ -1,4 +1,4 @@
-"""Top-C pick kernel (pallas_kernels.topc_pick) against the jnp oracle hook pair.
+"""Top-C pick kernel (xpress_jax.kernels.topc_pick) against the jnp oracle hook pair.
 
 `TestTopCPick` runs the kernel for real (GPU only); its twin `TestTopCPickInterpret`
 runs the same tests on CPU in interpret mode; `TestTopCLowering` lowers it for an
@@ -22,8 +22,8 @@ import pytest
 
 from conftest import near_tie_rows, pick_inputs
 
-from pallas_kernels import common
-from pallas_kernels import topc_pick as tp
+from xpress_jax.kernels import common
+from xpress_jax.kernels import topc_pick as tp
 
 DTYPES = [jnp.float32, jnp.bfloat16]
 TRITON_CALL = "__gpu$xla.gpu.triton"

@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import xpress_jax as xj  # noqa: E402
-from convert.torch_reference import reference_refine  # noqa: E402
+from xpress_jax.convert.torch_reference import reference_refine  # noqa: E402
 from xpress_jax.params import source_shapes  # noqa: E402
 
 from conftest import SMALL  # noqa: E402

@@ -62,7 +62,7 @@ def commands(code: str) -> list[str]:
 
 def write_drafter(folder: Path) -> None:
     """A tiny vLLM-style drafter checkpoint: backbone + the head under ``xpress_head.``, raw mixer."""
-    from convert import save_file
+    from xpress_jax.convert import save_file
     from xpress_jax import HeadConfig
     from xpress_jax.params import source_shapes
 
@@ -87,7 +87,7 @@ def test_readme_has_the_two_commands():
 
 
 def test_every_readme_block_runs(tmp_path, monkeypatch, capsys):
-    from convert.cli import main as convert_main
+    from xpress_jax.convert.cli import main as convert_main
     from xpress_jax.cli import main as xpress_main
 
     monkeypatch.chdir(tmp_path)

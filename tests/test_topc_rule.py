@@ -22,7 +22,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from pallas_kernels import api, select, topc_pick
+from xpress_jax.kernels import api, select, topc_pick
 from xpress_jax.refine import _JnpOps
 
 DTYPES = {"float32": (jnp.float32, np.float32), "bfloat16": (jnp.bfloat16, ml_dtypes.bfloat16)}

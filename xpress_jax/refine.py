@@ -1,7 +1,7 @@
 """`refine`: K greedy Jacobi passes of the XPress head, jit-able with static shapes.
 
 The pure-jnp path here is the CPU/TPU implementation and the oracle for the
-Pallas kernels (``pallas_kernels``).
+Pallas kernels (``xpress_jax.kernels``).
 """
 
 from __future__ import annotations
@@ -302,12 +302,12 @@ def _select_ops(backend: str, interpret: bool):
     if backend == "xla":
         return _JnpOps
     try:
-        from pallas_kernels import api as pallas_api
+        from xpress_jax.kernels import api as pallas_api
     except ImportError:
         pallas_api = None
     if backend == "pallas":
         if pallas_api is None:
-            raise ValueError("backend='pallas' needs the pallas_kernels package, which is not importable")
+            raise ValueError("backend='pallas' needs the xpress_jax.kernels package, which is not importable")
         return pallas_api.ops(interpret=interpret, steps=steps)
     # auto: Pallas on a supported GPU, else the jnp path.
     if pallas_api is not None and (interpret or pallas_api.gpu_supported()):

@@ -11,7 +11,7 @@ A source is a folder or a single file:
 - a single ``.safetensors`` / ``.bin`` / ``.pt`` / ``.pth`` file (a ``config.json``
   in the same folder is used when present).
 
-Safetensors are read by `convert.safetensors_io` (no torch). PyTorch pickles need
+Safetensors are read by `xpress_jax.convert.safetensors_io` (no torch). PyTorch pickles need
 torch and are opened only with ``torch.load(..., weights_only=True)``, which
 refuses any pickle that tries to build objects other than tensors and plain
 containers: nothing in the file is executed.

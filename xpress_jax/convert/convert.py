@@ -5,7 +5,7 @@ Steps, each refusing bad input with a `ConversionError` that names the problem:
 1. source and destination: the source must not be an already converted
    checkpoint; the destination must not lie inside the source folder, must not
    exist unless ``force``, and must not contain the source;
-2. source: list the tensors (`convert.sources.open_source`; safetensors headers
+2. source: list the tensors (`xpress_jax.convert.sources.open_source`; safetensors headers
    are validated, pickles opened with ``weights_only=True``);
 3. head: the tensors under ``xpress_head.`` / ``model.xpress_head.`` by
    HYBRID_KEY_MAP name; missing, duplicate and unknown names are errors; the
@@ -19,7 +19,7 @@ Steps, each refusing bad input with a `ConversionError` that names the problem:
 6. ``params_from_state_dict`` folds the raw mixer exactly once and converts the
    layouts; ``dtype`` picks the stored dtype;
 7. write into a temporary folder beside the destination, optionally verify
-   there (`convert.verify`), and rename into place only when all succeeded.
+   there (`xpress_jax.convert.verify`), and rename into place only when all succeeded.
 """
 
 from __future__ import annotations
@@ -262,7 +262,7 @@ def convert_checkpoint(
       dtype: ``"keep"`` (the source's dtype), ``"bfloat16"`` or ``"float32"``.
       force: replace an existing ``dst`` (only once the new one is complete).
       verify: compare `refine` tokens of the written checkpoint with a reference
-        built from the source tensors (`convert.verify`); a mismatch where
+        built from the source tensors (`xpress_jax.convert.verify`); a mismatch where
         exactness is required raises `VerificationError` and writes nothing.
       config: a config.json path, a parsed dict or a `HeadConfig`; default: the
         source's config.json.

@@ -4,7 +4,7 @@
    identical to the ones converted in memory.
 2. Tokens: `xpress_jax.refine` (jnp path, float32) on the restored params, on
    random logits / hidden states, against
-   - the PyTorch spelling of the reference (`convert.torch_reference`, float64)
+   - the PyTorch spelling of the reference (`xpress_jax.convert.torch_reference`, float64)
      built straight from the source tensors, when torch is installed, else
    - the jnp path on params built straight from the source tensors in float32
      (`params_from_state_dict`), which checks storage and layout but shares

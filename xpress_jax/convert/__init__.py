@@ -2,7 +2,7 @@
 
 Library::
 
-    from convert import convert_checkpoint
+    from xpress_jax.convert import convert_checkpoint
     report = convert_checkpoint("drafter/", "head_ckpt/", dtype="bfloat16", verify=True)
     print("\\n".join(report.lines()))
 
@@ -10,7 +10,7 @@ Library::
     head = xj.load_params("head_ckpt/")   # a Head: config + params; refine(head, logits, h, anchors)
 
 Command line: ``xpress-convert SRC DST [...]`` and ``xpress-convert inspect PATH``
-(`convert.cli`); also ``python -m convert``.
+(`xpress_jax.convert.cli`); also ``python -m xpress_jax.convert``.
 """
 
 from .convert import ConvertReport, convert_checkpoint, mixer_looks_folded, resolve_config
