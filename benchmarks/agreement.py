@@ -26,7 +26,8 @@ import numpy as np
 
 import xpress_jax as xj
 from benchmarks.bench_refine import SERVING, make_problem
-from xpress_jax.refine import _JnpOps, _topc_winner
+from xpress_jax import reference as R
+from xpress_jax.ops import Ops
 
 
 def _ulp_bf16(x: np.ndarray) -> np.ndarray:
@@ -51,22 +52,20 @@ def _midpoint_dist(x):
 
 def pick_evidence(cfg, n, topc, seed=3):
     params, logits, h, anchors = make_problem(cfg, n, seed=seed)
-    from xpress_jax.kernels import api
-
-    ops = api.ops()
+    ops, xla = Ops.pallas(), Ops.xla(jax.default_backend())
     B, V, r = cfg.block_size, cfg.vocab_size, cfg.rank
     rows = n * (B - 1)
     xh = xj.hidden_input(params, h)
     base = logits[:, 1:].reshape(rows, V)
     blk = jnp.concatenate([anchors[:, None], jnp.argmax(base, -1).reshape(n, B - 1).astype(jnp.int32)], 1)
-    lat = _JnpOps.latent_pass(params, xh, blk, anchors).reshape(rows, r)
+    lat = R.latent_pass(params, xh, blk, anchors).reshape(rows, r)
     if topc:
-        cand, base_c, _ = _JnpOps.select_candidates(base, topc)
-        want = _JnpOps.topc_pick(base_c, cand, lat, _JnpOps.topc_prepare(params["w2"], cand))
+        cand, base_c, _ = R.select_candidates(base, topc)
+        want = R.topc_pick(base_c, cand, lat, R.topc_gather(params["w2"], cand))
         got = ops.topc_pick(base_c, cand, lat, ops.topc_prepare(params["w2"], cand))
     else:
-        want = _JnpOps.full_vocab_pick(base, lat, params["w2"])
-        got = ops.full_vocab_pick(base, lat, params["w2"])
+        want = xla.full_vocab_pick(logits, lat, params["w2"])
+        got = ops.full_vocab_pick(logits, lat, params["w2"])
     want, got = np.asarray(want), np.asarray(got)
     bad = np.nonzero(want != got)[0]
     lat64 = np.asarray(lat.astype(jnp.float32), np.float64)
@@ -125,9 +124,7 @@ def explain_flips(cfg, n, topc):
     """Step both backends pass by pass on the end-to-end problem; at each first divergence
     (same block state in, different token out) report how far apart the two latents are and
     the exact scores of the two tokens under each latent."""
-    from xpress_jax.kernels import api
-
-    P, X = api.ops(interpret=jax.default_backend() == "cpu"), _JnpOps
+    P, X = Ops.pallas(interpret=jax.default_backend() == "cpu"), Ops.xla(jax.default_backend())
     params, logits, h, anchors = make_problem(cfg, n)
     B, V, r = cfg.block_size, cfg.vocab_size, cfg.rank
     rows = n * (B - 1)
@@ -136,11 +133,11 @@ def explain_flips(cfg, n, topc):
     w2 = params["w2"]
     start = jnp.argmax(base, -1).astype(jnp.int32)  # the block's start in both modes
     f = jax.jit(xj.refine, static_argnames=xj.STATIC_ARGNAMES)
-    lat_x, lat_p = jax.jit(X.latent_pass), jax.jit(P.latent_pass)
+    lat_x, lat_p = jax.jit(X.latent), jax.jit(P.latent)
     kw = dict(config=cfg, topc=topc)
     prev_x = prev_p = np.asarray(start).reshape(n, B - 1)
     if topc:
-        cand, base_c, _ = jax.jit(X.select_candidates, static_argnums=1)(base, topc)
+        cand, base_c, _ = jax.jit(R.select_candidates, static_argnums=1)(base, topc)
         pick_x = jax.jit(lambda lat: X.topc_pick(base_c, cand, lat, X.topc_prepare(w2, cand)))
         pick_p = jax.jit(lambda lat: P.topc_pick(base_c, cand, lat, P.topc_prepare(w2, cand)))
 
@@ -149,10 +146,10 @@ def explain_flips(cfg, n, topc):
             bias = jnp.einsum("nr,ncr->nc", lat.astype(jnp.float32), w2c,
                               precision=jax.lax.Precision.HIGHEST).astype(base_c.dtype)
             s = (base_c.astype(jnp.float32) + bias.astype(jnp.float32)).astype(base_c.dtype)
-            return _topc_winner(s, base_c, cand)
+            return R.topc_winner(s, base_c, cand)
     else:
-        pick_x = jax.jit(lambda lat: X.full_vocab_pick(base, lat, w2))
-        pick_p = jax.jit(lambda lat: P.full_vocab_pick(base, lat, w2))
+        pick_x = jax.jit(lambda lat: X.full_vocab_pick(logits, lat, w2))
+        pick_p = jax.jit(lambda lat: P.full_vocab_pick(logits, lat, w2))
 
         def f32_pick(lat):
             bias = jnp.matmul(lat.astype(jnp.float32), w2.astype(jnp.float32).T,

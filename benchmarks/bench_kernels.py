@@ -26,15 +26,13 @@ import jax.numpy as jnp
 import xpress_jax as xj
 from benchmarks.bench_refine import SERVING, make_problem
 from benchmarks.timing import time_jitted
+from xpress_jax.ops import Ops
 
 STEPS = ("select", "latent", "full_vocab", "topc")
 
 
 def _impls(interpret: bool):
-    from xpress_jax.kernels import api
-    from xpress_jax.refine import _JnpOps
-
-    return {"pallas": api.ops(interpret=interpret), "xla": _JnpOps}
+    return {"pallas": Ops.pallas(interpret), "xla": Ops.xla(jax.default_backend())}
 
 
 def step_fn(step, ops, cfg, problem):
@@ -46,7 +44,7 @@ def step_fn(step, ops, cfg, problem):
     lat0 = (0.1 * jax.random.normal(jax.random.key(3), (rows, r), jnp.float32)).astype(logits.dtype)
     if step == "select":
         def f(lg):
-            cand, _, am = ops.select_candidates_logits(lg, c)
+            cand, _, am = ops.select(lg, c)
             return lg.at[0, 1, 0].add((cand[0, 0] % 2).astype(lg.dtype))
         return f, logits
     if step == "latent":
@@ -54,16 +52,16 @@ def step_fn(step, ops, cfg, problem):
         blk = jnp.concatenate([anchors[:, None], jnp.argmax(logits[:, 1:], -1).astype(jnp.int32)], axis=1)
 
         def f(blk):
-            lat = ops.latent_pass(params, xh, blk, anchors)
+            lat = ops.latent(params, xh, blk, anchors)
             return blk.at[0, 1].set((lat[0, 0, 0] > 0).astype(jnp.int32))
         return f, blk
     if step == "full_vocab":
         def f(lat):
-            tok = ops.full_vocab_pick_logits(logits, lat, params["w2"])
+            tok = ops.full_vocab_pick(logits, lat, params["w2"])
             return lat.at[0, 0].add((tok[0] % 2).astype(lat.dtype))
         return f, lat0
     if step == "topc":
-        cand, base_c, _ = ops.select_candidates_logits(logits, c)
+        cand, base_c, _ = ops.select(logits, c)
         prepared = ops.topc_prepare(params["w2"], cand)
 
         def f(lat):

@@ -19,6 +19,7 @@ default backend is xla only (``--backends pallas`` there runs the kernels in int
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -31,6 +32,8 @@ import numpy as np
 
 import xpress_jax as xj
 from benchmarks.timing import time_jitted
+from xpress_jax.ops import Ops
+from xpress_jax.refine import refine_with
 
 SERVING = dict(vocab_size=151936, hidden_size=4096, block_size=16, rank=256, mlp_hidden=512,
                topc=512, num_passes=6, max_num_reqs=256)
@@ -80,22 +83,19 @@ def select_rows(cfg, n, reps, interpret=False, pallas=True):
     Same chaining as the refines: each call's first candidate is written into the next
     call's logits. Returns {backend: device µs per call}.
     """
-    from xpress_jax.kernels import api
-    from xpress_jax.refine import _JnpOps
-
     _, logits, _, _ = make_problem(cfg, n)
     c = cfg.topc
     out = {}
-    impls = {"xla (lax.top_k)": _JnpOps}
+    impls = {"xla (lax.top_k)": Ops.xla(jax.default_backend())}
     if pallas:
-        impls["pallas"] = api.ops(interpret=interpret)
+        impls["pallas"] = Ops.pallas(interpret)
     for name, ops in impls.items():
         m = 2 if name.startswith("xla") and n >= 64 else 20
 
         def run(logits, ops=ops, m=m):
             def body(i, carry):
                 logits, acc = carry
-                cand, vals, am = ops.select_candidates_logits(logits, c)
+                cand, vals, am = ops.select(logits, c)
                 logits = logits.at[0, 1, 0].add((cand[0, 0] % 2).astype(logits.dtype))
                 return logits, acc + am.sum()
 
@@ -126,6 +126,23 @@ def time_device(fn, args, reps):
     return time_jitted(fn, args, reps)[1]
 
 
+#: Kernel steps a benchmark backend name can add to XLA ("xla+latent+pick"): `Ops` fields per step.
+STEPS = {"latent": ("latent",), "pick": ("topc_prepare", "topc_pick", "full_vocab_pick"), "select": ("select",)}
+
+
+def bench_ops(name, interpret):
+    """The `Ops` a benchmark backend name stands for: ``xla``, ``pallas``, or ``xla+<step>[+<step>...]``
+    (XLA with the named steps, from `STEPS`, as Pallas kernels; built with `dataclasses.replace`)."""
+    base, *steps = name.split("+")
+    if base == "pallas" and not steps:
+        return Ops.pallas(interpret)
+    if base != "xla" or not set(steps) <= set(STEPS):
+        raise SystemExit(f"bench_refine: backend {name!r} must be xla, pallas or xla+<steps> (steps: {sorted(STEPS)})")
+    ops, kernels = Ops.xla(jax.default_backend()), Ops.pallas(interpret)
+    fields = {f: getattr(kernels, f) for s in steps for f in STEPS[s]}
+    return dataclasses.replace(ops, name=name, **fields) if fields else ops
+
+
 def chain_length(n, topc, backend):
     if backend.startswith("xla") and topc:  # lax.top_k: ~0.7 ms (N=1) .. ~100 ms (N=256) per call
         return {1: 20, 4: 10, 16: 5, 64: 3, 256: 2}.get(n, 2)
@@ -137,7 +154,8 @@ def main(argv=None):
     ap.add_argument("--n", help="comma list of N (blocks per call) (default: 1,4,16,64,256; with --small: 1,4,16)")
     ap.add_argument("--topc", default="512,0", help="comma list of C (0 = full vocabulary; with --small 512 becomes 64)")
     ap.add_argument("--backends",
-                    help="comma list of xla | pallas | pallas:<steps> (e.g. pallas:latent+pick), each optionally "
+                    help="comma list of xla | pallas | xla+<steps> (e.g. xla+latent+pick: XLA with those steps as "
+                         "Pallas kernels; steps: latent, pick, select), each optionally "
                          "@loop (passes in a lax.fori_loop instead of unrolled). Default: xla,pallas on a GPU, "
                          "xla elsewhere (pallas off a GPU runs in interpret mode: slow)")
     ap.add_argument("--reps", type=int, default=5, help="timed repeats of each chained measurement (median)")
@@ -162,7 +180,8 @@ def main(argv=None):
     on_gpu = dev.platform == "gpu"
     backends = (args.backends or ("xla,pallas" if on_gpu else "xla")).split(",")
     interpret = not on_gpu  # Pallas-Triton compiles for CUDA GPUs only; elsewhere interpret mode
-    if not on_gpu and any(b.startswith("pallas") for b in backends):
+    impls = {b: bench_ops(b.partition("@")[0], interpret) for b in backends}
+    if not on_gpu and any(b != "xla" for b in backends):
         print(f"# note: no GPU ({dev.platform}): Pallas kernels run in interpret mode (slow, for checking only)",
               flush=True)
     meta = dict(date=time.strftime("%Y-%m-%d"), device=dev.device_kind, platform=dev.platform,
@@ -189,10 +208,13 @@ def main(argv=None):
         for topc in topcs:
             outs = {}
             for backend in backends:
-                name, _, flag = backend.partition("@")
-                kw = dict(topc=topc, backend=name, unroll=False if flag == "loop" else None,
-                          interpret=interpret and name.startswith("pallas"))
-                single = jax.jit(lambda p, l, h, a: xj.refine(p, l, h, a, config=cfg, **kw))
+                flag = backend.partition("@")[2]
+                ops, unroll = impls[backend], False if flag == "loop" else None
+
+                def refine_fn(p, l, h, a, ops=ops, topc=topc, unroll=unroll):
+                    return refine_with(ops, p, l, h, a, config=cfg, topc=topc, unroll=unroll)
+
+                single = jax.jit(refine_fn)
                 t0 = time.perf_counter()
                 outs[backend] = np.asarray(single(*problem).block_until_ready())
                 compile_s = time.perf_counter() - t0
@@ -205,7 +227,7 @@ def main(argv=None):
                            walls=args.walls, compile_s=compile_s)
                 if not args.wall_only:
                     m = chain_length(n, topc, backend) if not args.small else 3
-                    t = time_device(chained(cfg, m, **kw), problem, args.reps)
+                    t = time_device(chained(cfg, m, refine_fn=refine_fn), problem, args.reps)
                     row.update(device_us=t / m * 1e6, loop_us=loop_us, net_us=t / m * 1e6 - loop_us, chain=m)
                 if backend != backends[0]:
                     ref = outs[backends[0]]
@@ -214,7 +236,7 @@ def main(argv=None):
                 rows.append(row)
                 emit("refine", row)
         if any(topcs) and not args.no_select and not args.wall_only:
-            pallas = on_gpu or any(b.startswith("pallas") for b in backends)
+            pallas = on_gpu or any(b != "xla" for b in backends)
             for name, us in select_rows(cfg, n, args.reps, interpret=interpret, pallas=pallas).items():
                 sel.append(dict(N=n, C=cfg.topc, impl=name, device_us=us))
                 emit("select", sel[-1])

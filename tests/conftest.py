@@ -105,7 +105,7 @@ def small_cfg():
 def sequential_greedy(params, logits, h, anchors, prev_ids):
     """Oracle for Jacobi exactness: decode the draft slot by slot, each pick seeing the final earlier slots."""
     from xpress_jax.head import hidden_input, latent
-    from xpress_jax.refine import _JnpOps
+    from xpress_jax import reference as R
 
     N, B, V = logits.shape
     xh = hidden_input(params, h)
@@ -114,7 +114,7 @@ def sequential_greedy(params, logits, h, anchors, prev_ids):
     for b in range(1, B):
         prev = jnp.concatenate([prev_ids[:, None].astype(jnp.int32), jnp.asarray(blk[:, :-1])], axis=1)
         lat = latent(params, xh, prev)  # [N, B-1, r]
-        blk[:, b] = np.asarray(_JnpOps.full_vocab_pick(logits[:, b], lat[:, b - 1], params["w2"]))
+        blk[:, b] = np.asarray(R.full_vocab_pick(logits[:, b], lat[:, b - 1], params["w2"]))
     return blk[:, 1:]
 
 

@@ -8,8 +8,11 @@ import numpy as np
 import pytest
 
 import xpress_jax as xj
-from xpress_jax.kernels import api
-from xpress_jax.kernels.common import lower_triton
+import dataclasses
+
+from xpress_jax.kernels.common import gpu_supported, lower_triton
+from xpress_jax.ops import Ops
+from xpress_jax.refine import refine_with
 
 from conftest import make_head, make_inputs
 
@@ -43,13 +46,14 @@ def test_pallas_interpret_equals_xla(dtype, topc, n):
 
 def test_auto_backend_choice():
     """"auto" runs the kernels on a supported GPU (CUDA, sm80+) and the jnp path anywhere else."""
-    from xpress_jax.refine import _JnpOps, _select_ops
+    from xpress_jax.refine import _select_ops
 
     dev = jax.devices()[0]
     cc = getattr(dev, "compute_capability", None)
     supported = dev.platform == "gpu" and "nvidia" in dev.device_kind.lower() and cc is not None and float(cc) >= 8.0
-    assert api.gpu_supported() == supported
-    assert _select_ops("auto", False) is (api.ops(interpret=False) if supported else _JnpOps)
+    assert gpu_supported() == supported
+    assert _select_ops("auto", False) is (Ops.pallas(False) if supported else Ops.xla(jax.default_backend()))
+    assert _select_ops("xla", False) is Ops.xla(jax.default_backend())
     assert _select_ops("auto", False).name == ("pallas" if supported else "xla")
     assert _select_ops("auto", True).name == "pallas-interpret"
     assert _select_ops("pallas", True).name == "pallas-interpret"
@@ -73,8 +77,8 @@ class _FakeDevice:
     (_FakeDevice("tpu", "TPU v5 lite"), False),
 ])
 def test_gpu_supported_only_for_checked_nvidia_gpus(dev, want):
-    assert api.gpu_supported([dev]) is want
-    assert api.gpu_supported([]) is False
+    assert gpu_supported([dev]) is want
+    assert gpu_supported([]) is False
 
 
 @pytest.mark.parametrize("topc", [0, 512])
@@ -82,15 +86,13 @@ def test_refine_lowers_to_triton_kernels(topc):
     """The whole pallas refine lowers for an H200; each kernel appears in the HLO (no silent fallback)."""
     cfg = xj.HeadConfig(vocab_size=4099, hidden_size=64, block_size=16, rank=256, mlp_hidden=512, topc=512)
     p = jax.eval_shape(lambda: xj.init_params(cfg, jax.random.key(0), dtype=jnp.bfloat16))
-    n = 8  # above api.LATENT_XLA_MAX_N, so the latent kernel is used
+    n = 8  # 120 draft rows: the dispatch's latent kernel (XLA's latent up to 60 rows)
     logits = jax.ShapeDtypeStruct((n, 16, cfg.vocab_size), jnp.bfloat16)
     h = jax.ShapeDtypeStruct((n, 16, cfg.hidden_size), jnp.bfloat16)
     ids = jax.ShapeDtypeStruct((n,), jnp.int32)
-    # refine(backend="pallas") refuses a CPU without interpret=True before tracing, so lower its body with
-    # the Pallas ops directly: the same pipeline, validated shapes, traced for an H200.
-    from xpress_jax.refine import _refine
-
-    f = lambda p, l, h, a: _refine(api.ops(), p, l, h, a, a, 3, topc, True)
+    # refine(backend="pallas") refuses a CPU without interpret=True before tracing, so lower it with
+    # the Pallas ops given directly: the same pipeline, validated shapes, traced for an H200.
+    f = lambda p, l, h, a: refine_with(Ops.pallas(False), p, l, h, a, num_passes=3, topc=topc, unroll=True)
     text = lower_triton(f, p, logits, h, ids).as_text()
     assert "xpress_latent_pass" in text
     names = ("xpress_topc_pick", "select_bgather", "select_finish") if topc else ("xpress_full_vocab",)
@@ -98,25 +100,32 @@ def test_refine_lowers_to_triton_kernels(topc):
         assert name in text, f"{name} missing from the lowered HLO"
 
 
+_STEPS = {"latent": ("latent",), "pick": ("topc_prepare", "topc_pick", "full_vocab_pick"), "select": ("select",)}
+
+
 @pytest.mark.interpret_refine
-@pytest.mark.parametrize("steps", ["latent", "pick", "select", "latent+pick+select",
-                                   pytest.param("latent+pick", marks=slow)])
-def test_partial_pallas_backends_match_xla(steps):
-    """Each kernel alone (and all three named) in the XLA refine; a pair of them is `slow`."""
+@pytest.mark.parametrize("steps", ["latent", "pick", "select", pytest.param("latent+pick", marks=slow)])
+def test_mixed_implementations_match_xla(steps):
+    """One kernel step at a time in the XLA refine (`dataclasses.replace` on `Ops`, run with `refine_with`:
+    the documented way to build mixed implementations); a pair of them is `slow`."""
     params = make_head(CFG)
     x = make_inputs(CFG, 2, seed=5)
-    want = np.asarray(refine_jit(params, *x, num_passes=3, topc=50, backend="xla"))
-    got = refine_jit(params, *x, num_passes=3, topc=50, backend=f"pallas:{steps}", interpret=True)
-    np.testing.assert_array_equal(np.asarray(got), want)
+    xla, kernels = Ops.xla(), Ops.pallas(True)
+    mixed = dataclasses.replace(xla, name=f"xla+{steps}", **{
+        f: getattr(kernels, f) for step in steps.split("+") for f in _STEPS[step]})
+    run = jax.jit(refine_with, static_argnums=0, static_argnames=("num_passes", "topc"))
+    want = np.asarray(run(xla, params, *x, num_passes=3, topc=50))
+    np.testing.assert_array_equal(np.asarray(run(mixed, params, *x, num_passes=3, topc=50)), want)
+    assert (want != np.asarray(jnp.argmax(x[0][:, 1:], -1))).mean() > 0.2
 
 
-def test_partial_backend_names_are_checked():
+@pytest.mark.parametrize("backend", ["pallas:latent", "xla:latent", "XLA", "cuda", None, Ops.xla()])
+def test_backend_is_one_of_three_names(backend):
+    """backend is only "auto" | "xla" | "pallas" (mixed implementations go through refine_with)."""
     params = make_head(CFG)
     x = make_inputs(CFG, 2, seed=5)
-    with pytest.raises(ValueError, match="backend"):
-        xj.refine(params, *x, num_passes=1, topc=0, backend="pallas:nope")
-    with pytest.raises(ValueError, match="backend"):
-        xj.refine(params, *x, num_passes=1, topc=0, backend="xla:latent")
+    with pytest.raises(ValueError, match=r"backend must be one of \('auto', 'xla', 'pallas'\)"):
+        xj.refine(params, *x, num_passes=1, topc=0, backend=backend)
 
 
 def test_importing_installs_no_warning_filter():
@@ -125,6 +134,6 @@ def test_importing_installs_no_warning_filter():
     import sys
 
     # (numpy and friends add their own filters on import: only a Pallas one would be ours)
-    code = ("import warnings, xpress_jax, xpress_jax.kernels.api, xpress_jax.kernels.common; "
+    code = ("import warnings, xpress_jax, xpress_jax.ops, xpress_jax.dispatch, xpress_jax.kernels.common; "
             "ours = [f for f in warnings.filters if 'Pallas' in str(f[1])]; assert not ours, ours")
     subprocess.run([sys.executable, "-c", code], check=True)

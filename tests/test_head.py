@@ -146,8 +146,6 @@ def test_pallas_on_cpu_without_interpret_names_the_fix(head):
         with pytest.raises(ValueError, match=r"interpret=True") as e:
             f(head, *x, backend="pallas")
         assert "backend='xla'" in str(e.value)
-    with pytest.raises(ValueError, match="interpret=True"):
-        xj.refine(head, *x, backend="pallas:latent")
 
 
 def test_params_from_state_dict_suggests_the_prefix(small_cfg):

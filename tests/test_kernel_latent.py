@@ -19,13 +19,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import importlib
+import dataclasses
+import functools
 
-from xpress_jax.kernels import common, latent
+from xpress_jax import reference as R
 from xpress_jax.config import HeadConfig
+from xpress_jax.kernels import common, latent
+from xpress_jax.ops import Ops
 from xpress_jax.params import param_shapes
-
-refine_mod = importlib.import_module("xpress_jax.refine")  # the package re-exports `refine`, the function
+from xpress_jax.refine import refine_with
 
 VARIANTS = ("fused", "split")
 
@@ -120,18 +122,18 @@ class TestLatentKernel:
         N, B, V, r, M, cfg = CASES[case]
         params, xh, blk, prev = _inputs(sorted(CASES).index(case), N, B, V, r, M, dtype)
         out = self.run(params, xh, blk, prev, **cfg)
-        ref = latent.reference(params, xh, blk, prev)
+        ref = R.latent_pass(params, xh, blk, prev)
         assert out.shape == (N, B - 1, r)
         assert_close(out, ref)
 
     @pytest.mark.parametrize("variant", VARIANTS)
     def test_matches_refine_oracle_interface(self, variant):
-        """Same as `_JnpOps.latent_pass` (what refine calls), incl. ids the oracle clips."""
+        """Same as `reference.latent_pass` (what refine calls), incl. ids the oracle clips."""
         N, B, V, r, M, cfg = CASES["n5_b6_odd_bpp2"]  # same shapes: reuses the compiled kernel
         cfg = dict(cfg, variant=variant)
         params, xh, blk, prev = _inputs(7, N, B, V, r, M, jnp.float32)
         blk = blk.at[0, 2].set(V + 5).at[4, 4].set(V - 1)  # out of range: both sides clip to V-1
-        ref = refine_mod._JnpOps.latent_pass(params, xh, blk, prev)
+        ref = R.latent_pass(params, xh, blk, prev)
         out = self.run(params, xh, blk, prev, **cfg)
         assert_close(out, ref)
         moved = self.run(params, xh, blk.at[0, 2].set(V - 1), prev, **cfg)
@@ -178,17 +180,16 @@ class TestLatentKernel:
         anchors = jnp.asarray(rng.integers(0, 97, (N,)), jnp.int32)
         interpret = self.INTERPRET
 
-        class KernelOps(refine_mod._JnpOps):
-            @staticmethod
-            def latent_pass(params, xh, blk, prev_ids):
-                return latent.latent_pass(params, xh, blk, prev_ids, interpret=interpret, variant=variant)
+        xla = Ops.xla()
+        kernel_ops = dataclasses.replace(xla, name="xla+latent-kernel", latent=functools.partial(
+            latent.latent_pass, interpret=interpret, variant=variant))
 
         def run(ops):
-            f = jax.jit(lambda p, lg, hh, a: refine_mod._refine(ops, p, lg, hh, a, a, 5, topc))
+            f = jax.jit(lambda p, lg, hh, a: refine_with(ops, p, lg, hh, a, num_passes=5, topc=topc))
             return np.asarray(f(params, logits, h, anchors))
 
-        want = run(refine_mod._JnpOps)
-        got = run(KernelOps)
+        want = run(xla)
+        got = run(kernel_ops)
         np.testing.assert_array_equal(got, want)
         start = np.asarray(jnp.argmax(logits[:, 1:].astype(jnp.float32), axis=-1))
         assert (want != start).mean() > 0.2, "refinement should change a good share of the draft"
@@ -214,15 +215,15 @@ SPLIT_NAMES = ("xpress_latent_pass_mix", "xpress_latent_pass_gateup", "xpress_la
     "N,B,dtype,cfg,names",
     [
         (4, 16, jnp.bfloat16, dict(variant="fused"), ("xpress_latent_pass",)),
-        (256, 16, jnp.bfloat16, {}, ("xpress_latent_pass",)),  # default: fused, 2 blocks per program
+        (256, 16, jnp.bfloat16, dict(blocks_per_program=2), ("xpress_latent_pass",)),  # served at N=256
         (64, 16, jnp.bfloat16, dict(variant="fused", blocks_per_program=4, h_block=32), ("xpress_latent_pass",)),
         (5, 12, jnp.bfloat16, dict(variant="fused", blocks_per_program=2, num_warps=4), ("xpress_latent_pass",)),
         (4, 16, jnp.float32, dict(variant="fused"), ("xpress_latent_pass",)),
-        (1, 16, jnp.bfloat16, {}, SPLIT_NAMES),  # default at small N: split
-        (4, 16, jnp.bfloat16, {}, SPLIT_NAMES),
-        (32, 16, jnp.bfloat16, dict(row_block=64, num_warps=8, blocks_per_program=2), SPLIT_NAMES),
+        (1, 16, jnp.bfloat16, dict(variant="split"), SPLIT_NAMES),
+        (4, 16, jnp.bfloat16, dict(variant="split"), SPLIT_NAMES),
+        (32, 16, jnp.bfloat16, dict(variant="split", row_block=64, num_warps=8, blocks_per_program=2), SPLIT_NAMES),
         (5, 12, jnp.bfloat16, dict(variant="split", col_block=16, h_block=64, k_block=32), SPLIT_NAMES),
-        (3, 16, jnp.float32, {}, SPLIT_NAMES),
+        (3, 16, jnp.float32, dict(variant="split"), SPLIT_NAMES),
     ],
     ids=["bf16_n4_fused", "bf16_n256", "bf16_bpp4", "bf16_b12", "f32_n4_fused", "bf16_n1_split",
          "bf16_n4_split", "bf16_n32_split_rb64", "bf16_b12_split", "f32_n3_split"],
@@ -238,19 +239,20 @@ def test_lowers_to_triton_for_h200(N, B, dtype, cfg, names):
 
 
 def test_default_config_variant():
+    """The kernel's own default is fused (split where fused cannot fit); which variant serves at
+    which N is the dispatch's decision (tests/test_dispatch.py)."""
     for dtype in (jnp.bfloat16, jnp.float32):
-        assert latent.default_config(1, dtype).variant == "split"
-        assert latent.default_config(latent.SPLIT_MAX_N, dtype).variant == "split"
-        assert latent.default_config(latent.SPLIT_MAX_N + 1, dtype).variant == "fused"
-        assert latent.default_config(1, dtype, "fused").variant == "fused"
+        assert latent.default_config(1, dtype).variant == "fused"
+        assert latent.default_config(1, dtype, "split").variant == "split"
+        assert latent.default_config(1, dtype, rank=4096).variant == "split"
 
 
-def test_float64_falls_back_to_reference():
+def test_float64_is_refused():
+    """The kernel refuses float64 (TypeError naming the dtype); refine routes it to the reference."""
     with jax.enable_x64(True):
         params, xh, blk, prev = _inputs(5, 2, 6, 40, 16, 32, jnp.float64)
-        out = latent.latent_pass(params, xh, blk, prev, interpret=True)
-        assert out.dtype == jnp.float64
-        np.testing.assert_array_equal(np.asarray(out), np.asarray(latent.reference(params, xh, blk, prev)))
+        with pytest.raises(TypeError, match="float64"):
+            latent.latent_pass(params, xh, blk, prev, interpret=True)
 
 
 def test_bad_arguments_raise():

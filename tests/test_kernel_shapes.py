@@ -1,11 +1,11 @@
-"""Awkward shapes through the config selection serving uses (`xpress_jax.kernels.api`), interpret mode.
+"""Awkward shapes through the config selection serving uses (`xpress_jax.dispatch`), interpret mode.
 
-Every kernel is reached the way `refine` reaches it: `api.ops(...)` and its
-`full_vocab_config` / `topc_config` / latent and selection dispatch, at ranks that are not
+Every kernel is reached the way `refine` reaches it: `Ops.pallas(...)` and the configs
+`dispatch.plan` picks, at ranks that are not
 powers of two (24, 40, 48, 96, 192, and an odd 37), odd vocabularies, small and odd block
 sizes (B = 2, 3, 7), C = 1 and C = V, and row counts on both sides of every dispatch
-boundary (full-vocab table: 15/60/240/960 draft rows; `LATENT_XLA_MAX_N`; latent
-`SPLIT_MAX_N`; selection's 240-row switch). Kernel == jnp reference on fresh random inputs:
+boundary of `dispatch.TABLE` (draft rows: the full-vocab configs at 15/60/240/960, the latent's
+XLA / split / fused switches, the selection's 240-row switch). Kernel == jnp reference on fresh random inputs:
 token ids exactly, except rows where another float32 summation order could flip a near tie
 (`conftest.near_tie_rows`); "dyadic" inputs (exact dot products in any order, many real ties)
 demand exact equality on every row.
@@ -26,8 +26,10 @@ import pytest
 
 import xpress_jax as xj
 from conftest import make_head, make_inputs, near_tie_rows, pick_inputs, sequential_greedy
-from xpress_jax.kernels import api, common, full_vocab, latent, select
-from xpress_jax.refine import _JnpOps
+from xpress_jax import dispatch
+from xpress_jax import reference as ref
+from xpress_jax.kernels import common, full_vocab, latent
+from xpress_jax.ops import Ops
 
 DTYPES = [jnp.bfloat16, jnp.float32]
 ODD_RANK = 37
@@ -37,7 +39,7 @@ V_ODD = 1001  # > one 384-column part of the small-row table configs: several pa
 #: Kernel-level tests run compiled on a supported GPU, in interpret mode elsewhere (the refine-level
 #: ones always compare the interpret-mode refine with the XLA one).
 INTERPRET = not common.gpu_supported()
-OPS = api.ops(interpret=INTERPRET)
+OPS = Ops.pallas(INTERPRET)
 slow = pytest.mark.slow
 _BF, _F32 = jnp.bfloat16, jnp.float32
 
@@ -58,7 +60,23 @@ def rank_dtype_params():
 
 
 def _table_limits():
-    return [limit for limit, _ in api._FULL_VOCAB_TABLE if limit is not None]
+    """Draft-row limits of `dispatch.TABLE` where the full-vocab config changes."""
+    t = dispatch.TABLE
+    return [a.max_rows for a, b in zip(t, t[1:]) if a.full_vocab != b.full_vocab]
+
+
+def fv_config(rows, vocab, rank, dtype):
+    """The full-vocab config the dispatch serves at this many draft rows."""
+    return dispatch.plan(rows, 2, vocab, rank, 0, dtype).full_vocab
+
+
+def _latent_limits(kind):
+    """The last draft-row count at which the table's latent is ``kind``."""
+    return max(r.max_rows for r in dispatch.TABLE if r.latent == kind)
+
+
+LAT_XLA_ROWS = _latent_limits("xla")  # 60 (N = 4 at B = 16)
+LAT_SPLIT_ROWS = _latent_limits("split")  # 960 (N = 64 at B = 16)
 
 
 # (N, B) with N*(B-1) draft rows on both sides of every full-vocab table boundary (15/60/240/960),
@@ -78,27 +96,27 @@ def test_full_vocab_boundaries_cover_the_table():
         assert {limit, limit + 1} <= rows, limit
     # and the two sides really get different configs
     for limit in _table_limits():
-        lo = api.full_vocab_config(limit, V_ODD, 24, jnp.bfloat16)
-        hi = api.full_vocab_config(limit + 1, V_ODD, 24, jnp.bfloat16)
+        lo = fv_config(limit, V_ODD, 24, jnp.bfloat16)
+        hi = fv_config(limit + 1, V_ODD, 24, jnp.bfloat16)
         assert lo != hi, limit
 
 
 def _check_full_vocab(n, b, vocab, rank, dtype, seed):
-    """ops.full_vocab_pick_logits (the serving call: whole logits, slot_stride) vs the jnp oracle."""
+    """OPS.full_vocab_pick (the serving call: whole logits, slot_stride) vs the jnp reference."""
     rows = n * (b - 1)
     for dyadic in (False, True):
         base, lat, w2 = pick_inputs(rows, vocab, rank, dtype, seed=seed, dyadic=dyadic)
         # whole logits [N, B, V]: slot 0 holds huge values that must never be read
         logits = jnp.concatenate([jnp.full((n, 1, vocab), 1e4, dtype), base.reshape(n, b - 1, vocab)], axis=1)
-        got = np.asarray(OPS.full_vocab_pick_logits(logits, lat, w2))
-        ref = np.asarray(_JnpOps.full_vocab_pick(base, lat, w2))
+        got = np.asarray(OPS.full_vocab_pick(logits, lat, w2))
+        want = np.asarray(ref.full_vocab_pick(base, lat, w2))
         assert got.shape == (rows,) and got.dtype == np.int32
         if dyadic:
-            np.testing.assert_array_equal(got, ref)
+            np.testing.assert_array_equal(got, want)
         else:
-            near = near_tie_rows(base, lat, w2, ref)
+            near = near_tie_rows(base, lat, w2, want)
             assert near.mean() < 0.1, f"{near.sum()} near ties of {rows}: the check would be vacuous"
-            np.testing.assert_array_equal(got[~near], ref[~near])
+            np.testing.assert_array_equal(got[~near], want[~near])
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, pytest.param(jnp.float32, marks=slow)], ids=_name)
@@ -128,11 +146,11 @@ def test_full_vocab_ranks_sweep(n, b, rank, dtype):
 
 
 def test_full_vocab_configs_pass_their_shape_check():
-    """Whatever api hands out passes check_shape (at any rank, also far above serving)."""
+    """Whatever the dispatch hands out passes check_shape (at any rank, also far above serving)."""
     for dtype in DTYPES:
         for rows in (1, 15, 16, 60, 61, 240, 241, 960, 961, 3840):
             for rank in RANKS + [1, 256, 1024, 4096]:
-                cfg = api.full_vocab_config(rows, 151936, rank, dtype)
+                cfg = fv_config(rows, 151936, rank, dtype)
                 cfg.check_shape(rows, 151936, rank, dtype)
                 assert cfg.smem_bytes(rank, dtype) <= full_vocab.SMEM_LIMIT
 
@@ -170,18 +188,18 @@ def test_rank_chunks_are_tensor_core_sized():
 
 
 def _check_topc(rows, vocab, c, rank, dtype, seed):
-    """ops.topc_prepare + ops.topc_pick (topc_config) vs the jnp hook pair, candidates as refine makes them."""
+    """OPS.topc_prepare + OPS.topc_pick (the dispatch's config) vs the jnp reference, candidates as refine makes them."""
     for dyadic in (False, True):
         base, lat, w2 = pick_inputs(rows, vocab, rank, dtype, seed=seed, dyadic=dyadic)
-        cand, base_c, _ = _JnpOps.select_candidates(base, c)
+        cand, base_c, _ = ref.select_candidates(base, c)
         got = np.asarray(OPS.topc_pick(base_c, cand, lat, OPS.topc_prepare(w2, cand)))
-        ref = np.asarray(_JnpOps.topc_pick(base_c, cand, lat, _JnpOps.topc_prepare(w2, cand)))
+        want = np.asarray(ref.topc_pick(base_c, cand, lat, ref.topc_gather(w2, cand)))
         assert got.shape == (rows,) and got.dtype == np.int32
         if dyadic:
-            np.testing.assert_array_equal(got, ref)
+            np.testing.assert_array_equal(got, want)
         else:
-            near = near_tie_rows(base_c, lat, w2, ref, cand=cand)
-            np.testing.assert_array_equal(got[~near], ref[~near])
+            near = near_tie_rows(base_c, lat, w2, want, cand=cand)
+            np.testing.assert_array_equal(got[~near], want[~near])
 
 
 @pytest.mark.parametrize("rank,dtype", rank_dtype_params())
@@ -207,10 +225,10 @@ def _check_select(n, b, vocab, c, dtype, seed):
     x = rng.standard_normal((n, b, vocab))
     x[:, 1:, ::7] = np.round(x[:, 1:, ::7])  # some exact ties, also at the C-th place
     logits = jnp.asarray(x, dtype)
-    got = OPS.select_candidates_logits(logits, c)
-    ref = select.select_candidates_reference(logits[:, 1:].reshape(n * (b - 1), vocab), c)
+    got = OPS.select(logits, c)
+    want = ref.select_candidates(logits[:, 1:].reshape(n * (b - 1), vocab), c)
     cand, vals, arg = (np.asarray(a) for a in got)
-    rc, rv, ra = (np.asarray(a) for a in ref)
+    rc, rv, ra = (np.asarray(a) for a in want)
     np.testing.assert_array_equal(np.sort(cand, axis=1), np.sort(rc, axis=1))
     np.testing.assert_array_equal(np.sort(vals.astype(np.float32), axis=1), np.sort(rv.astype(np.float32), axis=1))
     np.testing.assert_array_equal(arg, ra)
@@ -219,7 +237,7 @@ def _check_select(n, b, vocab, c, dtype, seed):
 @pytest.mark.parametrize("n,b", [pytest.param(239, 2, id="rows239-B2", marks=slow),
                                  pytest.param(40, 7, id="rows240-B7")])
 def test_select_at_the_240_row_switch(n, b):
-    """Both sides of the api's block=16 switch (rows >= 240), odd V, C no power of two."""
+    """Both sides of the dispatch's block=16 switch (rows >= 240), odd V, C no power of two."""
     _check_select(n, b, 301, 37, jnp.bfloat16, seed=n)
 
 
@@ -249,18 +267,19 @@ def _check_latent(n, b, rank, dtype, m=40, vocab=97, seed=0):
     from test_kernel_latent import assert_close
 
     params, xh, blk, prev = _latent_inputs(n, b, vocab, rank, m, dtype, seed)
-    ref = _JnpOps.latent_pass(params, xh, blk, prev)
-    out = OPS.latent_pass(params, xh, blk, prev)
+    want = ref.latent_pass(params, xh, blk, prev)
+    out = OPS.latent(params, xh, blk, prev)
     assert out.shape == (n, b - 1, rank)
-    assert_close(out, ref)
-    if not INTERPRET and n <= api.LATENT_XLA_MAX_N:  # compiled, the dispatch took XLA's latent: the kernel too
-        assert_close(latent.latent_pass(params, xh, blk, prev), ref)
+    assert_close(out, want)
+    if not INTERPRET and n * (b - 1) <= LAT_XLA_ROWS:  # compiled, the dispatch took XLA's latent: the kernel too
+        assert_close(latent.latent_pass(params, xh, blk, prev, config=latent.default_config(n, dtype, "split",
+                                                                                              rank=rank)), want)
 
 
 @pytest.mark.parametrize("rank,dtype", rank_dtype_params())
 def test_latent_ranks(rank, dtype):
-    """The split variant (served for N <= SPLIT_MAX_N) at every awkward rank, 2 blocks of B = 3
-    (compiled on a GPU, 2 blocks take XLA's latent: LATENT_XLA_MAX_N)."""
+    """The split variant (served up to LAT_SPLIT_ROWS draft rows) at every awkward rank, 2 blocks of
+    B = 3 (compiled on a GPU, 4 rows take XLA's latent, and the test runs the split kernel itself)."""
     _check_latent(2, 3, rank, dtype, seed=rank)
 
 
@@ -272,32 +291,33 @@ def test_latent_small_blocks(b, rank, dtype):
     _check_latent(2, b, rank, dtype, seed=rank + b)
 
 
-@pytest.mark.parametrize("n", [pytest.param(api.LATENT_XLA_MAX_N, id="n_xla_max"),
-                               pytest.param(api.LATENT_XLA_MAX_N + 1, id="n_xla_max+1"),
-                               pytest.param(latent.SPLIT_MAX_N, id="n_split_max", marks=slow),
-                               pytest.param(latent.SPLIT_MAX_N + 1, id="n_split_max+1", marks=slow)])
+@pytest.mark.parametrize("n", [pytest.param(LAT_XLA_ROWS, id="rows_xla_max"),
+                               pytest.param(LAT_XLA_ROWS + 1, id="rows_xla_max+1"),
+                               pytest.param(LAT_SPLIT_ROWS, id="rows_split_max", marks=slow),
+                               pytest.param(LAT_SPLIT_ROWS + 1, id="rows_split_max+1", marks=slow)])
 def test_latent_at_dispatch_boundaries(n):
-    _check_latent(n, 7, 40, jnp.bfloat16, seed=n)
+    """Both sides of the latent's draft-row switches, B = 2 (one draft row per block)."""
+    _check_latent(n, 2, 40, jnp.bfloat16, seed=n)
 
 
 def test_latent_fused_at_awkward_shapes():
-    """The fused variant (served above SPLIT_MAX_N blocks) at an odd rank and B = 3 (fast stand-in for N = 65)."""
+    """The fused variant (served above LAT_SPLIT_ROWS draft rows) at an odd rank and B = 3 (fast stand-in for N = 65)."""
     from test_kernel_latent import assert_close
 
     for rank, b in ((ODD_RANK, 3), (48, 7)):
         params, xh, blk, prev = _latent_inputs(3, b, 97, rank, 40, jnp.bfloat16, rank)
         out = latent.latent_pass(params, xh, blk, prev, interpret=INTERPRET,
-                                 config=latent.default_config(latent.SPLIT_MAX_N + 1, jnp.bfloat16, rank=rank))
-        assert_close(out, _JnpOps.latent_pass(params, xh, blk, prev))
+                                 config=latent.default_config(3, jnp.bfloat16, "fused", rank=rank))
+        assert_close(out, ref.latent_pass(params, xh, blk, prev))
 
 
 def test_latent_dispatch_compiled():
-    """Compiled (GPU) dispatch: N <= LATENT_XLA_MAX_N runs XLA's latent, above it the kernel."""
-    ops = api.ops(interpret=False)
-    for n in (1, api.LATENT_XLA_MAX_N, api.LATENT_XLA_MAX_N + 1):
+    """Compiled (GPU) dispatch: up to LAT_XLA_ROWS draft rows XLA's latent, above it the kernel."""
+    ops = Ops.pallas(False)
+    for n in (1, 4, 5):  # B = 16: 15, 60, 75 draft rows
         args = _latent_inputs(n, 16, 97, 24, 40, jnp.bfloat16, 0)
-        jaxpr = str(jax.make_jaxpr(ops.latent_pass)(*args))
-        assert ("pallas_call" in jaxpr) == (n > api.LATENT_XLA_MAX_N), n
+        jaxpr = str(jax.make_jaxpr(ops.latent)(*args))
+        assert ("pallas_call" in jaxpr) == (n * 15 > LAT_XLA_ROWS), n
 
 
 def test_latent_check_shape():

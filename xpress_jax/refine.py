@@ -1,7 +1,9 @@
 """`refine`: K greedy Jacobi passes of the XPress head, jit-able with static shapes.
 
-The pure-jnp path here is the CPU/TPU implementation and the oracle for the
-Pallas kernels (``xpress_jax.kernels``).
+The data path (`_refine`) is written once against `xpress_jax.ops.Ops`, the steps of one
+implementation: the jnp reference (`xpress_jax.reference`, the CPU/TPU path and the kernels'
+oracle) or the Pallas-Triton kernels (`xpress_jax.kernels`, configs from `xpress_jax.dispatch`).
+The platform is read here, once per call, at the API edge (`_platform`); nothing below reads it.
 """
 
 from __future__ import annotations
@@ -12,20 +14,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import reference as ref
 from .config import HeadConfig
-from .head import _dot, acc_dtype, hidden_input, latent, precision_for, round_to
+from .head import hidden_input
+from .ops import Ops
 from .params import Head, check_params
 
-__all__ = ["refine", "INVALID_TOKEN", "BACKENDS"]
+__all__ = ["refine", "refine_with", "INVALID_TOKEN", "BACKENDS"]
 
 #: Token written to every draft slot of a row whose anchor or prev id lies outside [0, V)
 #: (only reachable under ``jit``; concrete calls raise instead).
 INVALID_TOKEN = -1
 
 BACKENDS = ("auto", "xla", "pallas")
-
-#: Steps that ``backend="pallas:<step>+<step>"`` can run as kernels (the others use jnp).
-KERNEL_STEPS = ("latent", "pick", "select")
 
 #: The keyword arguments of `refine` that must be static under ``jax.jit``.
 STATIC = ("num_passes", "topc", "max_num_reqs", "config", "backend", "interpret", "unroll")
@@ -35,46 +36,7 @@ def _is_concrete(x: Any) -> bool:
     return not isinstance(x, jax.core.Tracer)
 
 
-def _clean(s: jax.Array) -> jax.Array:
-    """The non-finite rule: NaN scores count as -inf (they never win; +inf does)."""
-    return jnp.where(jnp.isnan(s), jnp.array(-jnp.inf, s.dtype), s)
-
-
-def _round_sum(a: jax.Array, b: jax.Array) -> jax.Array:
-    """``float(dtype(a + b))``: the sum formed in the accumulation dtype, rounded to the logits' dtype."""
-    acc = acc_dtype(a.dtype)
-    return _clean(round_to(a.astype(acc) + b.astype(acc), a.dtype))
-
-
-def _topc_winner(s: jax.Array, base_c: jax.Array, cand: jax.Array) -> jax.Array:
-    """[rows,C] scores, base logits (NaN-free), vocab ids -> [rows] int32: the top-C tie rule.
-
-    The largest score; among equal scores the larger base logit; among equal base logits the
-    lowest vocab id. (Values compare as numbers: -0.0 == +0.0.)
-    """
-    best = jnp.max(s, axis=-1, keepdims=True)
-    tied = s == best
-    top_base = jnp.max(jnp.where(tied, base_c, jnp.array(-jnp.inf, base_c.dtype)), axis=-1, keepdims=True)
-    big = jnp.iinfo(jnp.int32).max
-    return jnp.min(jnp.where(tied & (base_c == top_base), cand, big), axis=-1).astype(jnp.int32)
-
-
-def _readout(lat: jax.Array, w2: jax.Array, dtype) -> jax.Array:
-    """``dtype(lat @ w2.T)`` accumulated in float32 (float64 for float64): the readout bias [rows, V].
-
-    On GPUs with 16-bit operands the dot writes the 16-bit result directly: the GEMM still
-    accumulates in float32 and rounds once, so the values are the same, but XLA no longer
-    stores the float32 [rows, V] product in HBM before a separate convert (measured on an
-    H200, N=256 full vocab: 11337 -> 9106 µs per refine, tokens unchanged; benchmarks/RESULTS.md).
-    """
-    acc = acc_dtype(dtype)
-    if jax.default_backend() == "gpu" and jnp.dtype(dtype).itemsize == 2:
-        return jnp.matmul(lat, w2.T, preferred_element_type=dtype)
-    return round_to(_dot(lat, w2.T, acc), dtype)
-
-
-def _validate(params, logits, h, anchors, prev_ids, num_passes, topc, max_num_reqs, backend, config=None,
-              interpret=False):
+def _validate(params, logits, h, anchors, prev_ids, num_passes, topc, max_num_reqs, config=None):
     check_params(params, config)
     V, r = params["w1"].shape
     H = params["down_h"].shape[0]
@@ -119,18 +81,6 @@ def _validate(params, logits, h, anchors, prev_ids, num_passes, topc, max_num_re
             raise ValueError(f"max_num_reqs must be a positive int, got {max_num_reqs!r}")
         if N > max_num_reqs:
             raise ValueError(f"logits has N={N} blocks, more than max_num_reqs={max_num_reqs}")
-    name, _, steps = str(backend).partition(":")
-    if name not in BACKENDS or (steps and name != "pallas"):
-        raise ValueError(f"backend must be one of {BACKENDS} (or 'pallas:<steps>'), got {backend!r}")
-    if steps and not set(steps.split("+")) <= set(KERNEL_STEPS):
-        raise ValueError(f"backend={backend!r}: steps must be '+'-joined names from {KERNEL_STEPS}")
-    if name == "pallas" and not interpret and jax.default_backend() != "gpu":
-        # Before any kernel is traced: Pallas-Triton only compiles for CUDA GPUs.
-        raise ValueError(
-            f"backend={backend!r} compiles Pallas-Triton kernels, which need a CUDA GPU, but JAX's default "
-            f"backend here is {jax.default_backend()!r}. Pass interpret=True to run the kernels in interpret "
-            "mode (slow: for tests), or backend='xla' (or 'auto', which picks the jnp path off a GPU)"
-        )
     for name, ids in (("anchors", anchors), ("prev_ids", prev_ids)):
         if ids is not None and _is_concrete(ids):
             a = np.asarray(ids)
@@ -185,8 +135,8 @@ def refine(
       config: the `HeadConfig` for plain params (its sizes must match them). With a `Head`
         it may be left out; if given it must equal the Head's config.
       backend: ``"xla"`` (pure jnp), ``"pallas"`` (Pallas-Triton kernels: a CUDA GPU, or
-        ``interpret=True``) or ``"auto"`` (Pallas on a supported GPU, else jnp);
-        ``"pallas:latent+pick"`` runs only the named steps (`KERNEL_STEPS`) as kernels (for measurement).
+        ``interpret=True``) or ``"auto"`` (Pallas on a supported GPU, else jnp). (Mixed
+        implementations, for measurement: `xpress_jax.ops.refine_with`.)
       interpret: run Pallas kernels in interpret mode (CPU tests).
       unroll: unroll the K passes instead of a ``lax.fori_loop`` (same tokens). Default:
         unrolled on GPUs (an XLA while loop costs several µs per iteration there), a loop elsewhere.
@@ -214,6 +164,62 @@ def refine(
     ``topc``, ``max_num_reqs``, ``config``, ``backend``, ``interpret``, ``unroll``); a
     `Head` argument needs nothing more (its config is static pytree aux data).
     """
+    _check_backend(backend, interpret)
+    return _run(_select_ops(backend, interpret), params, logits, h, anchors, prev_ids, num_passes=num_passes,
+                topc=topc, max_num_reqs=max_num_reqs, config=config, unroll=unroll)
+
+
+def _platform() -> str:
+    """The platform the call compiles for: JAX's default backend, read once per call, here."""
+    return jax.default_backend()
+
+
+def _check_backend(backend: Any, interpret: bool) -> None:
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "pallas" and not interpret and _platform() != "gpu":
+        # Before any kernel is traced: Pallas-Triton only compiles for CUDA GPUs.
+        raise ValueError(
+            f"backend={backend!r} compiles Pallas-Triton kernels, which need a CUDA GPU, but JAX's default "
+            f"backend here is {_platform()!r}. Pass interpret=True to run the kernels in interpret "
+            "mode (slow: for tests), or backend='xla' (or 'auto', which picks the jnp path off a GPU)"
+        )
+
+
+def _select_ops(backend: str, interpret: bool) -> Ops:
+    """``"xla"`` -> `Ops.xla`; ``"pallas"`` -> `Ops.pallas`; ``"auto"`` -> Pallas on a supported
+    NVIDIA GPU (or with ``interpret=True``), else XLA."""
+    if backend == "xla":
+        return Ops.xla(_platform())
+    if backend == "pallas":
+        return Ops.pallas(interpret)
+    try:
+        from .kernels.common import gpu_supported
+    except ImportError:  # a JAX without Pallas-Triton: the jnp path
+        return Ops.xla(_platform())
+    if interpret or gpu_supported():
+        return Ops.pallas(interpret)
+    return Ops.xla(_platform())
+
+
+def refine_with(ops: Ops, params, logits, h, anchors, prev_ids=None, *, num_passes: int | None = None,
+                topc: int | None = None, max_num_reqs: int | None = None, config: HeadConfig | None = None,
+                unroll: bool | None = None) -> jax.Array:
+    """`refine` with an explicit `xpress_jax.ops.Ops` instead of ``backend`` (documented internal:
+    benchmarks and experiments build mixed implementations with `dataclasses.replace`).
+
+    Same arguments, validation, defaults and result as `refine`. Static under ``jit``: ``ops``
+    (hashable), ``num_passes``, ``topc``, ``max_num_reqs``, ``config``, ``unroll``.
+    """
+    if not isinstance(ops, Ops):
+        raise TypeError(f"ops must be an xpress_jax.ops.Ops, got {type(ops).__name__}")
+    return _run(ops, params, logits, h, anchors, prev_ids, num_passes=num_passes, topc=topc,
+                max_num_reqs=max_num_reqs, config=config, unroll=unroll)
+
+
+def _run(ops: Ops, params, logits, h, anchors, prev_ids=None, *, num_passes=None, topc=None, max_num_reqs=None,
+         config=None, unroll=None):
+    """Resolve the config's defaults, validate, and run `_refine` with ``ops`` (`refine`'s body)."""
     if config is not None and not isinstance(config, HeadConfig):
         raise TypeError(f"config must be a HeadConfig, got {type(config).__name__}")
     if isinstance(params, Head):
@@ -231,91 +237,15 @@ def refine(
         num_passes = config.num_passes if num_passes is None else num_passes
         topc = config.topc if topc is None else topc
         max_num_reqs = config.max_num_reqs if max_num_reqs is None else max_num_reqs
-    _validate(params, logits, h, anchors, prev_ids, num_passes, topc, max_num_reqs, backend, config, interpret)
+    _validate(params, logits, h, anchors, prev_ids, num_passes, topc, max_num_reqs, config)
     if prev_ids is None:
         prev_ids = anchors
-    ops = _select_ops(backend, interpret)
     if unroll is None:
-        unroll = jax.default_backend() == "gpu"
+        unroll = _platform() == "gpu"
     return _refine(ops, params, logits, h, anchors, prev_ids, int(num_passes), int(topc), bool(unroll))
 
 
-class _JnpOps:
-    """The pure-jnp implementation of every per-pass step (the kernels' oracle)."""
-
-    name = "xla"
-
-    @staticmethod
-    def latent_pass(params, xh, blk, prev_ids):
-        """[N,B,r], [N,B] int32, [N] int32 -> [N, B-1, r]: latents of the draft slots."""
-        prev = jnp.concatenate([prev_ids[:, None], blk[:, :-1]], axis=1)
-        return latent(params, xh, prev)
-
-    @staticmethod
-    def full_vocab_pick(base, lat, w2):
-        """[rows,V], [rows,r], [V,r] -> [rows] int32: argmax_v dtype(base + lat @ w2.T), lowest id on ties."""
-        return jnp.argmax(_round_sum(base, _readout(lat, w2, base.dtype)), axis=-1).astype(jnp.int32)
-
-    @classmethod
-    def full_vocab_pick_logits(cls, logits, lat, w2):
-        """[N,B,V] logits (slot 0 unused), [N*(B-1),r], [V,r] -> [N*(B-1)] int32: `full_vocab_pick` on the draft slots."""
-        N, B, V = logits.shape
-        return cls.full_vocab_pick(logits[:, 1:].reshape(N * (B - 1), V), lat, w2)
-
-    @classmethod
-    def select_candidates_logits(cls, logits, c):
-        """`select_candidates` on the draft slots of [N,B,V] logits."""
-        N, B, V = logits.shape
-        return cls.select_candidates(logits[:, 1:].reshape(N * (B - 1), V), c)
-
-    @staticmethod
-    def select_candidates(base, c):
-        """[rows,V] -> (cand [rows,C] int32, base_c [rows,C], argmax [rows] int32)."""
-        clean = _clean(base)
-        base_c, cand = jax.lax.top_k(clean, c)
-        return cand.astype(jnp.int32), base_c, jnp.argmax(clean, axis=-1).astype(jnp.int32)
-
-    @staticmethod
-    def topc_prepare(w2, cand):
-        """Once per call: what `topc_pick` reads for the candidates' readout rows (here w2c = w2[cand])."""
-        return jnp.take(w2, cand, axis=0)  # [rows, C, r]
-
-    @staticmethod
-    def topc_pick(base_c, cand, lat, w2c):
-        """[rows,C], [rows,C] int32, [rows,r], topc_prepare(...) -> [rows] int32 vocab ids.
-
-        ``s = dtype(base_c + dtype(lat . w2[cand]))``. vLLM's rule (its candidates are sorted by
-        base logit, largest first, and the first position holding the largest s wins), spelled
-        so that it does not depend on the order of the candidates: the largest s wins; among
-        equal s the larger base logit; among equal base logits the lowest vocab id.
-        """
-        acc = acc_dtype(base_c.dtype)
-        bias_c = round_to(jnp.einsum(
-            "nr,ncr->nc", lat, w2c, precision=precision_for(lat.dtype), preferred_element_type=acc
-        ), base_c.dtype)
-        return _topc_winner(_round_sum(base_c, bias_c), _clean(base_c), cand)
-
-
-def _select_ops(backend: str, interpret: bool):
-    backend, _, steps = backend.partition(":")
-    steps = tuple(sorted(steps.split("+"))) if steps else None
-    if backend == "xla":
-        return _JnpOps
-    try:
-        from xpress_jax.kernels import api as pallas_api
-    except ImportError:
-        pallas_api = None
-    if backend == "pallas":
-        if pallas_api is None:
-            raise ValueError("backend='pallas' needs the xpress_jax.kernels package, which is not importable")
-        return pallas_api.ops(interpret=interpret, steps=steps)
-    # auto: Pallas on a supported GPU, else the jnp path.
-    if pallas_api is not None and (interpret or pallas_api.gpu_supported()):
-        return pallas_api.ops(interpret=interpret)
-    return _JnpOps
-
-
-def _refine(ops, params, logits, h, anchors, prev_ids, num_passes, topc, unroll=False):
+def _refine(ops: Ops, params, logits, h, anchors, prev_ids, num_passes, topc, unroll=False):
     N, B, V = logits.shape
     r = params["w1"].shape[1]
     rows = N * (B - 1)
@@ -328,22 +258,22 @@ def _refine(ops, params, logits, h, anchors, prev_ids, num_passes, topc, unroll=
     xh = hidden_input(params, h)  # [N, B, r], once per call
 
     if topc:
-        cand, base_c, start = ops.select_candidates_logits(logits, topc)
-        w2c = ops.topc_prepare(params["w2"], cand)  # once per call
+        cand, base_c, start = ops.select(logits, topc)
+        prepared = ops.topc_prepare(params["w2"], cand)  # once per call
 
         def pick(lat):
-            return ops.topc_pick(base_c, cand, lat, w2c)
+            return ops.topc_pick(base_c, cand, lat, prepared)
 
     else:
-        start = jnp.argmax(_clean(logits[:, 1:]), axis=-1).astype(jnp.int32)
+        start = jnp.argmax(ref.clean(logits[:, 1:]), axis=-1).astype(jnp.int32)
 
         def pick(lat):
-            return ops.full_vocab_pick_logits(logits, lat, params["w2"])
+            return ops.full_vocab_pick(logits, lat, params["w2"])
 
     blk = jnp.concatenate([anchors[:, None], start.reshape(N, B - 1)], axis=1)
 
     def one_pass(_, blk):
-        lat = ops.latent_pass(params, xh, blk, prev_ids).reshape(rows, r)
+        lat = ops.latent(params, xh, blk, prev_ids).reshape(rows, r)
         return blk.at[:, 1:].set(pick(lat).reshape(N, B - 1))
 
     blk = jax.lax.fori_loop(0, num_passes, one_pass, blk, unroll=unroll)

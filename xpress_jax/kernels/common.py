@@ -2,7 +2,8 @@
 in-kernel helpers every kernel module uses (one copy each: `BIG`, `iota`, `cdiv`, `next_pow2`,
 `k_chunk`, `score`, `best`, `merge`).
 
-Everything Triton-specific lives in this package; `xpress_jax` only sees `api.ops()`.
+Everything Triton-specific lives in this package, which imports nothing from the rest of
+`xpress_jax`: `xpress_jax.dispatch` picks the configs and `xpress_jax.ops` calls the wrappers.
 """
 
 from __future__ import annotations

@@ -52,6 +52,8 @@ MIN_DOT = 16
 #: Shared memory one program may use on an H100/H200 (227 KB, the opt-in maximum per block).
 SMEM_LIMIT = 227 * 1024
 
+_KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+
 
 @dataclasses.dataclass(frozen=True)
 class FullVocabConfig:
@@ -181,13 +183,6 @@ def fit_shared_memory(cfg: FullVocabConfig, rank: int, dtype) -> FullVocabConfig
                 break
             cfg = nxt
     return cfg
-
-
-def reference(base: jax.Array, lat: jax.Array, w2: jax.Array) -> jax.Array:
-    """The jnp oracle, `refine._JnpOps.full_vocab_pick`."""
-    from xpress_jax.refine import _JnpOps
-
-    return _JnpOps.full_vocab_pick(base, lat, w2)
 
 
 # ---------------------------------------------------------------------------
@@ -451,7 +446,7 @@ def full_vocab_pick(
 
     Lowest vocab id on ties, NaN counts as -inf (a row of -inf/NaN picks id 0).
     One Pallas matmul with an add/argmax epilogue, then the combine launch. ``config``: block
-    sizes (default: `default_config`). Float64 uses the jnp reference.
+    sizes (default: `default_config`). Float64 raises ``TypeError``.
     ``slot_stride=B``: ``base`` is the whole logits reshaped to [N*B, V]; draft row
     n*(B-1) + b reads logits row n*B + 1 + b (no copy of ``logits[:, 1:]``).
     """
@@ -459,16 +454,13 @@ def full_vocab_pick(
         if slot_stride < 2 or base.ndim != 2 or base.shape[0] % slot_stride:
             raise ValueError(f"slot_stride={slot_stride} needs base [N*B, V] with B={slot_stride}; got {base.shape}")
         n = base.shape[0] // slot_stride
-        if jnp.dtype(base.dtype) == jnp.float64:
-            base = base.reshape(n, slot_stride, -1)[:, 1:].reshape(n * (slot_stride - 1), -1)
-            slot_stride = 0
-        else:
-            _check_shapes(base, lat, w2, rows=n * (slot_stride - 1))
-    if not slot_stride:
+        _check_shapes(base, lat, w2, rows=n * (slot_stride - 1))
+    else:
         _check_shapes(base, lat, w2)
     dtype = jnp.dtype(base.dtype)
-    if dtype == jnp.float64:
-        return reference(base, lat, w2)
+    if dtype not in _KERNEL_DTYPES:
+        raise TypeError(f"full-vocab pick kernel: dtype {dtype.name} is not supported (bf16, f16, f32); "
+                        "xpress_jax routes float64 to xpress_jax.reference.full_vocab_pick")
     vocab = base.shape[1]
     rows, rank = lat.shape
     cfg = config or default_config(rows, vocab, rank, dtype)

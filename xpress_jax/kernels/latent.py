@@ -1,4 +1,4 @@
-"""Latent pass of the XPress head: the jnp reference, the Pallas-Triton kernel and its wrapper.
+"""Latent pass of the XPress head: the Pallas-Triton kernels, their wrapper and config.
 
 One pass turns the current block into the draft slots' latents::
 
@@ -9,7 +9,7 @@ One pass turns the current block into the draft slots' latents::
     return lat[:, 1:]                                               [N, B-1, r]
 
 ``xh`` is the pass-invariant hidden half of ``in_proj``, computed once per call by
-`xpress_jax.head.hidden_input`. Precision (as `xpress_jax.head.latent`): matmul
+`xpress_jax.head.hidden_input`. Precision (as the jnp reference, `xpress_jax.head.latent`): matmul
 operands in the params' dtype ``cd`` with float32 accumulation (``Precision.HIGHEST``:
 float32 params use IEEE float32 products on the GPU, not TF32); ``x``, ``u``, the
 mixer and SwiGLU's elementwise work in float32; ``u`` and the SwiGLU activation are
@@ -58,7 +58,8 @@ than an H200 block may use). Tiled at the bf16 default (k_block = h_block = 64,
 2 stages) an offline sm_90a compile (Triton 3.9 + ptxas, not XLA's own Triton)
 reports 108 KB shared memory and 107 registers, no spills; see `default_config`.
 
-Exactness: interpret mode is NOT bit-identical to `reference` in general. The
+Exactness: interpret mode is NOT bit-identical to the jnp reference
+(`xpress_jax.reference.latent_pass`) in general. The
 float32 sums are grouped differently: K chunks of ``k_block`` in ``x``, hidden
 chunks of ``h_block`` in the down projection, the mixer summed j = 0, 1, ... in
 order, and per-block dot shapes. XLA:CPU's own float32 dot already changes its
@@ -74,8 +75,9 @@ The split variants group the sums differently again (gate/up summed over r and
 the down projection over M, both in K chunks of ``k_block``) and stay within the
 same bounds (tests: both variants, the same tolerances).
 
-Float64 params fall back to `reference` (no float64 tensor-core path worth
-having here). B < 2 or N = 0 returns an empty array without launching.
+Float64 params are refused (``TypeError``: no float64 tensor-core path worth having here;
+`xpress_jax` routes float64 to its jnp reference). B < 2 or N = 0 returns an empty array
+without launching.
 """
 
 from __future__ import annotations
@@ -93,7 +95,7 @@ from jax.experimental.pallas import triton as plt
 from . import common
 from .common import next_pow2
 
-__all__ = ["LatentConfig", "VARIANTS", "SPLIT_MAX_N", "default_config", "reference", "latent_pass"]
+__all__ = ["LatentConfig", "VARIANTS", "default_config", "latent_pass"]
 
 _HI = jax.lax.Precision.HIGHEST
 
@@ -101,11 +103,6 @@ _HI = jax.lax.Precision.HIGHEST
 #: Kernel variants: ``"fused"`` (one kernel, one program per block(s)), ``"split"`` (three
 #: kernels that spread the weights over many programs).
 VARIANTS = ("fused", "split")
-
-#: `default_config` picks the split variant for N <= SPLIT_MAX_N blocks (set from H200 numbers,
-#: dev_latent (removed), benchmarks/RESULTS.md "Latent pass").
-SPLIT_MAX_N = 64
-
 
 @dataclasses.dataclass(frozen=True)
 class LatentConfig:
@@ -173,14 +170,15 @@ class LatentConfig:
 def default_config(n: int, dtype: Any, variant: str | None = None, rank: int = 256) -> LatentConfig:
     """Block config for N blocks of params dtype ``dtype`` (measure with benchmarks/bench_kernels.py).
 
-    ``variant=None`` picks ``"split"`` for ``n <= SPLIT_MAX_N``, else ``"fused"`` (``"split"``
-    also when the fused kernel would not fit in shared memory at ``rank``, see `LatentConfig.check_shape`).
+    ``variant=None`` picks ``"fused"``, or ``"split"`` when the fused kernel would not fit in shared
+    memory at ``rank`` (`LatentConfig.check_shape`). Which variant serves at which N, and the fused
+    variant's blocks per program, is `xpress_jax.dispatch`'s decision (measured), not this default's.
 
     Fused: chosen from an offline sm_90a compile (Triton 3.9 + ptxas, not XLA's own
     Triton): bf16 with 1 block/program, k_block = h_block = 64, 8 warps, 2 stages
     needs 108 KB shared memory and 107 registers; 2 blocks/program 118 KB / 180
-    registers, no spills. Larger N batches blocks so each program reuses the
-    weights it stages for more rows (fewer L2 reads of the ~0.9 MB of weights).
+    registers, no spills. (Large N serves 2 blocks per program, set by `xpress_jax.dispatch`: each
+    program reuses the weights it stages for more rows, fewer L2 reads of the ~0.9 MB of weights.)
     float32 (IEEE products, no tensor cores) uses 32-wide chunks and 1 block per
     program: 116 KB, 158 registers.
 
@@ -192,7 +190,7 @@ def default_config(n: int, dtype: Any, variant: str | None = None, rank: int = 2
     """
     auto = variant is None
     if variant is None:
-        variant = "split" if n <= SPLIT_MAX_N else "fused"
+        variant = "fused"
     if variant not in VARIANTS:
         raise ValueError(f"variant={variant!r} must be one of {VARIANTS}")
     f32 = jnp.dtype(dtype).itemsize >= 4
@@ -204,8 +202,7 @@ def default_config(n: int, dtype: Any, variant: str | None = None, rank: int = 2
                             col_block=32, row_block=0, num_warps=4, num_stages=2)
     if f32:
         return LatentConfig(blocks_per_program=1, k_block=32, h_block=32, num_warps=8, num_stages=2)
-    return LatentConfig(blocks_per_program=1 if n < 128 else 2, k_block=64, h_block=64,
-                        num_warps=8, num_stages=2)
+    return LatentConfig(blocks_per_program=1, k_block=64, h_block=64, num_warps=8, num_stages=2)
 
 
 #: Smallest dimension of the kernels' tensor-core dots (Triton's dot wants M, N, K >= 16 on NVIDIA GPUs).
@@ -220,15 +217,6 @@ def _dot_bpp(bpp: int, bp: int) -> int:
     (``bpp * bp``, the dots' M) are >= `MIN_DOT` also for small blocks (B <= 8). Unchanged for
     B > 8 (serving: B = 16)."""
     return max(bpp, MIN_DOT // bp)
-
-
-def reference(params: Mapping[str, jax.Array], xh: jax.Array, blk: jax.Array,
-              prev_ids: jax.Array) -> jax.Array:
-    """The jnp oracle, `xpress_jax.refine._JnpOps.latent_pass`: `xpress_jax.head.latent` on the
-    predecessors built from ``blk`` (slot 0 reads ``prev_ids``, slot b reads ``blk[:, b-1]``) -> [N, B-1, r]."""
-    from xpress_jax.refine import _JnpOps
-
-    return _JnpOps.latent_pass(params, xh, blk, prev_ids)
 
 
 # ---------------------------------------------------------------------------
@@ -620,10 +608,9 @@ def latent_pass(
 ) -> jax.Array:
     """[N,B,r], [N,B] int32, [N] int32 -> [N, B-1, r]: the draft slots' latents (see module doc).
 
-    Same semantics as ``xpress_jax.refine._JnpOps.latent_pass``. Block config: a
-    `LatentConfig`, else `default_config` for this N, dtype and ``variant`` (None:
-    split for N <= `SPLIT_MAX_N`, else fused); the other keyword arguments override
-    single fields. Float64 params use `reference`.
+    Same semantics as `xpress_jax.reference.latent_pass` (the tests compare the two). Block
+    config: a `LatentConfig`, else `default_config` for this N, dtype and ``variant``; the other
+    keyword arguments override single fields. Float64 params raise ``TypeError``.
     """
     w1 = params["w1"]
     n, b = blk.shape
@@ -639,8 +626,9 @@ def latent_pass(
         raise TypeError(f"xh.dtype={jnp.dtype(xh.dtype)} must equal the params' dtype {cd}")
     if n == 0 or b < 2:
         return jnp.zeros((n, max(b - 1, 0), r), cd)
-    if cd == jnp.float64:
-        return reference(params, xh, blk, prev_ids)
+    if cd not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)):
+        raise TypeError(f"latent kernel: params dtype {cd.name} is not supported (bf16, f16, f32); "
+                        "xpress_jax routes float64 to xpress_jax.reference.latent_pass")
     if config is not None and variant is not None and config.variant != variant:
         raise ValueError(f"variant={variant!r} contradicts config.variant={config.variant!r}")
     cfg = config if config is not None else default_config(n, cd, variant, rank=r)

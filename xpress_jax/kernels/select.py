@@ -6,7 +6,7 @@ Computes, for base logits ``[rows, V]`` and ``1 <= c <= V``:
 * ``base_c`` [rows, c] (logits' dtype): their logits (exact values; NaN reads as -inf);
 * ``argmax`` [rows] int32: the row's full-vocab argmax (the block's starting token).
 
-Rules (identical to the oracle ``select_candidates_reference`` = ``lax.top_k`` + ``jnp.argmax``):
+Rules (identical to the oracle `xpress_jax.reference.select_candidates` = ``lax.top_k`` + ``jnp.argmax``):
 NaN counts as -inf. Membership follows the total order of ``lax.top_k`` (on the bits: ``-0.0`` ranks
 below ``+0.0``); among values tied at the c-th place the **lowest vocab ids** are taken. The argmax
 compares values (``-0.0 == +0.0``), lowest id on ties; a row of all -inf/NaN has argmax 0.
@@ -51,7 +51,7 @@ H200 and was removed: benchmarks/RESULTS.md "Top-C selection".)
 Why not radix histograms: Pallas-Triton has no shared-memory scratch or histogram op, so a 256-bin
 digit pass costs ~256 compares per element; the group-max bound needs one max per element.
 
-float64 (and any non-float dtype) falls back to the oracle (Triton keys here are at most 32 bits).
+float64 (and any non-float dtype) is refused with ``TypeError`` (Triton keys here are at most 32 bits).
 Interpret mode only: masked scatter lanes aim at a trash slot (outputs padded by one, sliced off).
 ``slot_stride=B``: ``base`` is the whole logits [N*B, V]; every kernel maps its draft row to the
 source row once (`_src_row`) and reads only that row, so logits[:, 1:] is never copied.
@@ -72,21 +72,10 @@ from jax.experimental.pallas import triton as plt
 from . import common
 from .common import BIG, next_pow2
 
-__all__ = ["SelectConfig", "select_candidates", "select_candidates_reference"]
+__all__ = ["SelectConfig", "select_candidates"]
 
 _SENT = -(2**31)  # key of masked lanes: below every real key (NaN is keyed as -inf)
 _KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
-
-
-# ----------------------------------------------------------------------------- reference
-def select_candidates_reference(base: jax.Array, c: int):
-    """The oracle: NaN -> -inf; ``lax.top_k`` (ties at the c-th value: lowest ids); ``argmax`` (lowest id).
-
-    [rows, V] -> (cand [rows, c] int32, base_c [rows, c] base.dtype, argmax [rows] int32).
-    """
-    clean = jnp.where(jnp.isnan(base), jnp.array(-jnp.inf, base.dtype), base)
-    base_c, cand = lax.top_k(clean, c)
-    return cand.astype(jnp.int32), base_c, jnp.argmax(clean, axis=-1).astype(jnp.int32)
 
 
 # ----------------------------------------------------------------------------- config
@@ -618,7 +607,7 @@ def select_candidates(base: jax.Array, c: int, *, interpret: bool = False, slot_
     """Per row of ``base`` [rows, V]: (cand [rows, c] int32, base_c [rows, c], argmax [rows] int32).
 
     Pallas-Triton kernels for bf16/f16/f32 logits (``interpret=True`` runs them on CPU); any other
-    dtype (float64) uses the jnp oracle. ``config``: fields of `SelectConfig`. See the module doc
+    dtype (float64) raises ``TypeError``. ``config``: fields of `SelectConfig`. See the module doc
     for the rules and the algorithm.
 
     ``slot_stride=B`` (static, >= 2): ``base`` is the whole logits reshaped to [N*B, V]; the draft
@@ -641,11 +630,11 @@ def select_candidates(base: jax.Array, c: int, *, interpret: bool = False, slot_
     if not 1 <= c <= v:
         raise ValueError(f"c={c} must be in [1, V={v}]")
     cfg = SelectConfig(**config)
-    if jnp.dtype(base.dtype) not in _KERNEL_DTYPES or rows == 0:
-        if slot_stride:
-            n = rows // slot_stride
-            base = base.reshape(n, slot_stride, v)[:, 1:].reshape(n * (slot_stride - 1), v)
-        return select_candidates_reference(base, c)
+    if jnp.dtype(base.dtype) not in _KERNEL_DTYPES:
+        raise TypeError(f"selection kernel: dtype {jnp.dtype(base.dtype).name} is not supported (bf16, f16, f32); "
+                        "xpress_jax routes float64 to xpress_jax.reference.select_candidates")
+    if rows == 0:
+        return jnp.zeros((0, c), jnp.int32), jnp.zeros((0, c), base.dtype), jnp.zeros((0,), jnp.int32)
     if slot_stride:
         return _select_pallas(base, c=c, cfg=cfg, interpret=interpret, slot_stride=slot_stride)
     return _select_pallas(base, c=c, cfg=cfg, interpret=interpret)

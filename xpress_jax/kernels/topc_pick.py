@@ -1,6 +1,6 @@
 """Top-C pick: the best of each row's C candidates, ``s = float(dtype(base_c + dtype(w2[cand] . lat)))``.
 
-Reference (the spec): `xpress_jax.refine._JnpOps.topc_prepare` / ``topc_pick``.
+Reference (the spec): `xpress_jax.reference.topc_pick` on `xpress_jax.reference.topc_gather` (w2, cand).
 Rules: the dot accumulates in float32 and is rounded to the logits' dtype; the
 sum is formed in float32 and rounded to the logits' dtype before comparing;
 NaN counts as -inf; the largest score wins; among equal scores the **larger base
@@ -25,7 +25,7 @@ but ``rows * splits`` programs keep the GPU busy at small N).
 
 The bias sums in another order than XLA's einsum, so a bias within an ulp of a
 rounding boundary can round differently: tokens can differ from the reference
-only at such near ties. Float64 falls back to the jnp reference.
+only at such near ties. Float64 is refused (``TypeError``); `xpress_jax` routes it to the jnp reference.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from jax.experimental.pallas import triton as plt
 from . import common
 from .common import BIG, cdiv, iota, k_chunk, next_pow2, score
 
-__all__ = ["TopCConfig", "default_config", "topc_pick", "combine_splits", "reference_prepare", "reference_pick"]
+__all__ = ["TopCConfig", "default_config", "topc_pick", "combine_splits"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +79,7 @@ class TopCConfig:
             if v < 1:
                 raise ValueError(f"top-C pick needs {name} >= 1, got {v}")
         if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)):
-            raise ValueError(f"top-C pick kernel: dtype {jnp.dtype(dtype).name} not supported (float64 uses the reference)")
+            raise TypeError(f"top-C pick kernel: dtype {jnp.dtype(dtype).name} not supported (bf16, f16, f32)")
 
 
 def default_config(rows: int, c: int, rank: int, dtype) -> TopCConfig:
@@ -106,18 +106,6 @@ def _merge3(best, bbase, bidx, m, mb, k):
     """Keep the better of two (score, base logit, id) triples: larger score, larger base, lower id."""
     take = (m > best) | ((m == best) & ((mb > bbase) | ((mb == bbase) & (k < bidx))))
     return jnp.where(take, m, best), jnp.where(take, mb, bbase), jnp.where(take, k, bidx)
-
-
-def reference_prepare(w2: jax.Array, cand: jax.Array) -> jax.Array:
-    from xpress_jax.refine import _JnpOps
-
-    return _JnpOps.topc_prepare(w2, cand)
-
-
-def reference_pick(base_c, cand, lat, w2c) -> jax.Array:
-    from xpress_jax.refine import _JnpOps
-
-    return _JnpOps.topc_pick(base_c, cand, lat, w2c)
 
 
 def _topc_kernel(
@@ -207,8 +195,9 @@ def topc_pick(
     if not (base_c.dtype == lat.dtype == w2.dtype):
         raise ValueError(f"dtypes must agree: {base_c.dtype=} {lat.dtype=} {w2.dtype=}")
     dtype = jnp.dtype(base_c.dtype)
-    if dtype == jnp.float64:
-        return reference_pick(base_c, cand, lat, jnp.take(w2, cand, axis=0))
+    if dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)):
+        raise TypeError(f"top-C pick kernel: dtype {dtype.name} is not supported (bf16, f16, f32); "
+                        "xpress_jax routes float64 to xpress_jax.reference.topc_pick")
     cfg = config or default_config(rows, c, rank, dtype)
     cfg.check_shape(rows, c, rank, dtype)
     k_tile = k_chunk(cfg.k_tile, rank)

@@ -1,0 +1,199 @@
+"""The dispatch table (`xpress_jax.dispatch`), the `Ops` description and the package's import structure."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import xpress_jax as xj
+from conftest import make_head, make_inputs
+from xpress_jax import dispatch
+from xpress_jax.kernels import full_vocab, latent, select, topc_pick
+from xpress_jax.ops import Ops
+from xpress_jax.refine import refine_with
+
+PKG = pathlib.Path(xj.__file__).parent
+V, R, B, C = 151936, 256, 16, 512  # serving shapes
+
+
+# ----------------------------------------------------------------------------- the table
+
+
+def test_table_is_ordered_and_ends_unbounded():
+    limits = [r.max_rows for r in dispatch.TABLE]
+    assert limits[-1] is None and None not in limits[:-1]
+    assert limits[:-1] == sorted(limits[:-1]) and len(set(limits[:-1])) == len(limits) - 1
+    for row in dispatch.TABLE:
+        assert row.latent in ("xla", "split", "fused")
+        assert row.source and "N=" in row.source, "every row cites its measurement"
+        full_vocab.FullVocabConfig(**row.full_vocab).check()
+        select.SelectConfig(block=row.select_block)
+
+
+# What serves today at the serving shapes (B=16, V=151936, r=256, C=512, bf16), written out by hand
+# from benchmarks/RESULTS.md: a change to the table must change this test on purpose.
+_LAZY = dict(prefetch_base=True, lazy=True)
+SERVED = {
+    1: dict(fv=dict(row_tile=16, v_tile=128, v_steps=3, k_tile=64, num_warps=4, num_stages=4, hold_lat=False,
+                    flat=True, **_LAZY), latent=None, select={}, topc_steps=1),
+    4: dict(fv=dict(row_tile=64, v_tile=64, v_steps=6, k_tile=64, num_warps=4, num_stages=4, hold_lat=False,
+                    flat=True, **_LAZY), latent=None, select={}, topc_steps=1),
+    16: dict(fv=dict(row_tile=128, v_tile=64, v_steps=36, k_tile=0, num_warps=8, num_stages=3, hold_lat=True, **_LAZY),
+             latent=("split", 1), select=dict(block=16), topc_steps=1),
+    64: dict(fv=dict(row_tile=128, v_tile=64, v_steps=12, k_tile=0, num_warps=8, num_stages=3, hold_lat=True, **_LAZY),
+             latent=("split", 1), select=dict(block=16), topc_steps=4),
+    256: dict(fv=dict(row_tile=128, v_tile=64, v_steps=108, k_tile=0, num_warps=8, num_stages=3, hold_lat=True,
+                      **_LAZY), latent=("fused", 2), select=dict(block=16), topc_steps=4),
+}
+
+
+@pytest.mark.parametrize("n", dispatch.SERVING_N)
+def test_serving_configs_are_pinned(n):
+    p = dispatch.plan(n, B, V, R, C, jnp.bfloat16)
+    want = SERVED[n]
+    assert p.full_vocab == full_vocab.FullVocabConfig(**want["fv"])
+    assert p.select == want["select"]
+    if want["latent"] is None:
+        assert p.latent is None
+    else:
+        variant, bpp = want["latent"]
+        assert (p.latent.variant, p.latent.blocks_per_program) == (variant, bpp)
+    assert p.topc == topc_pick.TopCConfig(c_tile=128, c_steps=want["topc_steps"], k_tile=64, num_warps=8,
+                                          num_stages=2)
+
+
+def test_plan_is_in_draft_rows_for_any_block_size():
+    """Same draft rows, same decisions, whatever B (the table's unit)."""
+    for rows in (15, 60, 90, 240, 960, 1920, 3840):
+        by_b = {b: dispatch.plan(rows // (b - 1), b, V, R, C, jnp.bfloat16)
+                for b in (2, 4, 16, 61) if rows % (b - 1) == 0}
+        assert len(by_b) >= 2, rows
+        fv = {p.full_vocab for p in by_b.values()}
+        assert len(fv) == 1, (rows, by_b.keys())
+        assert len({(p.latent is None, p.latent and p.latent.variant) for p in by_b.values()}) == 1
+        assert len({tuple(p.select.items()) for p in by_b.values()}) == 1
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+@pytest.mark.parametrize("rank", [1, 24, 37, 256, 1024, 4096])
+def test_every_plan_passes_the_kernels_shape_checks(rank, dtype):
+    for n, b in ((1, 2), (1, 16), (4, 16), (16, 16), (64, 16), (128, 16), (256, 16), (3, 7)):
+        for c in (0, 1, 512):
+            p = dispatch.plan(n, b, 1001, rank, c, dtype)  # raises if a config cannot run
+            if p.latent is not None:
+                assert p.latent.variant == "split" or p.latent.smem_bytes(rank, dtype) <= latent.SMEM_LIMIT
+
+
+def test_float64_plans_the_reference():
+    p = dispatch.plan(4, 16, 1001, 24, 7, jnp.float64)
+    assert (p.select, p.latent, p.full_vocab, p.topc) == (None, None, None, None)
+
+
+@pytest.mark.interpret_refine
+@pytest.mark.parametrize("topc", [0, 7])
+def test_float64_refine_with_pallas_backend_is_the_reference(topc):
+    """backend="pallas" routes float64 to the jnp reference (the kernels refuse it): same tokens as XLA."""
+    cfg = xj.HeadConfig(vocab_size=97, hidden_size=16, block_size=5, rank=24, mlp_hidden=32, topc=topc)
+    with jax.enable_x64(True):
+        head = xj.Head(cfg, make_head(cfg, dtype=jnp.float64))
+        x = make_inputs(cfg, 2, dtype=jnp.float64)
+        want = np.asarray(xj.refine(head, *x, backend="xla"))
+        np.testing.assert_array_equal(np.asarray(xj.refine(head, *x, backend="pallas", interpret=True)), want)
+
+
+# ----------------------------------------------------------------------------- Ops
+
+
+def test_ops_are_typed_and_cached():
+    assert Ops.xla() is Ops.xla("cpu") and Ops.pallas(True) is Ops.pallas(True)
+    assert Ops.xla("gpu") != Ops.xla("cpu")
+    fields = {f.name for f in dataclasses.fields(Ops)}
+    assert fields == {"name", "select", "topc_prepare", "topc_pick", "full_vocab_pick", "latent"}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        Ops.xla().name = "x"  # type: ignore[misc]
+    with pytest.raises(ValueError, match="platform"):
+        Ops.xla("cuda")
+
+
+def test_refine_with_refuses_what_is_not_ops():
+    cfg = xj.HeadConfig(vocab_size=97, hidden_size=16, block_size=5, rank=24, mlp_hidden=32, topc=7)
+    head = xj.Head(cfg, make_head(cfg))
+    with pytest.raises(TypeError, match="Ops"):
+        refine_with("pallas", head, *make_inputs(cfg, 1))
+
+
+def test_xla_gpu_readout_spelling_gives_the_same_tokens():
+    """Ops.xla("gpu") only changes how the readout dot is spelled (the 16-bit result written directly)."""
+    cfg = xj.HeadConfig(vocab_size=301, hidden_size=16, block_size=5, rank=24, mlp_hidden=32, topc=0)
+    head = xj.Head(cfg, make_head(cfg, dtype=jnp.bfloat16))
+    x = make_inputs(cfg, 3, dtype=jnp.bfloat16)
+    a = refine_with(Ops.xla("cpu"), head, *x)
+    np.testing.assert_array_equal(np.asarray(refine_with(Ops.xla("gpu"), head, *x)), np.asarray(a))
+
+
+# ----------------------------------------------------------------------------- import structure
+
+
+def _imports(path: pathlib.Path) -> set[str]:
+    """Modules of this package that ``path`` imports (anywhere in it, lazy imports included)."""
+    mod = ".".join(path.relative_to(PKG.parent).with_suffix("").parts)
+    pkg = mod if path.name == "__init__.py" else mod.rsplit(".", 1)[0]
+    if path.name == "__init__.py":
+        mod = pkg
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = pkg.split(".")
+                parts = parts[: len(parts) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            names = [base] + [f"{base}.{a.name}" for a in node.names]
+        else:
+            continue
+        for n in names:
+            if n.split(".")[0] == "xpress_jax" and n != mod:
+                out.add(n)
+    return out
+
+
+def _graph() -> dict[str, set[str]]:
+    files = {".".join(p.relative_to(PKG.parent).with_suffix("").parts).removesuffix(".__init__"): p
+             for p in PKG.rglob("*.py")}
+    return {m: {n for n in _imports(p) if n in files and n != m} for m, p in files.items()}
+
+
+def test_kernels_are_a_leaf():
+    """xpress_jax.kernels imports nothing from the rest of xpress_jax."""
+    for mod, deps in _graph().items():
+        if mod.startswith("xpress_jax.kernels"):
+            outside = {d for d in deps if not d.startswith("xpress_jax.kernels")}
+            assert not outside, f"{mod} imports {outside}"
+
+
+#: Known until issue 13's training-form module replaces the linen `XPressHead` (its __call__ imports refine).
+_KNOWN = {("xpress_jax.head", "xpress_jax.refine")}
+
+
+def test_no_import_cycles():
+    """No module imports (directly or through others) a module that imports it back. Package
+    ``__init__`` files are left out: they only re-export."""
+    g = {m: {d for d in deps if not (PKG / "/".join(d.split(".")[1:]) / "__init__.py").exists()
+             and (m, d) not in _KNOWN}
+         for m, deps in _graph().items()}
+    for start in g:
+        seen, stack = set(), list(g[start])
+        while stack:
+            m = stack.pop()
+            assert m != start, f"import cycle through {start}"
+            if m not in seen:
+                seen.add(m)
+                stack.extend(g.get(m, ()))

@@ -1,0 +1,157 @@
+"""Which kernel and which config each refine step uses, decided from the static shapes.
+
+One table, `TABLE`, keyed by **draft rows** = N * (B - 1) (the rows every per-pass step works
+on: one per draft slot). Each row holds the decision for the draft-row counts up to its
+``max_rows`` (inclusive; ``None``: no upper bound). Rows are a unit that holds for any B: the
+full-vocab pick's grid, the top-C pick's grid, the selection's grid and the latent pass's
+SwiGLU stages all scale with the draft rows. Every decision was measured at B = 16 (serving),
+so the N column says which N it was measured at.
+
+What is not in the table is decided by dtype, before the table:
+
+- float64 (exactness runs; no Triton path worth having): every step uses `xpress_jax.reference`.
+- float32 (never tuned): the table's choices of step implementation (XLA or which latent
+  variant, the selection's block), but the kernels' own heuristics for the full-vocab config
+  (`full_vocab.default_config`) and the latent config fields (`latent.default_config`).
+- bf16 / f16: the table, all of it.
+
+Sources are sections and rows of ``benchmarks/RESULTS.md`` (H200, JAX 0.11.2).
+
+`plan` is the only entry point; `xpress_jax.ops.Ops.pallas` calls it at trace time, once per step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+
+from .kernels import full_vocab, latent, select, topc_pick
+
+__all__ = ["Row", "TABLE", "Plan", "plan", "SERVING_N"]
+
+#: The N values the serving configs were measured at (B = 16): draft rows 15 / 60 / 240 / 960 / 3840.
+SERVING_N = (1, 4, 16, 64, 256)
+
+_FV_LAZY = dict(prefetch_base=True, lazy=True)
+# Full-vocab pick configs (RESULTS.md "Full-vocab pick", evening: "lazy epilogue" + "whole waves";
+# one pass at N = 1 / 4 / 16 / 64 / 256: 31.8 / 40.5 / 71.2 / 263.0 / 873.2 µs incl. ~17-24 µs loop).
+_FV_15 = dict(row_tile=16, v_tile=128, v_steps=3, k_tile=64, num_warps=4, num_stages=4, hold_lat=False, flat=True,
+              **_FV_LAZY)
+_FV_60 = dict(row_tile=64, v_tile=64, v_steps=6, k_tile=64, num_warps=4, num_stages=4, hold_lat=False, flat=True,
+              **_FV_LAZY)
+_FV_240 = dict(row_tile=128, v_tile=64, v_steps=36, k_tile=0, num_warps=8, num_stages=3, hold_lat=True, **_FV_LAZY)
+_FV_960 = dict(row_tile=128, v_tile=64, v_steps=12, k_tile=0, num_warps=8, num_stages=3, hold_lat=True, **_FV_LAZY)
+_FV_BIG = dict(row_tile=128, v_tile=64, v_steps=108, k_tile=0, num_warps=8, num_stages=3, hold_lat=True, **_FV_LAZY)
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One row of `TABLE`: the decisions for draft-row counts up to ``max_rows``.
+
+    full_vocab: `full_vocab.FullVocabConfig` fields of the fused readout + add/argmax pick.
+    latent: ``"xla"`` (XLA's fused jnp latent: fewer launches wins at tiny N), ``"split"``
+      (three kernels spreading the weights over many programs) or ``"fused"`` (one kernel).
+    latent_blocks_per_program: the fused latent's blocks per program.
+    select_block: elements per block of the selection kernel's block maxima.
+    source: the measurement behind the row (RESULTS.md section and row).
+    """
+
+    max_rows: int | None
+    full_vocab: dict
+    latent: str
+    select_block: int
+    source: str
+    latent_blocks_per_program: int = 1
+
+
+#: The decision table for 16-bit dtypes, by draft rows (N at B = 16 in the comments).
+TABLE: tuple[Row, ...] = (
+    Row(15, _FV_15, "xla", 32,  # N = 1
+        "Full-vocab pick N=1 (31.8 µs); Latent pass N=1 (XLA ~0 vs split 1.9 µs); Top-C selection N=1 (9.7 µs, bs32)"),
+    Row(60, _FV_60, "xla", 32,  # N = 2..4
+        "Full-vocab pick N=4 (40.5 µs); Latent pass N=4 (XLA 0.8 vs split 3.5 µs)"),
+    Row(239, _FV_240, "split", 32,  # N = 5..15: between the measured points N=4 and N=16
+        "Full-vocab pick N=16 (71.2 µs, 1 wave); Latent pass N=16 (split 6.8 vs XLA 8.5 µs); selection bs16 "
+        "measured only from 240 rows on"),
+    Row(240, _FV_240, "split", 16,  # N = 16
+        "Full-vocab pick N=16 (71.2 µs); Latent pass N=16; Top-C selection N=16 (bs16 56.9 vs bs32 77.9 µs)"),
+    Row(960, _FV_960, "split", 16,  # N = 17..64
+        "Full-vocab pick N=64 (263.0 µs, 12 waves); Latent pass N=64 (split 8.5 vs fused 14.9 µs)"),
+    Row(1905, _FV_BIG, "fused", 16,  # N = 65..127
+        "Full-vocab pick N=256 (873.2 µs, 5 waves); Latent pass (fused above N=64: one program per block)"),
+    Row(None, _FV_BIG, "fused", 16,  # N >= 128
+        "Full-vocab pick N=256 (873.2 µs); Latent pass N=256 (fused 2 blocks/program 20.8 vs XLA 21.9 µs); "
+        "Top-C selection N=256 (bs16 708.8 vs bs32 807.9 µs)", latent_blocks_per_program=2),
+)
+
+
+def _topc_config(rows: int, c: int, rank: int, dtype: Any) -> topc_pick.TopCConfig:
+    """Top-C pick (all rows): 128-candidate tiles, 64-wide rank chunks, 8 warps, and half the kernel
+    heuristic's candidate steps per program (so more splits at small N). RESULTS.md "Top-C pick"
+    (24.1 µs at N=16, 213 at N=256: at the floor) and "Log" row "11-30 pm top-C pick as one program
+    per row" (one split per row was slower at N <= 16: the split grid stays)."""
+    d = topc_pick.default_config(rows, c, rank, dtype)
+    return dataclasses.replace(d, c_tile=128, c_steps=max(1, d.c_steps // 2), k_tile=64, num_warps=8)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What each step runs at one set of shapes. A ``None`` config means the jnp reference.
+
+    select: selection kernel keyword arguments (`select.SelectConfig` fields), or None.
+    latent: `latent.LatentConfig`, or None (XLA's jnp latent).
+    full_vocab: `full_vocab.FullVocabConfig`, or None.
+    topc: `topc_pick.TopCConfig`, or None (None too when C = 0).
+    row: the `TABLE` row used (None for float64 and N = 0).
+    """
+
+    select: dict | None
+    latent: latent.LatentConfig | None
+    full_vocab: full_vocab.FullVocabConfig | None
+    topc: topc_pick.TopCConfig | None
+    row: Row | None = None
+
+
+def _row(rows: int) -> Row:
+    return next(r for r in TABLE if r.max_rows is None or rows <= r.max_rows)
+
+
+def plan(n: int, b: int, v: int, r: int, c: int, dtype: Any, *, kernels_everywhere: bool = False) -> Plan:
+    """The plan for N blocks of B slots, vocab V, rank r, top-C ``c`` (0: full vocab), ``dtype``.
+
+    ``kernels_everywhere``: use a kernel even where the table prefers XLA for speed (the latent
+    at tiny N), so interpret-mode tests exercise every kernel. float64 still gets the reference.
+    Every config returned passes its kernel's ``check_shape`` at these shapes: a table config
+    that cannot run at this rank is fitted (`full_vocab.fit_shared_memory`; the fused latent
+    falls back to split), never handed out broken.
+    """
+    dtype = jnp.dtype(dtype)
+    rows = n * (b - 1)
+    if dtype == jnp.float64 or rows == 0:
+        return Plan(None, None, None, None)
+    row = _row(rows)
+    f32 = dtype.itemsize > 2
+    if row.latent == "xla" and not kernels_everywhere:
+        lat = None
+    else:
+        variant = "fused" if row.latent == "fused" else "split"
+        lat = latent.default_config(n, dtype, variant, rank=r)
+        if variant == "fused" and not f32:
+            lat = dataclasses.replace(lat, blocks_per_program=row.latent_blocks_per_program)
+        if variant == "fused" and lat.smem_bytes(r, dtype) > latent.SMEM_LIMIT:
+            lat = latent.default_config(n, dtype, "split", rank=r)
+    if f32:  # never tuned: the kernel's heuristic
+        fv = full_vocab.default_config(rows, v, r, dtype)
+    else:
+        fv = full_vocab.fit_shared_memory(full_vocab.FullVocabConfig(**row.full_vocab), r, dtype)
+    sel = {} if row.select_block == select.SelectConfig().block else dict(block=row.select_block)
+    if lat is not None:
+        lat.check_shape(r, dtype)
+    fv.check_shape(rows, v, r, dtype)
+    tc = None
+    if c:
+        tc = _topc_config(rows, c, r, dtype)
+        tc.check_shape(rows, c, r, dtype)
+    return Plan(select=sel, latent=lat, full_vocab=fv, topc=tc, row=row)

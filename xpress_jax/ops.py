@@ -1,0 +1,160 @@
+"""`Ops`: one implementation of the refine steps, as a frozen dataclass of step functions.
+
+`refine` runs the data path of `xpress_jax.refine` with the `Ops` its ``backend`` names:
+``Ops.xla(...)`` (the jnp reference, `xpress_jax.reference`) or ``Ops.pallas(...)``
+(the Pallas-Triton kernels of `xpress_jax.kernels`, configs from `xpress_jax.dispatch`).
+
+Documented internal entry point (benchmarks, experiments): build a mixed implementation with
+`dataclasses.replace` and run it with `xpress_jax.refine.refine_with`::
+
+    from xpress_jax.ops import Ops
+    from xpress_jax.refine import refine_with
+    mixed = dataclasses.replace(Ops.pallas(), latent=Ops.xla(platform="gpu").latent)
+    draft = refine_with(mixed, head, logits, h, anchors)
+
+The steps (static shapes; ``rows`` = N * (B-1) draft rows):
+
+- ``select(logits [N,B,V], c) -> (cand [rows,c] int32, base_c [rows,c], start [rows] int32)``:
+  each draft slot's C largest base logits and its full-vocab argmax (the block's start).
+- ``topc_prepare(w2, cand) -> prepared``: once per call; what ``topc_pick`` reads for the
+  candidates' w2 rows (XLA: ``w2[cand]``; the kernel gathers them itself, so ``w2``). The two
+  belong together: replace both or neither.
+- ``topc_pick(base_c, cand, lat [rows,r], prepared) -> [rows] int32``: the top-C winner.
+- ``full_vocab_pick(logits [N,B,V], lat [rows,r], w2) -> [rows] int32``: the full-vocab winner.
+- ``latent(params, xh [N,B,r], blk [N,B] int32, prev_ids [N] int32) -> [N,B-1,r]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import jax.numpy as jnp
+
+from . import reference as ref
+
+__all__ = ["Ops", "PLATFORMS"]
+
+#: Platforms `Ops.xla` accepts ("gpu" selects the GPU spelling of the readout; same values).
+PLATFORMS = ("cpu", "gpu", "tpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class Ops:
+    """One implementation of the per-pass steps (see the module doc for each signature)."""
+
+    name: str
+    select: Callable[..., Any]
+    topc_prepare: Callable[..., Any]
+    topc_pick: Callable[..., Any]
+    full_vocab_pick: Callable[..., Any]
+    latent: Callable[..., Any]
+
+    @staticmethod
+    def xla(platform: str = "cpu") -> "Ops":
+        """The jnp reference for every step. ``platform`` (decided by the caller, once): on
+        ``"gpu"`` the full-vocab readout dot writes its 16-bit result directly (same values,
+        `reference.readout`); it changes nothing else. One object per platform (a static jit arg)."""
+        if platform not in PLATFORMS:
+            raise ValueError(f"platform must be one of {PLATFORMS}, got {platform!r}")
+        return _xla_ops(platform)
+
+    @staticmethod
+    def pallas(interpret: bool = False) -> "Ops":
+        """The Pallas-Triton kernels, each step's config from `xpress_jax.dispatch.plan` at trace
+        time. Where the plan says XLA (float64; the latent at tiny N) the step runs the jnp
+        reference. ``interpret=True`` runs the kernels in interpret mode (CPU tests) and runs a
+        kernel wherever one exists (the plan's ``kernels_everywhere``). One object per mode."""
+        return _pallas_ops(bool(interpret))
+
+
+@functools.lru_cache(maxsize=None)
+def _xla_ops(platform: str) -> Ops:
+    return Ops(
+        name="xla",
+        select=_xla_select,
+        topc_prepare=ref.topc_gather,
+        topc_pick=ref.topc_pick,
+        full_vocab_pick=functools.partial(_xla_full_vocab_pick, direct_readout=platform == "gpu"),
+        latent=ref.latent_pass,
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _pallas_ops(interpret: bool) -> Ops:
+    return Ops(
+        name="pallas-interpret" if interpret else "pallas",
+        select=functools.partial(_pallas_select, interpret=interpret),
+        topc_prepare=_pallas_topc_prepare,
+        topc_pick=functools.partial(_pallas_topc_pick, interpret=interpret),
+        full_vocab_pick=functools.partial(_pallas_full_vocab_pick, interpret=interpret),
+        latent=functools.partial(_pallas_latent, interpret=interpret),
+    )
+
+
+# ----------------------------------------------------------------------------- XLA steps
+def _xla_select(logits, c):
+    return ref.select_candidates(ref.draft_rows(logits), c)
+
+
+def _xla_full_vocab_pick(logits, lat, w2, *, direct_readout: bool):
+    return ref.full_vocab_pick(ref.draft_rows(logits), lat, w2, direct_readout=direct_readout)
+
+
+# ----------------------------------------------------------------------------- Pallas steps
+def _plan(n, b, v, r, c, dtype, interpret):
+    from . import dispatch
+
+    return dispatch.plan(n, b, v, r, c, dtype, kernels_everywhere=interpret)
+
+
+def _pallas_select(logits, c, *, interpret):
+    from .kernels import select
+
+    n, b, v = logits.shape
+    p = _plan(n, b, v, 1, 0, logits.dtype, interpret)
+    if p.select is None:
+        return _xla_select(logits, c)
+    # The draft rows of the whole logits, read in place (slot_stride): no logits[:, 1:] copy
+    # (RESULTS.md "Top-C selection", evening: N=256 3856 -> 3145 µs per refine).
+    return select.select_candidates(logits.reshape(n * b, v), c, slot_stride=b, interpret=interpret, **p.select)
+
+
+def _pallas_topc_prepare(w2, cand):
+    # The pick kernel gathers the candidates' rows from w2 itself; float64 (the jnp path): w2[cand].
+    return ref.topc_gather(w2, cand) if jnp.dtype(w2.dtype) == jnp.float64 else w2
+
+
+def _pallas_topc_pick(base_c, cand, lat, prepared, *, interpret):
+    from .kernels import topc_pick
+
+    if prepared.ndim == 3:  # float64: w2[cand], the jnp path
+        return ref.topc_pick(base_c, cand, lat, prepared)
+    rows, c = base_c.shape
+    v, r = prepared.shape
+    # The plan by draft rows: N = rows, B = 2 gives the same row count.
+    p = _plan(rows, 2, v, r, c, base_c.dtype, interpret)
+    return topc_pick.topc_pick(base_c, cand, lat, prepared, config=p.topc, interpret=interpret)
+
+
+def _pallas_full_vocab_pick(logits, lat, w2, *, interpret):
+    from .kernels import full_vocab
+
+    n, b, v = logits.shape
+    p = _plan(n, b, v, lat.shape[1], 0, logits.dtype, interpret)
+    if p.full_vocab is None:
+        return ref.full_vocab_pick(ref.draft_rows(logits), lat, w2)
+    return full_vocab.full_vocab_pick(logits.reshape(n * b, v), lat, w2, config=p.full_vocab, interpret=interpret,
+                                      slot_stride=b)
+
+
+def _pallas_latent(params, xh, blk, prev_ids, *, interpret):
+    from .kernels import latent
+
+    n, b = blk.shape
+    v, r = params["w1"].shape
+    p = _plan(n, b, v, r, 0, params["w1"].dtype, interpret)
+    if p.latent is None:
+        return ref.latent_pass(params, xh, blk, prev_ids)
+    return latent.latent_pass(params, xh, blk, prev_ids, config=p.latent, interpret=interpret)

@@ -1,0 +1,123 @@
+"""The jnp reference of every refine step: the XLA path's implementation and the kernels' oracle.
+
+Each function is one step of a pass (see `xpress_jax.refine`), as plain jnp. `Ops.xla()`
+(`xpress_jax.ops`) serves them; the tests compare each Pallas kernel in `xpress_jax.kernels`
+with the function of the same name here. The kernels import nothing from this package.
+
+Value rules (README "Rules"): a score is ``float(dtype(base + bias))``, the sum formed in the
+accumulation dtype and rounded to the logits' dtype before comparing; NaN counts as -inf;
+full-vocab ties go to the lowest vocab id; top-C ties to the larger base logit, then the lowest id.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import jax
+import jax.numpy as jnp
+
+from .head import _dot, acc_dtype, latent, precision_for, round_to
+
+__all__ = [
+    "clean",
+    "round_sum",
+    "topc_winner",
+    "readout",
+    "draft_rows",
+    "latent_pass",
+    "full_vocab_pick",
+    "select_candidates",
+    "topc_gather",
+    "topc_pick",
+]
+
+
+def clean(s: jax.Array) -> jax.Array:
+    """The non-finite rule: NaN scores count as -inf (they never win; +inf does)."""
+    return jnp.where(jnp.isnan(s), jnp.array(-jnp.inf, s.dtype), s)
+
+
+def round_sum(a: jax.Array, b: jax.Array) -> jax.Array:
+    """``float(dtype(a + b))``: the sum formed in the accumulation dtype, rounded to the logits' dtype."""
+    acc = acc_dtype(a.dtype)
+    return clean(round_to(a.astype(acc) + b.astype(acc), a.dtype))
+
+
+def topc_winner(s: jax.Array, base_c: jax.Array, cand: jax.Array) -> jax.Array:
+    """[rows,C] scores, base logits (NaN-free), vocab ids -> [rows] int32: the top-C tie rule.
+
+    The largest score; among equal scores the larger base logit; among equal base logits the
+    lowest vocab id. (Values compare as numbers: -0.0 == +0.0.)
+    """
+    best = jnp.max(s, axis=-1, keepdims=True)
+    tied = s == best
+    top_base = jnp.max(jnp.where(tied, base_c, jnp.array(-jnp.inf, base_c.dtype)), axis=-1, keepdims=True)
+    big = jnp.iinfo(jnp.int32).max
+    return jnp.min(jnp.where(tied & (base_c == top_base), cand, big), axis=-1).astype(jnp.int32)
+
+
+def readout(lat: jax.Array, w2: jax.Array, dtype, *, direct: bool = False) -> jax.Array:
+    """``dtype(lat @ w2.T)`` accumulated in float32 (float64 for float64): the readout bias [rows, V].
+
+    ``direct=True`` (what `Ops.xla` uses on GPUs, for 16-bit dtypes only) lets the dot write the
+    16-bit result itself: the GEMM still accumulates in float32 and rounds once, so the values
+    are the same, but XLA no longer stores the float32 [rows, V] product in HBM before a separate
+    convert (H200, N=256 full vocab: 11337 -> 9106 µs per refine, tokens unchanged;
+    benchmarks/RESULTS.md "XLA readout"). On a CPU XLA computes such a dot in float32 and
+    rounds the same way, but the explicit spelling is kept there (it is the oracle).
+    """
+    if direct and jnp.dtype(dtype).itemsize == 2:
+        return jnp.matmul(lat, w2.T, preferred_element_type=dtype)
+    return round_to(_dot(lat, w2.T, acc_dtype(dtype)), dtype)
+
+
+def draft_rows(logits: jax.Array) -> jax.Array:
+    """[N, B, V] logits -> [N*(B-1), V]: the draft slots' rows (slot 0, the anchor, is never scored)."""
+    n, b, v = logits.shape
+    return logits[:, 1:].reshape(n * (b - 1), v)
+
+
+def latent_pass(params: Mapping[str, jax.Array], xh: jax.Array, blk: jax.Array, prev_ids: jax.Array) -> jax.Array:
+    """[N,B,r], [N,B] int32, [N] int32 -> [N, B-1, r]: the draft slots' latents for this pass.
+
+    Slot 0's predecessor is ``prev_ids``, slot b's is ``blk[:, b-1]`` (`xpress_jax.head.latent`).
+    """
+    prev = jnp.concatenate([prev_ids[:, None], blk[:, :-1]], axis=1)
+    return latent(params, xh, prev)
+
+
+def full_vocab_pick(base: jax.Array, lat: jax.Array, w2: jax.Array, *, direct_readout: bool = False) -> jax.Array:
+    """[rows,V], [rows,r], [V,r] -> [rows] int32: argmax_v dtype(base + dtype(lat @ w2.T)), lowest id on ties."""
+    bias = readout(lat, w2, base.dtype, direct=direct_readout)
+    return jnp.argmax(round_sum(base, bias), axis=-1).astype(jnp.int32)
+
+
+def select_candidates(base: jax.Array, c: int):
+    """[rows,V] -> (cand [rows,C] int32, base_c [rows,C], argmax [rows] int32).
+
+    NaN counts as -inf; ``lax.top_k`` (lowest ids first among values tied at the C-th place);
+    the full-vocab argmax (lowest id on ties) starts the block.
+    """
+    cl = clean(base)
+    base_c, cand = jax.lax.top_k(cl, c)
+    return cand.astype(jnp.int32), base_c, jnp.argmax(cl, axis=-1).astype(jnp.int32)
+
+
+def topc_gather(w2: jax.Array, cand: jax.Array) -> jax.Array:
+    """``w2[cand]`` [rows, C, r]: the candidates' readout rows, gathered once per call."""
+    return jnp.take(w2, cand, axis=0)
+
+
+def topc_pick(base_c: jax.Array, cand: jax.Array, lat: jax.Array, w2c: jax.Array) -> jax.Array:
+    """[rows,C], [rows,C] int32, [rows,r], w2c = `topc_gather` (w2, cand) -> [rows] int32 vocab ids.
+
+    ``s = dtype(base_c + dtype(lat . w2[cand]))``. vLLM's rule (its candidates are sorted by
+    base logit, largest first, and the first position holding the largest s wins), spelled
+    so that it does not depend on the order of the candidates: the largest s wins; among
+    equal s the larger base logit; among equal base logits the lowest vocab id.
+    """
+    acc = acc_dtype(base_c.dtype)
+    bias_c = round_to(jnp.einsum(
+        "nr,ncr->nc", lat, w2c, precision=precision_for(lat.dtype), preferred_element_type=acc
+    ), base_c.dtype)
+    return topc_winner(round_sum(base_c, bias_c), clean(base_c), cand)
