@@ -36,7 +36,10 @@ def test_params_are_the_checkpoint_names_in_pytorch_layouts():
         np.testing.assert_array_equal(np.asarray(pure[attr]), np.asarray(sd[source]))
     # The training init leaves the drafter's tokens alone (w2 = 0) and mixes nothing (raw L = 0).
     fresh = xj.XPressHead(CFG, rngs=nnx.Rngs(0))
-    assert not np.any(np.asarray(fresh.mix_L[...])) and not np.any(np.asarray(fresh.w2[...]))
+    raw = np.asarray(fresh.mix_L[...])
+    upper = np.triu_indices(CFG.block_size, 1)
+    assert not np.any(np.tril(raw)) and np.all(raw[:, upper[0], upper[1]] != 0)  # masked noise: reads as raw
+    assert not np.any(np.asarray(fresh.w2[...]))
     logits, h, a, p = make_inputs(CFG, 3)
     np.testing.assert_array_equal(np.asarray(fresh.refine(logits, h, a, p, num_passes=2)),
                                   np.asarray(jnp.argmax(logits[:, 1:], axis=-1)))

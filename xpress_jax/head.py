@@ -161,8 +161,9 @@ class XPressHead(nnx.Module):
       rngs: ``nnx.Rngs`` for the initial weights.
       param_dtype: the params' dtype.
       std: ``None`` (default): the training init: normal weights scaled by 1/sqrt(fan in)
-        (``w1``: std 1), and ``w2``, ``mlp_down`` and the raw mixer zero, so a fresh head leaves
-        the drafter's tokens unchanged and mixes nothing. A float: every param (the raw mixer
+        (``w1``: std 1), and ``w2``, ``mlp_down`` and the raw mixer's causal part zero, so a fresh
+        head leaves the drafter's tokens unchanged and mixes nothing (the masked upper triangle
+        is small noise, so that the raw mixer never looks folded). A float: every param (the raw mixer
         too) normal with that std: a random head that changes tokens (tests, demos).
     """
 
@@ -180,7 +181,15 @@ class XPressHead(nnx.Module):
         zero = ("w2", "mlp_down", "mix_L")
         for attr, source in MODULE_PARAM_NAMES.items():
             shape = shapes[source]
-            if std is None and attr in zero:
+            if std is None and attr == "mix_L":
+                # Zero on and below the diagonal (no mixing yet). The upper triangle, which the causal
+                # mask hides from training, holds small random values: a checkpoint of this raw mixer then
+                # cannot be mistaken for a folded one (`xpress-convert --mixer auto` looks for a zero upper
+                # triangle and a diagonal near 1).
+                B = shape[-1]
+                upper = jnp.triu(jnp.ones((B, B), jnp.float32), 1)
+                value = jax.random.normal(rngs.params(), shape, jnp.float32) * 0.02 * upper
+            elif std is None and attr in zero:
                 value = jnp.zeros(shape, jnp.float32)
             else:
                 scale = std if std is not None else (1.0 if attr == "w1" else shape[-1] ** -0.5)

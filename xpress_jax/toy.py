@@ -40,7 +40,7 @@ import numpy as np
 
 from .config import HeadConfig
 
-__all__ = ["ToyConfig", "ToyTask", "Batch", "accepted_length"]
+__all__ = ["ToyConfig", "ToyTask", "Batch", "accepted_length", "evaluate"]
 
 
 def _positive_int(name: str, value: Any, minimum: int = 1) -> None:
@@ -66,8 +66,8 @@ class ToyConfig:
     block_size: int = 8
     hidden_size: int = 32
     target_rank: int = 8
-    sharpness: float = 4.0
-    noise: float = 1.0
+    sharpness: float = 2.0
+    noise: float = 2.0
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -183,3 +183,34 @@ class ToyTask:
     def drafter_tokens(self, batch: Batch) -> jax.Array:
         """The drafter alone: each slot's argmax, [N, B-1]."""
         return jnp.argmax(batch.logits[:, 1:], axis=-1).astype(jnp.int32)
+
+
+def evaluate(task: ToyTask, head, *, n_blocks: int = 4096, seed: int = 1234, topcs: tuple[int, ...] = (0,),
+             max_passes: int | None = None, backend: str = "auto") -> dict:
+    """Mean accepted length per block of the drafter alone and refined by ``head`` for K = 1..B-1.
+
+    ``head`` is a serving `xpress_jax.Head` (e.g. loaded from a converted checkpoint); every
+    refined number comes from the jitted `xpress_jax.refine` on it, one call per (C, K), on the
+    same ``n_blocks`` blocks drawn with ``seed``. Returns ``{"n_blocks", "seed", "drafter",
+    "refined": {C: [mean accepted length at K = 1, 2, ...]}}`` (C = 0: full vocabulary).
+    """
+    from .refine import STATIC, refine
+
+    _positive_int("n_blocks", n_blocks)
+    B = task.config.block_size
+    K_max = B - 1 if max_passes is None else max_passes
+    _positive_int("max_passes", K_max)
+    batch = ToyTask.sample(task.tables, jax.random.key(seed), n_blocks)
+    dtype = head.dtype
+    logits, h = batch.logits.astype(dtype), batch.h.astype(dtype)
+    run = jax.jit(refine, static_argnames=STATIC)
+    out = {"n_blocks": n_blocks, "seed": seed,
+           "drafter": float(jnp.mean(accepted_length(task.drafter_tokens(batch), batch.target))), "refined": {}}
+    for c in topcs:
+        row = []
+        for K in range(1, K_max + 1):
+            draft = run(head, logits, h, batch.anchors, batch.prev_ids, num_passes=K, topc=c,
+                        max_num_reqs=n_blocks, backend=backend)
+            row.append(float(jnp.mean(accepted_length(draft, batch.target))))
+        out["refined"][int(c)] = row
+    return out
