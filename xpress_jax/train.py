@@ -263,7 +263,7 @@ class TrainResult:
         ``loss``, ``ce``, ``accuracy`` (mean over draft slots), ``slot_accuracy`` (per slot),
         ``grad_norm`` (and ``kpass_ce`` with the K-pass loss).
       resumed_from: the checkpoint step this call started from (None: a fresh start).
-      seconds: wall time of the steps after the first (compile excluded).
+      seconds: wall time of the steps after the first (compile and checkpoint writes excluded).
       tokens_per_s: draft-slot predictions trained per second over those steps.
     """
 
@@ -356,7 +356,10 @@ def train(
             tok_s = done * tokens_per_step / max(time.perf_counter() - t_first, 1e-9) if done else 0.0
             bar(s + 1, rec["loss"], rec["accuracy"], tok_s, final=s + 1 == end)
             if mngr is not None and tc.checkpoint_every and (s + 1) % tc.checkpoint_every == 0:
+                t_save = time.perf_counter()
                 _save(mngr, state, meta)
+                if t_first is not None:
+                    t_first += time.perf_counter() - t_save  # throughput counts training, not checkpoint writes
         if mngr is not None and end > start:
             _save(mngr, state, meta)
     finally:
