@@ -167,7 +167,7 @@ def _make_step(graphdef, tc: TrainConfig, sample: Callable):
                                     kpass_passes=tc.kpass_passes)
 
         (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
-        metrics["grad_norm"] = optax.global_norm(grads)
+        metrics["grad_norm"] = jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads)))
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         return {**state, "params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
