@@ -171,6 +171,9 @@ def test_demo_tiny_runs_end_to_end_and_is_reproducible(tmp_path, capsys):
     assert code == 0, err2
     assert "resumed from step" in out2 and err2 == ""
     assert json.loads((out_dir / "results.json").read_text())["accepted_length"] == acc
+    # Resuming with other training options would not continue the same run: refused, naming --resume.
+    code, out3, err3 = run(capsys, "demo", "--tiny", "--out", str(out_dir), "--resume", "-q", "--lr", "0.01")
+    assert code == 2 and "--resume" in err3.splitlines()[-1] and "different run" in err3, err3
 
 
 @pytest.mark.parametrize(

@@ -164,13 +164,13 @@ def demo(args: argparse.Namespace, error=None) -> int:
     opts = _demo_options(args, error)
     from .demo import run_demo
 
+    from .train import ResumeError
+
     progress = _Progress(opts.progress)
     try:
         result = run_demo(opts, say=lambda line: print(line, flush=True), progress=progress)
-    except (FileExistsError, ValueError) as e:  # e.g. --resume with other options than the checkpoint's
-        if "resume" in str(e):
-            error(str(e))
-        raise
+    except ResumeError as e:  # --resume with other options than the checkpoint's
+        error(f"--resume: {e}")
     print("OK" if result["ok"] else "FAILED")
     return EXIT_OK if result["ok"] else EXIT_CHECK_FAILED
 

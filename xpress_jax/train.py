@@ -43,8 +43,12 @@ from .config import HeadConfig
 from .head import XPressHead
 from .toy import Batch
 
-__all__ = ["TrainConfig", "TrainResult", "make_optimizer", "loss_and_metrics", "init_state", "train",
+__all__ = ["TrainConfig", "TrainResult", "ResumeError", "make_optimizer", "loss_and_metrics", "init_state", "train",
            "latest_checkpoint_step"]
+
+
+class ResumeError(ValueError):
+    """A checkpoint directory that this run cannot resume from (written with other settings)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,7 +217,7 @@ def _restore(mngr, step: int, abstract: dict, meta: dict) -> dict:
     saved_meta = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
     if saved_meta != json.loads(json.dumps(meta)):
         diff = [k for k in meta if saved_meta.get(k) != json.loads(json.dumps(meta[k]))]
-        raise ValueError(
+        raise ResumeError(
             f"cannot resume: the checkpoint at step {step} was written by a different run ({', '.join(diff)} differ); "
             "resume with the same settings, or start fresh in another directory"
         )
@@ -283,7 +287,6 @@ def train(
     *,
     checkpoint_dir: str | os.PathLike | None = None,
     resume: bool = False,
-    stop_after: int | None = None,
     task_meta: Mapping[str, Any] | None = None,
     progress: bool = True,
     log: Callable[[dict], None] | None = None,
@@ -299,8 +302,6 @@ def train(
       checkpoint_dir: where to write Orbax train-state checkpoints (None: none).
       resume: continue from the latest checkpoint in ``checkpoint_dir`` (a fresh start if it
         holds none). Without it, a directory that already holds checkpoints is refused.
-      stop_after: stop after this global step (saving a checkpoint there), as if interrupted;
-        the schedule still runs to ``tc.steps``.
       task_meta: JSON-able description of the data (stored with the checkpoints; resuming with
         different metadata is refused).
       progress: a progress bar on stderr.
@@ -310,11 +311,9 @@ def train(
         raise TypeError(f"head_config must be a HeadConfig, got {type(head_config).__name__}")
     if not isinstance(tc, TrainConfig):
         raise TypeError(f"tc must be a TrainConfig, got {type(tc).__name__}")
-    if stop_after is not None and (isinstance(stop_after, bool) or not isinstance(stop_after, int) or stop_after < 1):
-        raise ValueError(f"stop_after must be an int >= 1, got {stop_after!r}")
     if resume and checkpoint_dir is None:
         raise ValueError("resume=True needs checkpoint_dir")
-    end = tc.steps if stop_after is None else min(stop_after, tc.steps)
+    end = tc.steps
     graphdef, state = init_state(head_config, tc)
     meta = _run_meta(head_config, tc, task_meta or {})
     tables = {k: jnp.asarray(v) for k, v in tables.items()}
