@@ -18,6 +18,7 @@ from typing import Any, Mapping
 from flax import nnx
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .config import HeadConfig
 from .params import HYBRID_KEY_MAP, Head, params_from_state_dict, source_shapes
@@ -117,7 +118,7 @@ def _check_static_int(name: str, value: Any, minimum: int) -> int:
             f"{name} must be a static Python int, got a traced value; under jit mark it static: "
             f"nnx.jit(XPressHead.refine, static_argnames=('num_passes', 'topc')) (or jax.jit with static_argnames)"
         )
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
     return int(value)
 
@@ -132,7 +133,7 @@ class XPressHead(nnx.Module):
     [r, M], ``w2`` [V, r]. `state_dict` returns them under their checkpoint names, which is
     what a vLLM checkpoint holds under ``xpress_head.``.
 
-    Forward (one pass over a block, as the reference's training code): with ``prev[:, 0]``
+    Forward (one pass over a block, in the training form of SEMANTICS.md): with ``prev[:, 0]``
     the token before the anchor and ``prev[:, b]`` the token in slot ``b-1``,
     ``x = in_proj(concat(hidden_cache(h), w1[prev]))``, then the mixer with the sublayer
     residual ``u = x + (raw_L * tril) x`` per rank channel (causal), then

@@ -43,8 +43,7 @@ from .config import HeadConfig
 from .head import XPressHead
 from .toy import Batch
 
-__all__ = ["TrainConfig", "TrainResult", "ResumeError", "make_optimizer", "loss_and_metrics", "init_state", "train",
-           "latest_checkpoint_step"]
+__all__ = ["TrainConfig", "TrainResult", "ResumeError", "make_optimizer", "loss_and_metrics", "init_state", "train"]
 
 
 class ResumeError(ValueError):
@@ -185,15 +184,6 @@ def _manager(directory: Path):
 
     options = ocp.CheckpointManagerOptions(max_to_keep=2, create=True, enable_async_checkpointing=False)
     return ocp.CheckpointManager(directory, options=options)
-
-
-def latest_checkpoint_step(directory: str | os.PathLike) -> int | None:
-    """The last complete step saved in a train-checkpoint directory (None: none)."""
-    directory = Path(directory).expanduser().absolute()
-    if not directory.is_dir():
-        return None
-    with _manager(directory) as mngr:
-        return mngr.latest_step()
 
 
 def _run_meta(head_config: HeadConfig, tc: TrainConfig, task_meta: Mapping[str, Any]) -> dict:
