@@ -193,3 +193,29 @@ def test_no_import_cycles():
             if m not in seen:
                 seen.add(m)
                 stack.extend(g.get(m, ()))
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("ops_name", ["xla", "pallas-interpret"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_best_steps_agree_with_the_picks(ops_name, dtype):
+    """`full_vocab_best` / `topc_best` (the picks with their winning values, what the vocabulary-sharded
+    path combines) give the picks' ids, and the scores the reference computes for those ids."""
+    from conftest import pick_inputs
+
+    from xpress_jax import reference as ref
+
+    ops = Ops.xla() if ops_name == "xla" else Ops.pallas(True)
+    n, b, v, r, c = 3, 5, 613, 40, 37
+    base, lat, w2 = pick_inputs(n * (b - 1), v, r, dtype, seed=11)
+    logits = jnp.concatenate([jnp.full((n, 1, v), 1e4, dtype), base.reshape(n, b - 1, v)], axis=1)
+    score, idx = ops.full_vocab_best(logits, lat, w2)
+    np.testing.assert_array_equal(np.asarray(idx), np.asarray(ops.full_vocab_pick(logits, lat, w2)))
+    s_all = ref.round_sum(base, ref.readout(lat, w2, dtype)).astype(jnp.float32)
+    np.testing.assert_array_equal(np.asarray(score), np.asarray(s_all[jnp.arange(idx.shape[0]), idx]))
+    cand, base_c, _ = ref.select_candidates(base, c)
+    prepared = ops.topc_prepare(w2, cand)
+    s, bb, i = ops.topc_best(base_c, cand, lat, prepared)
+    np.testing.assert_array_equal(np.asarray(i), np.asarray(ops.topc_pick(base_c, cand, lat, prepared)))
+    pos = jnp.argmax(cand == i[:, None], axis=-1)
+    np.testing.assert_array_equal(np.asarray(bb), np.asarray(base_c[jnp.arange(i.shape[0]), pos].astype(jnp.float32)))
