@@ -143,6 +143,20 @@ def bench_ops(name, interpret):
     return dataclasses.replace(ops, name=name, **fields) if fields else ops
 
 
+def make_mesh(spec):
+    """"mesh2x1" -> a ("data", "model") Mesh of the first 2*1 devices (blocks x vocabulary)."""
+    from jax.sharding import Mesh
+
+    try:
+        d, m = (int(x) for x in spec.removeprefix("mesh").split("x"))
+    except ValueError:
+        raise SystemExit(f"bench_refine: mesh {spec!r} must look like mesh2x1 (blocks x vocabulary)")
+    devs = jax.devices()
+    if d * m > len(devs):
+        raise SystemExit(f"bench_refine: {spec} needs {d * m} devices, this machine has {len(devs)}")
+    return Mesh(np.array(devs[: d * m]).reshape(d, m), ("data", "model"))
+
+
 def chain_length(n, topc, backend):
     if backend.startswith("xla") and topc:  # lax.top_k: ~0.7 ms (N=1) .. ~100 ms (N=256) per call
         return {1: 20, 4: 10, 16: 5, 64: 3, 256: 2}.get(n, 2)
@@ -155,7 +169,9 @@ def main(argv=None):
     ap.add_argument("--topc", default="512,0", help="comma list of C (0 = full vocabulary; with --small 512 becomes 64)")
     ap.add_argument("--backends",
                     help="comma list of xla | pallas | xla+<steps> (e.g. xla+latent+pick: XLA with those steps as "
-                         "Pallas kernels; steps: latent, pick, select), each optionally "
+                         "Pallas kernels; steps: latent, pick, select), each optionally @meshDxM (xla or pallas: "
+                         "xpress_jax.sharded.refine_sharded on a D (blocks) x M (vocabulary) mesh of the first D*M "
+                         "devices, inputs and weights placed as it expects) or "
                          "@loop (passes in a lax.fori_loop instead of unrolled). Default: xla,pallas on a GPU, "
                          "xla elsewhere (pallas off a GPU runs in interpret mode: slow)")
     ap.add_argument("--reps", type=int, default=5, help="timed repeats of each chained measurement (median)")
@@ -181,6 +197,7 @@ def main(argv=None):
     backends = (args.backends or ("xla,pallas" if on_gpu else "xla")).split(",")
     interpret = not on_gpu  # Pallas-Triton compiles for CUDA GPUs only; elsewhere interpret mode
     impls = {b: bench_ops(b.partition("@")[0], interpret) for b in backends}
+    meshes = {b: make_mesh(b.partition("@")[2]) for b in backends if b.partition("@")[2].startswith("mesh")}
     if not on_gpu and any(b != "xla" for b in backends):
         print(f"# note: no GPU ({dev.platform}): Pallas kernels run in interpret mode (slow, for checking only)",
               flush=True)
@@ -208,26 +225,40 @@ def main(argv=None):
         for topc in topcs:
             outs = {}
             for backend in backends:
-                flag = backend.partition("@")[2]
+                name, _, flag = backend.partition("@")
                 ops, unroll = impls[backend], False if flag == "loop" else None
+                placed = problem
 
                 def refine_fn(p, l, h, a, ops=ops, topc=topc, unroll=unroll):
                     return refine_with(ops, p, l, h, a, config=cfg, topc=topc, unroll=unroll)
 
+                if backend in meshes:
+                    from xpress_jax.sharded import input_shardings, param_shardings, refine_sharded
+
+                    mesh = meshes[backend]
+                    ins = input_shardings(mesh, num_blocks=n, vocab_size=cfg.vocab_size)
+                    ps = param_shardings(mesh, vocab_size=cfg.vocab_size)
+                    placed = (jax.device_put(problem[0], ps), jax.device_put(problem[1], ins["logits"]),
+                              jax.device_put(problem[2], ins["h"]), jax.device_put(problem[3], ins["ids"]))
+
+                    def refine_fn(p, l, h, a, mesh=mesh, topc=topc, name=name):
+                        return refine_sharded(p, l, h, a, mesh=mesh, config=cfg, topc=topc, backend=name,
+                                              interpret=interpret and name == "pallas")
+
                 single = jax.jit(refine_fn)
                 t0 = time.perf_counter()
-                outs[backend] = np.asarray(single(*problem).block_until_ready())
+                outs[backend] = np.asarray(single(*placed).block_until_ready())
                 compile_s = time.perf_counter() - t0
                 walls = []
                 for _ in range(args.walls):
                     t0 = time.perf_counter()
-                    single(*problem).block_until_ready()
+                    single(*placed).block_until_ready()
                     walls.append(time.perf_counter() - t0)
                 row = dict(N=n, topc=topc, backend=backend, wall_us=statistics.median(walls) * 1e6,
                            walls=args.walls, compile_s=compile_s)
                 if not args.wall_only:
                     m = chain_length(n, topc, backend) if not args.small else 3
-                    t = time_device(chained(cfg, m, refine_fn=refine_fn), problem, args.reps)
+                    t = time_device(chained(cfg, m, refine_fn=refine_fn), placed, args.reps)
                     row.update(device_us=t / m * 1e6, loop_us=loop_us, net_us=t / m * 1e6 - loop_us, chain=m)
                 if backend != backends[0]:
                     ref = outs[backends[0]]

@@ -22,6 +22,11 @@ The steps (static shapes; ``rows`` = N * (B-1) draft rows):
 - ``topc_pick(base_c, cand, lat [rows,r], prepared) -> [rows] int32``: the top-C winner.
 - ``full_vocab_pick(logits [N,B,V], lat [rows,r], w2) -> [rows] int32``: the full-vocab winner.
 - ``latent(params, xh [N,B,r], blk [N,B] int32, prev_ids [N] int32) -> [N,B-1,r]``.
+- ``start(logits [N,B,V]) -> [rows] int32``: the full-vocab argmax of the base logits (where a
+  full-vocab refine starts).
+- ``full_vocab_best(logits, lat, w2) -> (score [rows] f32, id [rows] int32)`` and
+  ``topc_best(base_c, cand, lat, prepared) -> (score, base, id)``: the picks with the winner's
+  values, for callers that combine winners across devices (`xpress_jax.sharded`).
 """
 
 from __future__ import annotations
@@ -50,6 +55,9 @@ class Ops:
     topc_pick: Callable[..., Any]
     full_vocab_pick: Callable[..., Any]
     latent: Callable[..., Any]
+    start: Callable[..., Any]
+    full_vocab_best: Callable[..., Any]
+    topc_best: Callable[..., Any]
 
     @staticmethod
     def xla(platform: str = "cpu") -> "Ops":
@@ -78,6 +86,9 @@ def _xla_ops(platform: str) -> Ops:
         topc_pick=ref.topc_pick,
         full_vocab_pick=functools.partial(_xla_full_vocab_pick, direct_readout=platform == "gpu"),
         latent=ref.latent_pass,
+        start=ref.full_vocab_start,
+        full_vocab_best=functools.partial(_xla_full_vocab_best, direct_readout=platform == "gpu"),
+        topc_best=ref.topc_pick_best,
     )
 
 
@@ -90,6 +101,9 @@ def _pallas_ops(interpret: bool) -> Ops:
         topc_pick=functools.partial(_pallas_topc_pick, interpret=interpret),
         full_vocab_pick=functools.partial(_pallas_full_vocab_pick, interpret=interpret),
         latent=functools.partial(_pallas_latent, interpret=interpret),
+        start=ref.full_vocab_start,
+        full_vocab_best=functools.partial(_pallas_full_vocab_best, interpret=interpret),
+        topc_best=functools.partial(_pallas_topc_best, interpret=interpret),
     )
 
 
@@ -100,6 +114,10 @@ def _xla_select(logits, c):
 
 def _xla_full_vocab_pick(logits, lat, w2, *, direct_readout: bool):
     return ref.full_vocab_pick(ref.draft_rows(logits), lat, w2, direct_readout=direct_readout)
+
+
+def _xla_full_vocab_best(logits, lat, w2, *, direct_readout: bool):
+    return ref.full_vocab_best(ref.draft_rows(logits), lat, w2, direct_readout=direct_readout)
 
 
 # ----------------------------------------------------------------------------- Pallas steps
@@ -147,6 +165,30 @@ def _pallas_full_vocab_pick(logits, lat, w2, *, interpret):
         return ref.full_vocab_pick(ref.draft_rows(logits), lat, w2)
     return full_vocab.full_vocab_pick(logits.reshape(n * b, v), lat, w2, config=p.full_vocab, interpret=interpret,
                                       slot_stride=b)
+
+
+def _pallas_topc_best(base_c, cand, lat, prepared, *, interpret):
+    from .kernels import topc_pick
+
+    if prepared.ndim == 3:  # float64: w2[cand], the jnp path
+        return ref.topc_pick_best(base_c, cand, lat, prepared)
+    rows, c = base_c.shape
+    v, r = prepared.shape
+    p = _plan(rows, 2, v, r, c, base_c.dtype, interpret)
+    mv, mb, mi = topc_pick.topc_pick(base_c, cand, lat, prepared, config=p.topc, interpret=interpret, partials=True)
+    return ref.best_by_topc_rule(mv, mb, mi, axis=0)
+
+
+def _pallas_full_vocab_best(logits, lat, w2, *, interpret):
+    from .kernels import full_vocab
+
+    n, b, v = logits.shape
+    p = _plan(n, b, v, lat.shape[1], 0, logits.dtype, interpret)
+    if p.full_vocab is None:
+        return ref.full_vocab_best(ref.draft_rows(logits), lat, w2)
+    mv, mi = full_vocab.full_vocab_pick(logits.reshape(n * b, v), lat, w2, config=p.full_vocab, interpret=interpret,
+                                        slot_stride=b, partials=True)
+    return ref.best_by_score(mv, mi, axis=0)
 
 
 def _pallas_latent(params, xh, blk, prev_ids, *, interpret):

@@ -24,11 +24,16 @@ __all__ = [
     "topc_winner",
     "readout",
     "draft_rows",
+    "full_vocab_start",
     "latent_pass",
     "full_vocab_pick",
+    "full_vocab_best",
     "select_candidates",
     "topc_gather",
     "topc_pick",
+    "topc_pick_best",
+    "best_by_score",
+    "best_by_topc_rule",
 ]
 
 
@@ -49,11 +54,29 @@ def topc_winner(s: jax.Array, base_c: jax.Array, cand: jax.Array) -> jax.Array:
     The largest score; among equal scores the larger base logit; among equal base logits the
     lowest vocab id. (Values compare as numbers: -0.0 == +0.0.)
     """
-    best = jnp.max(s, axis=-1, keepdims=True)
-    tied = s == best
-    top_base = jnp.max(jnp.where(tied, base_c, jnp.array(-jnp.inf, base_c.dtype)), axis=-1, keepdims=True)
+    return best_by_topc_rule(s, base_c, cand)[2]
+
+
+def best_by_score(s: jax.Array, ids: jax.Array, axis: int = -1):
+    """The full-vocab rule along ``axis``: (the largest score, the lowest id holding it).
+
+    Combines per-part or per-shard winners exactly as one argmax over all of them would
+    (scores NaN-free; values compare as numbers)."""
+    best = jnp.max(s, axis=axis, keepdims=True)
     big = jnp.iinfo(jnp.int32).max
-    return jnp.min(jnp.where(tied & (base_c == top_base), cand, big), axis=-1).astype(jnp.int32)
+    idx = jnp.min(jnp.where(s == best, ids, big), axis=axis)
+    return jnp.squeeze(best, axis), idx.astype(jnp.int32)
+
+
+def best_by_topc_rule(s: jax.Array, base: jax.Array, ids: jax.Array, axis: int = -1):
+    """The top-C rule along ``axis``: (the largest score, the largest base logit among those,
+    the lowest id among those). Combines per-split or per-shard winners exactly."""
+    best = jnp.max(s, axis=axis, keepdims=True)
+    tied = s == best
+    top_base = jnp.max(jnp.where(tied, base, jnp.array(-jnp.inf, base.dtype)), axis=axis, keepdims=True)
+    big = jnp.iinfo(jnp.int32).max
+    idx = jnp.min(jnp.where(tied & (base == top_base), ids, big), axis=axis)
+    return jnp.squeeze(best, axis), jnp.squeeze(top_base, axis), idx.astype(jnp.int32)
 
 
 def readout(lat: jax.Array, w2: jax.Array, dtype, *, direct: bool = False) -> jax.Array:
@@ -77,6 +100,12 @@ def draft_rows(logits: jax.Array) -> jax.Array:
     return logits[:, 1:].reshape(n * (b - 1), v)
 
 
+def full_vocab_start(logits: jax.Array) -> jax.Array:
+    """[N, B, V] -> [N*(B-1)] int32: each draft slot's full-vocab argmax of its base logits (NaN as
+    -inf, lowest id on ties): where a full-vocab refine starts the block."""
+    return jnp.argmax(clean(draft_rows(logits)), axis=-1).astype(jnp.int32)
+
+
 def latent_pass(params: Mapping[str, jax.Array], xh: jax.Array, blk: jax.Array, prev_ids: jax.Array) -> jax.Array:
     """[N,B,r], [N,B] int32, [N] int32 -> [N, B-1, r]: the draft slots' latents for this pass.
 
@@ -90,6 +119,13 @@ def full_vocab_pick(base: jax.Array, lat: jax.Array, w2: jax.Array, *, direct_re
     """[rows,V], [rows,r], [V,r] -> [rows] int32: argmax_v dtype(base + dtype(lat @ w2.T)), lowest id on ties."""
     bias = readout(lat, w2, base.dtype, direct=direct_readout)
     return jnp.argmax(round_sum(base, bias), axis=-1).astype(jnp.int32)
+
+
+def full_vocab_best(base: jax.Array, lat: jax.Array, w2: jax.Array, *, direct_readout: bool = False):
+    """`full_vocab_pick` with its winning score: (score [rows] float32, id [rows] int32)."""
+    s = round_sum(base, readout(lat, w2, base.dtype, direct=direct_readout)).astype(acc_dtype(base.dtype))
+    ids = jnp.broadcast_to(jnp.arange(s.shape[-1], dtype=jnp.int32), s.shape)
+    return best_by_score(s, ids)
 
 
 def select_candidates(base: jax.Array, c: int):
@@ -116,8 +152,20 @@ def topc_pick(base_c: jax.Array, cand: jax.Array, lat: jax.Array, w2c: jax.Array
     so that it does not depend on the order of the candidates: the largest s wins; among
     equal s the larger base logit; among equal base logits the lowest vocab id.
     """
+    return topc_winner(_topc_scores(base_c, lat, w2c), clean(base_c), cand)
+
+
+def topc_pick_best(base_c: jax.Array, cand: jax.Array, lat: jax.Array, w2c: jax.Array):
+    """`topc_pick` with the winner's score and base logit: (score, base, id), [rows] each
+    (float32, float32, int32)."""
+    acc = acc_dtype(base_c.dtype)
+    s, b, i = best_by_topc_rule(_topc_scores(base_c, lat, w2c), clean(base_c), cand)
+    return s.astype(acc), b.astype(acc), i
+
+
+def _topc_scores(base_c, lat, w2c):
     acc = acc_dtype(base_c.dtype)
     bias_c = round_to(jnp.einsum(
         "nr,ncr->nc", lat, w2c, precision=precision_for(lat.dtype), preferred_element_type=acc
     ), base_c.dtype)
-    return topc_winner(round_sum(base_c, bias_c), clean(base_c), cand)
+    return round_sum(base_c, bias_c)

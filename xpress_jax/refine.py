@@ -14,7 +14,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import reference as ref
 from .config import HeadConfig
 from .head import hidden_input
 from .ops import Ops
@@ -220,6 +219,19 @@ def refine_with(ops: Ops, params, logits, h, anchors, prev_ids=None, *, num_pass
 def _run(ops: Ops, params, logits, h, anchors, prev_ids=None, *, num_passes=None, topc=None, max_num_reqs=None,
          config=None, unroll=None):
     """Resolve the config's defaults, validate, and run `_refine` with ``ops`` (`refine`'s body)."""
+    params, prev_ids, num_passes, topc, unroll = resolve_call(
+        params, logits, h, anchors, prev_ids, num_passes=num_passes, topc=topc, max_num_reqs=max_num_reqs,
+        config=config, unroll=unroll)
+    return _refine(ops, params, logits, h, anchors, prev_ids, num_passes, topc, unroll)
+
+
+def resolve_call(params, logits, h, anchors, prev_ids=None, *, num_passes=None, topc=None, max_num_reqs=None,
+                 config=None, unroll=None):
+    """`refine`'s argument handling (package-internal; `xpress_jax.sharded` shares it): the config's
+    defaults, every check, the defaults of ``prev_ids`` and ``unroll``.
+
+    Returns (params dict, prev_ids, num_passes, topc, unroll) as `_refine` takes them.
+    """
     if config is not None and not isinstance(config, HeadConfig):
         raise TypeError(f"config must be a HeadConfig, got {type(config).__name__}")
     if isinstance(params, Head):
@@ -242,11 +254,14 @@ def _run(ops: Ops, params, logits, h, anchors, prev_ids=None, *, num_passes=None
         prev_ids = anchors
     if unroll is None:
         unroll = _platform() == "gpu"
-    return _refine(ops, params, logits, h, anchors, prev_ids, int(num_passes), int(topc), bool(unroll))
+    return params, prev_ids, int(num_passes), int(topc), bool(unroll)
 
 
-def _refine(ops: Ops, params, logits, h, anchors, prev_ids, num_passes, topc, unroll=False):
+def _refine(ops: Ops, params, logits, h, anchors, prev_ids, num_passes, topc, unroll=False, vocab_size=None):
+    """The data path. ``vocab_size``: the global V when ``logits``, ``w1`` and ``w2`` hold one
+    vocabulary shard (`xpress_jax.sharded`; then ``ops`` combines across shards)."""
     N, B, V = logits.shape
+    V = V if vocab_size is None else vocab_size
     r = params["w1"].shape[1]
     rows = N * (B - 1)
     # Range check in the ids' own dtype, before any narrowing cast (an int64 2**32 + id must not
@@ -265,7 +280,7 @@ def _refine(ops: Ops, params, logits, h, anchors, prev_ids, num_passes, topc, un
             return ops.topc_pick(base_c, cand, lat, prepared)
 
     else:
-        start = jnp.argmax(ref.clean(logits[:, 1:]), axis=-1).astype(jnp.int32)
+        start = ops.start(logits)
 
         def pick(lat):
             return ops.full_vocab_pick(logits, lat, params["w2"])

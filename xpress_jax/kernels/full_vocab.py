@@ -432,7 +432,7 @@ def _check_shapes(base, lat, w2, rows=None):
         raise ValueError(f"dtypes must agree: {base.dtype=} {lat.dtype=} {w2.dtype=}")
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "config", "slot_stride"))
+@functools.partial(jax.jit, static_argnames=("interpret", "config", "slot_stride", "partials"))
 def full_vocab_pick(
     base: jax.Array,
     lat: jax.Array,
@@ -441,7 +441,8 @@ def full_vocab_pick(
     interpret: bool = False,
     config: FullVocabConfig | None = None,
     slot_stride: int = 0,
-) -> jax.Array:
+    partials: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """[rows,V], [rows,r], [V,r] -> [rows] int32: argmax_v float(dtype(base + dtype(lat @ w2.T))).
 
     Lowest vocab id on ties, NaN counts as -inf (a row of -inf/NaN picks id 0).
@@ -449,6 +450,9 @@ def full_vocab_pick(
     sizes (default: `default_config`). Float64 raises ``TypeError``.
     ``slot_stride=B``: ``base`` is the whole logits reshaped to [N*B, V]; draft row
     n*(B-1) + b reads logits row n*B + 1 + b (no copy of ``logits[:, 1:]``).
+    ``partials=True``: skip the combine launch and return stage 1's per-part winners
+    ``(score [parts, rows] float32, id [parts, rows] int32)`` (each part's best rounded score
+    and its lowest id; the caller combines them, e.g. across vocabulary shards).
     """
     if slot_stride:
         if slot_stride < 2 or base.ndim != 2 or base.shape[0] % slot_stride:
@@ -490,4 +494,6 @@ def full_vocab_pick(
         out_specs=(out_spec, out_spec),
         out_shape=out_shape,
     )(*operands)
+    if partials:
+        return mv[:, :rows], mi[:, :rows]
     return combine_partials(mv, mi, interpret=interpret)[:rows]

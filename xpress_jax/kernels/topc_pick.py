@@ -170,7 +170,7 @@ def _topc_kernel(
     mi_ref[...] = bidx
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "config"))
+@functools.partial(jax.jit, static_argnames=("interpret", "config", "partials"))
 def topc_pick(
     base_c: jax.Array,
     cand: jax.Array,
@@ -179,10 +179,14 @@ def topc_pick(
     *,
     interpret: bool = False,
     config: TopCConfig | None = None,
-) -> jax.Array:
+    partials: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array, jax.Array]:
     """[rows,C], [rows,C] int, [rows,r], [V,r] -> [rows] int32 vocab ids.
 
     The kernel gathers the candidates' rows of ``w2``. Candidate ids must lie in [0, V).
+    ``partials=True``: skip the combine and return each split's winner
+    ``(score, base logit, id)``, each [splits, rows] (float32, float32, int32), for the caller to
+    combine by the same rule (e.g. across vocabulary shards).
     """
     if base_c.ndim != 2 or cand.shape != base_c.shape or lat.ndim != 2 or lat.shape[0] != base_c.shape[0]:
         raise ValueError(
@@ -222,6 +226,8 @@ def topc_pick(
             jax.ShapeDtypeStruct((splits, rows_pad), jnp.int32),
         ),
     )(base_c, cand.astype(jnp.int32), lat, w2)
+    if partials:
+        return mv[:, :rows], mb[:, :rows], mi[:, :rows]
     return combine_splits(mv, mb, mi, interpret=interpret)[:rows]
 
 

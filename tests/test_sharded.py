@@ -1,0 +1,172 @@
+"""`refine_sharded` on a mesh of forced CPU host devices == single-device `refine`, token for token.
+
+The pytest process has already initialised JAX with one CPU device, so the checks run in a child
+process started with ``XLA_FLAGS=--xla_force_host_platform_device_count=4`` (this file, run as a
+script). Meshes 4x1 (data), 1x4 (vocab) and 2x2; N = 3 (no axis divides it) and V = 301 (no axis
+divides it); both modes (top-C with C = 1, 7 and V; full vocabulary); both backends (XLA and the
+Pallas kernels in interpret mode); inputs with ties across shards (equal logits and equal w2 rows
+on ids held by different devices, so membership at the C-th place and the pick's tie breaks cross
+shards) and with non-finite logits (NaN, +-inf, a row of all -inf, a row of all NaN).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+V, N = 301, 3
+MESHES = ((4, 1), (1, 4), (2, 2))
+
+# (mesh, topc, backend, dtype, inputs): the default run covers each mesh, mode, backend, dtype and
+# input kind at least once; the full product is `slow`.
+FAST = [
+    ((2, 2), 7, "pallas", "bfloat16", "ties"),
+    ((4, 1), 0, "xla", "float32", "random"),
+    ((1, 4), 7, "xla", "bfloat16", "nonfinite"),
+    ((1, 4), 0, "pallas", "bfloat16", "ties"),
+    ((2, 2), V, "xla", "float32", "ties"),
+    ((1, 4), 1, "xla", "float32", "nonfinite"),
+    ((2, 2), 0, "xla", "bfloat16", "nonfinite"),
+]
+ALL = [(m, c, be, dt, kind) for m in MESHES for c in (1, 7, V, 0) for be in ("xla", "pallas")
+       for dt in ("float32", "bfloat16") for kind in ("random", "ties", "nonfinite")]
+
+
+def _run_child(cases):
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), json.dumps(cases)], env=env,
+                          capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.interpret
+def test_sharded_equals_single_device():
+    results = _run_child(FAST)
+    bad = [r for r in results if r["differ"]]
+    assert not bad, bad
+    assert all(r["changed"] > 0.2 for r in results if r["kind"] != "nonfinite"), "refinement changes too few tokens"
+
+
+@pytest.mark.slow
+@pytest.mark.interpret
+def test_sharded_equals_single_device_sweep():
+    results = _run_child(ALL)
+    bad = [r for r in results if r["differ"]]
+    assert not bad, bad
+
+
+@pytest.mark.interpret
+def test_kernels_run_per_shard():
+    """Every pallas_call inside the sharded refine sees shard-sized operands: no [V, r] weight and no
+    [N, B, V] logits reach a kernel (the kernels run per shard, never on gathered inputs)."""
+    results = _run_child([["kernel-shapes"]])
+    assert results["kernels"] >= 4, results  # selection, top-C pick, latent, full-vocab pick
+    assert not results["whole"], results
+
+
+# ----------------------------------------------------------------------------- the child process
+
+
+def _inputs(cfg, kind, dtype, seed=0):
+    import jax.numpy as jnp
+    import numpy as np
+
+    import xpress_jax as xj
+    from conftest import make_head, make_inputs
+
+    params = make_head(cfg, seed=seed)
+    logits, h, anchors, prev = make_inputs(cfg, N, seed=seed + 1)
+    lg = np.asarray(logits, np.float64)
+    if kind == "ties":
+        # Integer logits: many equal values, also at the C-th place, on ids of every shard; w2 rows
+        # repeat with period 7, so equal scores recur on ids held by different devices.
+        lg = np.round(lg * 1.5)
+        w2 = np.asarray(params["w2"])
+        params["w2"] = jnp.asarray(w2[np.arange(cfg.vocab_size) % 7])
+    elif kind == "nonfinite":
+        rng = np.random.default_rng(seed)
+        mask = rng.random(lg.shape)
+        lg[mask < 0.05] = np.nan
+        lg[(mask > 0.05) & (mask < 0.08)] = -np.inf
+        lg[mask > 0.995] = np.inf
+        lg[0, 2] = -np.inf  # a row of all -inf
+        lg[1, 3] = np.nan  # a row of all NaN
+    logits = jnp.asarray(lg, dtype)
+    params = {k: v.astype(dtype) for k, v in params.items()}
+    return xj.Head(cfg, params), logits, h.astype(dtype), anchors, prev
+
+
+def _check(case):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh
+
+    import xpress_jax as xj
+    from xpress_jax.sharded import refine_sharded
+
+    mesh_shape, topc, backend, dtype, kind = case
+    cfg = xj.HeadConfig(vocab_size=V, hidden_size=16, block_size=5, rank=24, mlp_hidden=32, topc=topc or 1,
+                        num_passes=3)
+    head, logits, h, anchors, prev = _inputs(cfg, kind, jnp.dtype(dtype))
+    interpret = backend == "pallas"
+    want = np.asarray(xj.refine(head, logits, h, anchors, prev, topc=topc, backend=backend, interpret=interpret))
+    mesh = Mesh(np.array(jax.devices()).reshape(mesh_shape), ("data", "model"))
+    f = jax.jit(lambda *a: refine_sharded(*a, mesh=mesh, topc=topc, backend=backend, interpret=interpret))
+    got = np.asarray(f(head, logits, h, anchors, prev))
+    start = np.asarray(jnp.argmax(jnp.where(jnp.isnan(logits[:, 1:]), -jnp.inf, logits[:, 1:]), -1))
+    return dict(case=case, kind=kind, differ=int((got != want).sum()), changed=float((want != start).mean()))
+
+
+def _kernel_shapes():
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh
+
+    import xpress_jax as xj
+    from xpress_jax.sharded import refine_sharded
+
+    out = {"kernels": 0, "whole": []}
+    for topc in (7, 0):
+        cfg = xj.HeadConfig(vocab_size=V, hidden_size=16, block_size=5, rank=24, mlp_hidden=32, topc=topc or 1)
+        head, logits, h, anchors, prev = _inputs(cfg, "random", jnp.bfloat16)
+        mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "model"))
+        jaxpr = jax.make_jaxpr(lambda *a: refine_sharded(*a, mesh=mesh, topc=topc, backend="pallas", interpret=True))(
+            head, logits, h, anchors, prev)
+
+        def walk(jp):
+            for eqn in jp.eqns:
+                if eqn.primitive.name == "pallas_call":
+                    out["kernels"] += 1
+                    for v in eqn.invars:
+                        shape = tuple(getattr(v.aval, "shape", ()))
+                        # whole vocabulary (V, or V padded to 2 shards), or all blocks' rows (N*B, padded
+                        # N*B, N*(B-1), padded N*(B-1)) instead of one device's 2 blocks
+                        if {V, V + 1} & set(shape) or (shape and shape[0] in (15, 20, 12, 16)):
+                            out["whole"].append(shape)
+                for p in eqn.params.values():
+                    for j in (p if isinstance(p, (list, tuple)) else [p]):
+                        if hasattr(j, "eqns"):
+                            walk(j)
+                        elif hasattr(getattr(j, "jaxpr", None), "eqns"):
+                            walk(j.jaxpr)
+
+        walk(jaxpr.jaxpr)
+    return out
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    cases = json.loads(sys.argv[1])
+    if cases == [["kernel-shapes"]]:
+        print(json.dumps(_kernel_shapes()))
+    else:
+        print(json.dumps([_check(c) for c in cases]))

@@ -1,0 +1,269 @@
+"""Refine on a `jax.sharding.Mesh`: requests split over a data axis, the vocabulary over a model axis.
+
+`refine_sharded` runs the same data path as `xpress_jax.refine` inside `jax.shard_map`; every
+kernel runs per shard, on that shard's arrays, never on gathered inputs.
+
+- **Data axis** (``data_axis``): the N blocks are split across it; the weights are replicated.
+  Blocks are independent, so there is no communication. N that the axis does not divide is
+  padded with sentinel rows (anchor -1: they read nothing and are dropped).
+- **Model axis** (``model_axis``): ``w1``, ``w2`` and the logits are split over the vocabulary,
+  as tensor-parallel serving stacks hold them ([V, r] readout rows: the largest read). Each
+  device holds ``V / M`` consecutive vocab ids (V that M does not divide is padded with ids that
+  can never win: logits -inf, zero weight rows). Per pass:
+
+  - ``w1[prev]``: each device reads the rows it holds (zeros elsewhere); a ``psum`` over the
+    axis gives every device all of them (one term is non-zero, so the sum is exact). The latent
+    pass then runs replicated (it is small).
+  - the pick: every device picks its local winner over its own vocab ids, with the winning
+    score (and, in top-C mode, its base logit) and its global id; an ``all_gather`` of those
+    three [rows] values and the same rule applied to them picks the global winner: the largest
+    score, then (top-C) the larger base logit, then the lowest id. This is exactly the
+    single-device rule, because the rule is a total order: the best of the per-shard bests is
+    the best overall.
+  - top-C candidates: each device selects its local top min(C, V/M) (the same total order:
+    larger value, then lower id; NaN as -inf). Every member of the global top C is in its own
+    shard's local top C, so the union holds the global set; an ``all_gather`` of the local
+    candidates and a sort by (value, id), keyed on the float bits like ``lax.top_k`` (-0.0
+    below +0.0), keeps exactly the C that one device would select, membership ties included.
+    A candidate is scored on the device that holds its ``w2`` row; the others see it with base
+    logit -inf. (A row whose candidates all score -inf with base -inf picks its lowest
+    candidate id, as on one device.)
+
+Tokens are identical to the single-device `refine` on the same backend, in both modes (tests:
+``tests/test_sharded.py``, meshes 4x1, 1x4, 2x2 on forced CPU host devices, N and V that the
+axes do not divide, ties across shards, non-finite logits).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Mapping
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from . import reference as ref
+from .ops import Ops
+from .params import PARAM_NAMES, Head
+from .refine import _check_backend, _refine, _select_ops, resolve_call
+
+__all__ = ["refine_sharded", "param_shardings", "input_shardings", "vocab_sharded_ops"]
+
+_VOCAB_PARAMS = ("w1", "w2")
+
+
+def _axis_size(mesh: Mesh, axis: str | None) -> int:
+    if axis is None:
+        return 1
+    if axis not in mesh.shape:
+        raise ValueError(f"axis {axis!r} is not an axis of the mesh (axes: {tuple(mesh.shape)}); pass None to not use it")
+    return int(mesh.shape[axis])
+
+
+def param_shardings(mesh: Mesh, model_axis: str | None = "model", vocab_size: int | None = None) -> dict[str, NamedSharding]:
+    """Where `refine_sharded` expects each param: ``w1`` and ``w2`` split over V on ``model_axis``
+    (when the axis divides ``vocab_size``; else replicated, and padded inside), the rest replicated.
+    Pass it to `xpress_jax.load_params(path, sharding=...)` or `jax.device_put`."""
+    m = _axis_size(mesh, model_axis)
+    split = model_axis is not None and (vocab_size is None or vocab_size % m == 0)
+    return {name: NamedSharding(mesh, P(model_axis, None) if split and name in _VOCAB_PARAMS else P())
+            for name in PARAM_NAMES}
+
+
+def input_shardings(mesh: Mesh, data_axis: str | None = "data", model_axis: str | None = "model", *,
+                    num_blocks: int | None = None, vocab_size: int | None = None) -> dict[str, NamedSharding]:
+    """Where `refine_sharded` expects its inputs and puts its output: ``"logits"`` [N, B, V] (N over
+    ``data_axis``, V over ``model_axis``), ``"h"`` [N, B, H], ``"ids"`` (anchors, prev_ids) [N],
+    ``"out"`` [N, B-1]. An axis that does not divide its dimension (given ``num_blocks`` /
+    ``vocab_size``) is left out of the spec (refine_sharded pads inside)."""
+    d, m = _axis_size(mesh, data_axis), _axis_size(mesh, model_axis)
+    da = data_axis if data_axis is not None and (num_blocks is None or num_blocks % d == 0) else None
+    ma = model_axis if model_axis is not None and (vocab_size is None or vocab_size % m == 0) else None
+    return {"logits": NamedSharding(mesh, P(da, None, ma)), "h": NamedSharding(mesh, P(da, None, None)),
+            "ids": NamedSharding(mesh, P(da)), "out": NamedSharding(mesh, P(da, None))}
+
+
+def refine_sharded(
+    params: Head | Mapping[str, jax.Array],
+    logits: jax.Array,
+    h: jax.Array,
+    anchors: jax.Array,
+    prev_ids: jax.Array | None = None,
+    *,
+    mesh: Mesh,
+    data_axis: str | None = "data",
+    model_axis: str | None = "model",
+    num_passes: int | None = None,
+    topc: int | None = None,
+    max_num_reqs: int | None = None,
+    config=None,
+    backend: str = "auto",
+    interpret: bool = False,
+    unroll: bool | None = None,
+) -> jax.Array:
+    """`xpress_jax.refine` on ``mesh``: same arguments, checks and tokens (see the module doc).
+
+    ``data_axis`` / ``model_axis``: mesh axis names for the blocks and the vocabulary (``None``:
+    not used; an axis of size 1 costs nothing). Jit it with ``mesh``, the axes, and `refine`'s
+    static arguments static. The result is [N, B-1] int32, split over ``data_axis``.
+    """
+    _check_backend(backend, interpret)
+    ops = _select_ops(backend, interpret)
+    params, prev_ids, k, c, unroll = resolve_call(params, logits, h, anchors, prev_ids, num_passes=num_passes,
+                                                  topc=topc, max_num_reqs=max_num_reqs, config=config, unroll=unroll)
+    d, m = _axis_size(mesh, data_axis), _axis_size(mesh, model_axis)
+    if data_axis is not None and data_axis == model_axis:
+        raise ValueError(f"data_axis and model_axis must differ, both are {data_axis!r}")
+    n, b, v = logits.shape
+    anchors = jnp.asarray(anchors)
+    prev_ids = jnp.asarray(prev_ids)
+    # Range check in the ids' own dtype (before any cast), then -1 for every invalid row.
+    valid = (anchors >= 0) & (anchors < v) & (prev_ids >= 0) & (prev_ids < v)
+    anchors = jnp.where(valid, anchors, -1).astype(jnp.int32)
+    prev_ids = jnp.where(valid, prev_ids, -1).astype(jnp.int32)
+    n_pad = -(-n // d) * d - n
+    if n_pad:  # sentinel rows: anchor -1 (no reads, dropped below)
+        logits = jnp.pad(logits, ((0, n_pad), (0, 0), (0, 0)))
+        h = jnp.pad(h, ((0, n_pad), (0, 0), (0, 0)))
+        anchors = jnp.pad(anchors, (0, n_pad), constant_values=-1)
+        prev_ids = jnp.pad(prev_ids, (0, n_pad), constant_values=-1)
+    v_pad = -(-v // m) * m - v
+    if v_pad:  # ids >= V: logits -inf and zero rows, so they never win (ties go to lower ids)
+        logits = jnp.pad(logits, ((0, 0), (0, 0), (0, v_pad)), constant_values=-jnp.inf)
+        params = {name: jnp.pad(x, ((0, v_pad), (0, 0))) if name in _VOCAB_PARAMS else x for name, x in params.items()}
+    if model_axis is not None:
+        ops = vocab_sharded_ops(ops, model_axis)
+    da, ma = data_axis, model_axis
+    param_specs = {name: P(ma, None) if name in _VOCAB_PARAMS else P() for name in params}
+
+    def body(p, lg, hh, a, q):
+        return _refine(ops, p, lg, hh, a, q, k, c, unroll, vocab_size=v)
+
+    run = jax.shard_map(body, mesh=mesh, in_specs=(param_specs, P(da, None, ma), P(da, None, None), P(da), P(da)),
+                        out_specs=P(da, None), check_vma=False)
+    out = run(dict(params), logits, h, anchors, prev_ids)
+    return out[:n] if n_pad else out
+
+
+# ----------------------------------------------------------------------------- vocab-sharded steps
+
+
+@functools.lru_cache(maxsize=None)
+def vocab_sharded_ops(inner: Ops, axis: str) -> Ops:
+    """``inner``'s steps for one vocabulary shard inside `jax.shard_map` over ``axis``: local
+    work on the shard's ids, then the exact cross-shard combination (module doc)."""
+    return Ops(
+        name=f"{inner.name}/vocab[{axis}]",
+        select=functools.partial(_select, inner=inner, axis=axis),
+        topc_prepare=functools.partial(_topc_prepare, inner=inner, axis=axis),
+        topc_pick=functools.partial(_topc_pick, inner=inner, axis=axis),
+        full_vocab_pick=functools.partial(_full_vocab_pick, inner=inner, axis=axis),
+        latent=functools.partial(_latent, inner=inner, axis=axis),
+        start=functools.partial(_start, axis=axis),
+        full_vocab_best=functools.partial(_full_vocab_best, inner=inner, axis=axis),
+        topc_best=functools.partial(_topc_best, inner=inner, axis=axis),
+    )
+
+
+def _offset(axis: str, vs: int) -> jax.Array:
+    """The first global vocab id of this device's shard."""
+    return jax.lax.axis_index(axis).astype(jnp.int32) * vs
+
+
+def _gather(x: jax.Array, axis: str) -> jax.Array:
+    """[...] per device -> [M, ...]: every device's value, in shard order."""
+    return jax.lax.all_gather(x, axis, axis=0, tiled=False)
+
+
+def _order_key(x: jax.Array) -> jax.Array:
+    """int32 keys in ``lax.top_k``'s order of the values (on the bits: -0.0 below +0.0; no NaN here)."""
+    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+    return bits ^ ((bits >> 31) & jnp.int32(0x7FFFFFFF))
+
+
+def _draft_value(logits: jax.Array, ids: jax.Array) -> jax.Array:
+    """logits of draft row q at local column ids[q], NaN as -inf (a [rows] gather, no copy of the rows)."""
+    n, b, vs = logits.shape
+    q = jnp.arange(n * (b - 1))
+    row = (q // (b - 1)) * b + 1 + q % (b - 1)
+    return ref.clean(logits.reshape(n * b, vs)[row, ids])
+
+
+def _global_best(score, ids, axis):
+    s, i = ref.best_by_score(_gather(score.astype(jnp.float32), axis), _gather(ids, axis), axis=0)
+    return s, i
+
+
+def _start(logits, *, axis):
+    vs = logits.shape[2]
+    loc = ref.full_vocab_start(logits)
+    return _global_best(_draft_value(logits, loc), loc + _offset(axis, vs), axis)[1]
+
+
+def _select(logits, c, *, inner, axis):
+    n, b, vs = logits.shape
+    rows = n * (b - 1)
+    cl = min(c, vs)
+    cand, base_c, am = inner.select(logits, cl)
+    off = _offset(axis, vs)
+    start = _global_best(_draft_value(logits, am), am + off, axis)[1]
+    vals = jnp.moveaxis(_gather(base_c, axis), 0, 1).reshape(rows, -1)  # [rows, M*cl]
+    ids = jnp.moveaxis(_gather(cand + off, axis), 0, 1).reshape(rows, -1)
+    # The C best by (larger value, lower id): ascending sort on (~key, id).
+    _, ids, vals = jax.lax.sort((~_order_key(vals), ids, vals), dimension=1, num_keys=2)
+    return ids[:, :c], vals[:, :c], start
+
+
+def _owned(cand, vs, axis):
+    loc = cand - _offset(axis, vs)
+    own = (loc >= 0) & (loc < vs)
+    return jnp.where(own, loc, 0), own
+
+
+def _topc_prepare(w2, cand, *, inner, axis):
+    loc, own = _owned(cand, w2.shape[0], axis)
+    return inner.topc_prepare(w2, loc), loc, own, w2.shape[0]
+
+
+def _topc_best(base_c, cand, lat, prepared, *, inner, axis):
+    inner_prep, loc, own, vs = prepared
+    base = jnp.where(own, base_c, jnp.array(-jnp.inf, base_c.dtype))
+    s, bb, i = inner.topc_best(base, loc, lat, inner_prep)
+    # A local winner with base -inf may be a candidate this device does not hold: it must not
+    # lend its (local) id to the tie break; such rows are settled below from the candidate ids.
+    i = jnp.where(bb == -jnp.inf, jnp.iinfo(jnp.int32).max, i + _offset(axis, vs))
+    s, bb, i = ref.best_by_topc_rule(_gather(s, axis), _gather(bb, axis), _gather(i, axis), axis=0)
+    # Best base -inf: every candidate scores -inf with base -inf: the lowest candidate id wins.
+    return s, bb, jnp.where(bb == -jnp.inf, jnp.min(cand, axis=-1), i)
+
+
+def _topc_pick(base_c, cand, lat, prepared, *, inner, axis):
+    return _topc_best(base_c, cand, lat, prepared, inner=inner, axis=axis)[2]
+
+
+def _full_vocab_best(logits, lat, w2, *, inner, axis):
+    s, i = inner.full_vocab_best(logits, lat, w2)
+    return _global_best(s, i + _offset(axis, w2.shape[0]), axis)
+
+
+def _full_vocab_pick(logits, lat, w2, *, inner, axis):
+    return _full_vocab_best(logits, lat, w2, inner=inner, axis=axis)[1]
+
+
+def _latent(params, xh, blk, prev_ids, *, inner, axis):
+    """``w1[prev]`` from the shards (psum of each device's rows), then ``inner``'s latent on those
+    rows: ``w1`` becomes the [N*B, r] gathered rows and the ids index them."""
+    w1 = params["w1"]
+    vs, r = w1.shape
+    n, b = blk.shape
+    prev = jnp.concatenate([prev_ids[:, None], blk[:, :-1]], axis=1)  # [N, B]: each slot's predecessor
+    loc, own = _owned(prev, vs, axis)
+    rows = jnp.where(own[..., None], jnp.take(w1, loc, axis=0), jnp.zeros((), w1.dtype))
+    rows = jax.lax.psum(rows, axis).reshape(n * b, r)
+    base = jnp.arange(n, dtype=jnp.int32)[:, None] * b
+    # slot j's predecessor is row n*B + j: prev_ids' -> slot 0, blk'[:, j-1] -> slot j
+    blk2 = jnp.minimum(base + jnp.arange(1, b + 1, dtype=jnp.int32)[None, :], n * b - 1)
+    return inner.latent(dict(params, w1=rows), xh, blk2, base[:, 0])
+
