@@ -63,8 +63,8 @@ class RefineServer:
       array [num_valid, B-1] (a device-to-host copy; no slicing on the device).
 
     Inputs: jax arrays must match the bucket exactly: shape, dtype (the params' dtype for
-    logits and h, int32 for the ids) and a sharding equivalent to ``input_shardings``
-    (``jax.device_put(x, server.input_shardings[name])`` places one), else ``ValueError`` /
+    logits and h, int32 for the ids) and a sharding equivalent to ``input_specs(bucket)``'s
+    (``jax.device_put(x, server.input_specs(bucket)[name].sharding)`` places one), else ``ValueError`` /
     ``TypeError`` naming the argument. Numpy arrays are placed with ``jax.device_put`` (a
     transfer, not a trace); numpy inputs of any N <= the largest bucket are first padded on
     the host to the next bucket. Numpy ids of any integer dtype are range-checked on the host
@@ -78,8 +78,10 @@ class RefineServer:
 
     Mesh: with ``mesh`` (a `jax.sharding.Mesh` with ``data_axis`` and ``model_axis``) the
     executables run `xpress_jax.sharded.refine_sharded`: blocks split over ``data_axis``,
-    ``w1``/``w2`` over the vocabulary on ``model_axis``; ``input_shardings`` and
-    ``param_shardings`` say where inputs and weights must lie.
+    ``w1``/``w2`` over the vocabulary on ``model_axis`` (either axis may be None: unused);
+    ``input_specs(bucket)`` / ``input_shardings(bucket)`` and ``param_shardings`` say where inputs
+    and weights must lie (a bucket the data axis does not divide takes its inputs replicated over
+    it, and `refine_sharded` pads inside).
     """
 
     def __init__(
@@ -89,8 +91,8 @@ class RefineServer:
         buckets: Sequence[int] | None = None,
         backend: str = "auto",
         mesh: jax.sharding.Mesh | None = None,
-        data_axis: str = "data",
-        model_axis: str = "model",
+        data_axis: str | None = "data",
+        model_axis: str | None = "model",
         num_passes: int | None = None,
         topc: int | None = None,
         interpret: bool = False,
@@ -115,7 +117,14 @@ class RefineServer:
         if not self.buckets or self.buckets[0] < 1 or self.buckets[-1] > config.max_num_reqs:
             raise ValueError(f"buckets must lie in [1, max_num_reqs={config.max_num_reqs}], got {self.buckets}")
 
-        self.param_shardings, self.input_shardings = self._shardings()
+        if mesh is not None:
+            from . import sharded  # names the axes if the mesh lacks one
+
+            if data_axis is not None and data_axis == model_axis:
+                raise ValueError(f"data_axis and model_axis must differ, both are {data_axis!r}")
+            for axis in (data_axis, model_axis):
+                sharded._axis_size(mesh, axis)
+        self.param_shardings: dict[str, jax.sharding.Sharding] = self._param_shardings(mesh, model_axis, config)
         self._param_specs = {
             k: jax.ShapeDtypeStruct(s, self.dtype, sharding=self.param_shardings[k])
             for k, s in param_shapes(config).items()
@@ -129,35 +138,42 @@ class RefineServer:
 
     @classmethod
     def from_checkpoint(cls, path: str | PathLike, *, dtype: Any = None, mesh: jax.sharding.Mesh | None = None,
-                        model_axis: str = "model", **kwargs: Any) -> "RefineServer":
+                        model_axis: str | None = "model", **kwargs: Any) -> "RefineServer":
         """Restore the head of a converted checkpoint (`xpress_jax.load_params`) straight onto the
         devices the server uses, then compile every bucket. ``dtype`` casts the params, as in
         ``load_params``; the other keywords are the constructor's."""
-        from .checkpoint import load_params
+        from .checkpoint import load_params, read_checkpoint_info
 
-        sharding = None if mesh is None else cls._mesh_param_shardings(mesh, model_axis)
-        return cls(load_params(path, dtype=dtype, sharding=sharding), mesh=mesh, model_axis=model_axis, **kwargs)
+        config, _ = read_checkpoint_info(path)
+        head = load_params(path, dtype=dtype, sharding=cls._param_shardings(mesh, model_axis, config))
+        return cls(head, mesh=mesh, model_axis=model_axis, **kwargs)
 
     # --- placement ------------------------------------------------------------------------
 
     @staticmethod
-    def _mesh_param_shardings(mesh, model_axis):
+    def _param_shardings(mesh, model_axis, config: HeadConfig) -> dict[str, jax.sharding.Sharding]:
+        if mesh is None:
+            one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+            return {k: one for k in PARAM_NAMES}
         from . import sharded
 
-        return dict(sharded.param_shardings(mesh, model_axis))
+        return dict(sharded.param_shardings(mesh, model_axis, vocab_size=config.vocab_size))
 
-    def _shardings(self):
+    def input_shardings(self, bucket: int) -> dict[str, jax.sharding.Sharding]:
+        """Where ``bucket``'s executable takes its inputs and puts its result: ``"logits"``, ``"h"``,
+        ``"ids"`` (anchors and prev_ids), ``"num_valid"`` and ``"out"``. One device: all
+        ``jax.devices()[0]``. A mesh: `xpress_jax.sharded.input_shardings` for N = bucket."""
+        if bucket not in self.buckets:
+            raise ValueError(f"{bucket} is not a bucket; the buckets are {self.buckets}")
         if self.mesh is None:
             one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-            return {k: one for k in PARAM_NAMES}, {"logits": one, "h": one, "ids": one, "num_valid": one, "out": one}
+            return {"logits": one, "h": one, "ids": one, "num_valid": one, "out": one}
         from . import sharded
 
-        ins = dict(sharded.input_shardings(self.mesh, self.data_axis, self.model_axis))
-        ins["num_valid"] = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
-        return self._mesh_param_shardings(self.mesh, self.model_axis), ins
-
-    def _sharding_of(self, name: str):
-        return self.input_shardings["ids" if name in ("anchors", "prev_ids") else name]
+        out = dict(sharded.input_shardings(self.mesh, self.data_axis, self.model_axis, num_blocks=bucket,
+                                           vocab_size=self.config.vocab_size))
+        out["num_valid"] = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+        return out
 
     # --- compile --------------------------------------------------------------------------
 
@@ -182,24 +198,21 @@ class RefineServer:
         return serve
 
     def input_specs(self, bucket: int) -> dict[str, jax.ShapeDtypeStruct]:
-        """The abstract inputs of ``bucket``'s executable (shape, dtype, sharding): what a
-        persistent input buffer must look like."""
-        if bucket not in self.buckets:
-            raise ValueError(f"{bucket} is not a bucket; the buckets are {self.buckets}")
-        c = self.config
-        ids = jax.ShapeDtypeStruct((bucket,), jnp.int32, sharding=self.input_shardings["ids"])
+        """The abstract inputs of ``bucket``'s executable (shape, dtype, sharding), by argument name
+        (``"logits"``, ``"h"``, ``"anchors"``, ``"prev_ids"``, ``"num_valid"``): what a persistent
+        input buffer must look like."""
+        c, sh = self.config, self.input_shardings(bucket)
+        ids = jax.ShapeDtypeStruct((bucket,), jnp.int32, sharding=sh["ids"])
         return {
-            "logits": jax.ShapeDtypeStruct((bucket, c.block_size, c.vocab_size), self.dtype,
-                                           sharding=self.input_shardings["logits"]),
-            "h": jax.ShapeDtypeStruct((bucket, c.block_size, c.hidden_size), self.dtype,
-                                      sharding=self.input_shardings["h"]),
+            "logits": jax.ShapeDtypeStruct((bucket, c.block_size, c.vocab_size), self.dtype, sharding=sh["logits"]),
+            "h": jax.ShapeDtypeStruct((bucket, c.block_size, c.hidden_size), self.dtype, sharding=sh["h"]),
             "anchors": ids,
             "prev_ids": ids,
+            "num_valid": jax.ShapeDtypeStruct((), jnp.int32, sharding=sh["num_valid"]),
         }
 
     def _compile_all(self, progress: bool) -> None:
-        jitted = jax.jit(self._serve_fn(), out_shardings=self.input_shardings["out"])
-        nv = jax.ShapeDtypeStruct((), jnp.int32, sharding=self.input_shardings["num_valid"])
+        serve = self._serve_fn()
         say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if progress else (lambda msg: None)
         devices = 1 if self.mesh is None else self.mesh.size
         say(f"RefineServer: compiling {len(self.buckets)} bucket(s) {self.buckets} (V={self.config.vocab_size}, "
@@ -209,7 +222,8 @@ class RefineServer:
         for i, b in enumerate(self.buckets):
             t0 = time.perf_counter()
             spec = self._specs[b] = self.input_specs(b)
-            self.executables[b] = jitted.lower(self._param_specs, *(spec[k] for k in _ARGS), nv).compile()
+            jitted = jax.jit(serve, out_shardings=self.input_shardings(b)["out"])
+            self.executables[b] = jitted.lower(self._param_specs, *(spec[k] for k in _ARGS), spec["num_valid"]).compile()
             self.compile_seconds[b] = time.perf_counter() - t0
             say(f"RefineServer: [{i + 1}/{len(self.buckets)}] N={b}: compiled in {self.compile_seconds[b]:.2f} s")
         say(f"RefineServer: ready, {time.perf_counter() - t_all:.2f} s")
@@ -273,7 +287,7 @@ class RefineServer:
             x = xs[name]
             if isinstance(x, np.ndarray):
                 x = self._host(name, x, n, bucket, num_valid)
-                x = jax.device_put(x, self._sharding_of(name))
+                x = jax.device_put(x, self._specs[bucket][name].sharding)
             else:
                 self._check_device(name, x, bucket)
             out.append(x)
@@ -313,7 +327,7 @@ class RefineServer:
         if not x.sharding.is_equivalent_to(spec.sharding, x.ndim):
             raise ValueError(
                 f"RefineServer: {name} is {_describe(x)}; bucket N={bucket} was compiled for sharding "
-                f"{spec.sharding}. Place it with jax.device_put(x, server.input_shardings[{name if name in ('logits', 'h') else 'ids'!r}]) "
+                f"{spec.sharding}. Place it with jax.device_put(x, server.input_specs({bucket})[{name!r}].sharding) "
                 "or pass a numpy array"
             )
 
