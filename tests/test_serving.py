@@ -322,7 +322,8 @@ assert server.param_shardings["w2"].spec == jax.sharding.PartitionSpec("model", 
 assert server.head.params["w1"].sharding.is_equivalent_to(server.param_shardings["w1"], 2)
 x = make_inputs(cfg, 4, seed=2)
 want = {{h: np.asarray(xj.refine(hd, *x)) for h, hd in (("1", head), ("2", head2))}}
-placed = [jax.device_put(a, server.input_specs(4)[k].sharding) for a, k in zip(x, ("logits", "h", "anchors", "prev_ids"))]
+names = ("logits", "h", "anchors", "prev_ids")
+placed = [jax.device_put(a, server.input_specs(4)[k].sharding) for a, k in zip(x, names)]
 host = [np.asarray(a) for a in x]
 start = len(compiles)
 with jax.no_tracing():

@@ -223,7 +223,8 @@ class RefineServer:
             t0 = time.perf_counter()
             spec = self._specs[b] = self.input_specs(b)
             jitted = jax.jit(serve, out_shardings=self.input_shardings(b)["out"])
-            self.executables[b] = jitted.lower(self._param_specs, *(spec[k] for k in _ARGS), spec["num_valid"]).compile()
+            lowered = jitted.lower(self._param_specs, *(spec[k] for k in _ARGS), spec["num_valid"])
+            self.executables[b] = lowered.compile()
             self.compile_seconds[b] = time.perf_counter() - t0
             say(f"RefineServer: [{i + 1}/{len(self.buckets)}] N={b}: compiled in {self.compile_seconds[b]:.2f} s")
         say(f"RefineServer: ready, {time.perf_counter() - t_all:.2f} s")
@@ -360,7 +361,9 @@ class RefineServer:
             elif isinstance(x, (jax.Array, np.ndarray)):
                 out[k] = jax.device_put(x, spec.sharding)
             else:
-                raise TypeError(f"RefineServer: params[{k!r}] must be a numpy array or a jax.Array, got {type(x).__name__}")
+                raise TypeError(
+                    f"RefineServer: params[{k!r}] must be a numpy array or a jax.Array, got {type(x).__name__}"
+                )
         return out
 
     def reload(self, head_or_params: Head | Mapping[str, Any]) -> None:
