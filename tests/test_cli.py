@@ -1,7 +1,9 @@
-"""The README's main command, `xpress demo`, in-process on tiny heads: report, checks, and refusals of nonsense."""
+"""The `xpress` command in-process: `xpress demo` (the main command, end to end at --tiny size) and
+`xpress bench` (the synthetic latency check) on tiny heads: reports, checks, and refusals of nonsense."""
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import subprocess
 import sys
@@ -22,8 +24,8 @@ def run(capsys, *argv):
 
 
 @pytest.mark.parametrize("backend", ["xla", "pallas"])
-def test_demo_tiny_runs_both_modes_and_checks(capsys, backend):
-    code, out, err = run(capsys, "demo", *TINY, "--topc", "11", "--passes", "3", "--backend", backend)
+def test_bench_tiny_runs_both_modes_and_checks(capsys, backend):
+    code, out, err = run(capsys, "bench", *TINY, "--topc", "11", "--passes", "3", "--backend", backend)
     assert code == 0, err
     assert "full-vocab" in out and "top-11" in out and "compile+1st s" in out
     assert "fixed point" in out and "identical" in out
@@ -33,9 +35,9 @@ def test_demo_tiny_runs_both_modes_and_checks(capsys, backend):
         assert ("(interpret mode)" in out) == (jax.default_backend() != "gpu")
 
 
-def test_demo_default_topc_is_clamped_to_a_small_vocab(capsys):
-    # `xpress demo --vocab 100` used to fail: the default C=512 exceeded V.
-    code, out, err = run(capsys, "demo", *TINY, "--passes", "2", "-q")
+def test_bench_default_topc_is_clamped_to_a_small_vocab(capsys):
+    # `xpress bench --vocab 100` (then `xpress demo`) used to fail: the default C=512 exceeded V.
+    code, out, err = run(capsys, "bench", *TINY, "--passes", "2", "-q")
     assert code == 0, err
     assert "C=97" in out and "top-97" in out
     assert err == ""  # --quiet
@@ -62,19 +64,19 @@ def test_demo_default_topc_is_clamped_to_a_small_vocab(capsys):
         (["--backend", "cuda"], "--backend"),
     ],
 )
-def test_demo_refuses_nonsense_with_exit_2_naming_the_option(capsys, argv, option):
-    code, out, err = run(capsys, "demo", *TINY, *argv)
+def test_bench_refuses_nonsense_with_exit_2_naming_the_option(capsys, argv, option):
+    code, out, err = run(capsys, "bench", *TINY, *argv)
     assert code == 2, (out, err)
     assert option in err.splitlines()[-1], err
     assert "Traceback" not in err and out == ""
 
 
 def test_help_shows_every_option_with_help_and_default(capsys):
-    assert cli.main(["demo", "--help"]) == 0
+    assert cli.main(["bench", "--help"]) == 0
     text = capsys.readouterr().out
     parser = cli.build_parser()
-    demo = parser._subparsers._group_actions[0].choices["demo"]
-    for action in demo._actions:
+    bench = parser._subparsers._group_actions[0].choices["bench"]
+    for action in bench._actions:
         assert action.help, f"{action.option_strings} has no help"
         if action.option_strings and action.option_strings[0] not in ("-h", "-q"):
             helptext = " ".join(action.help.split())
@@ -96,22 +98,22 @@ def test_version_matches_pyproject():
     assert meta["project"]["version"] == xj.__version__
 
 
-def test_demo_on_a_converted_checkpoint(tmp_path, capsys):
+def test_bench_on_a_converted_checkpoint(tmp_path, capsys):
     cfg = xj.HeadConfig(vocab_size=61, hidden_size=12, block_size=5, rank=8, mlp_hidden=8, topc=7, num_passes=3,
                         max_num_reqs=4)
     path = xj.save_params(tmp_path / "head", xj.init_head(cfg, jax.random.key(0), std=0.3))
-    code, out, err = run(capsys, "demo", "--checkpoint", str(path), "--n", "2", "--reps", "1")
+    code, out, err = run(capsys, "bench", "--checkpoint", str(path), "--n", "2", "--reps", "1")
     assert code == 0, err
     assert f"checkpoint {path}" in out and "V=61" in out and "C=7 K=3" in out and "top-7" in out
     assert out.strip().endswith("OK")
     # Same sizes as the checkpoint: fine. Other sizes, --std, N above max_num_reqs: refused, naming the option.
-    assert cli.main(["demo", "--checkpoint", str(path), "--vocab", "61", "--n", "1", "--reps", "1", "-q"]) == 0
+    assert cli.main(["bench", "--checkpoint", str(path), "--vocab", "61", "--n", "1", "--reps", "1", "-q"]) == 0
     capsys.readouterr()
     for argv, option in ((["--vocab", "62"], "--vocab 62"), (["--std", "0.1"], "--std"), (["--n", "5"], "--n 5"),
                          (["--topc", "62"], "--topc 62")):
-        code, out, err = run(capsys, "demo", "--checkpoint", str(path), *argv)
+        code, out, err = run(capsys, "bench", "--checkpoint", str(path), *argv)
         assert code == 2 and option in err, (argv, err)
-    code, out, err = run(capsys, "demo", "--checkpoint", str(tmp_path / "nope"))
+    code, out, err = run(capsys, "bench", "--checkpoint", str(tmp_path / "nope"))
     assert code == 2 and "--checkpoint" in err and "no checkpoint" in err
 
 
@@ -123,7 +125,7 @@ def test_a_failed_check_exits_1(capsys, monkeypatch):
         return out + (num_passes == head.config.block_size if num_passes else 0)
 
     monkeypatch.setattr(xj, "refine", broken)
-    code, out, err = run(capsys, "demo", *TINY, "--topc", "0", "-q")
+    code, out, err = run(capsys, "bench", *TINY, "--topc", "0", "-q")
     assert code == 1 and "DIFFERENT" in out and out.strip().endswith("FAILED")
 
 
@@ -132,6 +134,72 @@ def test_console_entry_point_version():
     res = subprocess.run([sys.executable, "-m", "xpress_jax.cli", "--version"], capture_output=True, text=True,
                          timeout=120)
     assert res.returncode == 0 and re.match(r"xpress-jax \S+ \(jax ", res.stdout), res.stderr
-    res = subprocess.run([sys.executable, "-m", "xpress_jax.cli", "demo", "--n", "0"], capture_output=True,
+    res = subprocess.run([sys.executable, "-m", "xpress_jax.cli", "bench", "--n", "0"], capture_output=True,
                          text=True, timeout=120)
     assert res.returncode == 2 and "--n" in res.stderr
+
+
+# ---------------------------------------------------------------- xpress demo (the main command)
+def test_demo_tiny_runs_end_to_end_and_is_reproducible(tmp_path, capsys):
+    import json
+
+    out_dir = tmp_path / "out"
+    code, out, err = run(capsys, "demo", "--tiny", "--out", str(out_dir))
+    assert code == 0, err
+    assert out.strip().endswith("OK")
+    assert "100.00%" in out and "bitwise identical to the Orbax export" in out  # convert --verify, both exports
+    assert "train " in err and "training" in err  # progress on stderr
+    for name in ("train_state", "head_orbax", "vllm_head", "converted", "results.json"):
+        assert (out_dir / name).exists(), name
+    if importlib.util.find_spec("matplotlib"):
+        assert (out_dir / "accepted_length.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    else:  # a dependency, but a venv may lack it: the run says so instead of failing
+        assert "plot  : skipped (matplotlib is not installed" in out
+    res = json.loads((out_dir / "results.json").read_text())
+    acc = res["accepted_length"]
+    B = res["task"]["block_size"]
+    assert set(acc["refined"]) == {"0", "4"} and all(len(row) == B - 1 for row in acc["refined"].values())
+    # The printed table is the measured numbers: row K=0 is the drafter, row K=k the refined k passes.
+    rows = {int(line.split()[0]): line.split()[1:3] for line in out.splitlines()
+            if re.match(r"^\s+\d+\s+\d+\.\d\d\s+\d+\.\d\d", line)}
+    assert sorted(rows) == list(range(B))
+    assert float(rows[0][0]) == round(acc["drafter"], 2)
+    for k in range(1, B):
+        assert [float(v) for v in rows[k]] == [round(acc["refined"][c][k - 1], 2) for c in ("0", "4")]
+    # Seeded: resuming from the final checkpoint trains nothing and measures the same numbers.
+    code, out2, err2 = run(capsys, "demo", "--tiny", "--out", str(out_dir), "--resume", "-q", "--no-plot")
+    assert code == 0, err2
+    assert "resumed from step" in out2 and err2 == ""
+    assert json.loads((out_dir / "results.json").read_text())["accepted_length"] == acc
+    # Resuming with other training options would not continue the same run: refused, naming --resume.
+    code, out3, err3 = run(capsys, "demo", "--tiny", "--out", str(out_dir), "--resume", "-q", "--lr", "0.01")
+    assert code == 2 and "--resume" in err3.splitlines()[-1] and "different run" in err3, err3
+
+
+@pytest.mark.parametrize(
+    "argv,option",
+    [
+        (["--steps", "0"], "--steps"),
+        (["--vocab", "300"], "--vocab"),
+        (["--block", "1"], "--block"),
+        (["--topc", "0"], "--topc"),
+        (["--topc", "99"], "--topc"),
+        (["--topc", "a,b"], "--topc"),
+        (["--lr", "0"], "--lr"),
+        (["--eval-blocks", "0"], "--eval-blocks"),
+        (["--dtype", "float16"], "--dtype"),
+    ],
+)
+def test_demo_refuses_nonsense_with_exit_2_naming_the_option(tmp_path, capsys, argv, option):
+    code, out, err = run(capsys, "demo", "--tiny", "--out", str(tmp_path / "o"), *argv)
+    assert code == 2, (out, err)
+    assert option in err.splitlines()[-1], err
+    assert not (tmp_path / "o").exists()  # refused before anything is written
+
+
+def test_demo_help_names_every_option_and_its_default(capsys):
+    assert cli.main(["demo", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for opt in ("--steps", "--batch", "--topc", "--out", "--tiny", "--resume", "--dtype", "--eval-blocks"):
+        assert opt in text
+    assert "default: 1500" in text and "with --tiny: 40" in text

@@ -296,18 +296,6 @@ def test_jit_matches_eager_and_does_not_retrace(small_cfg):
         np.testing.assert_array_equal(np.asarray(out2), np.asarray(xj.refine(params2, *x2, **kw)))
 
 
-def test_flax_module_matches_refine(small_cfg):
-    logits, h, a, p = make_inputs(small_cfg, 2)
-    module = xj.XPressHead(small_cfg, std=0.2)
-    variables = module.init(jax.random.key(4), logits, h, a, p)
-    params = variables["params"]
-    assert {k: tuple(v.shape) for k, v in params.items()} == xj.param_shapes(small_cfg)
-    out = module.apply(variables, logits, h, a, p, num_passes=3)
-    np.testing.assert_array_equal(np.asarray(out), np.asarray(xj.refine(dict(params), logits, h, a, p, num_passes=3, config=small_cfg)))
-    xh = module.apply(variables, h, method=xj.XPressHead.hidden_input)
-    np.testing.assert_array_equal(np.asarray(xh), np.asarray(hidden_input(params, h)))
-
-
 def test_bf16_refine_runs_and_returns_int32(small_cfg):
     params = make_head(small_cfg, dtype=jnp.bfloat16)
     x = make_inputs(small_cfg, 2, dtype=jnp.bfloat16)

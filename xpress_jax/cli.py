@@ -1,6 +1,10 @@
-"""`xpress` console command: ``xpress demo`` runs a head end to end and reports.
+"""`xpress` console command.
 
-``xpress demo`` builds a synthetic head (or loads a converted one with
+``xpress demo`` (the main command, `xpress_jax.demo`): trains a head on the embedded task,
+exports it, converts it with ``xpress-convert --verify``, refines with the converted
+checkpoint, and prints the mean accepted length per block against K and top-C (plus a PNG).
+
+``xpress bench`` builds a synthetic head (or loads a converted one with
 ``--checkpoint``) and synthetic drafter logits, runs the jitted `refine` in
 full-vocabulary and top-C mode, prints compile + first-call time, call latency
 and how many drafter tokens refinement changed, and checks the fixed-point
@@ -20,7 +24,7 @@ import time
 import traceback
 from typing import Sequence
 
-__all__ = ["main", "demo", "build_parser"]
+__all__ = ["main", "demo", "bench", "build_parser"]
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
 
@@ -61,6 +65,116 @@ class _VersionAction(argparse.Action):
         parser.exit()
 
 
+#: ``xpress demo``'s options: (option, DemoOptions field, type, minimum, help). Defaults: `DemoOptions`.
+_DEMO_INTS = (
+    ("--steps", "steps", 1, "optimizer steps"),
+    ("--batch", "batch_size", 1, "blocks per step"),
+    ("--vocab", "vocab_size", 2, "V, the target's vocabulary (at most 256)"),
+    ("--block", "block_size", 2, "B, slots per block (slot 0 = anchor)"),
+    ("--hidden", "hidden_size", 1, "H, the drafter's hidden size"),
+    ("--rank", "rank", 1, "r, the head's latent rank"),
+    ("--mlp", "mlp_hidden", 1, "M, the head's SwiGLU width"),
+    ("--eval-blocks", "eval_blocks", 1, "blocks the accepted length is measured on"),
+    ("--checkpoint-every", "checkpoint_every", 0, "write the train state every N steps (0: only at the end)"),
+    ("--seed", "seed", 0, "seed of the task, the head's init and the data"),
+)
+
+
+def _add_demo_parser(sub) -> None:
+    from .demo import DemoOptions, TINY
+
+    defaults = DemoOptions()
+    d = sub.add_parser(
+        "demo", formatter_class=_Formatter,
+        help="the main command: train a head on the embedded task, export, convert, refine, and measure "
+             "the accepted length",
+        description=(
+            "Train an XPress refiner head on the embedded task (a 2nd-order Markov target, a drafter that predicts "
+            "every slot independently), export it (Orbax + a vLLM folder), convert the vLLM folder with "
+            "xpress-convert --verify, and measure with refine on the converted head the mean accepted length "
+            "per block of the drafter alone and refined with K = 1..B-1 passes, full vocabulary and top-C. "
+            "Prints the table, writes OUT/accepted_length.png and OUT/results.json. Seeded: the same options "
+            "give the same numbers. Exits 1 if a check fails."
+        ),
+        epilog="Exit codes: 0 ok, 1 a check failed, 2 bad usage, 3 internal error.",
+    )
+    d.add_argument("--out", metavar="DIR", default=defaults.out,
+                   help="folder for the outputs (train_state/, head_orbax/, vllm_head/, converted/, the PNG, "
+                        "results.json; these are replaced on a re-run, nothing else is touched)")
+    for opt, field, minimum, what in _DEMO_INTS:
+        d.add_argument(opt, type=int, metavar="N", dest=field,
+                       help=f"{what}, >= {minimum} (default: {getattr(defaults, field)}; "
+                            f"with --tiny: {TINY.get(field, getattr(defaults, field))})")
+    d.add_argument("--lr", type=float, metavar="F", dest="learning_rate",
+                   help=f"peak learning rate, > 0 (default: {defaults.learning_rate:g})")
+    d.add_argument("--topc", metavar="C[,C...]", dest="topcs",
+                   help="the top-C columns of the table, comma-separated, each in [1, V] (full vocabulary is always "
+                        f"measured; default: {','.join(map(str, defaults.topcs))}; with --tiny: "
+                        f"{','.join(map(str, TINY['topcs']))}); the first is the exported xpress_topc")
+    d.add_argument("--dtype", choices=["float32", "bfloat16"], dest="param_dtype",
+                   help="the params' dtype in training and export (default: float32)")
+    d.add_argument("--resume", action="store_true",
+                   help="continue training from OUT/train_state (same options) instead of starting over")
+    d.add_argument("--tiny", action="store_true", help="a smoke-test size (seconds): the sizes marked 'with --tiny'")
+    d.add_argument("--no-plot", action="store_true", help="do not write the PNG")
+    d.add_argument("-q", "--quiet", action="store_true", help="no progress bar or progress lines on stderr")
+    d.set_defaults(_parser=d, _run=demo)
+
+
+def _demo_options(args: argparse.Namespace, error):
+    from .demo import DemoOptions, TINY
+
+    values = dict(TINY) if args.tiny else {}
+    for _, field, _, _ in _DEMO_INTS:
+        if getattr(args, field) is not None:
+            values[field] = getattr(args, field)
+    for opt, field, minimum, _ in _DEMO_INTS:
+        if field in values and values[field] < minimum:
+            error(f"{opt} must be >= {minimum}, got {values[field]}")
+    if values.get("vocab_size", 0) > 256:
+        error(f"--vocab must be <= 256 (the task's tables hold V^3 floats), got {values['vocab_size']}")
+    if args.learning_rate is not None:
+        if not args.learning_rate > 0 or args.learning_rate == float("inf"):
+            error(f"--lr must be a finite number > 0, got {args.learning_rate}")
+        values["learning_rate"] = args.learning_rate
+    if args.param_dtype is not None:
+        values["param_dtype"] = args.param_dtype
+    V = values.get("vocab_size", DemoOptions.vocab_size)
+    if args.topcs is not None:
+        try:
+            topcs = tuple(int(c) for c in args.topcs.split(",") if c.strip())
+        except ValueError:
+            error(f"--topc must be comma-separated ints, got {args.topcs!r}")
+        bad = [c for c in topcs if not 1 <= c <= V]
+        if bad or not topcs:
+            error(f"--topc values must be in [1, V={V}] (full vocabulary is always measured), got {args.topcs!r}")
+        values["topcs"] = topcs
+    else:
+        topcs = values.get("topcs", DemoOptions.topcs)
+        values["topcs"] = tuple(c for c in topcs if c <= V)
+    return DemoOptions(out=args.out, resume=args.resume, plot=not args.no_plot, progress=not args.quiet, **values)
+
+
+def demo(args: argparse.Namespace, error=None) -> int:
+    """Run ``xpress demo`` (`xpress_jax.demo.run_demo`); ``error(msg)`` reports a usage error."""
+    def _raise(msg):
+        raise ValueError(msg)
+
+    error = error or _raise
+    opts = _demo_options(args, error)
+    from .demo import run_demo
+
+    from .train import ResumeError
+
+    progress = _Progress(opts.progress)
+    try:
+        result = run_demo(opts, say=lambda line: print(line, flush=True), progress=progress)
+    except ResumeError as e:  # --resume with other options than the checkpoint's
+        error(f"--resume: {e}")
+    print("OK" if result["ok"] else "FAILED")
+    return EXIT_OK if result["ok"] else EXIT_CHECK_FAILED
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="xpress", description="XPress refiner head in JAX.", formatter_class=_Formatter,
@@ -68,9 +182,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action=_VersionAction, help="print the versions of xpress-jax, JAX and Python")
     sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+    _add_demo_parser(sub)
     d = sub.add_parser(
-        "demo", formatter_class=_Formatter,
-        help="run the jitted refine on a synthetic or converted head and report",
+        "bench", formatter_class=_Formatter,
+        help="time the jitted refine on a synthetic or converted head, and check its fixed point",
         description=(
             "Build a synthetic head (or load a converted one with --checkpoint) and synthetic drafter "
             "logits, run the jitted refine in full-vocabulary and top-C mode, report compile + first-call "
@@ -103,7 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto = Pallas kernels on a supported GPU, else the XLA (jnp) path; pallas on a CPU runs "
                         "the kernels in (slow) interpret mode")
     d.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
-    d.set_defaults(_parser=d)
+    d.set_defaults(_parser=d, _run=bench)
     return parser
 
 
@@ -193,8 +308,8 @@ def _resolve(args: argparse.Namespace, error) -> tuple:
     return dataclasses.replace(cfg, **run), head, dtype
 
 
-def demo(args: argparse.Namespace, error=None) -> int:
-    """Run ``xpress demo``; ``error(msg)`` reports a usage error (default: raise ValueError)."""
+def bench(args: argparse.Namespace, error=None) -> int:
+    """Run ``xpress bench``; ``error(msg)`` reports a usage error (default: raise ValueError)."""
     def _raise(msg):
         raise ValueError(msg)
 
@@ -229,7 +344,7 @@ def demo(args: argparse.Namespace, error=None) -> int:
     interpret = args.backend.startswith("pallas") and jax.default_backend() != "gpu"
     drafter = np.asarray(jnp.argmax(logits[:, 1:], axis=-1))
 
-    print(f"xpress demo: {source}: V={V} H={cfg.hidden_size} B={B} r={cfg.rank} M={cfg.mlp_hidden} "
+    print(f"xpress bench: {source}: V={V} H={cfg.hidden_size} B={B} r={cfg.rank} M={cfg.mlp_hidden} "
           f"C={cfg.topc} K={cfg.num_passes} N={N} dtype={dtype.name} backend={args.backend}"
           f"{' (interpret mode)' if interpret else ''}")
     print(f"jax {jax.__version__} on {jax.devices()[0].platform} ({jax.devices()[0].device_kind})")
@@ -276,7 +391,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
-        return demo(args, error=args._parser.error)  # usage errors: the subcommand's usage, exit 2
+        return args._run(args, error=args._parser.error)  # usage errors: the subcommand's usage, exit 2
     except SystemExit as e:  # argparse: --help/--version (0) or a usage error (2)
         return e.code if isinstance(e.code, int) else EXIT_USAGE
     except KeyboardInterrupt:

@@ -1,23 +1,29 @@
-"""The XPress refiner head in serving form: pure-jnp pieces and the Flax module.
+"""The XPress refiner head: the serving form's pure-jnp pieces, and the training form (`XPressHead`).
 
-Precision (matches the reference's fused path): every matmul takes operands in
+Serving form (`hidden_input`, `latent`; what `xpress_jax.refine` and the kernels
+run). Precision (matches the reference's fused path): every matmul takes operands in
 the params' dtype ``cd`` and accumulates in ``acc`` (float32, or float64 for
 float64 params); elementwise work inside the latent pass stays in ``acc``; the
 hidden cache, ``xh``, the latent and the readout bias are rounded to ``cd``.
+
+Training form (`XPressHead`, a Flax NNX module): the reference's parameters as
+they are trained and checkpointed (raw mixer, whole ``in_proj``, PyTorch layouts);
+`XPressHead.to_serving` turns them into the serving params.
 """
 
 from __future__ import annotations
 
 from typing import Any, Mapping
 
-import flax.linen as nn
+from flax import nnx
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .config import HeadConfig
-from .params import PARAM_NAMES, fold_causal_mixer, param_shapes
+from .params import HYBRID_KEY_MAP, Head, params_from_state_dict, source_shapes
 
-__all__ = ["acc_dtype", "round_to", "hidden_input", "latent", "XPressHead"]
+__all__ = ["acc_dtype", "round_to", "hidden_input", "latent", "XPressHead", "MODULE_PARAM_NAMES"]
 
 Params = Mapping[str, jax.Array]
 
@@ -97,40 +103,203 @@ def latent(params: Params, xh: jax.Array, prev: jax.Array) -> jax.Array:
     return round_to(u + _dot(act, params["mlp_down"], acc), cd)
 
 
-class XPressHead(nn.Module):
-    """Flax (linen) form of the head; its ``params`` collection is the documented pytree.
+def _attr_of(source: str) -> str:
+    target = HYBRID_KEY_MAP[source]
+    return "mix_L" if target == "__raw_mix_L__" else target.removesuffix(".weight")
 
-    ``XPressHead(cfg).init(key, logits, h, anchors)["params"]`` has the same names,
-    shapes and layouts as `init_params`; ``apply`` runs `refine` with the
-    config's ``num_passes`` and ``topc``.
+
+#: `XPressHead` attribute -> its checkpoint name in `HYBRID_KEY_MAP` (one to one, PyTorch layouts).
+MODULE_PARAM_NAMES = {_attr_of(source): source for source in HYBRID_KEY_MAP}
+
+
+def _check_static_int(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, jax.core.Tracer):
+        raise TypeError(
+            f"{name} must be a static Python int, got a traced value; under jit mark it static: "
+            f"nnx.jit(XPressHead.refine, static_argnames=('num_passes', 'topc')) (or jax.jit with static_argnames)"
+        )
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return int(value)
+
+
+class XPressHead(nnx.Module):
+    """The XPress refiner head in training form: a Flax NNX module.
+
+    Its params are the reference's, one to one with `HYBRID_KEY_MAP` and in its PyTorch
+    layouts (`MODULE_PARAM_NAMES`: attribute -> checkpoint name): ``w1`` [V, r],
+    ``down_h``/``down_g`` [r, H], ``in_proj`` [r, 3r] (whole: hidden cache, then token),
+    ``mix_L`` [r, B, B] (the RAW mixer), ``mlp_gate``/``mlp_up`` [M, r], ``mlp_down``
+    [r, M], ``w2`` [V, r]. `state_dict` returns them under their checkpoint names, which is
+    what a vLLM checkpoint holds under ``xpress_head.``.
+
+    Forward (one pass over a block, in the training form of SEMANTICS.md): with ``prev[:, 0]``
+    the token before the anchor and ``prev[:, b]`` the token in slot ``b-1``,
+    ``x = in_proj(concat(hidden_cache(h), w1[prev]))``, then the mixer with the sublayer
+    residual ``u = x + (raw_L * tril) x`` per rank channel (causal), then
+    ``lat = u + down(silu(gate(u)) * up(u))`` and ``bias = lat @ w2.T``. `__call__` returns the
+    draft slots' scores ``base + bias``; with the target's tokens as ``prev`` (teacher forcing)
+    this is what training fits. `refine` runs K greedy Jacobi passes of that forward pass.
+    `to_serving` folds the mixer (``raw * tril + I``) and splits ``in_proj`` with the same code
+    that loads a converted checkpoint (`params_from_state_dict`), so that
+    ``xpress_jax.refine(head.to_serving(), ...)`` gives this module's `refine` tokens.
+
+    Why NNX and not linen: the head is trained, exported and refined as one object whose
+    params are plain attributes with fixed names, and NNX gives exactly that (a linen module
+    has no params until ``init`` runs a forward pass, and its methods take the variables
+    dict on every call). Under transforms it is still functional: ``graphdef, params =
+    nnx.split(head)``, ``nnx.merge(graphdef, params)`` (what `xpress_jax.train` does, with
+    ``params`` a plain ``{attribute: array}`` dict), or ``nnx.jit`` directly:
+    ``nnx.jit(XPressHead.refine, static_argnames=("num_passes", "topc"))(head, logits, h, anchors,
+    num_passes=2, topc=0)``.
+
+    Precision: matmul operands in the params' dtype (float32 or bfloat16; float64 with x64),
+    accumulation and all activations in float32 (float64 for float64 params).
+
+    Args:
+      config: the head's sizes; its ``topc``, ``num_passes`` and ``max_num_reqs`` travel to
+        `to_serving`.
+      rngs: ``nnx.Rngs`` for the initial weights.
+      param_dtype: the params' dtype.
+      std: ``None`` (default): the training init: normal weights scaled by 1/sqrt(fan in)
+        (``w1``: std 1), and ``w2``, ``mlp_down`` and the raw mixer's causal part zero, so a fresh
+        head leaves the drafter's tokens unchanged and mixes nothing (the masked upper triangle
+        is small noise, so that the raw mixer never looks folded). A float: every param (the raw mixer
+        too) normal with that std: a random head that changes tokens (tests, demos).
     """
 
-    config: HeadConfig
-    dtype: Any = jnp.float32
-    std: float = 0.02
+    def __init__(self, config: HeadConfig, *, rngs: nnx.Rngs, param_dtype: Any = jnp.float32,
+                 std: float | None = None):
+        if not isinstance(config, HeadConfig):
+            raise TypeError(f"config must be a HeadConfig, got {type(config).__name__}")
+        param_dtype = jnp.dtype(param_dtype)
+        if not jnp.issubdtype(param_dtype, jnp.floating):
+            raise TypeError(f"param_dtype must be a floating dtype, got {param_dtype}")
+        if std is not None and not (isinstance(std, (int, float)) and std > 0):
+            raise ValueError(f"std must be None (training init) or a float > 0, got {std!r}")
+        self.config = config
+        shapes = source_shapes(config)
+        zero = ("w2", "mlp_down", "mix_L")
+        for attr, source in MODULE_PARAM_NAMES.items():
+            shape = shapes[source]
+            if std is None and attr == "mix_L":
+                # Zero on and below the diagonal (no mixing yet). The upper triangle, which the causal
+                # mask hides from training, holds small random values: a checkpoint of this raw mixer then
+                # cannot be mistaken for a folded one (`xpress-convert --mixer auto` looks for a zero upper
+                # triangle and a diagonal near 1).
+                B = shape[-1]
+                upper = jnp.triu(jnp.ones((B, B), jnp.float32), 1)
+                value = jax.random.normal(rngs.params(), shape, jnp.float32) * 0.02 * upper
+            elif std is None and attr in zero:
+                value = jnp.zeros(shape, jnp.float32)
+            else:
+                scale = std if std is not None else (1.0 if attr == "w1" else shape[-1] ** -0.5)
+                value = jax.random.normal(rngs.params(), shape, jnp.float32) * scale
+            setattr(self, attr, nnx.Param(value.astype(param_dtype)))
 
-    def setup(self) -> None:
-        shapes = param_shapes(self.config)
-        normal = nn.initializers.normal(self.std)
+    # ------------------------------------------------------------------ forward pass
+    @property
+    def dtype(self) -> jnp.dtype:
+        """The params' dtype."""
+        return jnp.dtype(self.w1[...].dtype)
 
-        def mix_init(key, shape, dtype):
-            B, _, r = shape
-            raw = jax.random.normal(key, (r, B, B), jnp.float32) * self.std
-            return jnp.transpose(fold_causal_mixer(raw.astype(dtype)), (1, 2, 0))
+    def _mm(self, x: jax.Array, w: jax.Array) -> jax.Array:
+        """``x @ w.T`` (``w`` in PyTorch's [out, in] layout): operands in the params' dtype, accumulated wide."""
+        cd = w.dtype
+        return jnp.matmul(x.astype(cd), w.T, precision=precision_for(cd), preferred_element_type=acc_dtype(cd))
 
-        self.p = {
-            name: self.param(name, mix_init if name == "mix" else normal, shapes[name], self.dtype)
-            for name in PARAM_NAMES
-        }
+    def hidden_cache(self, h: jax.Array) -> jax.Array:
+        """``concat(down_h(h), down_g(mean_slots(h)))``: [N, B, H] -> [N, B, 2r] (pass-invariant)."""
+        hh = self._mm(h, self.down_h[...])
+        hg = self._mm(jnp.mean(h.astype(acc_dtype(self.dtype)), axis=1), self.down_g[...])  # [N, r]
+        return jnp.concatenate([hh, jnp.broadcast_to(hg[:, None, :], hh.shape)], axis=-1)
 
-    def hidden_input(self, h: jax.Array) -> jax.Array:
-        return hidden_input(self.p, h)
+    def latents(self, hcache: jax.Array, prev: jax.Array) -> jax.Array:
+        """Latents of every slot: [N, B, 2r] hidden cache, [N, B] int prev tokens -> [N, B, r].
 
-    def latent(self, xh: jax.Array, prev: jax.Array) -> jax.Array:
-        return latent(self.p, xh, prev)
+        ``prev[:, 0]`` is the token before the anchor, ``prev[:, b]`` the token in slot ``b-1``.
+        """
+        acc = acc_dtype(self.dtype)
+        e = jnp.take(self.w1[...], prev, axis=0, mode="clip").astype(acc)  # [N, B, r]
+        x = self._mm(jnp.concatenate([hcache, e], axis=-1), self.in_proj[...])  # [N, B, r]
+        B = x.shape[1]
+        causal = self.mix_L[...].astype(acc) * jnp.tril(jnp.ones((B, B), acc))  # [r, B, B]
+        u = x + jnp.einsum("ckj,njc->nkc", causal, x, precision=precision_for(acc))
+        act = jax.nn.silu(self._mm(u, self.mlp_gate[...])) * self._mm(u, self.mlp_up[...])
+        return u + self._mm(act, self.mlp_down[...])
 
-    def __call__(self, logits, h, anchors, prev_ids=None, **kwargs):
-        from .refine import refine
+    def bias(self, lat: jax.Array) -> jax.Array:
+        """The readout ``lat @ w2.T``: [..., r] -> [..., V] (accumulation dtype)."""
+        return self._mm(lat, self.w2[...])
 
-        kwargs.setdefault("config", self.config)
-        return refine(dict(self.p), logits, h, anchors, prev_ids, **kwargs)
+    @staticmethod
+    def prev_tokens(blk: jax.Array, prev_ids: jax.Array) -> jax.Array:
+        """[N, B] block (slot 0 = anchor), [N] token before the anchor -> [N, B] each slot's predecessor."""
+        return jnp.concatenate([prev_ids[:, None], blk[:, :-1]], axis=1).astype(jnp.int32)
+
+    def __call__(self, logits: jax.Array, h: jax.Array, prev: jax.Array) -> jax.Array:
+        """Scores of the draft slots, ``base + bias``: [N, B, V], [N, B, H], [N, B] int -> [N, B-1, V].
+
+        ``prev`` as in `latents`; teacher forcing: ``prev_tokens(target_block, prev_ids)``.
+        Returned in the accumulation dtype (float32; float64 for float64 params).
+        """
+        lat = self.latents(self.hidden_cache(h), prev)[:, 1:]
+        return logits[:, 1:].astype(acc_dtype(self.dtype)) + self.bias(lat)
+
+    def refine(self, logits: jax.Array, h: jax.Array, anchors: jax.Array, prev_ids: jax.Array | None = None, *,
+               num_passes: int, topc: int = 0) -> jax.Array:
+        """K greedy Jacobi passes of the training-form forward pass: [N, B-1] int32 draft tokens.
+
+        The block starts as ``[anchor, argmax base]``; each pass re-scores every draft slot from
+        the previous pass's tokens. ``topc=0``: argmax over the vocabulary (lowest id on ties);
+        ``topc=C``: over each slot's C largest base logits, taken in ``lax.top_k``'s order
+        (largest first), the first largest score winning. Both are static under jit.
+        """
+        num_passes = _check_static_int("num_passes", num_passes, 1)
+        topc = _check_static_int("topc", topc, 0)
+        N, B, V = logits.shape
+        if topc > V:
+            raise ValueError(f"topc must be in [0, vocab_size={V}], got {topc}")
+        anchors = jnp.asarray(anchors).astype(jnp.int32)
+        prev_ids = anchors if prev_ids is None else jnp.asarray(prev_ids).astype(jnp.int32)
+        acc = acc_dtype(self.dtype)
+        base = logits[:, 1:].astype(acc)  # [N, B-1, V]
+        hcache = self.hidden_cache(h)
+        if topc:
+            base_c, cand = jax.lax.top_k(base, topc)  # [N, B-1, C]
+            w2c = jnp.take(self.w2[...], cand, axis=0)  # [N, B-1, C, r]
+        blk = jnp.concatenate([anchors[:, None], jnp.argmax(base, axis=-1).astype(jnp.int32)], axis=1)
+        for _ in range(num_passes):
+            lat = self.latents(hcache, self.prev_tokens(blk, prev_ids))[:, 1:]  # [N, B-1, r]
+            if topc:
+                s = base_c + jnp.einsum("nbr,nbcr->nbc", lat.astype(w2c.dtype), w2c,
+                                        precision=precision_for(w2c.dtype), preferred_element_type=acc)
+                pick = jnp.take_along_axis(cand, jnp.argmax(s, axis=-1)[..., None], axis=-1)[..., 0]
+            else:
+                pick = jnp.argmax(base + self.bias(lat), axis=-1)
+            blk = blk.at[:, 1:].set(pick.astype(jnp.int32))
+        return blk[:, 1:]
+
+    # ------------------------------------------------------------------ export
+    def state_dict(self) -> dict[str, jax.Array]:
+        """The params under their checkpoint names (`HYBRID_KEY_MAP` keys, PyTorch layouts, raw ``mix.L``)."""
+        return {source: getattr(self, attr)[...] for attr, source in MODULE_PARAM_NAMES.items()}
+
+    def to_serving(self, config: HeadConfig | None = None, *, dtype: Any = None) -> Head:
+        """The serving params (folded mixer, split ``in_proj``, ``x @ W`` layouts) with their config.
+
+        Returns a `xpress_jax.Head`: ``head.params`` is the serving params dict, and
+        ``xpress_jax.refine(head, logits, h, anchors)`` runs it. Built by `params_from_state_dict`
+        from `state_dict`, the code that loads a converted PyTorch checkpoint. ``config``
+        (default: the module's) may change ``topc``, ``num_passes`` and ``max_num_reqs``, not the
+        sizes; ``dtype`` casts (default: the params' dtype).
+        """
+        config = self.config if config is None else config
+        if not isinstance(config, HeadConfig):
+            raise TypeError(f"config must be a HeadConfig, got {type(config).__name__}")
+        sizes = ("vocab_size", "hidden_size", "block_size", "rank", "mlp_hidden")
+        bad = [f"{f}={getattr(config, f)} (the module has {getattr(self.config, f)})"
+               for f in sizes if getattr(config, f) != getattr(self.config, f)]
+        if bad:
+            raise ValueError("to_serving: config sizes differ from the module's: " + ", ".join(bad))
+        return Head(config, params_from_state_dict(self.state_dict(), config, dtype=dtype))

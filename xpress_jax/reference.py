@@ -123,9 +123,9 @@ def full_vocab_pick(base: jax.Array, lat: jax.Array, w2: jax.Array, *, direct_re
 
 def full_vocab_best(base: jax.Array, lat: jax.Array, w2: jax.Array, *, direct_readout: bool = False):
     """`full_vocab_pick` with its winning score: (score [rows] float32, id [rows] int32)."""
-    s = round_sum(base, readout(lat, w2, base.dtype, direct=direct_readout)).astype(acc_dtype(base.dtype))
-    ids = jnp.broadcast_to(jnp.arange(s.shape[-1], dtype=jnp.int32), s.shape)
-    return best_by_score(s, ids)
+    s = round_sum(base, readout(lat, w2, base.dtype, direct=direct_readout))
+    idx = jnp.argmax(s, axis=-1).astype(jnp.int32)  # lowest id among the largest: best_by_score's rule
+    return jnp.take_along_axis(s, idx[:, None], axis=-1)[:, 0].astype(acc_dtype(base.dtype)), idx
 
 
 def select_candidates(base: jax.Array, c: int):

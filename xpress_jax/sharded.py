@@ -133,7 +133,7 @@ def refine_sharded(
     if v_pad:  # ids >= V: logits -inf and zero rows, so they never win (ties go to lower ids)
         logits = jnp.pad(logits, ((0, 0), (0, 0), (0, v_pad)), constant_values=-jnp.inf)
         params = {name: jnp.pad(x, ((0, v_pad), (0, 0))) if name in _VOCAB_PARAMS else x for name, x in params.items()}
-    if model_axis is not None:
+    if model_axis is not None and m > 1:  # one shard holds the whole vocabulary: the plain steps
         ops = vocab_sharded_ops(ops, model_axis)
     da, ma = data_axis, model_axis
     param_specs = {name: P(ma, None) if name in _VOCAB_PARAMS else P() for name in params}

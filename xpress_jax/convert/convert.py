@@ -189,7 +189,7 @@ def _check_not_converted(src: Path) -> None:
             raise ConversionError(
                 f"{src} is {'' if p == src else 'inside '}an already converted xpress-jax checkpoint ({p}): there "
                 f"is nothing to convert. Load it with xpress_jax.load_params({str(p)!r}), look at it with "
-                f"`xpress-convert inspect {p}`, or run it with `xpress demo --checkpoint {p}`"
+                f"`xpress-convert inspect {p}`, or run it with `xpress bench --checkpoint {p}`"
             )
 
 

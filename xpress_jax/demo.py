@@ -1,0 +1,211 @@
+"""``xpress demo``: what the refiner is for, end to end on the embedded task (`xpress_jax.toy`).
+
+1. Build the task (a second-order Markov target over V tokens, an independent-per-slot block
+   drafter) and train an `XPressHead` on it with optax (`xpress_jax.train`), with Orbax
+   train-state checkpoints in ``OUT/train_state``.
+2. Export it both ways (`xpress_jax.export`): ``OUT/head_orbax`` (the Orbax serving
+   checkpoint) and ``OUT/vllm_head`` (``model.safetensors`` + ``config.json`` as vLLM loads it).
+3. Convert the vLLM folder with ``xpress-convert --verify`` into ``OUT/converted``, load it
+   with `xpress_jax.load_params`, and check that its params are bitwise the Orbax export's.
+4. Measure, with the jitted `xpress_jax.refine` on the converted head: the mean accepted length
+   per block (`xpress_jax.toy.accepted_length`) of the drafter alone (K = 0) and refined with
+   K = 1..B-1 passes, in full-vocabulary mode and for each top-C; print the table, write
+   ``OUT/accepted_length.png`` and ``OUT/results.json``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+__all__ = ["DemoOptions", "TINY", "run_demo", "format_table"]
+
+#: What ``xpress demo`` writes inside ``--out`` (and replaces on a re-run; nothing else is touched).
+OUTPUTS = ("train_state", "head_orbax", "vllm_head", "converted", "accepted_length.png", "results.json")
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoOptions:
+    """The demo's settings (the CLI's options; defaults: the embedded task at its default size)."""
+
+    out: str = "xpress-demo"
+    vocab_size: int = 64
+    block_size: int = 8
+    hidden_size: int = 32
+    rank: int = 32
+    mlp_hidden: int = 64
+    steps: int = 1500
+    batch_size: int = 256
+    learning_rate: float = 3e-3
+    param_dtype: str = "float32"
+    topcs: tuple[int, ...] = (16, 8, 4)
+    eval_blocks: int = 4096
+    checkpoint_every: int = 500
+    seed: int = 0
+    resume: bool = False
+    plot: bool = True
+    progress: bool = True
+
+
+#: The smoke size the tests use (a few seconds).
+TINY = dict(vocab_size=16, block_size=5, hidden_size=8, rank=8, mlp_hidden=16, steps=40, batch_size=32,
+            topcs=(4,), eval_blocks=64, checkpoint_every=20)
+
+
+def format_table(result: dict) -> list[str]:
+    """The accepted-length table: rows K = 0..B-1, columns full vocab and each top-C."""
+    modes = list(result["refined"])
+    names = ["full vocab" if int(c) == 0 else f"top-{c}" for c in modes]
+    width = max(10, *(len(n) for n in names))
+    lines = ["  K  " + "".join(f"{n:>{width + 2}}" for n in names)]
+    lines.append("  0  " + "".join(f"{result['drafter']:>{width + 2}.2f}" for _ in modes) + "   (drafter alone)")
+    for k in range(len(result["refined"][modes[0]])):
+        lines.append(f"{k + 1:>3}  " + "".join(f"{result['refined'][c][k]:>{width + 2}.2f}" for c in modes))
+    return lines
+
+
+def _plot(path: Path, result: dict, block_size: int, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for c, row in result["refined"].items():
+        ks = list(range(len(row) + 1))
+        ax.plot(ks, [result["drafter"], *row], marker="o", label="full vocab" if int(c) == 0 else f"top-{c}")
+    ax.axhline(result["drafter"], color="grey", linestyle="--", label="drafter alone")
+    ax.set_xlabel("K (Jacobi passes of the refiner)")
+    ax.set_ylabel(f"mean accepted draft tokens per block (of {block_size - 1})")
+    ax.set_ylim(0, block_size - 1)
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run_demo(opts: DemoOptions, say: Callable[[str], None] = print,
+             progress: Callable[[str], None] | None = None) -> dict:
+    """Run the whole demo; ``say`` gets the report's lines, ``progress`` the stderr progress lines.
+
+    Returns the results dict (also written to ``OUT/results.json``); ``results["ok"]`` is False
+    when a check failed (the converter's verification, or the two exports disagreeing).
+    """
+    import jax
+    import numpy as np
+
+    import xpress_jax as xj
+    from .convert import VerificationError, convert_checkpoint
+    from .export import export_serving, export_vllm
+    from .toy import ToyConfig, ToyTask, evaluate
+    from .train import TrainConfig, train
+
+    note = progress or (lambda _m: None)
+    out = Path(opts.out).expanduser().absolute()
+    out.mkdir(parents=True, exist_ok=True)
+    for name in OUTPUTS:
+        p = out / name
+        if name == "train_state" and opts.resume:
+            continue
+        if p.is_dir():
+            shutil.rmtree(p)
+        elif p.exists():
+            p.unlink()
+
+    t_all = time.perf_counter()
+    note("building the task (target chain, drafter tables)")
+    toy_cfg = ToyConfig(vocab_size=opts.vocab_size, block_size=opts.block_size, hidden_size=opts.hidden_size,
+                        seed=opts.seed)
+    task = ToyTask(toy_cfg)
+    head_cfg = task.head_config(rank=opts.rank, mlp_hidden=opts.mlp_hidden, topc=opts.topcs[0] if opts.topcs else 0,
+                                max_num_reqs=max(opts.eval_blocks, 1))
+    tc = TrainConfig(steps=opts.steps, batch_size=opts.batch_size, learning_rate=opts.learning_rate,
+                     warmup_steps=min(100, opts.steps // 10), param_dtype=opts.param_dtype, seed=opts.seed,
+                     checkpoint_every=opts.checkpoint_every)
+    V, B = toy_cfg.vocab_size, toy_cfg.block_size
+    say(f"xpress demo: train an XPress refiner head on the embedded task, export it, convert it, refine")
+    say(f"task  : target = 2nd-order Markov chain over V={V} tokens; drafter = each of the B-1={B - 1} draft "
+        f"slots predicted independently (its exact k-step marginal); seed {opts.seed}")
+    say(f"head  : H={toy_cfg.hidden_size} r={opts.rank} M={opts.mlp_hidden} B={B}, {opts.param_dtype} params; "
+        f"AdamW (peak lr {opts.learning_rate:g}, warmup + cosine), {opts.steps} steps x {opts.batch_size} blocks")
+
+    note(f"training ({opts.steps} steps)")
+    res = train(head_cfg, task.tables, ToyTask.sample, tc, checkpoint_dir=out / "train_state", resume=opts.resume,
+                task_meta=dataclasses.asdict(toy_cfg), progress=opts.progress)
+    last = res.history[-1] if res.history else None
+    resumed = f", resumed from step {res.resumed_from}" if res.resumed_from is not None else ""
+    if last is not None:
+        say(f"train : {len(res.history)} steps in {res.seconds:.1f} s after compile ({res.tokens_per_s:,.0f} draft "
+            f"tokens/s){resumed}; final loss {last['loss']:.4f}, teacher-forced slot accuracy {last['accuracy']:.3f}")
+    else:
+        say(f"train : nothing to do{resumed} (the checkpoint is at the last step)")
+
+    note("exporting (Orbax serving checkpoint, vLLM folder)")
+    export_serving(out / "head_orbax", res.model)
+    export_vllm(out / "vllm_head", res.model)
+    say(f"export: {out / 'head_orbax'} (Orbax, serving form); {out / 'vllm_head'} (model.safetensors under "
+        f"'xpress_head.', raw mix.L, + config.json)")
+
+    note("converting the vLLM folder with xpress-convert --verify")
+    ok = True
+    try:
+        report = convert_checkpoint(out / "vllm_head", out / "converted", verify=True, seed=opts.seed)
+        verify = report.verify
+        say(f"convert: xpress-convert {out / 'vllm_head'} {out / 'converted'} --verify: "
+            + "; ".join(verify.lines()))
+    except VerificationError as e:  # exactness required (float32 in, float32 out) and not met
+        say(f"convert: FAILED verification: {e}")
+        return {"ok": False}
+    head = xj.load_params(out / "converted")
+    orbax_head = xj.load_params(out / "head_orbax")
+    same = all(np.array_equal(np.asarray(head.params[k]), np.asarray(orbax_head.params[k])) for k in xj.PARAM_NAMES)
+    ok &= same
+    say(f"check : the converted checkpoint's params are {'bitwise identical to' if same else 'DIFFERENT from'} "
+        "the Orbax export's")
+
+    note(f"measuring: refine on the converted head, K = 1..{B - 1}, modes {['full'] + list(opts.topcs)}")
+    topcs = (0, *[c for c in opts.topcs if c])
+    result = evaluate(task, head, n_blocks=opts.eval_blocks, seed=1000 + opts.seed, topcs=topcs)
+    say("")
+    say(f"Mean accepted length per block: draft tokens (of B-1 = {B - 1}) that the target's greedy check accepts, "
+        f"i.e. the longest prefix of the draft equal to the target's greedy continuation; {opts.eval_blocks} "
+        f"blocks (contexts from the chain's stationary distribution, seed {result['seed']}); K = 0 is the drafter "
+        "alone; refined = the jitted xpress_jax.refine on the converted checkpoint.")
+    say("")
+    for line in format_table(result):
+        say(line)
+    best = max(result["refined"][0])
+    say("")
+    say(f"Full vocabulary, K = {B - 1}: {best:.2f} accepted tokens per block vs {result['drafter']:.2f} for the drafter "
+        f"alone ({best / max(result['drafter'], 1e-9):.2f}x); with the target's own next token, "
+        f"{best + 1:.2f} vs {result['drafter'] + 1:.2f} tokens per verification step. Top-C cannot pick a token "
+        "outside the drafter's C best, which caps it below full vocabulary.")
+    if opts.plot:
+        try:
+            _plot(out / "accepted_length.png", result, B,
+                  f"XPress refiner on the embedded task (V={V}, B={B}, r={opts.rank}, {opts.steps} steps)")
+            say(f"plot  : {out / 'accepted_length.png'}")
+        except ImportError:
+            say("plot  : skipped (matplotlib is not installed: pip install matplotlib)")
+    result = {
+        "ok": bool(ok),
+        "options": {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(opts).items()},
+        "task": dataclasses.asdict(toy_cfg),
+        "head_config": dataclasses.asdict(head_cfg),
+        "train": {"steps_run": len(res.history), "seconds": res.seconds, "tokens_per_s": res.tokens_per_s,
+                  "final": last, "resumed_from": res.resumed_from},
+        "accepted_length": {"drafter": result["drafter"], "refined": {str(k): v for k, v in result["refined"].items()},
+                            "n_blocks": result["n_blocks"], "seed": result["seed"]},
+        "jax": jax.__version__,
+        "seconds_total": time.perf_counter() - t_all,
+    }
+    (out / "results.json").write_text(json.dumps(result, indent=1) + "\n")
+    say(f"results: {out / 'results.json'}; total {result['seconds_total']:.1f} s")
+    return result

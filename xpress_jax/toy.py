@@ -1,0 +1,216 @@
+"""The embedded task: a small target language model, a block drafter, and the accepted-length metric.
+
+Small enough to train a head on a 2-core CPU in about a minute; every table is built
+from one seed, so every number is reproducible.
+
+**Target.** A fixed random second-order Markov chain over V tokens: the logits of the next
+token after ``(a, b)`` (``a`` the older) are ``sharpness * (O[c] . (P[b] + 0.7 Q[a])) / sqrt(d)
++ noise * G[a, b, c]``: a rank-``d`` part shared by all contexts plus an unstructured random
+part, so the next token depends on both predecessors. Its *greedy continuation* of a context
+``(a, b)`` is ``g1 = argmax next(a, b)``, ``g2 = argmax next(b, g1)``, ...
+
+**Contexts.** A block's context is the pair (token before the anchor, anchor), drawn from the
+chain's stationary distribution (sampling at temperature 1). There are V^2 contexts, so every
+per-context quantity is a table row, and a batch is a gather: training and evaluation draw
+from the same distribution (this task measures how well the head learns the target's
+dependence between neighbouring tokens, not generalisation to unseen contexts).
+
+**Drafter.** A block drafter that predicts every slot independently from the context: slot
+``k``'s logits are the log of the target's ``k``-step marginal ``P(x_{t+k} | x_{t-1}, x_t)``
+(computed exactly): the best any independent per-slot predictor can do, and still
+incoherent, because the most likely token at each position need not follow the most likely
+one before it. Its hidden states come from a fixed feature map:
+``h[k] = tanh(E1[x_{t-1}] + E2[x_t] + S[k])`` (random fixed tables).
+
+**Accepted length.** The target's greedy check accepts the longest prefix of the draft
+(slots 1..B-1) that equals its greedy continuation of the context; `accepted_length` counts
+those accepted draft tokens, 0..B-1 per block (slot 0, the anchor, is already verified and is
+not counted; the target's own next token, emitted at the first mismatch, is not counted either,
+so tokens gained per verification step = accepted length + 1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .config import HeadConfig
+
+__all__ = ["ToyConfig", "ToyTask", "Batch", "accepted_length", "evaluate"]
+
+
+def _positive_int(name: str, value: Any, minimum: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ToyConfig:
+    """The task's sizes and seed (see the module docstring for what each table means).
+
+    Attributes:
+      vocab_size: V, the target's vocabulary (contexts: V^2 pairs).
+      block_size: B, slots per block (slot 0 = anchor).
+      hidden_size: H, width of the drafter's hidden states.
+      target_rank: d, rank of the structured part of the target's logits.
+      sharpness: scale of that part (larger: a more deterministic target).
+      noise: std of the unstructured part of the target's logits.
+      seed: every table is drawn from ``numpy.random.default_rng(seed)``.
+    """
+
+    vocab_size: int = 64
+    block_size: int = 8
+    hidden_size: int = 32
+    target_rank: int = 8
+    sharpness: float = 2.0
+    noise: float = 2.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _positive_int("vocab_size", self.vocab_size, 2)
+        _positive_int("block_size", self.block_size, 2)
+        _positive_int("hidden_size", self.hidden_size)
+        _positive_int("target_rank", self.target_rank)
+        _positive_int("seed", self.seed, 0)
+        if self.vocab_size > 256:
+            raise ValueError(f"vocab_size must be <= 256 (the tables hold V^3 floats), got {self.vocab_size}")
+        for name in ("sharpness", "noise"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and v >= 0 and np.isfinite(v)):
+                raise ValueError(f"{name} must be a finite float >= 0, got {v!r}")
+
+
+class Batch(NamedTuple):
+    """One batch of blocks: what the drafter gives the head, and what the target would accept."""
+
+    logits: jax.Array  # [N, B, V] drafter logits (slot 0's row is zeros: unused)
+    h: jax.Array  # [N, B, H] drafter hidden states
+    anchors: jax.Array  # [N] int32, the verified token x_t
+    prev_ids: jax.Array  # [N] int32, the token before it, x_{t-1}
+    target: jax.Array  # [N, B-1] int32, the target's greedy continuation x_{t+1..t+B-1}
+
+
+def accepted_length(draft: jax.Array, target: jax.Array) -> jax.Array:
+    """[N, B-1] draft, [N, B-1] greedy continuation -> [N] int32: the longest matching prefix (0..B-1)."""
+    match = (jnp.asarray(draft) == jnp.asarray(target)).astype(jnp.int32)
+    return jnp.sum(jnp.cumprod(match, axis=1), axis=1).astype(jnp.int32)
+
+
+class ToyTask:
+    """The tables of one `ToyConfig` (numpy, float32) and jit-able batch sampling.
+
+    ``task.tables`` is a dict of arrays that `sample` takes as an argument (so a jitted
+    caller passes them in rather than baking them in as constants).
+    """
+
+    def __init__(self, config: ToyConfig = ToyConfig()):
+        if not isinstance(config, ToyConfig):
+            raise TypeError(f"config must be a ToyConfig, got {type(config).__name__}")
+        self.config = config
+        V, B, H, d = config.vocab_size, config.block_size, config.hidden_size, config.target_rank
+        rng = np.random.default_rng(config.seed)
+        O, P, Q = (rng.standard_normal((V, d)) for _ in range(3))
+        G = rng.standard_normal((V, V, V))
+        next_logits = config.sharpness * np.einsum("cd,abd->abc", O, P[None, :, :] + 0.7 * Q[:, None, :]) / np.sqrt(d)
+        next_logits = next_logits + config.noise * G  # [a, b, c]
+        T = np.exp(next_logits - next_logits.max(-1, keepdims=True))
+        T /= T.sum(-1, keepdims=True)  # [a, b, c] = P(c | a, b)
+        self.next_probs = T
+        self.greedy_next = np.argmax(next_logits, axis=-1).astype(np.int32)  # [a, b]
+
+        # Stationary distribution of the pair chain (a, b) -> (b, c), by power iteration.
+        pi = np.full((V, V), 1.0 / V**2)
+        for _ in range(500):
+            pi = np.einsum("ab,abc->bc", pi, T)
+        ctx_p = pi.reshape(-1)
+
+        # Greedy continuation of every context; row n = a * V + b.
+        a = np.repeat(np.arange(V), V)
+        b = np.tile(np.arange(V), V)
+        greedy = np.zeros((V * V, B), np.int32)
+        greedy[:, 0] = b
+        prev, cur = a, b
+        for k in range(1, B):
+            nxt = self.greedy_next[prev, cur]
+            greedy[:, k] = nxt
+            prev, cur = cur, nxt
+
+        # The drafter: exact k-step marginals, propagating each context's distribution over pairs.
+        dist = np.zeros((V * V, V, V))
+        dist[np.arange(V * V), a, b] = 1.0
+        Tb = T.transpose(1, 0, 2)  # [b, a, c]
+        drafter = np.zeros((V * V, B, V), np.float32)
+        for k in range(1, B):
+            dist = np.matmul(dist.transpose(2, 0, 1), Tb).transpose(1, 0, 2)  # [n, b, c]
+            drafter[:, k] = np.log(dist.sum(axis=1) + 1e-30)
+        E1, E2, S = rng.standard_normal((V, H)), rng.standard_normal((V, H)), rng.standard_normal((B, H))
+        hidden = np.tanh(E1[a][:, None, :] + E2[b][:, None, :] + S[None, :, :]).astype(np.float32)
+
+        self.tables = {
+            "context_logp": np.log(ctx_p + 1e-30).astype(np.float32),  # [V*V]
+            "drafter_logits": drafter,  # [V*V, B, V]
+            "hidden": hidden,  # [V*V, B, H]
+            "greedy": greedy,  # [V*V, B]
+        }
+
+    def head_config(self, *, rank: int = 32, mlp_hidden: int = 64, topc: int = 8, num_passes: int | None = None,
+                    max_num_reqs: int = 4096) -> HeadConfig:
+        """A `HeadConfig` sized for this task (V, H, B from the task; default K = B-1)."""
+        c = self.config
+        return HeadConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, block_size=c.block_size, rank=rank,
+                          mlp_hidden=mlp_hidden, topc=topc,
+                          num_passes=c.block_size - 1 if num_passes is None else num_passes,
+                          max_num_reqs=max_num_reqs)
+
+    @staticmethod
+    def sample(tables: dict, key: jax.Array, n: int) -> Batch:
+        """``n`` blocks with contexts from the stationary distribution (jit-able; ``n`` static)."""
+        ctx = jax.random.categorical(key, jnp.asarray(tables["context_logp"]), shape=(n,))
+        V = tables["drafter_logits"].shape[-1]
+        greedy = jnp.take(jnp.asarray(tables["greedy"]), ctx, axis=0)
+        return Batch(
+            logits=jnp.take(jnp.asarray(tables["drafter_logits"]), ctx, axis=0),
+            h=jnp.take(jnp.asarray(tables["hidden"]), ctx, axis=0),
+            anchors=greedy[:, 0],
+            prev_ids=(ctx // V).astype(jnp.int32),
+            target=greedy[:, 1:],
+        )
+
+    def drafter_tokens(self, batch: Batch) -> jax.Array:
+        """The drafter alone: each slot's argmax, [N, B-1]."""
+        return jnp.argmax(batch.logits[:, 1:], axis=-1).astype(jnp.int32)
+
+
+def evaluate(task: ToyTask, head, *, n_blocks: int = 4096, seed: int = 1234, topcs: tuple[int, ...] = (0,),
+             max_passes: int | None = None, backend: str = "auto") -> dict:
+    """Mean accepted length per block of the drafter alone and refined by ``head`` for K = 1..B-1.
+
+    ``head`` is a serving `xpress_jax.Head` (e.g. loaded from a converted checkpoint); every
+    refined number comes from the jitted `xpress_jax.refine` on it, one call per (C, K), on the
+    same ``n_blocks`` blocks drawn with ``seed``. Returns ``{"n_blocks", "seed", "drafter",
+    "refined": {C: [mean accepted length at K = 1, 2, ...]}}`` (C = 0: full vocabulary).
+    """
+    from .refine import STATIC, refine
+
+    _positive_int("n_blocks", n_blocks)
+    B = task.config.block_size
+    K_max = B - 1 if max_passes is None else max_passes
+    _positive_int("max_passes", K_max)
+    batch = ToyTask.sample(task.tables, jax.random.key(seed), n_blocks)
+    dtype = head.dtype
+    logits, h = batch.logits.astype(dtype), batch.h.astype(dtype)
+    run = jax.jit(refine, static_argnames=STATIC)
+    out = {"n_blocks": n_blocks, "seed": seed,
+           "drafter": float(jnp.mean(accepted_length(task.drafter_tokens(batch), batch.target))), "refined": {}}
+    for c in topcs:
+        row = []
+        for K in range(1, K_max + 1):
+            draft = run(head, logits, h, batch.anchors, batch.prev_ids, num_passes=K, topc=c,
+                        max_num_reqs=n_blocks, backend=backend)
+            row.append(float(jnp.mean(accepted_length(draft, batch.target))))
+        out["refined"][int(c)] = row
+    return out
