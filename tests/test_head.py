@@ -128,14 +128,13 @@ def test_init_head_matches_init_params():
         np.testing.assert_array_equal(np.asarray(head.params[k]), np.asarray(params[k]))
 
 
-def test_bucketed_refiner_takes_a_head(head):
-    server = xj.BucketedRefiner(head, buckets=(2, 4))
+def test_refine_server_takes_a_head_with_its_own_c_and_k(head):
+    server = xj.RefineServer(head, buckets=(4,), progress=False)
+    assert (server.topc, server.num_passes) == (CFG.topc, CFG.num_passes)
     x = make_inputs(CFG, 3)
-    np.testing.assert_array_equal(np.asarray(server(*x)), np.asarray(xj.refine(head, *x)))
-    with pytest.raises(TypeError, match="BucketedRefiner"):
-        xj.BucketedRefiner(head.params)
-    with pytest.raises(ValueError, match="disagrees"):
-        xj.BucketedRefiner(head, dataclasses.replace(CFG, topc=3))
+    np.testing.assert_array_equal(server.tokens(*[np.asarray(a) for a in x]), np.asarray(xj.refine(head, *x)))
+    with pytest.raises(TypeError, match="RefineServer"):
+        xj.RefineServer(head.params)
 
 
 def test_pallas_on_cpu_without_interpret_names_the_fix(head):

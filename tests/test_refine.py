@@ -304,21 +304,18 @@ def test_bf16_refine_runs_and_returns_int32(small_cfg):
         assert out.dtype == jnp.int32 and out.shape == (2, small_cfg.block_size - 1)
 
 
-def test_bucketed_refiner_pads_masks_and_never_retraces(small_cfg):
+def test_refine_server_pads_masks_and_never_retraces(small_cfg):
     params = make_head(small_cfg)
-    server = xj.BucketedRefiner(params, small_cfg, buckets=(2, 4, 8), num_passes=3, topc=0)
-    server.warmup()
-    for n, bucket in ((1, 2), (3, 4), (4, 4), (7, 8)):
-        x = make_inputs(small_cfg, bucket, seed=n)
-        with jax.no_tracing():  # bucket-sized buffers with n real rows: no trace at all
-            full = server(*x)
-        ref = np.asarray(xj.refine(params, *[a[:n] for a in x], num_passes=3, topc=0))
-        np.testing.assert_array_equal(np.asarray(full)[:n], ref)
-        masked = np.asarray(server._fn(server.params, *x, jnp.int32(n)))
+    head = xj.Head(small_cfg, params)
+    server = xj.RefineServer(head, buckets=(2, 4), num_passes=3, topc=0, progress=False)
+    x = make_inputs(small_cfg, 4, seed=1)
+    for n in (1, 3, 4):
+        ref = np.asarray(xj.refine(params, *[a[:n] for a in x], num_passes=3, topc=0, config=small_cfg))
+        with jax.no_tracing():  # a bucket-sized buffer with n real rows: no trace at all
+            masked = np.asarray(server(*x, num_valid=n))
+            host = server.tokens(*[np.asarray(a[:n]) for a in x])  # numpy of any N: padded on the host
         np.testing.assert_array_equal(masked[:n], ref)
         assert np.all(masked[n:] == xj.INVALID_TOKEN)
-        out = server(*[a[:n] for a in x])  # any N: padded here
-        assert out.shape == (n, small_cfg.block_size - 1)
-        np.testing.assert_array_equal(np.asarray(out), ref)
-    with pytest.raises(ValueError, match="N=9"):
-        server.bucket_for(9)
+        np.testing.assert_array_equal(host, ref)
+    with pytest.raises(ValueError, match="N=5"):
+        server.bucket_for(5)

@@ -26,7 +26,7 @@ from .params import (
 )
 from .refine import BACKENDS, INVALID_TOKEN, refine
 from .refine import STATIC as STATIC_ARGNAMES
-from .serving import BucketedRefiner
+from .serving import RefineServer, default_buckets
 
 __version__ = "0.1.0"
 
@@ -39,7 +39,8 @@ __all__ = [
     "PARAM_NAMES",
     "STATIC_ARGNAMES",
     "BACKENDS",
-    "BucketedRefiner",
+    "RefineServer",
+    "default_buckets",
     "INVALID_TOKEN",
     "check_params",
     "config_from_params",

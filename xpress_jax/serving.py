@@ -1,18 +1,31 @@
-"""Serving helper: static-shape buckets, padded rows, every bucket compiled at start-up."""
+"""`RefineServer`: every bucket AOT-compiled at start-up, no tracing and no compiling while serving.
+
+Start-up lowers ``refine`` once per bucket size N from `jax.ShapeDtypeStruct`s (no input is
+allocated) and keeps the compiled executables. A call picks its bucket's executable and runs
+it; an input whose shape, dtype or sharding differs from what that executable was compiled
+for is refused with an error naming it, never silently recompiled. Weights are an argument
+of the executables, so a reload swaps arrays and reuses them.
+"""
 
 from __future__ import annotations
 
 import bisect
+import sys
+import time
+from os import PathLike
 from typing import Any, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .config import HeadConfig
-from .params import Head, check_params
-from .refine import refine
+from .params import PARAM_NAMES, Head, check_params, param_shapes
+from .refine import BACKENDS, INVALID_TOKEN, _check_backend, refine
 
-__all__ = ["BucketedRefiner", "default_buckets"]
+__all__ = ["RefineServer", "default_buckets"]
+
+_ARGS = ("logits", "h", "anchors", "prev_ids")
 
 
 def default_buckets(max_num_reqs: int) -> tuple[int, ...]:
@@ -25,85 +38,364 @@ def default_buckets(max_num_reqs: int) -> tuple[int, ...]:
     return tuple(out)
 
 
-class BucketedRefiner:
-    """``refine`` for any N <= max_num_reqs with a fixed set of compiled shapes.
+def _describe(x: Any) -> str:
+    if isinstance(x, jax.Array):
+        return f"a jax.Array {tuple(x.shape)} {jnp.dtype(x.dtype).name} with sharding {x.sharding}"
+    return f"a numpy array {tuple(x.shape)} {np.dtype(x.dtype).name}"
 
-    A call with N blocks runs the smallest bucket >= N: rows N..bucket-1 are
-    padding (anchor -1: the refine sentinel rule, so they never read out of
-    range) and are dropped from the result. Params are a jit argument: swapping
-    weights of the same shapes (`update_params`) never recompiles.
+
+class RefineServer:
+    """`refine` for N blocks per call, N <= the largest bucket, from executables compiled at start-up.
+
+    ``RefineServer(head, buckets=...)`` (or ``RefineServer.from_checkpoint(path, ...)``)
+    compiles one executable per bucket size N (default: powers of two up to the config's
+    ``max_num_reqs``) before it returns, printing one line per bucket with its compile time to
+    stderr (``progress=False``: quiet); ``compile_seconds`` keeps those times. Serving then
+    never traces and never compiles:
+
+    - ``server(logits, h, anchors, prev_ids=None, num_valid=None)`` runs the executable of
+      the bucket equal to the inputs' N and returns the bucket-shaped device array
+      [bucket, B-1] int32. Rows ``>= num_valid`` (a runtime argument: every value reuses the
+      one executable) are padding: their anchors are set to -1 inside, so by refine's
+      sentinel rule they read nothing out of range and come back as `INVALID_TOKEN` (-1).
+      Keep persistent bucket-sized input buffers and say how many rows are real.
+    - ``server.tokens(...)``: the same call, the first ``num_valid`` rows as a numpy
+      array [num_valid, B-1] (a device-to-host copy; no slicing on the device).
+
+    Inputs: jax arrays must match the bucket exactly: shape, dtype (the params' dtype for
+    logits and h, int32 for the ids) and a sharding equivalent to ``input_specs(bucket)``'s
+    (``jax.device_put(x, server.input_specs(bucket)[name].sharding)`` places one), else ``ValueError`` /
+    ``TypeError`` naming the argument. Numpy arrays are placed with ``jax.device_put`` (a
+    transfer, not a trace); numpy inputs of any N <= the largest bucket are first padded on
+    the host to the next bucket. Numpy ids of any integer dtype are range-checked on the host
+    (rows below ``num_valid``) and cast to int32; ids in jax arrays are not read on the host:
+    an id outside [0, V) gives that row -1 tokens (the sentinel rule). Nothing is ever
+    converted to another float dtype.
+
+    Weights: ``reload(head_or_params)`` / ``reload_from(path)`` check every array's shape,
+    dtype and sharding against the compiled ones before swapping; on an error the old weights
+    keep serving. Numpy params are placed; jax params must already lie on ``param_shardings``.
+
+    Mesh: with ``mesh`` (a `jax.sharding.Mesh` with ``data_axis`` and ``model_axis``) the
+    executables run `xpress_jax.sharded.refine_sharded`: blocks split over ``data_axis``,
+    ``w1``/``w2`` over the vocabulary on ``model_axis`` (either axis may be None: unused);
+    ``input_specs(bucket)`` / ``input_shardings(bucket)`` and ``param_shardings`` say where inputs
+    and weights must lie (a bucket the data axis does not divide takes its inputs replicated over
+    it, and `refine_sharded` pads inside).
     """
 
-    def __init__(self, params: Head | Mapping[str, jax.Array], config: HeadConfig | None = None, *,
-                 buckets: Sequence[int] | None = None, backend: str = "auto", **refine_kwargs: Any):
-        if isinstance(params, Head):
-            if config is not None and config != params.config:
-                raise ValueError(f"config={config} disagrees with the Head's own config {params.config}")
-            config, params = params.config, params.params
-        if not isinstance(config, HeadConfig):
+    def __init__(
+        self,
+        head: Head,
+        *,
+        buckets: Sequence[int] | None = None,
+        backend: str = "auto",
+        mesh: jax.sharding.Mesh | None = None,
+        data_axis: str | None = "data",
+        model_axis: str | None = "model",
+        num_passes: int | None = None,
+        topc: int | None = None,
+        interpret: bool = False,
+        progress: bool = True,
+    ):
+        if not isinstance(head, Head):
             raise TypeError(
-                "BucketedRefiner(head) takes a Head, or BucketedRefiner(params, config) a params dict and its "
-                f"HeadConfig; got config={type(config).__name__}"
+                f"RefineServer(head): head must be a xpress_jax.Head (xj.load_params, xj.init_head, or "
+                f"xj.Head(config, params) around a params dict), got {type(head).__name__}; "
+                "or build it with RefineServer.from_checkpoint(path)"
             )
-        check_params(params, config)
-        self.config = config
-        self.params = dict(params)
-        self.buckets = tuple(sorted(set(buckets or default_buckets(config.max_num_reqs))))
+        _check_backend(backend, interpret)
+        config = head.config
+        self.config: HeadConfig = config
+        self.num_passes = config.num_passes if num_passes is None else num_passes
+        self.topc = config.topc if topc is None else topc
+        self.backend, self.interpret = backend, bool(interpret)
+        self.mesh, self.data_axis, self.model_axis = mesh, data_axis, model_axis
+        self.dtype = jnp.dtype(head.dtype)
+        self.buckets: tuple[int, ...] = tuple(sorted(set(default_buckets(config.max_num_reqs) if buckets is None
+                                                          else (int(b) for b in buckets))))
         if not self.buckets or self.buckets[0] < 1 or self.buckets[-1] > config.max_num_reqs:
             raise ValueError(f"buckets must lie in [1, max_num_reqs={config.max_num_reqs}], got {self.buckets}")
-        kw = dict(config=config, backend=backend, **refine_kwargs)
 
-        def run(p, logits, h, anchors, prev_ids, num_valid):
+        if mesh is not None:
+            from . import sharded  # names the axes if the mesh lacks one
+
+            if data_axis is not None and data_axis == model_axis:
+                raise ValueError(f"data_axis and model_axis must differ, both are {data_axis!r}")
+            for axis in (data_axis, model_axis):
+                sharded._axis_size(mesh, axis)
+        self.param_shardings: dict[str, jax.sharding.Sharding] = self._param_shardings(mesh, model_axis, config)
+        self._param_specs = {
+            k: jax.ShapeDtypeStruct(s, self.dtype, sharding=self.param_shardings[k])
+            for k, s in param_shapes(config).items()
+        }
+        # Start-up placement (a transfer; arrays already in place are not copied).
+        self._params = self._checked_params(head.params, place_jax=True)
+        self.executables: dict[int, Any] = {}  # bucket -> jax.stages.Compiled
+        self._specs: dict[int, dict[str, jax.ShapeDtypeStruct]] = {}
+        self.compile_seconds: dict[int, float] = {}
+        self._compile_all(progress)
+
+    @classmethod
+    def from_checkpoint(cls, path: str | PathLike, *, dtype: Any = None, mesh: jax.sharding.Mesh | None = None,
+                        model_axis: str | None = "model", **kwargs: Any) -> "RefineServer":
+        """Restore the head of a converted checkpoint (`xpress_jax.load_params`) straight onto the
+        devices the server uses, then compile every bucket. ``dtype`` casts the params, as in
+        ``load_params``; the other keywords are the constructor's."""
+        from .checkpoint import load_params, read_checkpoint_info
+
+        config, _ = read_checkpoint_info(path)
+        head = load_params(path, dtype=dtype, sharding=cls._param_shardings(mesh, model_axis, config))
+        return cls(head, mesh=mesh, model_axis=model_axis, **kwargs)
+
+    # --- placement ------------------------------------------------------------------------
+
+    @staticmethod
+    def _param_shardings(mesh, model_axis, config: HeadConfig) -> dict[str, jax.sharding.Sharding]:
+        if mesh is None:
+            one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+            return {k: one for k in PARAM_NAMES}
+        from . import sharded
+
+        return dict(sharded.param_shardings(mesh, model_axis, vocab_size=config.vocab_size))
+
+    def input_shardings(self, bucket: int) -> dict[str, jax.sharding.Sharding]:
+        """Where ``bucket``'s executable takes its inputs and puts its result: ``"logits"``, ``"h"``,
+        ``"ids"`` (anchors and prev_ids), ``"num_valid"`` and ``"out"``. One device: all
+        ``jax.devices()[0]``. A mesh: `xpress_jax.sharded.input_shardings` for N = bucket."""
+        if bucket not in self.buckets:
+            raise ValueError(f"{bucket} is not a bucket; the buckets are {self.buckets}")
+        if self.mesh is None:
+            one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+            return {"logits": one, "h": one, "ids": one, "num_valid": one, "out": one}
+        from . import sharded
+
+        out = dict(sharded.input_shardings(self.mesh, self.data_axis, self.model_axis, num_blocks=bucket,
+                                           vocab_size=self.config.vocab_size))
+        out["num_valid"] = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+        return out
+
+    # --- compile --------------------------------------------------------------------------
+
+    def _serve_fn(self):
+        config, kw = self.config, dict(num_passes=self.num_passes, topc=self.topc, backend=self.backend,
+                                        interpret=self.interpret)
+        mesh = self.mesh
+        if mesh is not None:
+            from . import sharded
+
+        def serve(params, logits, h, anchors, prev_ids, num_valid):
+            # Padding rows get anchor -1: refine's sentinel rule reads nothing for them, returns -1.
             pad = jnp.arange(anchors.shape[0]) >= num_valid
-            return refine(p, logits, h, jnp.where(pad, -1, anchors), jnp.where(pad, -1, prev_ids), **kw)
+            anchors = jnp.where(pad, INVALID_TOKEN, anchors)
+            prev_ids = jnp.where(pad, INVALID_TOKEN, prev_ids)
+            head = Head(config, params)
+            if mesh is None:
+                return refine(head, logits, h, anchors, prev_ids, **kw)
+            return sharded.refine_sharded(head, logits, h, anchors, prev_ids, mesh=mesh, data_axis=self.data_axis,
+                                          model_axis=self.model_axis, **kw)
 
-        self._fn = jax.jit(run)
+        return serve
 
-    def update_params(self, params: Head | Mapping[str, jax.Array]) -> None:
-        """Swap in new weights of the same config (never recompiles)."""
-        if isinstance(params, Head):
-            if params.config != self.config:
-                raise ValueError(f"the new Head's config {params.config} differs from {self.config}")
-            params = params.params
-        check_params(params, self.config)
-        self.params = dict(params)
+    def input_specs(self, bucket: int) -> dict[str, jax.ShapeDtypeStruct]:
+        """The abstract inputs of ``bucket``'s executable (shape, dtype, sharding), by argument name
+        (``"logits"``, ``"h"``, ``"anchors"``, ``"prev_ids"``, ``"num_valid"``): what a persistent
+        input buffer must look like."""
+        c, sh = self.config, self.input_shardings(bucket)
+        ids = jax.ShapeDtypeStruct((bucket,), jnp.int32, sharding=sh["ids"])
+        return {
+            "logits": jax.ShapeDtypeStruct((bucket, c.block_size, c.vocab_size), self.dtype, sharding=sh["logits"]),
+            "h": jax.ShapeDtypeStruct((bucket, c.block_size, c.hidden_size), self.dtype, sharding=sh["h"]),
+            "anchors": ids,
+            "prev_ids": ids,
+            "num_valid": jax.ShapeDtypeStruct((), jnp.int32, sharding=sh["num_valid"]),
+        }
+
+    def _compile_all(self, progress: bool) -> None:
+        serve = self._serve_fn()
+        say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if progress else (lambda msg: None)
+        devices = 1 if self.mesh is None else self.mesh.size
+        say(f"RefineServer: compiling {len(self.buckets)} bucket(s) {self.buckets} (V={self.config.vocab_size}, "
+            f"B={self.config.block_size}, {self.dtype.name}, topc={self.topc}, K={self.num_passes}, "
+            f"backend={self.backend}, {devices} device(s))")
+        t_all = time.perf_counter()
+        for i, b in enumerate(self.buckets):
+            t0 = time.perf_counter()
+            spec = self._specs[b] = self.input_specs(b)
+            jitted = jax.jit(serve, out_shardings=self.input_shardings(b)["out"])
+            lowered = jitted.lower(self._param_specs, *(spec[k] for k in _ARGS), spec["num_valid"])
+            self.executables[b] = lowered.compile()
+            self.compile_seconds[b] = time.perf_counter() - t0
+            say(f"RefineServer: [{i + 1}/{len(self.buckets)}] N={b}: compiled in {self.compile_seconds[b]:.2f} s")
+        say(f"RefineServer: ready, {time.perf_counter() - t_all:.2f} s")
+
+    # --- serving --------------------------------------------------------------------------
 
     def bucket_for(self, n: int) -> int:
+        """The smallest bucket >= n."""
         i = bisect.bisect_left(self.buckets, n)
         if n < 1 or i == len(self.buckets):
-            raise ValueError(f"N={n} blocks: must be in [1, {self.buckets[-1]}]")
+            raise ValueError(f"N={n} blocks: must be in [1, {self.buckets[-1]}] (the largest bucket)")
         return self.buckets[i]
 
-    def warmup(self) -> None:
-        """Compile every bucket now (start-up), so serving calls never trace."""
-        cfg, dtype = self.config, self.params["w1"].dtype
-        for b in self.buckets:
-            logits = jnp.zeros((b, cfg.block_size, cfg.vocab_size), dtype)
-            h = jnp.zeros((b, cfg.block_size, cfg.hidden_size), dtype)
-            ids = jnp.zeros((b,), jnp.int32)
-            self._fn(self.params, logits, h, ids, ids, jnp.int32(b)).block_until_ready()
+    def __call__(self, logits, h, anchors, prev_ids=None, num_valid: int | None = None) -> jax.Array:
+        """Refine the first ``num_valid`` blocks (default: all N); returns [bucket, B-1] int32 on
+        the devices, rows ``>= num_valid`` equal to -1. See the class docstring for the inputs."""
+        args, bucket, num_valid = self._prepare(logits, h, anchors, prev_ids, num_valid)
+        return self.executables[bucket](self._params, *args, np.int32(num_valid))
 
-    def __call__(self, logits, h, anchors, prev_ids=None, num_valid=None) -> jax.Array:
-        """Refine the first ``num_valid`` blocks; returns [num_valid, B-1] int32.
+    def tokens(self, logits, h, anchors, prev_ids=None, num_valid: int | None = None) -> np.ndarray:
+        """``server(...)``'s valid rows on the host: numpy [num_valid, B-1] int32."""
+        args, bucket, num_valid = self._prepare(logits, h, anchors, prev_ids, num_valid)
+        return np.asarray(self.executables[bucket](self._params, *args, np.int32(num_valid)))[:num_valid]
 
-        Zero-trace path: hand arrays whose N is a bucket size (e.g. a persistent
-        buffer) and say how many rows are real with ``num_valid``; the rest are
-        masked inside the compiled function. Arrays of any other N are padded
-        here first: a copy of logits and h into the bucket's shape (B*V + B*H values
-        per block, ~4.7 MB per block at serving shapes), traced once per distinct N.
-        """
-        n = logits.shape[0]
+    def _prepare(self, logits, h, anchors, prev_ids, num_valid):
+        if prev_ids is None:
+            prev_ids = anchors
+        xs = {"logits": logits, "h": h, "anchors": anchors, "prev_ids": prev_ids}
+        for name, x in xs.items():
+            if not isinstance(x, (jax.Array, np.ndarray)):
+                raise TypeError(f"RefineServer: {name} must be a numpy array or a jax.Array, got {type(x).__name__}")
+        c = self.config
+        n = logits.shape[0] if logits.ndim == 3 else None
+        want = {"logits": (n, c.block_size, c.vocab_size), "h": (n, c.block_size, c.hidden_size),
+                "anchors": (n,), "prev_ids": (n,)}
+        for name, x in xs.items():
+            if n is None or tuple(x.shape) != want[name]:
+                raise ValueError(
+                    f"RefineServer: {name} is {_describe(x)}; expected shape "
+                    f"{tuple('N' if d is None else d for d in want[name])}, N the same for every input "
+                    f"(logits [N, B, V], h [N, B, H], anchors and prev_ids [N]; B={c.block_size}, "
+                    f"V={c.vocab_size}, H={c.hidden_size})"
+                )
+        if isinstance(num_valid, bool) or not (num_valid is None or isinstance(num_valid, (int, np.integer))):
+            raise TypeError(f"RefineServer: num_valid must be an int, got {num_valid!r}")
         num_valid = n if num_valid is None else int(num_valid)
         if not 1 <= num_valid <= n:
-            raise ValueError(f"num_valid must be in [1, {n}], got {num_valid}")
-        b = self.bucket_for(n)
-        anchors = jnp.asarray(anchors, jnp.int32)
-        prev_ids = anchors if prev_ids is None else jnp.asarray(prev_ids, jnp.int32)
-        if b != n:
-            pad = b - n
-            logits = jnp.pad(logits, ((0, pad), (0, 0), (0, 0)))
-            h = jnp.pad(h, ((0, pad), (0, 0), (0, 0)))
-            anchors = jnp.pad(anchors, (0, pad), constant_values=-1)
-            prev_ids = jnp.pad(prev_ids, (0, pad), constant_values=-1)
-        out = self._fn(self.params, logits, h, anchors, prev_ids, jnp.int32(num_valid))
-        return out if num_valid == b else out[:num_valid]
+            raise ValueError(f"RefineServer: num_valid must be in [1, N={n}], got {num_valid}")
+        bucket = self.bucket_for(n)
+        if bucket != n:
+            devs = [k for k, x in xs.items() if isinstance(x, jax.Array)]
+            if devs:
+                raise ValueError(
+                    f"RefineServer: {devs[0]} is a jax.Array with N={n} blocks, which is not a bucket "
+                    f"{self.buckets}; device arrays are never padded here (that would compile per N). Serve them "
+                    f"from a bucket-sized buffer: N={bucket} rows with num_valid={num_valid} (server.input_specs"
+                    f"({bucket}) describes it), or pass numpy arrays (padded on the host)"
+                )
+        out = []
+        for name in _ARGS:
+            x = xs[name]
+            if isinstance(x, np.ndarray):
+                x = self._host(name, x, n, bucket, num_valid)
+                x = jax.device_put(x, self._specs[bucket][name].sharding)
+            else:
+                self._check_device(name, x, bucket)
+            out.append(x)
+        return out, bucket, num_valid
+
+    def _host(self, name: str, x: np.ndarray, n: int, bucket: int, num_valid: int) -> np.ndarray:
+        if name in ("anchors", "prev_ids"):
+            if not np.issubdtype(x.dtype, np.integer):
+                raise TypeError(f"RefineServer: {name} must hold integer token ids, got {_describe(x)}")
+            valid = x[:num_valid]
+            bad = np.nonzero((valid < 0) | (valid >= self.config.vocab_size))[0]
+            if bad.size:  # checked in the ids' own dtype, before the int32 cast (no wraparound)
+                raise ValueError(
+                    f"RefineServer: {name} has token ids outside [0, {self.config.vocab_size}) at rows "
+                    f"{bad[:8].tolist()}{' ...' if bad.size > 8 else ''}: values {valid[bad[:8]].tolist()}"
+                )
+            x = np.where(np.arange(n) < num_valid, x, INVALID_TOKEN).astype(np.int32)
+            fill = INVALID_TOKEN
+        else:
+            if np.dtype(x.dtype) != self.dtype:
+                raise TypeError(
+                    f"RefineServer: {name} is {_describe(x)}; the executables take {self.dtype.name} (the params' "
+                    "dtype). Inputs are never converted: cast them before the call"
+                )
+            fill = 0
+        if bucket != n:
+            x = np.concatenate([x, np.full((bucket - n,) + x.shape[1:], fill, x.dtype)])
+        return x
+
+    def _check_device(self, name: str, x: jax.Array, bucket: int) -> None:
+        spec = self._specs[bucket][name]
+        if jnp.dtype(x.dtype) != spec.dtype:
+            raise TypeError(
+                f"RefineServer: {name} is {_describe(x)}; bucket N={bucket} was compiled for {spec.dtype.name}. "
+                "Inputs are never converted or recompiled: pass the compiled dtype"
+            )
+        if not x.sharding.is_equivalent_to(spec.sharding, x.ndim):
+            raise ValueError(
+                f"RefineServer: {name} is {_describe(x)}; bucket N={bucket} was compiled for sharding "
+                f"{spec.sharding}. Place it with jax.device_put(x, server.input_specs({bucket})[{name!r}].sharding) "
+                "or pass a numpy array"
+            )
+
+    # --- weights --------------------------------------------------------------------------
+
+    @property
+    def head(self) -> Head:
+        """The weights serving now, as a `Head`."""
+        return Head(self.config, self._params)
+
+    def _checked_params(self, params: Mapping[str, Any], *, place_jax: bool) -> dict[str, jax.Array]:
+        """Validated params on ``param_shardings``; raises before anything changes."""
+        check_params(params, self.config)  # names and shapes against the compiled config
+        out = {}
+        for k in PARAM_NAMES:
+            x, spec = params[k], self._param_specs[k]
+            if jnp.dtype(x.dtype) != spec.dtype:
+                raise TypeError(
+                    f"RefineServer: params[{k!r}] has dtype {jnp.dtype(x.dtype).name}; the executables were "
+                    f"compiled for {spec.dtype.name}"
+                )
+            if isinstance(x, jax.Array) and not place_jax:
+                if not x.sharding.is_equivalent_to(spec.sharding, x.ndim):
+                    raise ValueError(
+                        f"RefineServer: params[{k!r}] has sharding {x.sharding}; the executables were compiled for "
+                        f"{spec.sharding}. Load weights onto server.param_shardings (reload_from(path) does; or "
+                        "xj.load_params(path, sharding=server.param_shardings)), or pass numpy arrays"
+                    )
+                out[k] = x
+            elif isinstance(x, (jax.Array, np.ndarray)):
+                out[k] = jax.device_put(x, spec.sharding)
+            else:
+                raise TypeError(
+                    f"RefineServer: params[{k!r}] must be a numpy array or a jax.Array, got {type(x).__name__}"
+                )
+        return out
+
+    def reload(self, head_or_params: Head | Mapping[str, Any]) -> None:
+        """Serve new weights with the same executables (no compile).
+
+        Takes a `Head` with this server's config, or a params dict. Every array's shape, dtype and
+        sharding is checked first; on an error nothing changes and the old weights keep serving.
+        """
+        params = head_or_params
+        if isinstance(params, Head):
+            if params.config != self.config:
+                raise ValueError(
+                    f"RefineServer.reload: the new Head's config {params.config} differs from the compiled "
+                    f"{self.config}; build a new server for another config"
+                )
+            params = params.params
+        self._params = self._checked_params(params, place_jax=False)
+
+    def reload_from(self, path: str | PathLike, *, dtype: Any = None) -> None:
+        """`reload` from a converted checkpoint, restored straight onto ``param_shardings``.
+        The stored config is compared first (no arrays read when it differs)."""
+        from .checkpoint import load_params, read_checkpoint_info
+
+        stored, _ = read_checkpoint_info(path)
+        if stored != self.config:
+            raise ValueError(
+                f"RefineServer.reload_from: {path} holds a head with config {stored}, the server was compiled "
+                f"for {self.config}; build a new server for another config"
+            )
+        self.reload(load_params(path, dtype=dtype, sharding=self.param_shardings))
+
+    def __repr__(self) -> str:
+        where = "1 device" if self.mesh is None else f"mesh {dict(self.mesh.shape)}"
+        return (f"RefineServer(buckets={self.buckets}, V={self.config.vocab_size}, B={self.config.block_size}, "
+                f"{self.dtype.name}, topc={self.topc}, K={self.num_passes}, backend={self.backend!r}, {where})")
