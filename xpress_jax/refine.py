@@ -163,7 +163,7 @@ def refine(
     ``topc``, ``max_num_reqs``, ``config``, ``backend``, ``interpret``, ``unroll``); a
     `Head` argument needs nothing more (its config is static pytree aux data).
     """
-    _check_backend(backend, interpret)
+    check_backend(backend, interpret)
     return _run(_select_ops(backend, interpret), params, logits, h, anchors, prev_ids, num_passes=num_passes,
                 topc=topc, max_num_reqs=max_num_reqs, config=config, unroll=unroll)
 
@@ -173,7 +173,8 @@ def _platform() -> str:
     return jax.default_backend()
 
 
-def _check_backend(backend: Any, interpret: bool) -> None:
+def check_backend(backend: Any, interpret: bool) -> None:
+    """Refuse (ValueError) a backend name other than `BACKENDS`, and "pallas" off a GPU without interpret."""
     if not isinstance(backend, str) or backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "pallas" and not interpret and _platform() != "gpu":

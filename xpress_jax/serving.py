@@ -21,7 +21,7 @@ import numpy as np
 
 from .config import HeadConfig
 from .params import PARAM_NAMES, Head, check_params, param_shapes
-from .refine import BACKENDS, INVALID_TOKEN, _check_backend, refine
+from .refine import BACKENDS, INVALID_TOKEN, check_backend, refine
 
 __all__ = ["RefineServer", "default_buckets"]
 
@@ -104,7 +104,7 @@ class RefineServer:
                 f"xj.Head(config, params) around a params dict), got {type(head).__name__}; "
                 "or build it with RefineServer.from_checkpoint(path)"
             )
-        _check_backend(backend, interpret)
+        check_backend(backend, interpret)
         config = head.config
         self.config: HeadConfig = config
         self.num_passes = config.num_passes if num_passes is None else num_passes
@@ -123,7 +123,7 @@ class RefineServer:
             if data_axis is not None and data_axis == model_axis:
                 raise ValueError(f"data_axis and model_axis must differ, both are {data_axis!r}")
             for axis in (data_axis, model_axis):
-                sharded._axis_size(mesh, axis)
+                sharded.axis_size(mesh, axis)
         self.param_shardings: dict[str, jax.sharding.Sharding] = self._param_shardings(mesh, model_axis, config)
         self._param_specs = {
             k: jax.ShapeDtypeStruct(s, self.dtype, sharding=self.param_shardings[k])

@@ -47,14 +47,15 @@ from jax.sharding import PartitionSpec as P
 from . import reference as ref
 from .ops import Ops
 from .params import PARAM_NAMES, Head
-from .refine import _check_backend, _refine, _select_ops, resolve_call
+from .refine import check_backend, _refine, _select_ops, resolve_call
 
-__all__ = ["refine_sharded", "param_shardings", "input_shardings", "vocab_sharded_ops"]
+__all__ = ["refine_sharded", "param_shardings", "input_shardings", "vocab_sharded_ops", "axis_size"]
 
 _VOCAB_PARAMS = ("w1", "w2")
 
 
-def _axis_size(mesh: Mesh, axis: str | None) -> int:
+def axis_size(mesh: Mesh, axis: str | None) -> int:
+    """The size of ``axis`` in ``mesh`` (1 for None); a name the mesh lacks raises ValueError."""
     if axis is None:
         return 1
     if axis not in mesh.shape:
@@ -66,7 +67,7 @@ def param_shardings(mesh: Mesh, model_axis: str | None = "model", vocab_size: in
     """Where `refine_sharded` expects each param: ``w1`` and ``w2`` split over V on ``model_axis``
     (when the axis divides ``vocab_size``; else replicated, and padded inside), the rest replicated.
     Pass it to `xpress_jax.load_params(path, sharding=...)` or `jax.device_put`."""
-    m = _axis_size(mesh, model_axis)
+    m = axis_size(mesh, model_axis)
     split = model_axis is not None and (vocab_size is None or vocab_size % m == 0)
     return {name: NamedSharding(mesh, P(model_axis, None) if split and name in _VOCAB_PARAMS else P())
             for name in PARAM_NAMES}
@@ -78,7 +79,7 @@ def input_shardings(mesh: Mesh, data_axis: str | None = "data", model_axis: str 
     ``data_axis``, V over ``model_axis``), ``"h"`` [N, B, H], ``"ids"`` (anchors, prev_ids) [N],
     ``"out"`` [N, B-1]. An axis that does not divide its dimension (given ``num_blocks`` /
     ``vocab_size``) is left out of the spec (refine_sharded pads inside)."""
-    d, m = _axis_size(mesh, data_axis), _axis_size(mesh, model_axis)
+    d, m = axis_size(mesh, data_axis), axis_size(mesh, model_axis)
     da = data_axis if data_axis is not None and (num_blocks is None or num_blocks % d == 0) else None
     ma = model_axis if model_axis is not None and (vocab_size is None or vocab_size % m == 0) else None
     return {"logits": NamedSharding(mesh, P(da, None, ma)), "h": NamedSharding(mesh, P(da, None, None)),
@@ -109,11 +110,11 @@ def refine_sharded(
     not used; an axis of size 1 costs nothing). Jit it with ``mesh``, the axes, and `refine`'s
     static arguments static. The result is [N, B-1] int32, split over ``data_axis``.
     """
-    _check_backend(backend, interpret)
+    check_backend(backend, interpret)
     ops = _select_ops(backend, interpret)
     params, prev_ids, k, c, unroll = resolve_call(params, logits, h, anchors, prev_ids, num_passes=num_passes,
                                                   topc=topc, max_num_reqs=max_num_reqs, config=config, unroll=unroll)
-    d, m = _axis_size(mesh, data_axis), _axis_size(mesh, model_axis)
+    d, m = axis_size(mesh, data_axis), axis_size(mesh, model_axis)
     if data_axis is not None and data_axis == model_axis:
         raise ValueError(f"data_axis and model_axis must differ, both are {data_axis!r}")
     n, b, v = logits.shape
