@@ -20,7 +20,8 @@ batch of step ``s`` is drawn with ``fold_in(key, s)``, so the data position is t
 With ``checkpoint_dir`` the state is written every ``checkpoint_every`` steps (and at the end)
 by an Orbax ``CheckpointManager`` (atomic: a half-written step is never restored), with the
 configs as JSON beside it; ``resume=True`` restores the latest step and continues: the losses
-after it are bit-identical to an uninterrupted run's.
+after it are bit-identical to an uninterrupted run's (on GPUs with ``XLA_FLAGS=--xla_gpu_deterministic_ops=true``:
+the ``w1`` gather's gradient is a scatter-add, which GPUs otherwise sum in a varying order).
 """
 
 from __future__ import annotations
