@@ -134,6 +134,7 @@ class RefineServer:
         self.executables: dict[int, Any] = {}  # bucket -> jax.stages.Compiled
         self._specs: dict[int, dict[str, jax.ShapeDtypeStruct]] = {}
         self.compile_seconds: dict[int, float] = {}
+        self._num_valid_cache: dict[tuple[int, int], jax.Array] = {}
         self._compile_all(progress)
 
     @classmethod
@@ -242,12 +243,22 @@ class RefineServer:
         """Refine the first ``num_valid`` blocks (default: all N); returns [bucket, B-1] int32 on
         the devices, rows ``>= num_valid`` equal to -1. See the class docstring for the inputs."""
         args, bucket, num_valid = self._prepare(logits, h, anchors, prev_ids, num_valid)
-        return self.executables[bucket](self._params, *args, np.int32(num_valid))
+        return self.executables[bucket](self._params, *args, self._num_valid(bucket, num_valid))
+
+    def _num_valid(self, bucket: int, num_valid: int) -> jax.Array:
+        """``num_valid`` as a device scalar placed where ``bucket``'s executable takes it, made once
+        per value: a numpy scalar argument would be copied to the device on every call (~20 µs on a
+        CPU, more on a GPU)."""
+        key = (bucket, num_valid)
+        x = self._num_valid_cache.get(key)
+        if x is None:
+            x = self._num_valid_cache[key] = jax.device_put(np.int32(num_valid), self._specs[bucket]["num_valid"].sharding)
+        return x
 
     def tokens(self, logits, h, anchors, prev_ids=None, num_valid: int | None = None) -> np.ndarray:
         """``server(...)``'s valid rows on the host: numpy [num_valid, B-1] int32."""
         args, bucket, num_valid = self._prepare(logits, h, anchors, prev_ids, num_valid)
-        return np.asarray(self.executables[bucket](self._params, *args, np.int32(num_valid)))[:num_valid]
+        return np.asarray(self.executables[bucket](self._params, *args, self._num_valid(bucket, num_valid)))[:num_valid]
 
     def _prepare(self, logits, h, anchors, prev_ids, num_valid):
         if prev_ids is None:
