@@ -127,7 +127,8 @@ def time_device(fn, args, reps):
 
 
 #: Kernel steps a benchmark backend name can add to XLA ("xla+latent+pick"): `Ops` fields per step.
-STEPS = {"latent": ("latent",), "pick": ("topc_prepare", "topc_pick", "full_vocab_pick"), "select": ("select",)}
+STEPS = {"latent": ("latent",), "pick": ("topc_prepare", "topc_pick", "full_vocab_prepare", "full_vocab_pick"),
+         "select": ("select",)}
 
 
 def bench_ops(name, interpret):

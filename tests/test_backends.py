@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 import xpress_jax as xj
-import dataclasses
 
 from xpress_jax.kernels.common import gpu_supported, lower_triton
 from xpress_jax.ops import Ops
@@ -100,19 +99,17 @@ def test_refine_lowers_to_triton_kernels(topc):
         assert name in text, f"{name} missing from the lowered HLO"
 
 
-_STEPS = {"latent": ("latent",), "pick": ("topc_prepare", "topc_pick", "full_vocab_pick"), "select": ("select",)}
-
-
 @pytest.mark.interpret_refine
 @pytest.mark.parametrize("steps", ["latent", "pick", "select", pytest.param("latent+pick", marks=slow)])
 def test_mixed_implementations_match_xla(steps):
-    """One kernel step at a time in the XLA refine (`dataclasses.replace` on `Ops`, run with `refine_with`:
-    the documented way to build mixed implementations); a pair of them is `slow`."""
+    """One kernel step at a time in the XLA refine, as bench_refine builds them (`dataclasses.replace` on
+    `Ops`, run with `refine_with`: the documented way to build mixed implementations); a pair is `slow`."""
+    from benchmarks.bench_refine import bench_ops
+
     params = make_head(CFG)
     x = make_inputs(CFG, 2, seed=5)
-    xla, kernels = Ops.xla(), Ops.pallas(True)
-    mixed = dataclasses.replace(xla, name=f"xla+{steps}", **{
-        f: getattr(kernels, f) for step in steps.split("+") for f in _STEPS[step]})
+    xla, mixed = Ops.xla(), bench_ops(f"xla+{steps}", interpret=True)
+    assert mixed != xla
     run = jax.jit(refine_with, static_argnums=0, static_argnames=("num_passes", "topc"))
     want = np.asarray(run(xla, params, *x, num_passes=3, topc=50))
     np.testing.assert_array_equal(np.asarray(run(mixed, params, *x, num_passes=3, topc=50)), want)

@@ -114,7 +114,7 @@ def test_ops_are_typed_and_cached():
     assert Ops.xla() is Ops.xla("cpu") and Ops.pallas(True) is Ops.pallas(True)
     assert Ops.xla("gpu") != Ops.xla("cpu")
     fields = {f.name for f in dataclasses.fields(Ops)}
-    assert fields == {"name", "select", "topc_prepare", "topc_pick", "full_vocab_pick", "latent", "start",
+    assert fields == {"name", "select", "topc_prepare", "topc_pick", "full_vocab_prepare", "full_vocab_pick", "latent", "start",
                       "full_vocab_best", "topc_best"}
     with pytest.raises(dataclasses.FrozenInstanceError):
         Ops.xla().name = "x"  # type: ignore[misc]

@@ -55,12 +55,12 @@ would read is what the counters say: the candidates' rows, the stage-1 data for 
 quantized rows of the unexcluded blocks, and the w2 rows of the unexcluded ids.
 
 `exact_ops(inner)` is ``inner`` with this pick as its ``full_vocab_pick``, usable with
-``xpress_jax.refine.refine_with(ops, head, logits, h, anchors, topc=0)``. Design: refine passes
-``full_vocab_pick(logits, lat, w2)`` only, so the op calls `prepare_exact` (weights only) on the
-``w2`` it is given, inside the jitted refine: no weights are closed over as constants (STYLE:
-weights enter jit as arguments) and the tokens are exact for whatever ``w2`` is passed. The cost
-(quantizing w2 per pass, unless XLA hoists it out of the pass loop) is a reference's cost; a
-kernel path would take the prepared data from the loaded params once (later work).
+``xpress_jax.refine.refine_with(ops, head, logits, h, anchors, topc=0)``. Design: its
+``full_vocab_prepare`` is `prepare_exact`, which refine runs once per call on the ``w2`` it is
+given (inside the jitted refine: no weights are closed over as constants, STYLE: weights enter
+jit as arguments), and its ``full_vocab_pick`` reads ``(w2, prepared)``. The tokens are exact for
+whatever ``w2`` is passed. A serving path would keep the prepared data with the loaded params
+instead of recomputing it per call (later work).
 """
 
 from __future__ import annotations
@@ -225,8 +225,12 @@ def certified_full_vocab_pick(base: jax.Array, lat: jax.Array, w2: jax.Array, pr
     return tok, stats
 
 
-def _exact_full_vocab_pick(logits, lat, w2, *, candidates, block, bits, direct_readout):
-    prepared = prepare_exact(w2, block=block, bits=bits)
+def _exact_prepare(w2, *, block, bits):
+    return w2, prepare_exact(w2, block=block, bits=bits)
+
+
+def _exact_full_vocab_pick(logits, lat, w2_prepared, *, candidates, direct_readout):
+    w2, prepared = w2_prepared
     tok, _ = certified_full_vocab_pick(ref.draft_rows(logits), lat, w2, prepared, candidates=candidates,
                                        direct_readout=direct_readout)
     return tok
@@ -237,10 +241,11 @@ def exact_ops(inner: Ops, *, candidates: int = 512, block: int = 64, bits: int =
               direct_readout: bool = False) -> Ops:
     """``inner`` with the certified pick as ``full_vocab_pick`` (run it with ``topc=0``).
 
-    One object per argument set (cached: a static jit arg that does not retrace). The op
-    prepares the weight data from the ``w2`` it is passed (module doc, "Design").
+    One object per argument set (cached: a static jit arg that does not retrace). Its
+    ``full_vocab_prepare`` computes the weight data once per refine call (module doc, "Design").
     """
     return dataclasses.replace(
         inner, name=f"{inner.name}+exact",
-        full_vocab_pick=functools.partial(_exact_full_vocab_pick, candidates=int(candidates), block=int(block),
-                                          bits=int(bits), direct_readout=bool(direct_readout)))
+        full_vocab_prepare=functools.partial(_exact_prepare, block=int(block), bits=int(bits)),
+        full_vocab_pick=functools.partial(_exact_full_vocab_pick, candidates=int(candidates),
+                                          direct_readout=bool(direct_readout)))

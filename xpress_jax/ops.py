@@ -20,11 +20,14 @@ The steps (static shapes; ``rows`` = N * (B-1) draft rows):
   candidates' w2 rows (XLA: ``w2[cand]``; the kernel gathers them itself, so ``w2``). The two
   belong together: replace both or neither.
 - ``topc_pick(base_c, cand, lat [rows,r], prepared) -> [rows] int32``: the top-C winner.
-- ``full_vocab_pick(logits [N,B,V], lat [rows,r], w2) -> [rows] int32``: the full-vocab winner.
+- ``full_vocab_prepare(w2) -> prepared``: once per call; what ``full_vocab_pick`` reads for the
+  readout (``w2`` itself for XLA and the kernels; weight-derived data for `xpress_jax.exact`).
+  Replace it together with ``full_vocab_pick``.
+- ``full_vocab_pick(logits [N,B,V], lat [rows,r], prepared) -> [rows] int32``: the full-vocab winner.
 - ``latent(params, xh [N,B,r], blk [N,B] int32, prev_ids [N] int32) -> [N,B-1,r]``.
 - ``start(logits [N,B,V]) -> [rows] int32``: the full-vocab argmax of the base logits (where a
   full-vocab refine starts).
-- ``full_vocab_best(logits, lat, w2) -> (score [rows] f32, id [rows] int32)`` and
+- ``full_vocab_best(logits, lat, prepared) -> (score [rows] f32, id [rows] int32)`` and
   ``topc_best(base_c, cand, lat, prepared) -> (score, base, id)``: the picks with the winner's
   values, for callers that combine winners across devices (`xpress_jax.sharded`).
 """
@@ -53,6 +56,7 @@ class Ops:
     select: Callable[..., Any]
     topc_prepare: Callable[..., Any]
     topc_pick: Callable[..., Any]
+    full_vocab_prepare: Callable[..., Any]
     full_vocab_pick: Callable[..., Any]
     latent: Callable[..., Any]
     start: Callable[..., Any]
@@ -84,6 +88,7 @@ def _xla_ops(platform: str) -> Ops:
         select=_xla_select,
         topc_prepare=ref.topc_gather,
         topc_pick=ref.topc_pick,
+        full_vocab_prepare=same,
         full_vocab_pick=functools.partial(_xla_full_vocab_pick, direct_readout=platform == "gpu"),
         latent=ref.latent_pass,
         start=ref.full_vocab_start,
@@ -98,13 +103,19 @@ def _pallas_ops(interpret: bool) -> Ops:
         name="pallas-interpret" if interpret else "pallas",
         select=functools.partial(_pallas_select, interpret=interpret),
         topc_prepare=_pallas_topc_prepare,
-        topc_pick=functools.partial(_pallas_topc_pick, interpret=interpret),
-        full_vocab_pick=functools.partial(_pallas_full_vocab_pick, interpret=interpret),
+        topc_pick=functools.partial(_pallas_topc, interpret=interpret, best=False),
+        full_vocab_prepare=same,
+        full_vocab_pick=functools.partial(_pallas_full_vocab, interpret=interpret, best=False),
         latent=functools.partial(_pallas_latent, interpret=interpret),
         start=ref.full_vocab_start,
-        full_vocab_best=functools.partial(_pallas_full_vocab_best, interpret=interpret),
-        topc_best=functools.partial(_pallas_topc_best, interpret=interpret),
+        full_vocab_best=functools.partial(_pallas_full_vocab, interpret=interpret, best=True),
+        topc_best=functools.partial(_pallas_topc, interpret=interpret, best=True),
     )
+
+
+def same(w2):
+    """The identity ``full_vocab_prepare``: the pick reads ``w2`` itself."""
+    return w2
 
 
 # ----------------------------------------------------------------------------- XLA steps
@@ -144,51 +155,33 @@ def _pallas_topc_prepare(w2, cand):
     return ref.topc_gather(w2, cand) if jnp.dtype(w2.dtype) == jnp.float64 else w2
 
 
-def _pallas_topc_pick(base_c, cand, lat, prepared, *, interpret):
+def _pallas_topc(base_c, cand, lat, prepared, *, interpret, best):
+    """`topc_pick` (``best=False``: ids, the combine kernel) or `topc_best` (``best=True``: the
+    splits' (score, base, id) winners from the kernel, combined by the same rule in XLA)."""
     from .kernels import topc_pick
 
     if prepared.ndim == 3:  # float64: w2[cand], the jnp path
-        return ref.topc_pick(base_c, cand, lat, prepared)
+        return (ref.topc_pick_best if best else ref.topc_pick)(base_c, cand, lat, prepared)
     rows, c = base_c.shape
     v, r = prepared.shape
     # The plan by draft rows: N = rows, B = 2 gives the same row count.
     p = _plan(rows, 2, v, r, c, base_c.dtype, interpret)
-    return topc_pick.topc_pick(base_c, cand, lat, prepared, config=p.topc, interpret=interpret)
+    out = topc_pick.topc_pick(base_c, cand, lat, prepared, config=p.topc, interpret=interpret, partials=best)
+    return ref.best_by_topc_rule(*out, axis=0) if best else out
 
 
-def _pallas_full_vocab_pick(logits, lat, w2, *, interpret):
+def _pallas_full_vocab(logits, lat, w2, *, interpret, best):
+    """`full_vocab_pick` (``best=False``: ids, the combine kernel) or `full_vocab_best` (``best=True``:
+    the parts' (score, id) winners from the kernel, combined by the same rule in XLA)."""
     from .kernels import full_vocab
 
     n, b, v = logits.shape
     p = _plan(n, b, v, lat.shape[1], 0, logits.dtype, interpret)
     if p.full_vocab is None:
-        return ref.full_vocab_pick(ref.draft_rows(logits), lat, w2)
-    return full_vocab.full_vocab_pick(logits.reshape(n * b, v), lat, w2, config=p.full_vocab, interpret=interpret,
-                                      slot_stride=b)
-
-
-def _pallas_topc_best(base_c, cand, lat, prepared, *, interpret):
-    from .kernels import topc_pick
-
-    if prepared.ndim == 3:  # float64: w2[cand], the jnp path
-        return ref.topc_pick_best(base_c, cand, lat, prepared)
-    rows, c = base_c.shape
-    v, r = prepared.shape
-    p = _plan(rows, 2, v, r, c, base_c.dtype, interpret)
-    mv, mb, mi = topc_pick.topc_pick(base_c, cand, lat, prepared, config=p.topc, interpret=interpret, partials=True)
-    return ref.best_by_topc_rule(mv, mb, mi, axis=0)
-
-
-def _pallas_full_vocab_best(logits, lat, w2, *, interpret):
-    from .kernels import full_vocab
-
-    n, b, v = logits.shape
-    p = _plan(n, b, v, lat.shape[1], 0, logits.dtype, interpret)
-    if p.full_vocab is None:
-        return ref.full_vocab_best(ref.draft_rows(logits), lat, w2)
-    mv, mi = full_vocab.full_vocab_pick(logits.reshape(n * b, v), lat, w2, config=p.full_vocab, interpret=interpret,
-                                        slot_stride=b, partials=True)
-    return ref.best_by_score(mv, mi, axis=0)
+        return (ref.full_vocab_best if best else ref.full_vocab_pick)(ref.draft_rows(logits), lat, w2)
+    out = full_vocab.full_vocab_pick(logits.reshape(n * b, v), lat, w2, config=p.full_vocab, interpret=interpret,
+                                     slot_stride=b, partials=best)
+    return ref.best_by_score(*out, axis=0) if best else out
 
 
 def _pallas_latent(params, xh, blk, prev_ids, *, interpret):

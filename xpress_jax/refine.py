@@ -282,9 +282,10 @@ def _refine(ops: Ops, params, logits, h, anchors, prev_ids, num_passes, topc, un
 
     else:
         start = ops.start(logits)
+        prepared = ops.full_vocab_prepare(params["w2"])  # once per call
 
         def pick(lat):
-            return ops.full_vocab_pick(logits, lat, params["w2"])
+            return ops.full_vocab_pick(logits, lat, prepared)
 
     blk = jnp.concatenate([anchors[:, None], start.reshape(N, B - 1)], axis=1)
 

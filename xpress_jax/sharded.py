@@ -45,7 +45,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from . import reference as ref
-from .ops import Ops
+from .ops import Ops, same
 from .params import PARAM_NAMES, Head
 from .refine import check_backend, _refine, _select_ops, resolve_call
 
@@ -118,12 +118,7 @@ def refine_sharded(
     if data_axis is not None and data_axis == model_axis:
         raise ValueError(f"data_axis and model_axis must differ, both are {data_axis!r}")
     n, b, v = logits.shape
-    anchors = jnp.asarray(anchors)
-    prev_ids = jnp.asarray(prev_ids)
-    # Range check in the ids' own dtype (before any cast), then -1 for every invalid row.
-    valid = (anchors >= 0) & (anchors < v) & (prev_ids >= 0) & (prev_ids < v)
-    anchors = jnp.where(valid, anchors, -1).astype(jnp.int32)
-    prev_ids = jnp.where(valid, prev_ids, -1).astype(jnp.int32)
+    anchors, prev_ids = jnp.asarray(anchors), jnp.asarray(prev_ids)  # range-checked by _refine (vocab_size=v)
     n_pad = -(-n // d) * d - n
     if n_pad:  # sentinel rows: anchor -1 (no reads, dropped below)
         logits = jnp.pad(logits, ((0, n_pad), (0, 0), (0, 0)))
@@ -155,11 +150,15 @@ def refine_sharded(
 def vocab_sharded_ops(inner: Ops, axis: str) -> Ops:
     """``inner``'s steps for one vocabulary shard inside `jax.shard_map` over ``axis``: local
     work on the shard's ids, then the exact cross-shard combination (module doc)."""
+    if inner.full_vocab_prepare is not same:
+        raise ValueError(f"vocabulary sharding combines plain full-vocab picks; {inner.name!r} prepares its own "
+                         "readout data (full_vocab_prepare), which is not split by vocabulary")
     return Ops(
         name=f"{inner.name}/vocab[{axis}]",
         select=functools.partial(_select, inner=inner, axis=axis),
         topc_prepare=functools.partial(_topc_prepare, inner=inner, axis=axis),
         topc_pick=functools.partial(_topc_pick, inner=inner, axis=axis),
+        full_vocab_prepare=same,  # the shard's w2 (each device picks from its own rows)
         full_vocab_pick=functools.partial(_full_vocab_pick, inner=inner, axis=axis),
         latent=functools.partial(_latent, inner=inner, axis=axis),
         start=functools.partial(_start, axis=axis),
