@@ -178,3 +178,20 @@ def near_tie_rows(base, lat, w2, winner, cand=None) -> np.ndarray:
     w_lo = np.take_along_axis(lo, pos[:, None], axis=1)
     beats = (w_lo > hi) | ((w_lo >= hi) & (ids > winner[:, None])) | (ids == winner[:, None])
     return ~beats.all(axis=1)
+
+
+def run_on_host_devices(args: list[str], n: int = 4, timeout: int = 1800) -> str:
+    """Run ``python *args`` in a child process whose JAX sees ``n`` CPU host devices
+    (``--xla_force_host_platform_device_count``: the pytest process has already started JAX with
+    one), with the repository and tests/ importable. Asserts success; returns its stdout."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = Path(__file__).resolve().parent
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n}").strip())
+    env["PYTHONPATH"] = os.pathsep.join([str(tests.parent), str(tests), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return proc.stdout

@@ -9,11 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +18,7 @@ import pytest
 
 import xpress_jax as xj
 
-from conftest import make_head, make_inputs
+from conftest import make_head, make_inputs, run_on_host_devices
 
 # Tiny, B not a power of two, top-C on (the candidate path), K < B-1.
 CFG = xj.HeadConfig(vocab_size=300, hidden_size=32, block_size=5, rank=24, mlp_hidden=32, topc=7, num_passes=3,
@@ -250,8 +246,11 @@ def test_constructor_refuses_what_it_cannot_serve(head):
         xj.RefineServer(head, backend="triton")
 
 
-_DEVICES_SCRIPT = """
+#: What both child scripts start with: 4 host devices, a counter of XLA compiles, the test head.
+_CHILD_PREAMBLE = """
+import sys, tempfile
 import jax, jax.numpy as jnp, numpy as np, xpress_jax as xj
+from jax.sharding import Mesh
 from conftest import make_head, make_inputs
 assert len(jax.devices()) == 4, jax.devices()
 compiles = []
@@ -259,6 +258,9 @@ jax.monitoring.register_event_duration_secs_listener(
     lambda name, *a, **kw: compiles.append(name) if "backend_compile" in name else None)
 cfg = xj.HeadConfig(**{cfg})
 head = xj.Head(cfg, make_head(cfg))
+"""
+
+_DEVICES_SCRIPT = """
 server = xj.RefineServer(head, buckets=(2,), progress=False)
 x = make_inputs(cfg, 2)
 on1 = [jax.device_put(a, jax.devices()[1]) for a in x]
@@ -288,30 +290,20 @@ print("OK")
 
 
 def run_on_4_host_devices(script: str) -> str:
-    env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"),
-               JAX_PLATFORMS="cpu")
-    tests = Path(__file__).resolve().parent
-    env["PYTHONPATH"] = os.pathsep.join([str(tests.parent), str(tests), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stdout + proc.stderr
-    return proc.stdout
+    """Run ``_CHILD_PREAMBLE`` + ``script`` (dedented; ``{cfg}`` = the test config, ``{{``/``}}`` = braces)
+    on 4 host devices."""
+    code = textwrap.dedent(_CHILD_PREAMBLE) + textwrap.dedent(script)
+    code = code.replace("{cfg}", repr(dataclasses.asdict(CFG))).replace("{{", "{").replace("}}", "}")
+    out = run_on_host_devices(["-c", code], timeout=300)
+    assert out.strip().endswith("OK"), out
+    return out
 
 
 def test_an_input_or_weights_on_another_device_are_refused():
-    run_on_4_host_devices(textwrap.dedent(_DEVICES_SCRIPT).replace("{cfg}", repr(dataclasses.asdict(CFG))))
+    run_on_4_host_devices(_DEVICES_SCRIPT)
 
 
 _MESH_SCRIPT = """
-import sys, tempfile
-import jax, jax.numpy as jnp, numpy as np, xpress_jax as xj
-from jax.sharding import Mesh
-from conftest import make_head, make_inputs
-assert len(jax.devices()) == 4, jax.devices()
-compiles = []
-jax.monitoring.register_event_duration_secs_listener(
-    lambda name, *a, **kw: compiles.append(name) if "backend_compile" in name else None)
-cfg = xj.HeadConfig(**{cfg})
-head = xj.Head(cfg, make_head(cfg))
 head2 = jax.tree.map(lambda w: w * 1.5, head)
 tmp = tempfile.mkdtemp()
 path2 = xj.save_params(tmp + "/b", head2)
@@ -355,5 +347,4 @@ print("OK")
 
 
 def test_on_a_2x2_mesh_same_tokens_as_refine_and_no_compile_after_start_up():
-    run_on_4_host_devices(textwrap.dedent(_MESH_SCRIPT).replace("{cfg}", repr(dataclasses.asdict(CFG)))
-                          .replace("{{", "{").replace("}}", "}"))
+    run_on_4_host_devices(_MESH_SCRIPT)

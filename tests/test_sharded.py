@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -43,13 +42,10 @@ def sweep(mesh):
 
 
 def _run_child(cases):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), json.dumps(cases)], env=env,
-                          capture_output=True, text=True, timeout=1800)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    from conftest import run_on_host_devices
+
+    out = run_on_host_devices([os.path.abspath(__file__), json.dumps(cases)])
+    return json.loads(out.strip().splitlines()[-1])
 
 
 @pytest.mark.interpret
