@@ -45,9 +45,9 @@ SERVED = {
     4: dict(fv=dict(row_tile=64, v_tile=64, v_steps=6, k_tile=64, num_warps=4, num_stages=4, hold_lat=False,
                     flat=True, **_LAZY), latent=None, select={}, topc_steps=1),
     16: dict(fv=dict(row_tile=128, v_tile=64, v_steps=36, k_tile=0, num_warps=8, num_stages=3, hold_lat=True, **_LAZY),
-             latent=("split", 1), select=dict(block=16), topc_steps=1),
+             latent=None, select=dict(block=16), topc_steps=1),
     64: dict(fv=dict(row_tile=128, v_tile=64, v_steps=12, k_tile=0, num_warps=8, num_stages=3, hold_lat=True, **_LAZY),
-             latent=("split", 1), select=dict(block=16), topc_steps=4),
+             latent=None, select=dict(block=16), topc_steps=4),
     256: dict(fv=dict(row_tile=128, v_tile=64, v_steps=108, k_tile=0, num_warps=8, num_stages=3, hold_lat=True,
                       **_LAZY), latent=("fused", 2), select=dict(block=16), topc_steps=4),
 }

@@ -51,7 +51,7 @@ class Row:
     """One row of `TABLE`: the decisions for draft-row counts up to ``max_rows``.
 
     full_vocab: `full_vocab.FullVocabConfig` fields of the fused readout + add/argmax pick.
-    latent: ``"xla"`` (XLA's fused jnp latent: fewer launches wins at tiny N), ``"split"``
+    latent: ``"xla"`` (XLA's fused jnp latent: measured faster inside refine up to N=64), ``"split"``
       (three kernels spreading the weights over many programs) or ``"fused"`` (one kernel).
     latent_blocks_per_program: the fused latent's blocks per program.
     select_block: elements per block of the selection kernel's block maxima.
@@ -72,13 +72,15 @@ TABLE: tuple[Row, ...] = (
         "Full-vocab pick N=1 (31.8 µs); Latent pass N=1 (XLA ~0 vs split 1.9 µs); Top-C selection N=1 (9.7 µs, bs32)"),
     Row(60, _FV_60, "xla", 32,  # N = 2..4
         "Full-vocab pick N=4 (40.5 µs); Latent pass N=4 (XLA 0.8 vs split 3.5 µs)"),
-    Row(239, _FV_240, "split", 32,  # N = 5..15: between the measured points N=4 and N=16
-        "Full-vocab pick N=16 (71.2 µs, 1 wave); Latent pass N=16 (split 6.8 vs XLA 8.5 µs); selection bs16 "
-        "measured only from 240 rows on"),
-    Row(240, _FV_240, "split", 16,  # N = 16
-        "Full-vocab pick N=16 (71.2 µs); Latent pass N=16; Top-C selection N=16 (bs16 56.9 vs bs32 77.9 µs)"),
-    Row(960, _FV_960, "split", 16,  # N = 17..64
-        "Full-vocab pick N=64 (263.0 µs, 12 waves); Latent pass N=64 (split 8.5 vs fused 14.9 µs)"),
+    Row(239, _FV_240, "xla", 32,  # N = 5..15: between the measured points N=4 and N=16
+        "Full-vocab pick N=16 (71.2 µs, 1 wave); Latent in refine N=8 (XLA 249.9 vs split 272.3 µs top-512, "
+        "532.4 vs 584.1 full); selection bs16 measured only from 240 rows on"),
+    Row(240, _FV_240, "xla", 16,  # N = 16
+        "Full-vocab pick N=16 (71.2 µs); Latent in refine N=16 (XLA 371.5 vs split 410.1 µs top-512, 611.0 vs "
+        "648.8 full); Top-C selection N=16 (bs16 56.9 vs bs32 77.9 µs)"),
+    Row(960, _FV_960, "xla", 16,  # N = 17..64
+        "Full-vocab pick N=64 (263.0 µs, 12 waves); Latent in refine N=32 (XLA 608.3 vs split 634.9 µs "
+        "top-512) and N=64 (XLA 1002.3 vs split 1001.5 µs: equal)"),
     Row(1905, _FV_BIG, "fused", 16,  # N = 65..127
         "Full-vocab pick N=256 (873.2 µs, 5 waves); Latent pass (fused above N=64: one program per block)"),
     Row(None, _FV_BIG, "fused", 16,  # N >= 128
