@@ -1,6 +1,6 @@
 """A jitted draft step of a toy serving loop: drafter -> refine -> the target's greedy check.
 
-    python examples/serving_step.py                                  # trains a head first (~6 s)
+    python examples/serving_step.py                                  # trains a head first (5-9 s)
     python examples/serving_step.py --head xpress-demo/head_orbax    # the head `xpress demo` trained
     python examples/serving_step.py --smoke                          # untrained head: a quick check
 
@@ -202,7 +202,7 @@ def serve(head: xj.Head, task: ToyTask, *, steps: int, requests: int, num_passes
     for s in range(1, steps + 1):
         # The loop reads the step's outputs, never the state. On a CPU, a numpy view of a state array
         # (np.asarray) would keep its buffer in use, and JAX would then copy it instead of donating it,
-        # without a warning (seen with JAX 0.10.2 and 0.12.0.1): `old_state_deleted` would say so.
+        # without a warning (seen with JAX 0.10.2, 0.11.2 and 0.12.0.1): `old_state_deleted` would say so.
         old = state
         t0 = time.perf_counter()
         with jax.no_tracing() if s > 1 else contextlib.nullcontext():
