@@ -164,7 +164,7 @@ from .head import acc_dtype, round_to
 from .ops import Ops
 
 __all__ = ["FULL_VOCAB", "Certified", "CertifiedStats", "CertifiedPrepared", "resolve_full_vocab", "prepare_certified",
-           "certified_passes", "ExactPrepared", "ExactStats", "prepare_exact", "certified_full_vocab_pick", "exact_ops"]
+           "certified_pick", "certified_passes", "ExactPrepared", "ExactStats", "prepare_exact", "certified_full_vocab_pick", "exact_ops"]
 
 _SLACK = 2.0 ** -10
 _RAD = 2.0 ** -9
@@ -420,6 +420,60 @@ def _smallest_non_candidate(cand: jax.Array) -> jax.Array:
     return jnp.argmin(present, axis=1).astype(jnp.int32)  # the first False
 
 
+class _CallData(NamedTuple):
+    """What the certified mode computes once per call (module doc, "The refine mode")."""
+
+    cand: jax.Array  # [rows, C] int32
+    base_c: jax.Array  # [rows, C]
+    start: jax.Array  # [rows] int32: the full-vocab argmax of the base logits
+    cprep: object  # ops.topc_prepare(w2, cand)
+    fprep: object  # ops.full_vocab_prepare(w2)
+    tau: jax.Array | None  # [rows] accumulation dtype: the C-th largest base logit (None: C = V)
+    m: jax.Array | None  # [rows] int32: the smallest non-candidate id
+    max_norm: jax.Array | None  # [] M
+
+
+def _call_data(ops: Ops, logits: jax.Array, w2: jax.Array, c: int) -> _CallData:
+    if ops.candidates_best is None:
+        raise ValueError(f"full_vocab='certified' needs Ops with candidates_best; {ops.name!r} has none "
+                         "(the vocabulary-sharded steps do not support it)")
+    acc = acc_dtype(logits.dtype)
+    _check_rank(w2.shape[1], acc)
+    cand, base_c, start = ops.select(logits, c)
+    tau = m = max_norm = None
+    if c < logits.shape[2]:
+        tau = jnp.min(ref.clean(base_c).astype(acc), axis=1)
+        m = _smallest_non_candidate(cand)
+        max_norm = prepare_certified(w2).max_norm
+    return _CallData(cand, base_c, start, ops.topc_prepare(w2, cand), ops.full_vocab_prepare(w2), tau, m, max_norm)
+
+
+def _attempt(ops: Ops, d: _CallData, lat: jax.Array, dtype):
+    """The candidates' full-vocab-rule winner and, per row, whether the bound certifies it:
+    (best_id [rows] int32, certified [rows] bool)."""
+    best, best_id = ops.candidates_best(d.base_c, d.cand, lat, d.cprep)
+    if d.tau is None:  # every id is a candidate
+        return best_id, jnp.ones(best_id.shape, bool)
+    acc = acc_dtype(dtype)
+    latf = lat.astype(acc)
+    nrm = jnp.sqrt(jnp.sum(latf * latf, axis=1)) * (1 + _SLACK)
+    beta = _beta(d.tau, _upper(jnp.zeros_like(nrm), d.max_norm, nrm), dtype)
+    return best_id, _excluded(beta, d.m, best.astype(acc), best_id)
+
+
+def certified_pick(ops: Ops, logits: jax.Array, lat: jax.Array, w2: jax.Array, cfg: Certified = Certified()):
+    """One pass of the certified mode on given latents (for tests and experiments).
+
+    ``logits`` [N, B, V] (draft slots 1..B-1 are the rows), ``lat`` [rows, r]. Returns (tokens [rows]
+    int32, certified [rows] bool): the candidates' winner where the bound certifies it, else
+    ``ops.full_vocab_pick``'s token (computed for every row here, unlike refine's mode). The tokens
+    equal ``ops.full_vocab_pick(logits, lat, w2)`` by the argument of the module doc.
+    """
+    d = _call_data(ops, logits, w2, min(int(cfg.candidates), logits.shape[2]))
+    best_id, cert = _attempt(ops, d, lat, logits.dtype)
+    return jnp.where(cert, best_id, ops.full_vocab_pick(logits, lat, d.fprep)), cert
+
+
 def certified_passes(ops: Ops, params, logits: jax.Array, xh: jax.Array, anchors: jax.Array, prev_ids: jax.Array,
                      valid: jax.Array, num_passes: int, unroll: bool, cfg: Certified):
     """The K passes of ``refine(..., topc=0, full_vocab=cfg)`` (module doc, "The refine mode").
@@ -427,43 +481,23 @@ def certified_passes(ops: Ops, params, logits: jax.Array, xh: jax.Array, anchors
     ``anchors``/``prev_ids`` [N] int32 in range, ``valid`` [N] bool (rows of invalid blocks never
     count), ``xh`` [N, B, r]. Returns (the block [N, B] int32 after K passes, `CertifiedStats`).
     """
-    if ops.candidates_best is None:
-        raise ValueError(f"full_vocab='certified' needs Ops with candidates_best; {ops.name!r} has none "
-                         "(the vocabulary-sharded steps do not support it)")
     N, B, V = logits.shape
     r = params["w1"].shape[1]
     rows = N * (B - 1)
     dtype = logits.dtype
-    acc = acc_dtype(dtype)
-    _check_rank(r, acc)
-    c = min(int(cfg.candidates), V)
     k_sub = cfg.blocks(N)
     few = 0 < k_sub < N  # a subset scan exists (else a failing pass scans every row)
     r_sub = k_sub * (B - 1)
-    w2 = params["w2"]
-
-    # Once per call.
-    cand, base_c, start = ops.select(logits, c)
-    cprep = ops.topc_prepare(w2, cand)
-    fprep = ops.full_vocab_prepare(w2)
-    if c < V:
-        tau = jnp.min(ref.clean(base_c).astype(acc), axis=1)  # the C-th largest base logit
-        m = _smallest_non_candidate(cand)
-        u_norm = prepare_certified(w2).max_norm
+    d = _call_data(ops, logits, params["w2"], min(int(cfg.candidates), V))  # once per call
     row_valid = jnp.repeat(valid, B - 1)
 
     def latent(blk):
         return ops.latent(params, xh, blk, prev_ids).reshape(rows, r)
 
     def attempt(lat):
-        """The candidates' full-vocab-rule winner, and the valid rows whose bound does not certify it."""
-        best, best_id = ops.candidates_best(base_c, cand, lat, cprep)
-        if c == V:  # every id is a candidate
-            return best_id, jnp.zeros((rows,), bool)
-        latf = lat.astype(acc)
-        nrm = jnp.sqrt(jnp.sum(latf * latf, axis=1)) * (1 + _SLACK)
-        beta = _beta(tau, _upper(jnp.zeros_like(nrm), u_norm, nrm), dtype)
-        return best_id, row_valid & ~_excluded(beta, m, best.astype(acc), best_id)
+        """The candidates' winner, and the valid rows whose bound does not certify it."""
+        best_id, cert = _attempt(ops, d, lat, dtype)
+        return best_id, row_valid & ~cert
 
     def scan_rows(tok_c, fail, lat):
         """The failing rows (at most r_sub) scanned over the whole vocabulary; the rest keep tok_c."""
@@ -471,7 +505,7 @@ def certified_passes(ops: Ops, params, logits: jax.Array, xh: jax.Array, anchors
         q = jnp.minimum(idx, rows - 1)
         src = ((q // (B - 1)) * B + 1 + q % (B - 1)).reshape(k_sub, B - 1)  # their rows of logits [N*B, V]
         src = jnp.concatenate([src[:, :1], src], axis=1)  # slot 0 of each block: a copy, never scored
-        tok = ops.full_vocab_pick(logits.reshape(N * B, V)[src], lat[q], fprep)
+        tok = ops.full_vocab_pick(logits.reshape(N * B, V)[src], lat[q], d.fprep)
         return tok_c.at[idx].set(tok, mode="drop")
 
     def commit(blk, tok):
@@ -498,14 +532,14 @@ def certified_passes(ops: Ops, params, logits: jax.Array, xh: jax.Array, anchors
         branches = [
             lambda a: advance(commit(a[0], a[2]), a[1], a[2], a[3], False, last),
             lambda a: advance(commit(a[0], scan_rows(a[2], a[3], a[1])), a[1], a[2], a[3], False, last),
-            lambda a: advance(commit(a[0], ops.full_vocab_pick(logits, a[1], fprep)), a[1], a[2], a[3], True, last),
+            lambda a: advance(commit(a[0], ops.full_vocab_pick(logits, a[1], d.fprep)), a[1], a[2], a[3], True, last),
         ]
         if not few:  # no subset: outcome 1 cannot occur (n_fail > 0 means full)
             branches[1] = branches[2]
         state = jax.lax.switch(outcome, branches, (blk, lat, tok_c, fail))
         return (*state, full), (tried, certified, outcomes)
 
-    blk = jnp.concatenate([anchors[:, None], start.reshape(N, B - 1)], axis=1)
+    blk = jnp.concatenate([anchors[:, None], d.start.reshape(N, B - 1)], axis=1)
     lat = latent(blk)
     zero = jnp.zeros((), jnp.int32)
     carry = ((blk, lat, *attempt(lat), jnp.zeros((), bool)), (zero, zero, jnp.zeros((3,), jnp.int32)))
