@@ -202,6 +202,9 @@ def main(argv=None):
                     help="folder for bench.jsonl (one line per result, written as it comes), bench.json, bench.md, bench.png")
     ap.add_argument("--small", action="store_true", help="tiny shapes (smoke test on CPU)")
     ap.add_argument("--no-select", action="store_true", help="skip the selection-alone rows")
+    ap.add_argument("--std", type=float, default=0.02,
+                    help="std of the synthetic head's weights (0.02: weak refinement; 0.04-0.06: strong, where the "
+                         "certified mode's bound certifies nothing)")
     args = ap.parse_args(argv)
     for name in ("reps", "walls"):
         if getattr(args, name) < 1:
@@ -223,7 +226,8 @@ def main(argv=None):
         print(f"# note: no GPU ({dev.platform}): Pallas kernels run in interpret mode (slow, for checking only)",
               flush=True)
     meta = dict(date=time.strftime("%Y-%m-%d"), device=dev.device_kind, platform=dev.platform,
-                jax=jax.__version__, shape=shape, K=cfg.num_passes, dtype="bfloat16", wall_only=args.wall_only)
+                jax=jax.__version__, shape=shape, K=cfg.num_passes, dtype="bfloat16", wall_only=args.wall_only,
+                std=args.std, xla_flags=os.environ.get("XLA_FLAGS", ""))
     os.makedirs(args.out, exist_ok=True)
     stream = open(os.path.join(args.out, "bench.jsonl"), "w")
 
@@ -237,7 +241,7 @@ def main(argv=None):
     emit("meta", meta)
     rows, sel = [], []
     for n in ns:
-        problem = make_problem(cfg, n)
+        problem = make_problem(cfg, n, std=args.std)
         loop_us = 0.0
         if not args.wall_only:
             m = chain_length(n, 0, "pallas") if not args.small else 3
@@ -322,7 +326,7 @@ def main(argv=None):
 def to_markdown(meta, rows, backends):
     lines = [f"Device: {meta['device']}, JAX {meta['jax']}, {meta['date']}, K={meta['K']}, bf16, "
              f"V={meta['shape']['vocab_size']} H={meta['shape']['hidden_size']} B={meta['shape']['block_size']} "
-             f"r={meta['shape']['rank']} mlp={meta['shape']['mlp_hidden']}", "",
+             f"r={meta['shape']['rank']} mlp={meta['shape']['mlp_hidden']}, weights std {meta.get('std', 0.02)}", "",
              "device µs = chained device time per refine; net = minus the chain loop's own cost per iteration "
              "(an empty body); wall = one call, host clock.", "",
              "| mode | N | " + " | ".join(f"{b} device (net) µs | {b} wall µs" for b in backends) + " | agreement |",

@@ -64,25 +64,33 @@ Why the tokens are those of ``topc=0`` on the same backend.
   with the config of its own (smaller) row count; on the XLA backend the candidates' einsum and the
   readout GEMM may also sum in different orders. A different order changes a dot by a few float32
   ulps, which changes a token only when two scores lie within that of each other across a rounding
-  boundary (a near tie, `tests/conftest.near_tie_rows`); the tests count such differences and check
-  that every one of them is a near tie. In bf16 they are rare (the bias must sit within ~1e-7 of a
-  bf16 rounding boundary); in float32 and float64 exact dyadic inputs show none.
+  boundary (a near tie, `tests/conftest.near_tie_rows`). `tests/test_certified.py` checks, with the
+  Pallas kernels in interpret mode, that every row where the certified pick differs from the scan is
+  such a near tie; in its CPU runs (XLA and interpret mode; bf16, float32, float64) no token differed.
+  Counting them on the GPU: `benchmarks/bench_refine`'s agreement column for an ``@certified`` backend.
 
-When it is fast, and what a fallback costs (a GPU's view; nothing here was timed on one).
-  A certified pass costs a top-C pass (C candidates' ``w2`` rows) plus a few small XLA ops (a
-  [rows, r] norm, compares) and one conditional; the call adds the top-C selection (it replaces the
-  full mode's argmax start) and one read of ``w2`` for ``M``. A pass whose failing rows fit the
-  subset adds one full-vocab scan of ``scan_blocks`` blocks (about a full-vocab pass at
-  N = ``scan_blocks``: it reads all of ``w2``). A call that falls back at pass p costs the full mode
-  plus the selection (less the argmax start it replaces), p + 1 candidate picks, the ``w2`` norm read,
-  and one conditional per pass: on an H200 that is ~+10% at N=256 (selection ~0.7 ms of 6.6) and,
-  if a conditional costs a while-loop step (~15 µs, RESULTS "Headline"), ~+40% at N=1. The issue's
-  goal (at most 5% over full vocab where pruning fails) is therefore not met at small N with
-  host-synchronised conditionals; XLA's device-side conditionals
-  (``--xla_gpu_enable_command_buffer=...,CONDITIONAL``) are the lever to measure.
-  The bound is Cauchy-Schwarz: at the synthetic serving head (std 0.02, logits N(0, 2)) ~95% of rows
-  certify and the rest take the subset scan; at std >= 0.04 none do and every call falls back after
-  its first pass (benchmarks/RESULTS.md, "Exact mode").
+When it is fast, and what a fallback costs (estimates from benchmarks/RESULTS.md's per-kernel numbers;
+nothing here was timed on a GPU).
+  A certified pass costs a top-C pass (the C candidates' ``w2`` rows) plus small XLA ops (a
+  [rows, r] norm, compares) and one conditional; the call adds the top-C selection (which replaces
+  the scan's argmax start) and one read of ``w2`` for ``M`` (~78 MB in bf16, some 20 µs on an H200:
+  a server could precompute it, but `refine` takes only the params). A pass whose failing rows fit
+  the subset adds a full-vocab scan of ``scan_blocks`` blocks: about a full-vocab pass at
+  N = ``scan_blocks`` (it reads all of ``w2``). A call that falls back at pass p costs the scan mode
+  plus: the selection less the argmax it replaces, p + 1 candidate picks, the ``w2`` norm read, the
+  bound's small ops and one conditional per pass. Without CUDA-graph conditionals XLA:GPU's
+  conditional copies the branch index to the host and waits for the stream (``ConditionalThunk``:
+  the GPU drains, then the branch is launched); if that costs about a while-loop step (9-28 µs,
+  RESULTS "Headline"), at N = 1 the six conditionals alone are ~+25-60% of the 254 µs scan, and the
+  issue's goal (at most 5% over the scan where pruning fails) is not met at small N; at N = 256 the
+  selection (~0.7 ms, less the argmax) and one candidate pick (~0.2 ms) on ~6.6 ms make ~+10%.
+  Both ends are what the H200 run must measure, with and without
+  ``--xla_gpu_enable_command_buffer=...,CONDITIONAL`` (CUDA-graph conditionals, no host wait).
+  The bound is Cauchy-Schwarz, loose by ~sqrt(r): on the synthetic serving head (logits N(0, 2)),
+  std 0.02 certifies 93-97% of rows with C = 512 (the rest take the subset scan every pass) and all
+  with C = 2048; std 0.04 and 0.06 certify none, and every call falls back after its first pass
+  (benchmarks/RESULTS.md, "Exact mode"). Compile: each pass's switch holds the next pass's latent
+  and candidate pick in two of its three branches, so the program is a few times the scan's.
 
 The study's oracle
 ------------------
