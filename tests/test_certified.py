@@ -149,6 +149,18 @@ def test_adversarial_heads_fall_back_and_stay_exact(dtype):
         _check_regime(stats, "fallback")
 
 
+def test_one_pass():
+    """K = 1 (no pass before the last: the loop runs zero times), unrolled and in a loop."""
+    x, cert = _regime(jnp.float32, "row_scan")
+    run = jax.jit(lambda *a, **k: xj.refine(*a, config=CFG, topc=0, backend="xla", num_passes=1, **k),
+                  static_argnames=("full_vocab", "return_stats", "unroll"))
+    want = np.asarray(run(*x))
+    for unroll in (True, False):
+        got, stats = run(*x, full_vocab=cert, return_stats=True, unroll=unroll)
+        np.testing.assert_array_equal(np.asarray(got), want)
+        _check_regime(stats, "row_scan")
+
+
 def test_all_candidates():
     """C >= V: every id is a candidate, every row certifies by construction (no bound needed)."""
     cfg = dataclasses.replace(CFG, vocab_size=97, topc=16)

@@ -542,8 +542,8 @@ def certified_passes(ops: Ops, params, logits: jax.Array, xh: jax.Array, anchors
             lambda a: advance(commit(a[0], scan_rows(a[2], a[3], a[1])), a[1], a[2], a[3], False, last),
             lambda a: advance(commit(a[0], ops.full_vocab_pick(logits, a[1], d.fprep)), a[1], a[2], a[3], True, last),
         ]
-        if not few:  # no subset: outcome 1 cannot occur (n_fail > 0 means full)
-            branches[1] = branches[2]
+        if not few:  # no subset: outcome 1 cannot occur (n_fail > 0 means full): two branches
+            branches, outcome = [branches[0], branches[2]], outcome // 2
         state = jax.lax.switch(outcome, branches, (blk, lat, tok_c, fail))
         return (*state, full), (tried, certified, outcomes)
 
