@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import statistics
@@ -144,6 +145,22 @@ def bench_ops(name, interpret):
     return dataclasses.replace(ops, name=name, **fields) if fields else ops
 
 
+def certified_flag(flag):
+    """"certified" / "certified-c2048" / "certified-c2048-s4" -> `xpress_jax.exact.Certified` (C candidates,
+    scan_blocks S); anything else -> None (not a certified backend)."""
+    from xpress_jax.exact import Certified
+
+    if not flag.startswith("certified"):
+        return None
+    kw = {}
+    for part in flag.removeprefix("certified").split("-")[1:]:
+        key = {"c": "candidates", "s": "scan_blocks"}.get(part[:1])
+        if key is None or not part[1:].isdigit():
+            raise SystemExit(f"bench_refine: {flag!r} must look like certified, certified-c2048 or certified-c2048-s4")
+        kw[key] = int(part[1:])
+    return Certified(**kw)
+
+
 def make_mesh(spec):
     """"mesh2x1" -> a ("data", "model") Mesh of the first 2*1 devices (blocks x vocabulary)."""
     from jax.sharding import Mesh
@@ -173,7 +190,9 @@ def main(argv=None):
                          "Pallas kernels; steps: latent, pick, select), each optionally @meshDxM (xla or pallas: "
                          "xpress_jax.sharded.refine_sharded on a D (blocks) x M (vocabulary) mesh of the first D*M "
                          "devices, inputs and weights placed as it expects) or "
-                         "@loop (passes in a lax.fori_loop instead of unrolled). Default: xla,pallas on a GPU, "
+                         "@loop (passes in a lax.fori_loop instead of unrolled) or @certified[-c<C>][-s<S>] (full "
+                         "vocab as refine(full_vocab=Certified(candidates=C, scan_blocks=S)): same tokens; top-C rows "
+                         "skip it; adds its stats to the row). Default: xla,pallas on a GPU, "
                          "xla elsewhere (pallas off a GPU runs in interpret mode: slow)")
     ap.add_argument("--reps", type=int, default=5, help="timed repeats of each chained measurement (median)")
     ap.add_argument("--walls", type=int, default=20, help="single calls timed for the wall latency (median)")
@@ -183,6 +202,9 @@ def main(argv=None):
                     help="folder for bench.jsonl (one line per result, written as it comes), bench.json, bench.md, bench.png")
     ap.add_argument("--small", action="store_true", help="tiny shapes (smoke test on CPU)")
     ap.add_argument("--no-select", action="store_true", help="skip the selection-alone rows")
+    ap.add_argument("--std", type=float, default=0.02,
+                    help="std of the synthetic head's weights (0.02: weak refinement; 0.04-0.06: strong, where the "
+                         "certified mode's bound certifies nothing)")
     args = ap.parse_args(argv)
     for name in ("reps", "walls"):
         if getattr(args, name) < 1:
@@ -199,11 +221,13 @@ def main(argv=None):
     interpret = not on_gpu  # Pallas-Triton compiles for CUDA GPUs only; elsewhere interpret mode
     impls = {b: bench_ops(b.partition("@")[0], interpret) for b in backends}
     meshes = {b: make_mesh(b.partition("@")[2]) for b in backends if b.partition("@")[2].startswith("mesh")}
+    certs = {b: certified_flag(b.partition("@")[2]) for b in backends}
     if not on_gpu and any(b != "xla" for b in backends):
         print(f"# note: no GPU ({dev.platform}): Pallas kernels run in interpret mode (slow, for checking only)",
               flush=True)
     meta = dict(date=time.strftime("%Y-%m-%d"), device=dev.device_kind, platform=dev.platform,
-                jax=jax.__version__, shape=shape, K=cfg.num_passes, dtype="bfloat16", wall_only=args.wall_only)
+                jax=jax.__version__, shape=shape, K=cfg.num_passes, dtype="bfloat16", wall_only=args.wall_only,
+                std=args.std, xla_flags=os.environ.get("XLA_FLAGS", ""))
     os.makedirs(args.out, exist_ok=True)
     stream = open(os.path.join(args.out, "bench.jsonl"), "w")
 
@@ -217,7 +241,7 @@ def main(argv=None):
     emit("meta", meta)
     rows, sel = [], []
     for n in ns:
-        problem = make_problem(cfg, n)
+        problem = make_problem(cfg, n, std=args.std)
         loop_us = 0.0
         if not args.wall_only:
             m = chain_length(n, 0, "pallas") if not args.small else 3
@@ -228,10 +252,14 @@ def main(argv=None):
             for backend in backends:
                 name, _, flag = backend.partition("@")
                 ops, unroll = impls[backend], False if flag == "loop" else None
+                cert = certs[backend]
+                if cert is not None and topc:
+                    continue  # the certified mode is a way to compute topc=0
                 placed = problem
 
-                def refine_fn(p, l, h, a, ops=ops, topc=topc, unroll=unroll):
-                    return refine_with(ops, p, l, h, a, config=cfg, topc=topc, unroll=unroll)
+                def refine_fn(p, l, h, a, ops=ops, topc=topc, unroll=unroll, cert=cert, stats=False):
+                    return refine_with(ops, p, l, h, a, config=cfg, topc=topc, unroll=unroll,
+                                       full_vocab=cert or "scan", return_stats=stats)
 
                 if backend in meshes:
                     from xpress_jax.sharded import input_shardings, param_shardings, refine_sharded
@@ -257,12 +285,16 @@ def main(argv=None):
                     walls.append(time.perf_counter() - t0)
                 row = dict(N=n, topc=topc, backend=backend, wall_us=statistics.median(walls) * 1e6,
                            walls=args.walls, compile_s=compile_s)
+                if cert is not None:  # the call's certification stats (one more call)
+                    st = jax.jit(functools.partial(refine_fn, stats=True))(*placed)[1]
+                    row.update({k: float(v) for k, v in st._asdict().items()})
                 if not args.wall_only:
                     m = chain_length(n, topc, backend) if not args.small else 3
                     t = time_device(chained(cfg, m, refine_fn=refine_fn), placed, args.reps)
                     row.update(device_us=t / m * 1e6, loop_us=loop_us, net_us=t / m * 1e6 - loop_us, chain=m)
-                if backend != backends[0]:
-                    ref = outs[backends[0]]
+                first = next(iter(outs))  # the first backend run at this topc
+                if backend != first:
+                    ref = outs[first]
                     row["agree"] = float(np.mean(outs[backend] == ref))
                     row["disagree_tokens"] = int(np.sum(outs[backend] != ref))
                 rows.append(row)
@@ -294,7 +326,7 @@ def main(argv=None):
 def to_markdown(meta, rows, backends):
     lines = [f"Device: {meta['device']}, JAX {meta['jax']}, {meta['date']}, K={meta['K']}, bf16, "
              f"V={meta['shape']['vocab_size']} H={meta['shape']['hidden_size']} B={meta['shape']['block_size']} "
-             f"r={meta['shape']['rank']} mlp={meta['shape']['mlp_hidden']}", "",
+             f"r={meta['shape']['rank']} mlp={meta['shape']['mlp_hidden']}, weights std {meta.get('std', 0.02)}", "",
              "device µs = chained device time per refine; net = minus the chain loop's own cost per iteration "
              "(an empty body); wall = one call, host clock.", "",
              "| mode | N | " + " | ".join(f"{b} device (net) µs | {b} wall µs" for b in backends) + " | agreement |",
@@ -302,7 +334,7 @@ def to_markdown(meta, rows, backends):
     keys = sorted({(r["topc"], r["N"]) for r in rows}, key=lambda k: (-k[0], k[1]))
     for topc, n in keys:
         cells = []
-        agree = ""
+        agree = []
         for b in backends:
             r = next((r for r in rows if r["topc"] == topc and r["N"] == n and r["backend"] == b), None)
             if r and "device_us" in r:
@@ -310,9 +342,12 @@ def to_markdown(meta, rows, backends):
             else:
                 cells.append(f"- | {r['wall_us']:.0f}" if r else "- | -")
             if r and "agree" in r:
-                agree = f"{r['agree']:.2%} ({r['disagree_tokens']} differ)"
+                agree.append(f"{b}: {r['agree']:.2%} ({r['disagree_tokens']} differ)")
+            if r and "rows_certified" in r:  # a certified backend: its stats
+                agree.append(f"{b}: rows certified {r['rows_certified']:.1%}, passes certified / row scan / full "
+                             f"{r['passes_certified']:.2f} / {r['passes_row_scan']:.2f} / {r['passes_full_scan']:.2f}")
         mode = "full vocab" if topc == 0 else f"top-{topc}"
-        lines.append(f"| {mode} | {n} | " + " | ".join(cells) + f" | {agree} |")
+        lines.append(f"| {mode} | {n} | " + " | ".join(cells) + f" | {'; '.join(agree)} |")
     return "\n".join(lines) + "\n"
 
 

@@ -136,6 +136,31 @@ class TestTopCPick:
         np.testing.assert_array_equal(_reference(*args), want)  # the oracle obeys the rules as stated
         np.testing.assert_array_equal(np.asarray(self.pick(*args, cfg)), want)
 
+    def test_ties_by_id(self):
+        """``ties="id"`` (the full-vocab rule over the candidates, what the certified exact mode scores): equal
+        scores go to the lowest id, not the larger base logit; ids and partials' scores as
+        `reference.candidates_best` on dyadic inputs (many genuine ties, exact in any summation order)."""
+        cfg = tp.TopCConfig(c_tile=16, c_steps=2, k_tile=8)  # 4 splits over C=100, the last partial
+        base_c, cand, lat, w2 = _inputs(25, 1000, 100, 16, jnp.float32, seed=7, dyadic=True)
+        # Row 0: the best score 3.5 twice, base 3.0 + 0.5 (the lower id) and 3.5 + 0: the rules differ.
+        lo, hi = sorted(np.asarray(cand[0, [7, 70]]).tolist())
+        p_lo, p_hi = (7, 70) if int(cand[0, 7]) == lo else (70, 7)
+        base_c = base_c.at[0, p_lo].set(3.0).at[0, p_hi].set(3.5)
+        lat = lat.at[0].set(0.0).at[0, 0].set(1.0)
+        w2 = w2.at[lo, 0].set(0.5).at[hi, 0].set(0.0)
+        score, want = R.candidates_best(base_c, cand, lat, R.topc_gather(w2, cand))
+        got = tp.topc_pick(base_c, cand, lat, w2, interpret=self.INTERPRET, config=cfg, ties="id")
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        mv, mb, mi = tp.topc_pick(base_c, cand, lat, w2, interpret=self.INTERPRET, config=cfg, ties="id",
+                                  partials=True)
+        s, i = R.best_by_score(mv, mi, axis=0)
+        np.testing.assert_array_equal(np.asarray(i), np.asarray(want))
+        np.testing.assert_array_equal(np.asarray(s), np.asarray(score))
+        assert (np.asarray(mb) == 0).all()
+        assert int(want[0]) == lo and int(self.pick(base_c, cand, lat, w2, cfg)[0]) == hi
+        with pytest.raises(ValueError, match="ties"):
+            tp.topc_pick(base_c, cand, lat, w2, interpret=self.INTERPRET, ties="lowest")
+
     def test_float64_is_refused(self):
         """The kernel refuses float64 (TypeError naming the dtype); refine routes it to the reference."""
         with jax.enable_x64(True):

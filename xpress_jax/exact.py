@@ -1,5 +1,99 @@
-"""Certified exact full-vocabulary picks at (close to) top-C cost: the jnp reference (issue 14).
+"""Certified exact full-vocabulary picks at (close to) top-C cost (issue 14).
 
+Two things live here:
+
+- **The refine mode** ``refine(..., topc=0, full_vocab="certified")`` (`Certified`,
+  `certified_passes`): the tokens of ``topc=0`` (the plain full scan, ``full_vocab="scan"``) from the
+  top-C machinery wherever a cheap bound proves that no other token can win, and a full-vocabulary
+  scan of exactly the rows (or, failing that, the passes) where it cannot.
+- **The study's jnp oracle** (`prepare_exact`, `certified_full_vocab_pick`, `exact_ops`): tighter
+  bounds (block centroids, an int8 copy of ``w2``) checked against the exact scores of the whole
+  vocabulary; it computes every score (no saving) and stays as the reference for later kernels.
+
+The refine mode
+---------------
+Once per call: each draft row's C largest base logits (``ops.select``: the top-C selection, whose
+argmax also starts the block), ``tau`` = the row's C-th largest base logit (NaN as -inf), ``m`` = the
+row's smallest non-candidate id, and ``M`` = ``max_v ||w2[v]|| (1 + 2^-9)`` (`prepare_certified`:
+weight-only, one read of ``w2`` per call). Per pass, per draft row:
+
+1. **Candidates.** ``ops.candidates_best`` scores the C candidates exactly (the top-C pick kernel,
+   ``ties="id"``) and returns their winner **by the full-vocab rule**: ``best`` = the largest score,
+   ``best_id`` = the lowest id holding it (not the top-C rule's larger base logit).
+2. **Bound.** Every non-candidate v has ``base_v <= tau`` and a computed dot ``d_v <= U`` with
+   ``U = ||lat|| M`` plus the rounding slack below, so its full-scan score is at most
+   ``beta = R(fl(tau + R(U)))``. The row is **certified** iff ``beta < best``, or ``beta == best`` and
+   ``m > best_id`` (every non-candidate then scores below ``best`` or ties it with a larger id).
+   The token of a certified row is ``best_id``.
+3. **Fallback.** Let F = the valid rows that are not certified (padding rows, anchor out of range,
+   never count). One ``lax.switch`` per pass: F empty -> the candidates' tokens; F at most
+   ``scan_blocks * (B-1)`` rows -> those rows are gathered and scanned over the whole vocabulary
+   (``ops.full_vocab_pick`` on a [scan_blocks, B, V] copy of their logits), the rest keep the
+   candidates' tokens; more -> the plain full-vocab pick for every row, and every later pass of the
+   call is a plain full-vocab pass (the fallback is sticky: no more candidate picks). The switch
+   also computes the next pass's latent and candidates, so a pass costs one conditional.
+
+Why the tokens are those of ``topc=0`` on the same backend.
+  *The score pipeline is monotone.* The full scan scores v as
+  ``s_v = clean(R(fl(base_v + R(d_v))))``: ``d_v`` the readout dot accumulated in float32 (float64
+  for float64), ``R`` rounding to the logits' dtype (to nearest even: non-decreasing), ``fl`` the
+  accumulation-dtype addition (non-decreasing in each argument), ``clean`` NaN -> -inf. So
+  ``base_v <= tau`` and ``d_v <= U`` give ``s_v <= beta`` (or ``s_v = -inf``): the bound goes through
+  the same two roundings as the score and is compared in the logits' values, never in more precision.
+  *U bounds the computed dot.* For any summation order, FMA or not, split-K included,
+  ``|d_v - lat . w2[v]| <= gamma_r ||lat|| ||w2[v]||`` with ``gamma_r = r u / (1 - r u)`` (Higham,
+  eq. 3.5), so ``d_v <= ||lat|| ||w2[v]|| (1 + gamma_r)``. We require ``r u <= 2^-12`` (r <= 4096 in
+  float32; r = 256 gives ``gamma_r ~ 2^-16``) and store ``M = max_v ||w2[v]|| (1 + 2^-9)``, which
+  covers ``1 + gamma_r`` and the float32 rounding of the norms themselves; ``||lat||`` is computed in
+  float32 and multiplied by ``1 + 2^-10``; ``U = fl(M ||lat||) (1 + 2^-10)`` then exceeds the real
+  product (its own roundings are below 2u of it). A tensor-core accumulator that truncates instead
+  of rounding (error <= 2u per addition) is covered by the same margins many times over. Overflow
+  gives +inf and NaN compares false: such rows are never certified.
+  *Ties at the bound.* The full scan's winner is the largest score, lowest id. With ``beta < best``
+  no non-candidate reaches ``best``; with ``beta == best`` one may tie it, but only with an id
+  ``>= m > best_id``, so it loses the tie. Either way the full scan's winner is the candidates'
+  lowest-id winner. A row whose candidates all score -inf (``best = -inf``) is certified only when
+  ``tau = -inf`` too (every non-candidate scores -inf) and its lowest candidate id is below ``m``:
+  exactly when the full scan also returns that id. NaN or +inf logits need no special case.
+  *Rows that are not certified* get the full-vocab pick itself (the same ``ops`` step, on their rows
+  or on all rows), and a row's pick does not depend on the other rows.
+  *So the tokens equal ``topc=0``'s whenever the candidates' scores are computed bit for bit as the
+  full scan computes them.* The one place they can differ is float32 summation order: on the Pallas
+  backend the candidates are scored by the top-C pick kernel (a per-candidate multiply-and-sum) and
+  the full scan by the tensor-core kernel; a failing row's subset scan runs the full-vocab kernel
+  with the config of its own (smaller) row count; on the XLA backend the candidates' einsum and the
+  readout GEMM may also sum in different orders. A different order changes a dot by a few float32
+  ulps, which changes a token only when two scores lie within that of each other across a rounding
+  boundary (a near tie, `tests/conftest.near_tie_rows`). `tests/test_certified.py` checks, with the
+  Pallas kernels in interpret mode, that every row where the certified pick differs from the scan is
+  such a near tie; in its CPU runs (XLA and interpret mode; bf16, float32, float64) no token differed.
+  Counting them on the GPU: `benchmarks/bench_refine`'s agreement column for an ``@certified`` backend.
+
+When it is fast, and what a fallback costs (estimates from benchmarks/RESULTS.md's per-kernel numbers;
+nothing here was timed on a GPU).
+  A certified pass costs a top-C pass (the C candidates' ``w2`` rows) plus small XLA ops (a
+  [rows, r] norm, compares) and one conditional; the call adds the top-C selection (which replaces
+  the scan's argmax start) and one read of ``w2`` for ``M`` (~78 MB in bf16, some 20 µs on an H200:
+  a server could precompute it, but `refine` takes only the params). A pass whose failing rows fit
+  the subset adds a full-vocab scan of ``scan_blocks`` blocks: about a full-vocab pass at
+  N = ``scan_blocks`` (it reads all of ``w2``). A call that falls back at pass p costs the scan mode
+  plus: the selection less the argmax it replaces, p + 1 candidate picks, the ``w2`` norm read, the
+  bound's small ops and one conditional per pass. Without CUDA-graph conditionals XLA:GPU's
+  conditional copies the branch index to the host and waits for the stream (``ConditionalThunk``:
+  the GPU drains, then the branch is launched); if that costs about a while-loop step (9-28 µs,
+  RESULTS "Headline"), at N = 1 the six conditionals alone are ~+25-60% of the 254 µs scan, and the
+  issue's goal (at most 5% over the scan where pruning fails) is not met at small N; at N = 256 the
+  selection (~0.7 ms, less the argmax) and one candidate pick (~0.2 ms) on ~6.6 ms make ~+10%.
+  Both ends are what the H200 run must measure, with and without
+  ``--xla_gpu_enable_command_buffer=...,CONDITIONAL`` (CUDA-graph conditionals, no host wait).
+  The bound is Cauchy-Schwarz, loose by ~sqrt(r): on the synthetic serving head (logits N(0, 2)),
+  std 0.02 certifies 93-97% of rows with C = 512 (the rest take the subset scan every pass) and all
+  with C = 2048; std 0.04 and 0.06 certify none, and every call falls back after its first pass
+  (benchmarks/RESULTS.md, "Exact mode"). Compile: each pass's switch holds the next pass's latent
+  and candidate pick in two of its three branches, so the program is a few times the scan's.
+
+The study's oracle
+------------------
 `certified_full_vocab_pick` returns, for every draft row, exactly `reference.full_vocab_pick`'s
 token (the argmax of ``float(dtype(base + dtype(lat @ w2.T)))``, lowest vocab id on ties) while
 scoring exactly only what an upper bound cannot exclude:
@@ -71,12 +165,14 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from . import reference as ref
 from .head import acc_dtype, round_to
 from .ops import Ops
 
-__all__ = ["ExactPrepared", "ExactStats", "prepare_exact", "certified_full_vocab_pick", "exact_ops"]
+__all__ = ["FULL_VOCAB", "Certified", "CertifiedStats", "CertifiedPrepared", "resolve_full_vocab", "prepare_certified",
+           "certified_pick", "certified_passes", "ExactPrepared", "ExactStats", "prepare_exact", "certified_full_vocab_pick", "exact_ops"]
 
 _SLACK = 2.0 ** -10
 _RAD = 2.0 ** -9
@@ -249,3 +345,216 @@ def exact_ops(inner: Ops, *, candidates: int = 512, block: int = 64, bits: int =
         full_vocab_prepare=functools.partial(_exact_prepare, block=int(block), bits=int(bits)),
         full_vocab_pick=functools.partial(_exact_full_vocab_pick, candidates=int(candidates),
                                           direct_readout=bool(direct_readout)))
+
+
+# ============================================================================= the refine mode
+
+#: The spellings of `refine`'s ``full_vocab`` (how ``topc=0`` is computed; a `Certified` also works).
+FULL_VOCAB = ("scan", "certified")
+
+
+@dataclasses.dataclass(frozen=True)
+class Certified:
+    """Settings of ``full_vocab="certified"`` (frozen: a static jit argument). None changes a token.
+
+    candidates: C, the candidates scored exactly per draft row each pass (its C largest base logits;
+      clamped to V). A top-C pass's cost; a larger C certifies more rows (a lower ``tau``) at a
+      higher cost per pass.
+    scan_blocks: how many blocks' worth of rows (B-1 rows each) one pass may scan over the whole
+      vocabulary when their bound fails before the pass (and the rest of the call) falls back to the
+      plain full-vocab pick; ``None``: ``ceil(N / 8)``; ``0``: any failing row falls back. At or above
+      N the subset is every row: a failing pass then scans all rows (and falls back).
+    """
+
+    candidates: int = 512
+    scan_blocks: int | None = None
+
+    def __post_init__(self):
+        c = self.candidates
+        if isinstance(c, bool) or not isinstance(c, (int, np.integer)) or c < 1:
+            raise ValueError(f"Certified: candidates must be an int >= 1, got {c!r}")
+        s = self.scan_blocks
+        if s is not None and (isinstance(s, bool) or not isinstance(s, (int, np.integer)) or s < 0):
+            raise ValueError(f"Certified: scan_blocks must be None or an int >= 0, got {s!r}")
+
+    def blocks(self, n: int) -> int:
+        """The scan_blocks used at N blocks."""
+        return -(-n // 8) if self.scan_blocks is None else int(self.scan_blocks)
+
+
+def resolve_full_vocab(full_vocab) -> Certified | None:
+    """``"scan"`` -> None (the plain full scan), ``"certified"`` -> ``Certified()``, a `Certified` ->
+    itself; anything else raises ValueError naming ``full_vocab``."""
+    if isinstance(full_vocab, Certified):
+        return full_vocab
+    if isinstance(full_vocab, str) and full_vocab in FULL_VOCAB:
+        return None if full_vocab == "scan" else Certified()
+    raise ValueError(f"full_vocab must be one of {FULL_VOCAB} or an xpress_jax.exact.Certified, got {full_vocab!r}")
+
+
+class CertifiedPrepared(NamedTuple):
+    """Weight-only data of the certified mode (`prepare_certified`)."""
+
+    max_norm: jax.Array  # [] accumulation dtype: M = max_v ||w2[v]|| (1 + 2^-9), the dot-error margin folded in
+
+
+class CertifiedStats(NamedTuple):
+    """Per-call counters of the certified mode (float32 scalars; `refine(..., return_stats=True)`).
+
+    Valid rows only (a row whose anchor or prev id is out of range is padding and never counts).
+    """
+
+    rows_certified: jax.Array  # certified rows / rows tried (the rows of the passes that scored candidates; 1 if none)
+    passes_certified: jax.Array  # fraction of the K passes in which every row certified (no scan at all)
+    passes_row_scan: jax.Array  # fraction of passes that scanned only their failing rows (scan_blocks)
+    passes_full_scan: jax.Array  # fraction of passes that ran the plain full-vocab pick (the fallback and every pass after it)
+
+
+def prepare_certified(w2: jax.Array) -> CertifiedPrepared:
+    """[V, r] -> `CertifiedPrepared`: ``M = max_v ||w2[v]|| (1 + 2^-9)`` in the accumulation dtype.
+
+    Weights only: `refine` computes it once per call (one read of ``w2``); a server could keep it
+    with the loaded params. Refuses ranks too large for the margins (``r u > 2^-12``)."""
+    acc = acc_dtype(w2.dtype)
+    _check_rank(w2.shape[1], acc)
+    w = w2.astype(acc)
+    return CertifiedPrepared(jnp.max(jnp.sqrt(jnp.sum(w * w, axis=1))) * (1 + _RAD))
+
+
+def _smallest_non_candidate(cand: jax.Array) -> jax.Array:
+    """[rows, C] distinct ids -> [rows] int32: the smallest id >= 0 that is not a candidate (<= C)."""
+    rows, c = cand.shape
+    present = jnp.zeros((rows, c + 1), bool).at[jnp.arange(rows)[:, None], jnp.minimum(cand, c)].set(True)
+    return jnp.argmin(present, axis=1).astype(jnp.int32)  # the first False
+
+
+class _CallData(NamedTuple):
+    """What the certified mode computes once per call (module doc, "The refine mode")."""
+
+    cand: jax.Array  # [rows, C] int32
+    base_c: jax.Array  # [rows, C]
+    start: jax.Array  # [rows] int32: the full-vocab argmax of the base logits
+    cprep: object  # ops.topc_prepare(w2, cand)
+    fprep: object  # ops.full_vocab_prepare(w2)
+    tau: jax.Array | None  # [rows] accumulation dtype: the C-th largest base logit (None: C = V)
+    m: jax.Array | None  # [rows] int32: the smallest non-candidate id
+    max_norm: jax.Array | None  # [] M
+
+
+def _call_data(ops: Ops, logits: jax.Array, w2: jax.Array, c: int) -> _CallData:
+    if ops.candidates_best is None:
+        raise ValueError(f"full_vocab='certified' needs Ops with candidates_best; {ops.name!r} has none "
+                         "(the vocabulary-sharded steps do not support it)")
+    acc = acc_dtype(logits.dtype)
+    _check_rank(w2.shape[1], acc)
+    cand, base_c, start = ops.select(logits, c)
+    tau = m = max_norm = None
+    if c < logits.shape[2]:
+        tau = jnp.min(ref.clean(base_c).astype(acc), axis=1)
+        m = _smallest_non_candidate(cand)
+        max_norm = prepare_certified(w2).max_norm
+    return _CallData(cand, base_c, start, ops.topc_prepare(w2, cand), ops.full_vocab_prepare(w2), tau, m, max_norm)
+
+
+def _attempt(ops: Ops, d: _CallData, lat: jax.Array, dtype):
+    """The candidates' full-vocab-rule winner and, per row, whether the bound certifies it:
+    (best_id [rows] int32, certified [rows] bool)."""
+    best, best_id = ops.candidates_best(d.base_c, d.cand, lat, d.cprep)
+    if d.tau is None:  # every id is a candidate
+        return best_id, jnp.ones(best_id.shape, bool)
+    acc = acc_dtype(dtype)
+    latf = lat.astype(acc)
+    nrm = jnp.sqrt(jnp.sum(latf * latf, axis=1)) * (1 + _SLACK)
+    beta = _beta(d.tau, _upper(jnp.zeros_like(nrm), d.max_norm, nrm), dtype)
+    return best_id, _excluded(beta, d.m, best.astype(acc), best_id)
+
+
+def certified_pick(ops: Ops, logits: jax.Array, lat: jax.Array, w2: jax.Array, cfg: Certified = Certified()):
+    """One pass of the certified mode on given latents (for tests and experiments).
+
+    ``logits`` [N, B, V] (draft slots 1..B-1 are the rows), ``lat`` [rows, r]. Returns (tokens [rows]
+    int32, certified [rows] bool): the candidates' winner where the bound certifies it, else
+    ``ops.full_vocab_pick``'s token (computed for every row here, unlike refine's mode). The tokens
+    equal ``ops.full_vocab_pick(logits, lat, w2)`` by the argument of the module doc.
+    """
+    d = _call_data(ops, logits, w2, min(int(cfg.candidates), logits.shape[2]))
+    best_id, cert = _attempt(ops, d, lat, logits.dtype)
+    return jnp.where(cert, best_id, ops.full_vocab_pick(logits, lat, d.fprep)), cert
+
+
+def certified_passes(ops: Ops, params, logits: jax.Array, xh: jax.Array, anchors: jax.Array, prev_ids: jax.Array,
+                     valid: jax.Array, num_passes: int, unroll: bool, cfg: Certified):
+    """The K passes of ``refine(..., topc=0, full_vocab=cfg)`` (module doc, "The refine mode").
+
+    ``anchors``/``prev_ids`` [N] int32 in range, ``valid`` [N] bool (rows of invalid blocks never
+    count), ``xh`` [N, B, r]. Returns (the block [N, B] int32 after K passes, `CertifiedStats`).
+    """
+    N, B, V = logits.shape
+    r = params["w1"].shape[1]
+    rows = N * (B - 1)
+    dtype = logits.dtype
+    k_sub = cfg.blocks(N)
+    few = 0 < k_sub < N  # a subset scan exists (else a failing pass scans every row)
+    r_sub = k_sub * (B - 1)
+    d = _call_data(ops, logits, params["w2"], min(int(cfg.candidates), V))  # once per call
+    row_valid = jnp.repeat(valid, B - 1)
+
+    def latent(blk):
+        return ops.latent(params, xh, blk, prev_ids).reshape(rows, r)
+
+    def attempt(lat):
+        """The candidates' winner, and the valid rows whose bound does not certify it."""
+        best_id, cert = _attempt(ops, d, lat, dtype)
+        return best_id, row_valid & ~cert
+
+    def scan_rows(tok_c, fail, lat):
+        """The failing rows (at most r_sub) scanned over the whole vocabulary; the rest keep tok_c."""
+        idx = jnp.nonzero(fail, size=r_sub, fill_value=rows)[0].astype(jnp.int32)  # failing rows, then none
+        q = jnp.minimum(idx, rows - 1)
+        src = ((q // (B - 1)) * B + 1 + q % (B - 1)).reshape(k_sub, B - 1)  # their rows of logits [N*B, V]
+        src = jnp.concatenate([src[:, :1], src], axis=1)  # slot 0 of each block: a copy, never scored
+        tok = ops.full_vocab_pick(logits.reshape(N * B, V)[src], lat[q], d.fprep)
+        return tok_c.at[idx].set(tok, mode="drop")
+
+    def commit(blk, tok):
+        return blk.at[:, 1:].set(tok.reshape(N, B - 1))
+
+    def advance(blk, lat, tok_c, fail, fallen: bool, last: bool):
+        """After a pass: the next pass's latent and (unless the call fell back) its candidates."""
+        if last:
+            return blk, lat, tok_c, fail
+        lat = latent(blk)
+        if fallen:
+            return blk, lat, tok_c, jnp.zeros_like(fail)
+        return (blk, lat, *attempt(lat))
+
+    def step(carry, last: bool):
+        (blk, lat, tok_c, fail, fallen), (tried, certified, outcomes) = carry
+        n_fail = jnp.sum(fail, dtype=jnp.int32)
+        full = fallen | (n_fail > (r_sub if few else 0))
+        outcome = jnp.where(full, 2, jnp.where(n_fail == 0, 0, 1)).astype(jnp.int32)  # ok / rows / full
+        n_valid = jnp.sum(row_valid, dtype=jnp.int32)
+        tried = tried + jnp.where(fallen, 0, n_valid)
+        certified = certified + jnp.where(fallen, 0, n_valid - n_fail)
+        outcomes = outcomes + (jnp.arange(3) == outcome).astype(jnp.int32)
+        branches = [
+            lambda a: advance(commit(a[0], a[2]), a[1], a[2], a[3], False, last),
+            lambda a: advance(commit(a[0], scan_rows(a[2], a[3], a[1])), a[1], a[2], a[3], False, last),
+            lambda a: advance(commit(a[0], ops.full_vocab_pick(logits, a[1], d.fprep)), a[1], a[2], a[3], True, last),
+        ]
+        if not few:  # no subset: outcome 1 cannot occur (n_fail > 0 means full): two branches
+            branches, outcome = [branches[0], branches[2]], outcome // 2
+        state = jax.lax.switch(outcome, branches, (blk, lat, tok_c, fail))
+        return (*state, full), (tried, certified, outcomes)
+
+    blk = jnp.concatenate([anchors[:, None], d.start.reshape(N, B - 1)], axis=1)
+    lat = latent(blk)
+    zero = jnp.zeros((), jnp.int32)
+    carry = ((blk, lat, *attempt(lat), jnp.zeros((), bool)), (zero, zero, jnp.zeros((3,), jnp.int32)))
+    carry = jax.lax.fori_loop(0, num_passes - 1, lambda _, cr: step(cr, False), carry, unroll=unroll)
+    (blk, *_), (tried, certified, outcomes) = step(carry, True)
+    frac = outcomes.astype(jnp.float32) / num_passes
+    stats = CertifiedStats(
+        rows_certified=jnp.where(tried > 0, certified.astype(jnp.float32) / jnp.maximum(tried, 1), 1.0),
+        passes_certified=frac[0], passes_row_scan=frac[1], passes_full_scan=frac[2])
+    return blk, stats

@@ -30,6 +30,10 @@ The steps (static shapes; ``rows`` = N * (B-1) draft rows):
 - ``full_vocab_best(logits, lat, prepared) -> (score [rows] f32, id [rows] int32)`` and
   ``topc_best(base_c, cand, lat, prepared) -> (score, base, id)``: the picks with the winner's
   values, for callers that combine winners across devices (`xpress_jax.sharded`).
+- ``candidates_best(base_c, cand, lat, prepared) -> (score [rows] f32, id [rows] int32)``: the
+  candidates' winner by the **full-vocab** rule (largest score, lowest id; the base logit plays no
+  part), ``prepared`` from ``topc_prepare``: what the certified exact mode (`xpress_jax.exact`)
+  scores each pass. ``None`` where an implementation lacks it (the vocabulary-sharded steps).
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ class Ops:
     start: Callable[..., Any]
     full_vocab_best: Callable[..., Any]
     topc_best: Callable[..., Any]
+    candidates_best: Callable[..., Any] | None = None
 
     @staticmethod
     def xla(platform: str = "cpu") -> "Ops":
@@ -94,6 +99,7 @@ def _xla_ops(platform: str) -> Ops:
         start=ref.full_vocab_start,
         full_vocab_best=functools.partial(_xla_full_vocab_best, direct_readout=platform == "gpu"),
         topc_best=ref.topc_pick_best,
+        candidates_best=ref.candidates_best,
     )
 
 
@@ -110,6 +116,7 @@ def _pallas_ops(interpret: bool) -> Ops:
         start=ref.full_vocab_start,
         full_vocab_best=functools.partial(_pallas_full_vocab, interpret=interpret, best=True),
         topc_best=functools.partial(_pallas_topc, interpret=interpret, best=True),
+        candidates_best=functools.partial(_pallas_topc, interpret=interpret, best=True, ties="id"),
     )
 
 
@@ -155,18 +162,25 @@ def _pallas_topc_prepare(w2, cand):
     return ref.topc_gather(w2, cand) if jnp.dtype(w2.dtype) == jnp.float64 else w2
 
 
-def _pallas_topc(base_c, cand, lat, prepared, *, interpret, best):
+def _pallas_topc(base_c, cand, lat, prepared, *, interpret, best, ties="base"):
     """`topc_pick` (``best=False``: ids, the combine kernel) or `topc_best` (``best=True``: the
-    splits' (score, base, id) winners from the kernel, combined by the same rule in XLA)."""
+    splits' (score, base, id) winners from the kernel, combined by the same rule in XLA), or, with
+    ``ties="id"``, `candidates_best` (the splits' (score, id) winners by the full-vocab rule)."""
     from .kernels import topc_pick
 
+    by_id = ties == "id"
     if prepared.ndim == 3:  # float64: w2[cand], the jnp path
+        if by_id:
+            return ref.candidates_best(base_c, cand, lat, prepared)
         return (ref.topc_pick_best if best else ref.topc_pick)(base_c, cand, lat, prepared)
     rows, c = base_c.shape
     v, r = prepared.shape
     # The plan by draft rows: N = rows, B = 2 gives the same row count.
     p = _plan(rows, 2, v, r, c, base_c.dtype, interpret)
-    out = topc_pick.topc_pick(base_c, cand, lat, prepared, config=p.topc, interpret=interpret, partials=best)
+    out = topc_pick.topc_pick(base_c, cand, lat, prepared, config=p.topc, interpret=interpret, partials=best,
+                              ties=ties)
+    if by_id:
+        return ref.best_by_score(out[0], out[2], axis=0)
     return ref.best_by_topc_rule(*out, axis=0) if best else out
 
 

@@ -32,6 +32,8 @@ __all__ = [
     "topc_gather",
     "topc_pick",
     "topc_pick_best",
+    "topc_scores",
+    "candidates_best",
     "best_by_score",
     "best_by_topc_rule",
 ]
@@ -152,18 +154,28 @@ def topc_pick(base_c: jax.Array, cand: jax.Array, lat: jax.Array, w2c: jax.Array
     so that it does not depend on the order of the candidates: the largest s wins; among
     equal s the larger base logit; among equal base logits the lowest vocab id.
     """
-    return topc_winner(_topc_scores(base_c, lat, w2c), clean(base_c), cand)
+    return topc_winner(topc_scores(base_c, lat, w2c), clean(base_c), cand)
 
 
 def topc_pick_best(base_c: jax.Array, cand: jax.Array, lat: jax.Array, w2c: jax.Array):
     """`topc_pick` with the winner's score and base logit: (score, base, id), [rows] each
     (float32, float32, int32)."""
     acc = acc_dtype(base_c.dtype)
-    s, b, i = best_by_topc_rule(_topc_scores(base_c, lat, w2c), clean(base_c), cand)
+    s, b, i = best_by_topc_rule(topc_scores(base_c, lat, w2c), clean(base_c), cand)
     return s.astype(acc), b.astype(acc), i
 
 
-def _topc_scores(base_c, lat, w2c):
+def candidates_best(base_c: jax.Array, cand: jax.Array, lat: jax.Array, w2c: jax.Array):
+    """The candidates' winner by the **full-vocab** rule (largest score, lowest vocab id among equal
+    scores; the base logit plays no part): (score [rows] float32, id [rows] int32). What a certified
+    exact pick (`xpress_jax.exact`) needs from the candidates."""
+    s, i = best_by_score(topc_scores(base_c, lat, w2c), cand)
+    return s.astype(acc_dtype(base_c.dtype)), i
+
+
+def topc_scores(base_c: jax.Array, lat: jax.Array, w2c: jax.Array) -> jax.Array:
+    """[rows,C], [rows,r], w2c [rows,C,r] -> [rows,C]: each candidate's score
+    ``float(dtype(base_c + dtype(lat . w2[cand])))`` (NaN as -inf), in the logits' dtype."""
     acc = acc_dtype(base_c.dtype)
     bias_c = round_to(jnp.einsum(
         "nr,ncr->nc", lat, w2c, precision=precision_for(lat.dtype), preferred_element_type=acc

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .config import HeadConfig
+from .exact import certified_passes, resolve_full_vocab
 from .head import hidden_input
 from .ops import Ops
 from .params import Head, check_params
@@ -28,7 +29,8 @@ INVALID_TOKEN = -1
 BACKENDS = ("auto", "xla", "pallas")
 
 #: The keyword arguments of `refine` that must be static under ``jax.jit``.
-STATIC = ("num_passes", "topc", "max_num_reqs", "config", "backend", "interpret", "unroll")
+STATIC = ("num_passes", "topc", "max_num_reqs", "config", "backend", "interpret", "unroll", "full_vocab",
+          "return_stats")
 
 
 def _is_concrete(x: Any) -> bool:
@@ -115,6 +117,8 @@ def refine(
     backend: str = "auto",
     interpret: bool = False,
     unroll: bool | None = None,
+    full_vocab: Any = "scan",
+    return_stats: bool = False,
 ) -> jax.Array:
     """Refine N draft blocks with K greedy Jacobi passes; returns the draft [N, B-1] int32.
 
@@ -139,6 +143,13 @@ def refine(
       interpret: run Pallas kernels in interpret mode (CPU tests).
       unroll: unroll the K passes instead of a ``lax.fori_loop`` (same tokens). Default:
         unrolled on GPUs (an XLA while loop costs several µs per iteration there), a loop elsewhere.
+      full_vocab: how ``topc=0`` is computed (the same tokens either way; unused when ``topc > 0``):
+        ``"scan"`` (every pass scores the whole vocabulary) or ``"certified"`` (each pass scores the
+        C=512 largest base logits and proves with a bound that no other token can win; rows the bound
+        cannot certify are scanned; `xpress_jax.exact`, README "Certified exact mode"). A
+        `xpress_jax.exact.Certified` sets its candidate count and scan budget.
+      return_stats: with ``full_vocab="certified"`` (and ``topc=0``) return ``(tokens,
+        xpress_jax.exact.CertifiedStats)``: the fraction of rows certified and of passes that scanned.
 
     No silent defaults: the config (from the `Head` or ``config=``) is the only source of
     ``num_passes`` and ``topc``. With a plain dict and no config both must be given, else
@@ -160,12 +171,14 @@ def refine(
     marked with anchor -1.
 
     Use under jit with ``static_argnames=xpress_jax.STATIC_ARGNAMES`` (``num_passes``,
-    ``topc``, ``max_num_reqs``, ``config``, ``backend``, ``interpret``, ``unroll``); a
+    ``topc``, ``max_num_reqs``, ``config``, ``backend``, ``interpret``, ``unroll``, ``full_vocab``,
+    ``return_stats``); a
     `Head` argument needs nothing more (its config is static pytree aux data).
     """
     check_backend(backend, interpret)
     return _run(_select_ops(backend, interpret), params, logits, h, anchors, prev_ids, num_passes=num_passes,
-                topc=topc, max_num_reqs=max_num_reqs, config=config, unroll=unroll)
+                topc=topc, max_num_reqs=max_num_reqs, config=config, unroll=unroll, full_vocab=full_vocab,
+                return_stats=return_stats)
 
 
 def _platform() -> str:
@@ -204,26 +217,35 @@ def _select_ops(backend: str, interpret: bool) -> Ops:
 
 def refine_with(ops: Ops, params, logits, h, anchors, prev_ids=None, *, num_passes: int | None = None,
                 topc: int | None = None, max_num_reqs: int | None = None, config: HeadConfig | None = None,
-                unroll: bool | None = None) -> jax.Array:
+                unroll: bool | None = None, full_vocab: Any = "scan", return_stats: bool = False) -> jax.Array:
     """`refine` with an explicit `xpress_jax.ops.Ops` instead of ``backend`` (documented internal:
     benchmarks and experiments build mixed implementations with `dataclasses.replace`).
 
     Same arguments, validation, defaults and result as `refine`. Static under ``jit``: ``ops``
-    (hashable), ``num_passes``, ``topc``, ``max_num_reqs``, ``config``, ``unroll``.
+    (hashable), ``num_passes``, ``topc``, ``max_num_reqs``, ``config``, ``unroll``, ``full_vocab``,
+    ``return_stats``.
     """
     if not isinstance(ops, Ops):
         raise TypeError(f"ops must be an xpress_jax.ops.Ops, got {type(ops).__name__}")
     return _run(ops, params, logits, h, anchors, prev_ids, num_passes=num_passes, topc=topc,
-                max_num_reqs=max_num_reqs, config=config, unroll=unroll)
+                max_num_reqs=max_num_reqs, config=config, unroll=unroll, full_vocab=full_vocab,
+                return_stats=return_stats)
 
 
 def _run(ops: Ops, params, logits, h, anchors, prev_ids=None, *, num_passes=None, topc=None, max_num_reqs=None,
-         config=None, unroll=None):
+         config=None, unroll=None, full_vocab="scan", return_stats=False):
     """Resolve the config's defaults, validate, and run `_refine` with ``ops`` (`refine`'s body)."""
+    certified = resolve_full_vocab(full_vocab)
+    if not isinstance(return_stats, bool):
+        raise TypeError(f"return_stats must be a bool, got {return_stats!r}")
     params, prev_ids, num_passes, topc, unroll = resolve_call(
         params, logits, h, anchors, prev_ids, num_passes=num_passes, topc=topc, max_num_reqs=max_num_reqs,
         config=config, unroll=unroll)
-    return _refine(ops, params, logits, h, anchors, prev_ids, num_passes, topc, unroll)
+    if return_stats and (topc or certified is None):
+        raise ValueError(f"return_stats=True reports the certified mode: it needs topc=0 and "
+                         f"full_vocab='certified' (got topc={topc}, full_vocab={full_vocab!r})")
+    return _refine(ops, params, logits, h, anchors, prev_ids, num_passes, topc, unroll,
+                   certified=None if topc else certified, return_stats=return_stats)
 
 
 def resolve_call(params, logits, h, anchors, prev_ids=None, *, num_passes=None, topc=None, max_num_reqs=None,
@@ -258,9 +280,12 @@ def resolve_call(params, logits, h, anchors, prev_ids=None, *, num_passes=None, 
     return params, prev_ids, int(num_passes), int(topc), bool(unroll)
 
 
-def _refine(ops: Ops, params, logits, h, anchors, prev_ids, num_passes, topc, unroll=False, vocab_size=None):
+def _refine(ops: Ops, params, logits, h, anchors, prev_ids, num_passes, topc, unroll=False, vocab_size=None,
+            certified=None, return_stats=False):
     """The data path. ``vocab_size``: the global V when ``logits``, ``w1`` and ``w2`` hold one
-    vocabulary shard (`xpress_jax.sharded`; then ``ops`` combines across shards)."""
+    vocabulary shard (`xpress_jax.sharded`; then ``ops`` combines across shards). ``certified``: a
+    `xpress_jax.exact.Certified` runs the full-vocab passes certified (`exact.certified_passes`);
+    ``return_stats`` then also returns its `exact.CertifiedStats`."""
     N, B, V = logits.shape
     V = V if vocab_size is None else vocab_size
     r = params["w1"].shape[1]
@@ -272,6 +297,11 @@ def _refine(ops: Ops, params, logits, h, anchors, prev_ids, num_passes, topc, un
     prev_ids = jnp.where(valid, prev_ids, 0).astype(jnp.int32)
 
     xh = hidden_input(params, h)  # [N, B, r], once per call
+
+    if certified is not None and not topc:
+        blk, stats = certified_passes(ops, params, logits, xh, anchors, prev_ids, valid, num_passes, unroll, certified)
+        out = jnp.where(valid[:, None], blk[:, 1:], INVALID_TOKEN)
+        return (out, stats) if return_stats else out
 
     if topc:
         cand, base_c, start = ops.select(logits, topc)

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .config import HeadConfig
+from .exact import resolve_full_vocab
 from .params import PARAM_NAMES, Head, check_params, param_shapes
 from .refine import BACKENDS, INVALID_TOKEN, check_backend, refine
 
@@ -82,6 +83,9 @@ class RefineServer:
     ``input_specs(bucket)`` / ``input_shardings(bucket)`` and ``param_shardings`` say where inputs
     and weights must lie (a bucket the data axis does not divide takes its inputs replicated over
     it, and `refine_sharded` pads inside).
+
+    ``full_vocab``: `refine`'s option for ``topc=0`` (``"scan"`` or ``"certified"``, or a
+    `xpress_jax.exact.Certified`; same tokens); one device only (a mesh takes ``"scan"``).
     """
 
     def __init__(
@@ -97,6 +101,7 @@ class RefineServer:
         topc: int | None = None,
         interpret: bool = False,
         progress: bool = True,
+        full_vocab: Any = "scan",
     ):
         if not isinstance(head, Head):
             raise TypeError(
@@ -105,6 +110,10 @@ class RefineServer:
                 "or build it with RefineServer.from_checkpoint(path)"
             )
         check_backend(backend, interpret)
+        resolve_full_vocab(full_vocab)  # ValueError naming full_vocab
+        if mesh is not None and full_vocab != "scan":
+            raise ValueError(f"full_vocab={full_vocab!r} runs on one device; with a mesh use full_vocab='scan'")
+        self.full_vocab = full_vocab
         config = head.config
         self.config: HeadConfig = config
         self.num_passes = config.num_passes if num_passes is None else num_passes
@@ -181,6 +190,8 @@ class RefineServer:
     def _serve_fn(self):
         config, kw = self.config, dict(num_passes=self.num_passes, topc=self.topc, backend=self.backend,
                                         interpret=self.interpret)
+        if self.mesh is None:
+            kw["full_vocab"] = self.full_vocab
         mesh = self.mesh
         if mesh is not None:
             from . import sharded

@@ -23,6 +23,10 @@ best (score, base logit, vocab id) in that order. With ``splits == 1`` that is t
 answer (one launch); otherwise `combine_splits` reduces the splits (a second launch,
 but ``rows * splits`` programs keep the GPU busy at small N).
 
+``ties="id"`` (static) breaks equal scores by the **lowest vocab id** alone (the full-vocabulary rule,
+applied to the candidates: what a certified exact pick needs from them); the base logit then plays no
+part in the order.
+
 The bias sums in another order than XLA's einsum, so a bias within an ulp of a
 rounding boundary can round differently: tokens can differ from the reference
 only at such near ties. Float64 is refused (``TypeError``); `xpress_jax` routes it to the jnp reference.
@@ -41,7 +45,7 @@ from jax.experimental.pallas import triton as plt
 from . import common
 from .common import BIG, cdiv, iota, k_chunk, next_pow2, score
 
-__all__ = ["TopCConfig", "default_config", "topc_pick", "combine_splits"]
+__all__ = ["TopCConfig", "TIES", "default_config", "topc_pick", "combine_splits"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,6 +127,7 @@ def _topc_kernel(
     c_steps: int,
     k_tile: int,
     dtype,
+    ties: str = "base",
 ):
     n, j = pl.program_id(0), pl.program_id(1)
     n_k = cdiv(rank, k_tile)
@@ -161,6 +166,8 @@ def _topc_kernel(
         s = jnp.where(ok, score(b, acc.astype(dtype), dtype), -jnp.inf)
         bf = b.astype(jnp.float32)
         bf = jnp.where(ok & (bf == bf), bf, -jnp.inf)  # NaN base (and masked lanes) rank as -inf
+        if ties == "id":  # every real candidate ranks alike on base: equal scores go to the lowest id
+            bf = jnp.where(ok, 0.0, -jnp.inf)
         return _merge3(*carry, *_best3(s, bf, jnp.where(ok, ids, BIG), axis=0))
 
     init = (jnp.array(-jnp.inf, jnp.float32), jnp.array(-jnp.inf, jnp.float32), jnp.array(BIG, jnp.int32))
@@ -170,7 +177,10 @@ def _topc_kernel(
     mi_ref[...] = bidx
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "config", "partials"))
+TIES = ("base", "id")
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "config", "partials", "ties"))
 def topc_pick(
     base_c: jax.Array,
     cand: jax.Array,
@@ -180,6 +190,7 @@ def topc_pick(
     interpret: bool = False,
     config: TopCConfig | None = None,
     partials: bool = False,
+    ties: str = "base",
 ) -> jax.Array | tuple[jax.Array, jax.Array, jax.Array]:
     """[rows,C], [rows,C] int, [rows,r], [V,r] -> [rows] int32 vocab ids.
 
@@ -187,7 +198,12 @@ def topc_pick(
     ``partials=True``: skip the combine and return each split's winner
     ``(score, base logit, id)``, each [splits, rows] (float32, float32, int32), for the caller to
     combine by the same rule (e.g. across vocabulary shards).
+    ``ties``: ``"base"`` (vLLM's top-C rule: equal scores go to the larger base logit, then the lowest
+    id) or ``"id"`` (the full-vocab rule: equal scores go to the lowest id; the partials' base logit is
+    then 0 for every split, and combining by either rule gives the lowest id).
     """
+    if ties not in TIES:
+        raise ValueError(f"ties must be one of {TIES}, got {ties!r}")
     if base_c.ndim != 2 or cand.shape != base_c.shape or lat.ndim != 2 or lat.shape[0] != base_c.shape[0]:
         raise ValueError(
             f"need base_c [rows,C], cand [rows,C], lat [rows,r]; got {base_c.shape=} {cand.shape=} {lat.shape=}"
@@ -207,7 +223,7 @@ def topc_pick(
     k_tile = k_chunk(cfg.k_tile, rank)
     splits = cdiv(c, cfg.c_tile * cfg.c_steps)
     kernel = functools.partial(
-        _topc_kernel, c=c, rank=rank, c_tile=cfg.c_tile, c_steps=cfg.c_steps, k_tile=k_tile, dtype=dtype
+        _topc_kernel, c=c, rank=rank, c_tile=cfg.c_tile, c_steps=cfg.c_steps, k_tile=k_tile, dtype=dtype, ties=ties
     )
     rows_pad = cdiv(rows, 16) * 16  # padding rows are never written; combine_splits gets >= 16-row tiles
     out_spec = pl.BlockSpec((None, None), lambda n, j: (j, n))

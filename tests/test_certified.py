@@ -1,0 +1,378 @@
+"""The certified exact full-vocab mode: ``refine(..., topc=0, full_vocab="certified")`` (`xpress_jax.exact`).
+
+Its tokens must equal ``full_vocab="scan"`` on the same backend; every test also checks, through the
+call's stats (or the pick's certified mask), that the path it means to test is the one taken.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import xpress_jax as xj
+from xpress_jax import reference as ref
+from xpress_jax.exact import Certified, CertifiedStats, certified_pick, prepare_certified
+from xpress_jax.ops import Ops
+from xpress_jax.refine import refine_with
+
+DTYPES = [jnp.bfloat16, jnp.float32]
+V, H, B, R, K = 2000, 48, 6, 32, 3
+CFG = xj.HeadConfig(vocab_size=V, hidden_size=H, block_size=B, rank=R, mlp_hidden=32, topc=16, num_passes=K)
+
+# Three regimes (N=8 blocks, 40 draft rows): a peaked drafter (16 ids per row at 6 + 0.5 N(0,1) over N(0,1):
+# refinement reorders them, and the C=32 candidates leave every other id far below) -> every row certifies;
+# N(0, 2) logits with a std 0.1 head and 32 candidates -> 5-10% of rows fail each pass and fit the subset scan
+# (3 blocks = 15 rows); std 0.3 -> the bound certifies nothing: the call falls back after its first pass.
+REGIMES = {
+    "certified": (0.1, True, Certified(candidates=32)),
+    "row_scan": (0.1, False, Certified(candidates=32, scan_blocks=3)),
+    "fallback": (0.3, False, Certified(candidates=64, scan_blocks=3)),
+}
+
+
+def _problem(dtype, std, n=8, seed=0, cfg=CFG, peaked=False):
+    kp, kl, kh, ka, ki, kv = jax.random.split(jax.random.key(seed), 6)
+    params = xj.init_params(cfg, kp, dtype=dtype, std=std)
+    shape = (n, cfg.block_size, cfg.vocab_size)
+    if peaked:
+        ids = jax.random.randint(ki, shape[:2] + (16,), 0, cfg.vocab_size)
+        peak = 6 + 0.5 * jax.random.normal(kv, shape[:2] + (16,))
+        logits = jax.vmap(jax.vmap(lambda l, i, p: l.at[i].set(p)))(jax.random.normal(kl, shape), ids, peak)
+    else:
+        logits = jax.random.normal(kl, shape) * 2
+    h = jax.random.normal(kh, (n, cfg.block_size, cfg.hidden_size)).astype(dtype)
+    anchors = jax.random.randint(ka, (n,), 0, cfg.vocab_size)
+    return params, logits.astype(dtype), h, anchors
+
+
+def _regime(dtype, regime, n=8):
+    std, peaked, cert = REGIMES[regime]
+    return _problem(dtype, std, n=n, peaked=peaked), cert
+
+
+@functools.partial(jax.jit, static_argnames=("backend", "interpret", "full_vocab", "unroll", "return_stats"))
+def _refine(params, logits, h, anchors, *, backend="xla", interpret=False, full_vocab="scan", unroll=None,
+            return_stats=False):
+    return xj.refine(params, logits, h, anchors, config=CFG, topc=0, backend=backend, interpret=interpret,
+                     full_vocab=full_vocab, unroll=unroll, return_stats=return_stats)
+
+
+def _check_regime(stats: CertifiedStats, regime: str):
+    st = {k: float(v) for k, v in stats._asdict().items()}
+    assert abs(st["passes_certified"] + st["passes_row_scan"] + st["passes_full_scan"] - 1) < 1e-6, st
+    if regime == "certified":
+        assert st["rows_certified"] == 1.0 and st["passes_certified"] == 1.0, st
+    elif regime == "row_scan":
+        assert 0.5 < st["rows_certified"] < 1.0 and st["passes_row_scan"] > 0 and st["passes_full_scan"] == 0, st
+    else:
+        assert st["rows_certified"] < 0.5 and st["passes_full_scan"] == 1.0, st
+
+
+@pytest.mark.parametrize("regime", list(REGIMES))
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_tokens_equal_scan_xla(dtype, regime):
+    """XLA backend: the certified tokens are the full scan's, in each regime (certified / a few rows scanned /
+    the whole call falls back), and the stats say which regime ran. Loop (and, in bf16, unrolled) passes."""
+    x, cert = _regime(dtype, regime)
+    want = np.asarray(_refine(*x))
+    for unroll in (False, True) if dtype == jnp.bfloat16 else (False,):
+        got, stats = _refine(*x, full_vocab=cert, unroll=unroll, return_stats=True)
+        np.testing.assert_array_equal(np.asarray(got), want)
+        _check_regime(stats, regime)
+    assert (want != np.asarray(ref.full_vocab_start(x[1])).reshape(want.shape)).mean() > 0.1  # refinement acts
+
+
+@pytest.mark.interpret
+@pytest.mark.interpret_refine
+@pytest.mark.parametrize("dtype,regime", [(jnp.bfloat16, "row_scan"), (jnp.float32, "fallback"),
+                                          pytest.param(jnp.bfloat16, "certified", marks=pytest.mark.slow),
+                                          pytest.param(jnp.float32, "row_scan", marks=pytest.mark.slow)],
+                         ids=lambda v: jnp.dtype(v).name if not isinstance(v, str) else v)
+def test_tokens_equal_scan_pallas_interpret(dtype, regime):
+    """Pallas kernels in interpret mode: the candidates scored by the top-C kernel (ties="id"), the subset and
+    the fallback by the full-vocab kernel; tokens equal the Pallas full scan."""
+    x, cert = _regime(dtype, regime, n=4)
+    cert = dataclasses.replace(cert, scan_blocks=min(cert.scan_blocks or 1, 2))
+    want = np.asarray(_refine(*x, backend="pallas", interpret=True))
+    got, stats = _refine(*x, backend="pallas", interpret=True, full_vocab=cert, return_stats=True)
+    np.testing.assert_array_equal(np.asarray(got), want)
+    _check_regime(stats, regime)
+
+
+@pytest.mark.parametrize("backend", ["xla", pytest.param("pallas", marks=pytest.mark.interpret_refine)])
+def test_float64(backend):
+    """float64 (the jnp path on either backend: the kernels refuse it): tokens equal the scan where most rows
+    certify and the rest are scanned."""
+    with jax.enable_x64(True):
+        for regime in ("row_scan",):
+            x, cert = _regime(jnp.float64, regime, n=4)
+            want = np.asarray(_refine(*x, backend=backend, interpret=backend == "pallas"))
+            got, stats = _refine(*x, backend=backend, interpret=backend == "pallas", full_vocab=cert, return_stats=True)
+            np.testing.assert_array_equal(np.asarray(got), want)
+            _check_regime(stats, regime)
+
+
+def test_padding_rows_never_force_a_fallback():
+    """Rows of invalid blocks (anchor -1 under jit, as RefineServer pads) with flat logits, which could never
+    certify, do not count: the call stays certified, valid rows equal the scan's, padding rows are -1."""
+    (params, logits, h, anchors), cert = _regime(jnp.float32, "certified")
+    logits = logits.at[5:].set(0.0)
+    anchors = anchors.at[5:].set(-1)
+    want = np.asarray(_refine(params, logits, h, anchors))
+    got, stats = _refine(params, logits, h, anchors, full_vocab=cert, return_stats=True)
+    np.testing.assert_array_equal(np.asarray(got), want)
+    assert (want[5:] == xj.INVALID_TOKEN).all() and (want[:5] >= 0).all()
+    _check_regime(stats, "certified")
+    # The same flat rows made valid cannot certify (tau = best): the call scans them.
+    _, stats = _refine(params, logits, h, anchors.at[5:].set(0), full_vocab=cert, return_stats=True)
+    assert float(stats.passes_certified) == 0.0
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_adversarial_heads_fall_back_and_stay_exact(dtype):
+    """Huge w2 rows (a few ids with norm 100x the rest) and flat base logits: the bound fails for every row,
+    the fallback runs, tokens equal the scan. Also with no subset (scan_blocks=0) and a subset of every row."""
+    params, logits, h, anchors = _problem(dtype, 0.05, seed=3)
+    rng = np.random.default_rng(0)
+    big = rng.random((V, 1)) < 0.01
+    params = dict(params, w2=(params["w2"].astype(jnp.float32) * jnp.asarray(np.where(big, 100.0, 1.0))).astype(dtype))
+    logits = (logits.astype(jnp.float32) * 1e-3).astype(dtype)  # flat: base spread << any bias
+    want = np.asarray(_refine(params, logits, h, anchors))
+    for cert in (Certified(candidates=64), Certified(candidates=64, scan_blocks=0), Certified(scan_blocks=100)):
+        got, stats = _refine(params, logits, h, anchors, full_vocab=cert, return_stats=True)
+        np.testing.assert_array_equal(np.asarray(got), want)
+        _check_regime(stats, "fallback")
+
+
+def test_one_pass():
+    """K = 1 (no pass before the last: the loop runs zero times), unrolled and in a loop."""
+    x, cert = _regime(jnp.float32, "row_scan")
+    run = jax.jit(lambda *a, **k: xj.refine(*a, config=CFG, topc=0, backend="xla", num_passes=1, **k),
+                  static_argnames=("full_vocab", "return_stats", "unroll"))
+    want = np.asarray(run(*x))
+    for unroll in (True, False):
+        got, stats = run(*x, full_vocab=cert, return_stats=True, unroll=unroll)
+        np.testing.assert_array_equal(np.asarray(got), want)
+        _check_regime(stats, "row_scan")
+
+
+def test_all_candidates():
+    """C >= V: every id is a candidate, every row certifies by construction (no bound needed)."""
+    cfg = dataclasses.replace(CFG, vocab_size=97, topc=16)
+    x = _problem(jnp.float32, 0.3, n=3, cfg=cfg)
+    run = jax.jit(lambda *a, **k: xj.refine(*a, config=cfg, topc=0, backend="xla", **k),
+                  static_argnames=("full_vocab", "return_stats"))
+    got, stats = run(*x, full_vocab=Certified(candidates=1000), return_stats=True)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(run(*x)))
+    _check_regime(stats, "certified")
+
+
+@pytest.mark.parametrize("unroll", [True, False])
+def test_one_conditional_per_pass(unroll):
+    """The compiled mode holds one conditional per pass (unrolled: K; in a loop: the loop body's and the last
+    pass's), none nested: the next pass's latent and candidates run inside the pass's switch."""
+    import re
+
+    x, _ = _regime(jnp.float32, "certified")
+    f = jax.jit(lambda *a: xj.refine(*a, config=CFG, topc=0, backend="xla", full_vocab="certified", unroll=unroll))
+    text = f.lower(*x).compile().as_text()
+    assert len(re.findall(r"= .*\bconditional\(", text)) == (K if unroll else 2)
+    assert len(re.findall(r"\bwhile\(", text)) == (0 if unroll else 1)
+
+
+# ----------------------------------------------------------------------------- one pass: the bound at ties
+
+
+def _pick(dtype, base, lat, w2, c=16, backend="xla"):
+    """certified_pick on rows given directly: logits [rows, 2, V] with slot 0 unused."""
+    ops = Ops.xla() if backend == "xla" else Ops.pallas(True)
+    base, lat, w2 = (jnp.asarray(a, dtype) for a in (base, lat, w2))
+    logits = jnp.stack([jnp.zeros_like(base), base], axis=1)
+    tok, cert = jax.jit(certified_pick, static_argnums=(0, 4))(ops, logits, lat, w2, Certified(candidates=c))
+    want = ref.full_vocab_pick(base, lat, w2)
+    return np.asarray(tok), np.asarray(cert), np.asarray(want)
+
+
+def _tie_rows():
+    """Rows where the bound lands exactly on the best score in bf16 (not in float32).
+
+    V=256, r=8, C=16, lat = e0 (norm 1), max row norm 1: U = 1 (1 + 2^-9)(1 + 2^-10)^2 rounds to 1.0 in bf16,
+    so beta = bf16(3 + 1) = 4 = best; in float32 beta = 4.004 > best. Row 0: candidates are ids 0..15 (m = 16),
+    best id 10 < m: certified in bf16, and non-candidate 200 (base = tau = 3, w2 = e0) really ties 4.0 and
+    loses to id 10. Row 1: id 5 is not a candidate (m = 5 < best id 10): not certified; id 5 scores 2.0.
+    Row 2: as row 0, but the best is 4.0 - one bf16 ulp at the winner (3.96875): beta > best, not certified.
+    Row 3: the best candidate is id 250 and non-candidate 200 (base = tau, w2 = e0) ties it with a LOWER id:
+    m = 15 < 250, not certified, and the scan's token 200 is the answer (certifying would give 250)."""
+    v, r = 256, 8
+    base = np.full((4, v), -2.0, np.float32)
+    lat = np.zeros((4, r), np.float32)
+    lat[:, 0] = 1.0
+    w2 = np.zeros((v, r), np.float32)
+    w2[200, 0] = 1.0  # the largest row norm: 1
+    for row in (0, 2):
+        base[row, :16] = 3.0
+        base[row, 10] = 4.0 if row == 0 else 3.96875
+        base[row, 200] = 3.0  # tied with the C-th candidate, larger id: not a candidate
+    base[1, 6:22] = 3.0
+    base[1, 10] = 4.0
+    base[1, 5] = 2.0
+    base[3, :15] = 3.0
+    base[3, 200] = 3.0  # tied at the C-th place with ids 0..14: the larger id stays out
+    base[3, 250] = 4.0
+    return base, lat, w2
+
+
+@pytest.mark.parametrize("backend", ["xla", pytest.param("pallas", marks=pytest.mark.interpret)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_ties_at_the_bound(dtype, backend):
+    """beta == best certifies only when every non-candidate id exceeds the best id; tokens always equal the scan."""
+    tok, cert, want = _pick(dtype, *_tie_rows(), backend=backend)
+    np.testing.assert_array_equal(tok, want)
+    assert want.tolist() == [10, 10, 200, 200]
+    if dtype == jnp.bfloat16:
+        assert cert.tolist() == [True, False, False, False]  # row 2: non-candidate 200 scores 4.0 > 3.96875, wins
+    else:
+        assert cert.tolist() == [False, False, False, False]
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_kernel_differences_are_only_near_ties(dtype):
+    """Pallas (interpret): certified rows take the top-C kernel's winner, the scan takes the full-vocab kernel's;
+    the two sum each dot in different orders. Every row where the certified pick differs from the scan must be
+    a near tie (`conftest.near_tie_rows`: another summation order could change the scan's own pick), most rows
+    must certify (the candidates' path is what is compared), and the near ties must be rare."""
+    from conftest import near_tie_rows, pick_inputs
+
+    rows, v, r = 48, 1000, 32
+    base, lat, w2 = pick_inputs(rows, v, r, dtype, seed=5)
+    base = (base.astype(jnp.float32) * 3).astype(dtype)  # a wide spread: most rows certify with C=64
+    logits = jnp.stack([jnp.zeros_like(base), base], axis=1)
+    ops = Ops.pallas(True)
+    tok, cert = jax.jit(certified_pick, static_argnums=(0, 4))(ops, logits, lat, w2, Certified(candidates=64))
+    scan = np.asarray(ops.full_vocab_pick(logits, lat, w2))
+    near = near_tie_rows(base, lat, w2, np.asarray(ref.full_vocab_pick(base, lat, w2)))
+    differ = np.asarray(tok) != scan
+    assert not (differ & ~near).any(), np.nonzero(differ & ~near)
+    assert np.asarray(cert).mean() > 0.7 and near.mean() < 0.1, (np.asarray(cert).mean(), near.mean())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_nonfinite_logits(dtype):
+    """NaN counts as -inf; +inf wins; all -inf or all NaN rows pick id 0 (certified: tau = best = -inf and id 0
+    is a candidate); as the scan. The certified rows are the expected ones."""
+    rng = np.random.default_rng(3)
+    v, r, rows = 512, 16, 6
+    base = rng.normal(size=(rows, v)).astype(np.float32) * 2
+    base[0, rng.integers(0, v, 50)] = np.nan
+    base[1, 300] = np.inf
+    base[2] = np.nan
+    base[3] = -np.inf
+    base[3, 400] = np.nan
+    base[4, :] = np.nan
+    base[4, 77] = -np.inf
+    base[5, 7] = -np.inf
+    w2 = rng.normal(size=(v, r)).astype(np.float32) * 0.01
+    lat = rng.normal(size=(rows, r)).astype(np.float32)
+    tok, cert, want = _pick(dtype, base, lat, w2)
+    np.testing.assert_array_equal(tok, want)
+    assert [int(want[i]) for i in (1, 2, 3, 4)] == [300, 0, 0, 0]
+    assert cert[1:5].all()
+
+
+def test_prepare_certified_margin():
+    """M is the largest row norm with the 2^-9 margin, in the accumulation dtype."""
+    w2 = jnp.zeros((10, 4), jnp.bfloat16).at[3, :].set(2.0)
+    m = prepare_certified(w2).max_norm
+    assert m.dtype == jnp.float32 and float(m) == pytest.approx(4.0 * (1 + 2.0**-9), rel=1e-7)
+    with pytest.raises(ValueError, match="rank"):
+        prepare_certified(jnp.zeros((10, 8192), jnp.float32))
+
+
+# ----------------------------------------------------------------------------- API
+
+
+def test_bad_arguments():
+    params, logits, h, anchors = _problem(jnp.float32, 0.02, n=2)
+    kw = dict(config=CFG, backend="xla")
+    with pytest.raises(ValueError, match="full_vocab"):
+        xj.refine(params, logits, h, anchors, topc=0, full_vocab="exact", **kw)
+    with pytest.raises(ValueError, match="full_vocab"):
+        xj.refine(params, logits, h, anchors, topc=0, full_vocab=None, **kw)
+    with pytest.raises(ValueError, match="return_stats"):
+        xj.refine(params, logits, h, anchors, topc=0, return_stats=True, **kw)
+    with pytest.raises(ValueError, match="return_stats"):
+        xj.refine(params, logits, h, anchors, topc=16, full_vocab="certified", return_stats=True, **kw)
+    with pytest.raises(TypeError, match="return_stats"):
+        xj.refine(params, logits, h, anchors, topc=0, full_vocab="certified", return_stats=1, **kw)
+    with pytest.raises(ValueError, match="candidates"):
+        Certified(candidates=0)
+    with pytest.raises(ValueError, match="scan_blocks"):
+        Certified(scan_blocks=-1)
+    # topc > 0: full_vocab is unused (same tokens as without it)
+    a = xj.refine(params, logits, h, anchors, topc=16, full_vocab="certified", **kw)
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(xj.refine(params, logits, h, anchors, topc=16, **kw)))
+    assert "full_vocab" in xj.STATIC_ARGNAMES and "return_stats" in xj.STATIC_ARGNAMES
+
+
+def test_refine_with_vocab_sharded_ops_is_refused():
+    from xpress_jax.sharded import vocab_sharded_ops
+
+    params, logits, h, anchors = _problem(jnp.float32, 0.02, n=2)
+    with pytest.raises(ValueError, match="candidates_best"):
+        refine_with(vocab_sharded_ops(Ops.xla(), "model"), params, logits, h, anchors, config=CFG, topc=0,
+                    full_vocab="certified")
+
+
+def test_refine_server_passes_the_mode():
+    """RefineServer(full_vocab="certified") serves the scan's tokens; a bad value or a mesh is refused."""
+    cfg = dataclasses.replace(CFG, max_num_reqs=4, topc=0)
+    params, logits, h, anchors = _problem(jnp.float32, 0.02, n=4, cfg=cfg)
+    head = xj.Head(cfg, params)
+    server = xj.RefineServer(head, buckets=(4,), backend="xla", full_vocab="certified", progress=False)
+    want = xj.refine(head, logits, h, anchors, backend="xla")
+    np.testing.assert_array_equal(np.asarray(server(logits, h, anchors.astype(jnp.int32))), np.asarray(want))
+    assert "conditional" in server.executables[4].as_text()  # the certified passes, not the plain scan
+    with pytest.raises(ValueError, match="full_vocab"):
+        xj.RefineServer(head, buckets=(1,), backend="xla", full_vocab="fast", progress=False)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
+    with pytest.raises(ValueError, match="full_vocab"):
+        xj.RefineServer(head, buckets=(1,), backend="xla", full_vocab="certified", mesh=mesh, progress=False)
+
+
+def test_lowers_for_an_h200():
+    """The Pallas certified refine lowers for an H200: the selection, the top-C pick, the full-vocab pick (the
+    subset scan and the fallback) and the latent kernels are all in the HLO, with one conditional per pass."""
+    from xpress_jax.kernels.common import lower_triton
+
+    cfg = xj.HeadConfig(vocab_size=4099, hidden_size=64, block_size=16, rank=256, mlp_hidden=512, topc=512)
+    p = jax.eval_shape(lambda: xj.init_params(cfg, jax.random.key(0), dtype=jnp.bfloat16))
+    n = 8
+    S = jax.ShapeDtypeStruct
+    args = (p, S((n, 16, cfg.vocab_size), jnp.bfloat16), S((n, 16, cfg.hidden_size), jnp.bfloat16), S((n,), jnp.int32))
+    f = lambda p, l, h, a: refine_with(Ops.pallas(False), p, l, h, a, num_passes=2, topc=0, unroll=True,
+                                       full_vocab="certified")
+    text = lower_triton(f, *args).as_text()
+    for name in ("xpress_latent_pass", "xpress_topc_pick", "select_bgather", "xpress_full_vocab"):
+        assert name in text, f"{name} missing from the lowered HLO"
+    assert "stablehlo.case" in text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("regime", list(REGIMES))
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_sweep_seeds_and_shapes(dtype, regime, seed):
+    """More seeds, N = 1 / 3 / 8, B = 6, V = 2000 (not a power of two), default scan_blocks: the XLA tokens equal
+    the scan's in every case (equal dots in both spellings on the CPU: no near-tie excuse needed)."""
+    std, peaked, cert = REGIMES[regime]
+    for n in (1, 3, 8):
+        x = _problem(dtype, std, n=n, seed=seed, peaked=peaked)
+        want = np.asarray(_refine(*x))
+        for c in (cert, Certified(candidates=cert.candidates)):
+            np.testing.assert_array_equal(np.asarray(_refine(*x, full_vocab=c)), want)
