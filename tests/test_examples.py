@@ -110,7 +110,9 @@ def test_the_state_buffers_are_aliased_without_a_warning(ex, task):
     tables = ex.serving_tables(task)
     state = ex.initial_state(tables, R, seed=1)
     with warnings.catch_warnings():
-        warnings.simplefilter("error")
+        # Only the donation warning is an error here: on a GPU, lowering the Pallas-Triton kernels also warns
+        # (JAX 0.11 deprecated that backend), which says nothing about donation.
+        warnings.filterwarnings("error", message=".*[Dd]onated buffers.*")
         compiled = ex.draft_step.lower(head, tables, state, num_passes=2, topc=0,
                                        request_tokens=REQUEST_TOKENS).compile()
     first = len(jax.tree.leaves((head, tables)))  # the state's leaves come after the head's and the tables'
