@@ -9,7 +9,7 @@ H=4096, B=16, r=256, mlp=512, C=512, K=6, bf16). Device time per refine:
 M refines chained inside one jit (call i's output feeds call i+1's anchors, and
 a one-element in-place write of it into the logits and h, so nothing can be
 hoisted out of the loop), divided by M; median of R repeats after a warm-up.
-Wall latency: one jitted call, host clock around dispatch + block_until_ready,
+Wall latency: one jitted call, host clock around dispatch + block_until_ready (and the enqueue: the call without the wait),
 median of 20 (``--walls``). Also, per N, top-C selection alone: the Pallas kernel vs lax.top_k
 (and torch.topk where torch sees a GPU). Writes bench.jsonl (each result as it is
 measured), then bench.json, bench.md (tables) and bench.png (time vs N). Off a GPU the
@@ -278,13 +278,16 @@ def main(argv=None):
                 t0 = time.perf_counter()
                 outs[backend] = np.asarray(single(*placed).block_until_ready())
                 compile_s = time.perf_counter() - t0
-                walls = []
+                walls, enqueues = [], []
                 for _ in range(args.walls):
                     t0 = time.perf_counter()
-                    single(*placed).block_until_ready()
+                    out = single(*placed)
+                    t1 = time.perf_counter()
+                    out.block_until_ready()
                     walls.append(time.perf_counter() - t0)
+                    enqueues.append(t1 - t0)
                 row = dict(N=n, topc=topc, backend=backend, wall_us=statistics.median(walls) * 1e6,
-                           walls=args.walls, compile_s=compile_s)
+                           enqueue_us=statistics.median(enqueues) * 1e6, walls=args.walls, compile_s=compile_s)
                 if cert is not None:  # the call's certification stats (one more call)
                     st = jax.jit(functools.partial(refine_fn, stats=True))(*placed)[1]
                     row.update({k: float(v) for k, v in st._asdict().items()})
@@ -328,8 +331,9 @@ def to_markdown(meta, rows, backends):
              f"V={meta['shape']['vocab_size']} H={meta['shape']['hidden_size']} B={meta['shape']['block_size']} "
              f"r={meta['shape']['rank']} mlp={meta['shape']['mlp_hidden']}, weights std {meta.get('std', 0.02)}", "",
              "device µs = chained device time per refine; net = minus the chain loop's own cost per iteration "
-             "(an empty body); wall = one call, host clock.", "",
-             "| mode | N | " + " | ".join(f"{b} device (net) µs | {b} wall µs" for b in backends) + " | agreement |",
+             "(an empty body); wall = one call, host clock (dispatch + block_until_ready), in brackets its "
+             "enqueue (the call without the wait): wall - device is what one call costs beyond the GPU's work.", "",
+             "| mode | N | " + " | ".join(f"{b} device (net) µs | {b} wall (enqueue) µs" for b in backends) + " | agreement |",
              "|---|---:|" + "---:|---:|" * len(backends) + "---:|"]
     keys = sorted({(r["topc"], r["N"]) for r in rows}, key=lambda k: (-k[0], k[1]))
     for topc, n in keys:
@@ -338,9 +342,9 @@ def to_markdown(meta, rows, backends):
         for b in backends:
             r = next((r for r in rows if r["topc"] == topc and r["N"] == n and r["backend"] == b), None)
             if r and "device_us" in r:
-                cells.append(f"{r['device_us']:.0f} ({r['net_us']:.0f}) | {r['wall_us']:.0f}")
+                cells.append(f"{r['device_us']:.0f} ({r['net_us']:.0f}) | {r['wall_us']:.0f} ({r['enqueue_us']:.0f})")
             else:
-                cells.append(f"- | {r['wall_us']:.0f}" if r else "- | -")
+                cells.append(f"- | {r['wall_us']:.0f} ({r['enqueue_us']:.0f})" if r else "- | -")
             if r and "agree" in r:
                 agree.append(f"{b}: {r['agree']:.2%} ({r['disagree_tokens']} differ)")
             if r and "rows_certified" in r:  # a certified backend: its stats
