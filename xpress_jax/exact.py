@@ -325,7 +325,7 @@ def _exact_prepare(w2, *, block, bits):
     return w2, prepare_exact(w2, block=block, bits=bits)
 
 
-def _exact_full_vocab_pick(logits, lat, w2_prepared, *, candidates, direct_readout):
+def _exact_full_vocab_pick(logits, lat, w2_prepared, active=None, *, candidates, direct_readout):
     w2, prepared = w2_prepared
     tok, _ = certified_full_vocab_pick(ref.draft_rows(logits), lat, w2, prepared, candidates=candidates,
                                        direct_readout=direct_readout)
@@ -463,10 +463,11 @@ def _call_data(ops: Ops, logits: jax.Array, w2: jax.Array, c: int) -> _CallData:
     return _CallData(cand, base_c, start, ops.topc_prepare(w2, cand), ops.full_vocab_prepare(w2), tau, m, max_norm)
 
 
-def _attempt(ops: Ops, d: _CallData, lat: jax.Array, dtype):
+def _attempt(ops: Ops, d: _CallData, lat: jax.Array, dtype, skip=None):
     """The candidates' full-vocab-rule winner and, per row, whether the bound certifies it:
-    (best_id [rows] int32, certified [rows] bool)."""
-    best, best_id = ops.candidates_best(d.base_c, d.cand, lat, d.cprep)
+    (best_id [rows] int32, certified [rows] bool). ``skip`` (a device bool): the candidates' kernel
+    reads nothing and both results are unspecified (the caller ignores them)."""
+    best, best_id = ops.candidates_best(d.base_c, d.cand, lat, d.cprep, skip=skip)
     if d.tau is None:  # every id is a candidate
         return best_id, jnp.ones(best_id.shape, bool)
     acc = acc_dtype(dtype)
@@ -481,12 +482,12 @@ def certified_pick(ops: Ops, logits: jax.Array, lat: jax.Array, w2: jax.Array, c
 
     ``logits`` [N, B, V] (draft slots 1..B-1 are the rows), ``lat`` [rows, r]. Returns (tokens [rows]
     int32, certified [rows] bool): the candidates' winner where the bound certifies it, else
-    ``ops.full_vocab_pick``'s token (computed for every row here, unlike refine's mode). The tokens
-    equal ``ops.full_vocab_pick(logits, lat, w2)`` by the argument of the module doc.
+    ``ops.full_vocab_pick``'s token (its active rows: those not certified). The tokens equal
+    ``ops.full_vocab_pick(logits, lat, w2)`` by the argument of the module doc.
     """
     d = _call_data(ops, logits, w2, min(int(cfg.candidates), logits.shape[2]))
     best_id, cert = _attempt(ops, d, lat, logits.dtype)
-    return jnp.where(cert, best_id, ops.full_vocab_pick(logits, lat, d.fprep)), cert
+    return jnp.where(cert, best_id, ops.full_vocab_pick(logits, lat, d.fprep, active=~cert)), cert
 
 
 def certified_passes(ops: Ops, params, logits: jax.Array, xh: jax.Array, anchors: jax.Array, prev_ids: jax.Array,
@@ -495,71 +496,38 @@ def certified_passes(ops: Ops, params, logits: jax.Array, xh: jax.Array, anchors
 
     ``anchors``/``prev_ids`` [N] int32 in range, ``valid`` [N] bool (rows of invalid blocks never
     count), ``xh`` [N, B, r]. Returns (the block [N, B] int32 after K passes, `CertifiedStats`).
+    No conditional: every pass runs the same ops, and the decisions are device values that the
+    kernels read (the top-C pick's ``skip``, the full-vocab pick's ``active`` rows).
     """
     N, B, V = logits.shape
     r = params["w1"].shape[1]
     rows = N * (B - 1)
     dtype = logits.dtype
     k_sub = cfg.blocks(N)
-    few = 0 < k_sub < N  # a subset scan exists (else a failing pass scans every row)
-    r_sub = k_sub * (B - 1)
+    limit = k_sub * (B - 1) if 0 < k_sub < N else 0  # more failing rows in a pass: the call falls back
     d = _call_data(ops, logits, params["w2"], min(int(cfg.candidates), V))  # once per call
     row_valid = jnp.repeat(valid, B - 1)
+    n_valid = jnp.sum(row_valid, dtype=jnp.int32)
 
-    def latent(blk):
-        return ops.latent(params, xh, blk, prev_ids).reshape(rows, r)
-
-    def attempt(lat):
-        """The candidates' winner, and the valid rows whose bound does not certify it."""
-        best_id, cert = _attempt(ops, d, lat, dtype)
-        return best_id, row_valid & ~cert
-
-    def scan_rows(tok_c, fail, lat):
-        """The failing rows (at most r_sub) scanned over the whole vocabulary; the rest keep tok_c."""
-        idx = jnp.nonzero(fail, size=r_sub, fill_value=rows)[0].astype(jnp.int32)  # failing rows, then none
-        q = jnp.minimum(idx, rows - 1)
-        src = ((q // (B - 1)) * B + 1 + q % (B - 1)).reshape(k_sub, B - 1)  # their rows of logits [N*B, V]
-        src = jnp.concatenate([src[:, :1], src], axis=1)  # slot 0 of each block: a copy, never scored
-        tok = ops.full_vocab_pick(logits.reshape(N * B, V)[src], lat[q], d.fprep)
-        return tok_c.at[idx].set(tok, mode="drop")
-
-    def commit(blk, tok):
-        return blk.at[:, 1:].set(tok.reshape(N, B - 1))
-
-    def advance(blk, lat, tok_c, fail, fallen: bool, last: bool):
-        """After a pass: the next pass's latent and (unless the call fell back) its candidates."""
-        if last:
-            return blk, lat, tok_c, fail
-        lat = latent(blk)
-        if fallen:
-            return blk, lat, tok_c, jnp.zeros_like(fail)
-        return (blk, lat, *attempt(lat))
-
-    def step(carry, last: bool):
-        (blk, lat, tok_c, fail, fallen), (tried, certified, outcomes) = carry
+    def one_pass(_, carry):
+        blk, fallen, (tried, certified, outcomes) = carry
+        lat = ops.latent(params, xh, blk, prev_ids).reshape(rows, r)
+        best_id, cert = _attempt(ops, d, lat, dtype, skip=fallen)  # fallen: the kernel reads nothing
+        fail = row_valid & ~cert & ~fallen  # valid rows whose bound fails (none counted once fallen)
+        active = fail | fallen  # fallen: every row (padding rows too: every token stays a real id)
+        tok = jnp.where(active, ops.full_vocab_pick(logits, lat, d.fprep, active=active), best_id)
         n_fail = jnp.sum(fail, dtype=jnp.int32)
-        full = fallen | (n_fail > (r_sub if few else 0))
-        outcome = jnp.where(full, 2, jnp.where(n_fail == 0, 0, 1)).astype(jnp.int32)  # ok / rows / full
-        n_valid = jnp.sum(row_valid, dtype=jnp.int32)
+        full = fallen | (n_fail > limit)
+        outcome = jnp.where(full, 2, jnp.where(n_fail == 0, 0, 1))  # certified / rows scanned / fallen back
         tried = tried + jnp.where(fallen, 0, n_valid)
         certified = certified + jnp.where(fallen, 0, n_valid - n_fail)
         outcomes = outcomes + (jnp.arange(3) == outcome).astype(jnp.int32)
-        branches = [
-            lambda a: advance(commit(a[0], a[2]), a[1], a[2], a[3], False, last),
-            lambda a: advance(commit(a[0], scan_rows(a[2], a[3], a[1])), a[1], a[2], a[3], False, last),
-            lambda a: advance(commit(a[0], ops.full_vocab_pick(logits, a[1], d.fprep)), a[1], a[2], a[3], True, last),
-        ]
-        if not few:  # no subset: outcome 1 cannot occur (n_fail > 0 means full): two branches
-            branches, outcome = [branches[0], branches[2]], outcome // 2
-        state = jax.lax.switch(outcome, branches, (blk, lat, tok_c, fail))
-        return (*state, full), (tried, certified, outcomes)
+        return blk.at[:, 1:].set(tok.reshape(N, B - 1)), full, (tried, certified, outcomes)
 
     blk = jnp.concatenate([anchors[:, None], d.start.reshape(N, B - 1)], axis=1)
-    lat = latent(blk)
     zero = jnp.zeros((), jnp.int32)
-    carry = ((blk, lat, *attempt(lat), jnp.zeros((), bool)), (zero, zero, jnp.zeros((3,), jnp.int32)))
-    carry = jax.lax.fori_loop(0, num_passes - 1, lambda _, cr: step(cr, False), carry, unroll=unroll)
-    (blk, *_), (tried, certified, outcomes) = step(carry, True)
+    carry = (blk, jnp.zeros((), bool), (zero, zero, jnp.zeros((3,), jnp.int32)))
+    blk, _, (tried, certified, outcomes) = jax.lax.fori_loop(0, num_passes, one_pass, carry, unroll=unroll)
     frac = _ratio(outcomes, jnp.int32(num_passes))
     stats = CertifiedStats(
         rows_certified=jnp.where(tried > 0, _ratio(certified, jnp.maximum(tried, 1)), 1.0),
