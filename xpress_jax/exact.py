@@ -5,7 +5,8 @@ Two things live here:
 - **The refine mode** ``refine(..., topc=0, full_vocab="certified")`` (`Certified`,
   `certified_passes`): the tokens of ``topc=0`` (the plain full scan, ``full_vocab="scan"``) from the
   top-C machinery wherever a cheap bound proves that no other token can win, and a full-vocabulary
-  scan of exactly the rows (or, failing that, the passes) where it cannot.
+  scan of the rows where it cannot. No conditional: every pass runs the same steps, and the
+  kernels read the decisions as device values (they skip the work they are told to skip).
 - **The study's jnp oracle** (`prepare_exact`, `certified_full_vocab_pick`, `exact_ops`): tighter
   bounds (block centroids, an int8 copy of ``w2``) checked against the exact scores of the whole
   vocabulary; it computes every score (no saving) and stays as the reference for later kernels.
@@ -25,13 +26,16 @@ weight-only, one read of ``w2`` per call). Per pass, per draft row:
    ``beta = R(fl(tau + R(U)))``. The row is **certified** iff ``beta < best``, or ``beta == best`` and
    ``m > best_id`` (every non-candidate then scores below ``best`` or ties it with a larger id).
    The token of a certified row is ``best_id``.
-3. **Fallback.** Let F = the valid rows that are not certified (padding rows, anchor out of range,
-   never count). One ``lax.switch`` per pass: F empty -> the candidates' tokens; F at most
-   ``scan_blocks * (B-1)`` rows -> those rows are gathered and scanned over the whole vocabulary
-   (``ops.full_vocab_pick`` on a [scan_blocks, B, V] copy of their logits), the rest keep the
-   candidates' tokens; more -> the plain full-vocab pick for every row, and every later pass of the
-   call is a plain full-vocab pass (the fallback is sticky: no more candidate picks). The switch
-   also computes the next pass's latent and candidates, so a pass costs one conditional.
+3. **Scan of the failing rows.** Let F = the valid rows that are not certified (padding rows, anchor
+   out of range, never count). One ``ops.full_vocab_pick(..., active=F)`` per pass: the Pallas kernel
+   moves the active rows to its leading row tiles (a permutation computed on the device; it reads
+   each base row through an index map, no copy of the logits) and every program whose row tile holds
+   no active row returns at once, so the pass reads ``w2`` about ``ceil(|F| / row_tile)`` times (none
+   when F is empty). A row of F takes the pick's token, every other row the candidates'.
+4. **Fallback.** If more than ``scan_blocks * (B-1)`` rows fail in one pass (any row, when
+   ``scan_blocks`` is 0 or at least N), the call has *fallen back* (a device bool, sticky): every
+   later pass passes ``skip`` to the top-C pick (its programs return at once) and makes every row
+   active, i.e. runs the plain full-vocab pick. No step waits for the host.
 
 Why the tokens are those of ``topc=0`` on the same backend.
   *The score pipeline is monotone.* The full scan scores v as
@@ -55,14 +59,18 @@ Why the tokens are those of ``topc=0`` on the same backend.
   lowest-id winner. A row whose candidates all score -inf (``best = -inf``) is certified only when
   ``tau = -inf`` too (every non-candidate scores -inf) and its lowest candidate id is below ``m``:
   exactly when the full scan also returns that id. NaN or +inf logits need no special case.
-  *Rows that are not certified* get the full-vocab pick itself (the same ``ops`` step, on their rows
-  or on all rows), and a row's pick does not depend on the other rows.
+  *Rows that are not certified* (and every row once the call has fallen back) get the full-vocab
+  pick itself: the same ``ops`` step, with the same config as ``full_vocab="scan"`` (chosen by the
+  same N), the only difference being which rows are active. An active row's token does not depend
+  on the mask: its program computes its row tile exactly as without ``active`` (the rows it shares a
+  tile with, or its position in the packed order, change no operation on its own row: every dot,
+  rounding and comparison is per row). The candidates' token of a skipped pass is never used.
   *So the tokens equal ``topc=0``'s whenever the candidates' scores are computed bit for bit as the
   full scan computes them.* The one place they can differ is float32 summation order: on the Pallas
   backend the candidates are scored by the top-C pick kernel (a per-candidate multiply-and-sum) and
-  the full scan by the tensor-core kernel; a failing row's subset scan runs the full-vocab kernel
-  with the config of its own (smaller) row count; on the XLA backend the candidates' einsum and the
-  readout GEMM may also sum in different orders. A different order changes a dot by a few float32
+  the full scan by the tensor-core kernel; on the XLA backend the candidates' einsum and the
+  readout GEMM may also sum in different orders. (The previous design's subset scan ran the kernel
+  with the config of its own smaller row count: a second source, now gone.) A different order changes a dot by a few float32
   ulps, which changes a token only when two scores lie within that of each other across a rounding
   boundary (a near tie, `tests/conftest.near_tie_rows`). `tests/test_certified.py` checks, with the
   Pallas kernels in interpret mode, that every row where the certified pick differs from the scan is
@@ -70,27 +78,23 @@ Why the tokens are those of ``topc=0`` on the same backend.
   Counting them on the GPU: `benchmarks/bench_refine`'s agreement column for an ``@certified`` backend.
 
 When it is fast, and what a fallback costs (estimates from benchmarks/RESULTS.md's per-kernel numbers;
-nothing here was timed on a GPU).
-  A certified pass costs a top-C pass (the C candidates' ``w2`` rows) plus small XLA ops (a
-  [rows, r] norm, compares) and one conditional; the call adds the top-C selection (which replaces
-  the scan's argmax start) and one read of ``w2`` for ``M`` (~78 MB in bf16, some 20 µs on an H200:
-  a server could precompute it, but `refine` takes only the params). A pass whose failing rows fit
-  the subset adds a full-vocab scan of ``scan_blocks`` blocks: about a full-vocab pass at
-  N = ``scan_blocks`` (it reads all of ``w2``). A call that falls back at pass p costs the scan mode
-  plus: the selection less the argmax it replaces, p + 1 candidate picks, the ``w2`` norm read, the
-  bound's small ops and one conditional per pass. Without CUDA-graph conditionals XLA:GPU's
-  conditional copies the branch index to the host and waits for the stream (``ConditionalThunk``:
-  the GPU drains, then the branch is launched); if that costs about a while-loop step (9-28 µs,
-  RESULTS "Headline"), at N = 1 the six conditionals alone are ~+25-60% of the 254 µs scan, and the
-  issue's goal (at most 5% over the scan where pruning fails) is not met at small N; at N = 256 the
-  selection (~0.7 ms, less the argmax) and one candidate pick (~0.2 ms) on ~6.6 ms make ~+10%.
-  Both ends are what the H200 run must measure, with and without
-  ``--xla_gpu_enable_command_buffer=...,CONDITIONAL`` (CUDA-graph conditionals, no host wait).
+the design before this one, with a host conditional per pass, was timed there: "Exact mode").
+  A pass always launches the top-C pick and the full-vocab pick (plus small XLA ops: a [rows, r]
+  norm, compares, the packing permutation and, at N > 1 row tile, a [rows, r] latent gather); the
+  call adds the top-C selection (which replaces the scan's argmax start) and one read of ``w2`` for
+  ``M`` (~78 MB in bf16, some 20 µs on an H200: a server could precompute it, but `refine` takes
+  only the params). A certified pass costs a top-C pass plus an empty full-vocab launch (programs
+  that return at once) and its combine; a pass with failing rows adds ``ceil(|F| / row_tile)`` row
+  tiles' worth of a full-vocab pick; a fallen-back pass costs a full-vocab pass plus an empty top-C
+  launch. No conditional: XLA:GPU's conditionals copy the branch index to the host and wait
+  (``ConditionalThunk``), measured at ~25 µs per pass at N=1 in the previous design.
+  On the XLA backend nothing can be skipped without a conditional: it computes the candidates and
+  the full pick of every row every pass (the same tokens, more work than the scan); the mode is
+  meant for the kernels.
   The bound is Cauchy-Schwarz, loose by ~sqrt(r): on the synthetic serving head (logits N(0, 2)),
-  std 0.02 certifies 93-97% of rows with C = 512 (the rest take the subset scan every pass) and all
+  std 0.02 certifies 93-97% of rows with C = 512 (the rest are scanned every pass) and all
   with C = 2048; std 0.04 and 0.06 certify none, and every call falls back after its first pass
-  (benchmarks/RESULTS.md, "Exact mode"). Compile: each pass's switch holds the next pass's latent
-  and candidate pick in two of its three branches, so the program is a few times the scan's.
+  (benchmarks/RESULTS.md, "Exact mode").
 
 The study's oracle
 ------------------
@@ -360,10 +364,11 @@ class Certified:
     candidates: C, the candidates scored exactly per draft row each pass (its C largest base logits;
       clamped to V). A top-C pass's cost; a larger C certifies more rows (a lower ``tau``) at a
       higher cost per pass.
-    scan_blocks: how many blocks' worth of rows (B-1 rows each) one pass may scan over the whole
-      vocabulary when their bound fails before the pass (and the rest of the call) falls back to the
-      plain full-vocab pick; ``None``: ``ceil(N / 8)``; ``0``: any failing row falls back. At or above
-      N the subset is every row: a failing pass then scans all rows (and falls back).
+    scan_blocks: the fallback threshold, in blocks' worth of rows (B-1 rows each): a pass whose
+      failing rows (bound not certified) are more than ``scan_blocks * (B-1)`` still scans just those
+      rows, but the rest of the call falls back to the plain full-vocab pick (no more candidate
+      picks); ``None``: ``ceil(N / 8)``; ``0``, or at least N: any failing row falls back. (It used to
+      also size a gathered subset scan; the full-vocab kernel's ``active`` rows replaced that.)
     """
 
     candidates: int = 512
@@ -413,8 +418,8 @@ class CertifiedStats(NamedTuple):
 
     rows_certified: jax.Array  # certified rows / rows tried (the rows of the passes that scored candidates; 1 if none)
     passes_certified: jax.Array  # fraction of the K passes in which every row certified (no scan at all)
-    passes_row_scan: jax.Array  # fraction of passes that scanned only their failing rows (scan_blocks)
-    passes_full_scan: jax.Array  # fraction of passes that ran the plain full-vocab pick (the fallback and every pass after it)
+    passes_row_scan: jax.Array  # fraction of passes that scanned their failing rows, at most scan_blocks * (B-1)
+    passes_full_scan: jax.Array  # fraction of passes from the fallback on: the pass with more failing rows (it scans them) and every later pass (the plain full-vocab pick, no candidates)
 
 
 def prepare_certified(w2: jax.Array) -> CertifiedPrepared:
