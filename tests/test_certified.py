@@ -173,16 +173,17 @@ def test_all_candidates():
 
 
 @pytest.mark.parametrize("unroll", [True, False])
-def test_one_conditional_per_pass(unroll):
-    """The compiled mode holds one conditional per pass (unrolled: K; in a loop: the loop body's and the last
-    pass's), none nested: the next pass's latent and candidates run inside the pass's switch."""
+def test_no_conditional(unroll):
+    """The compiled mode holds no conditional at all (the decisions are device values that the kernels read, no
+    host round trip), in every regime's configuration; in a loop, one while loop (the passes)."""
     import re
 
-    x, _ = _regime(jnp.float32, "certified")
-    f = jax.jit(lambda *a: xj.refine(*a, config=CFG, topc=0, backend="xla", full_vocab="certified", unroll=unroll))
-    text = f.lower(*x).compile().as_text()
-    assert len(re.findall(r"= .*\bconditional\(", text)) == (K if unroll else 2)
-    assert len(re.findall(r"\bwhile\(", text)) == (0 if unroll else 1)
+    for regime in ("certified", "fallback"):
+        x, cert = _regime(jnp.float32, regime)
+        f = jax.jit(lambda *a: xj.refine(*a, config=CFG, topc=0, backend="xla", full_vocab=cert, unroll=unroll))
+        text = f.lower(*x).compile().as_text()
+        assert not re.findall(r"\bconditional\(", text)
+        assert len(re.findall(r"\bwhile\(", text)) == (0 if unroll else 1)
 
 
 # ----------------------------------------------------------------------------- one pass: the bound at ties
@@ -337,7 +338,8 @@ def test_refine_server_passes_the_mode():
     server = xj.RefineServer(head, buckets=(4,), backend="xla", full_vocab="certified", progress=False)
     want = xj.refine(head, logits, h, anchors, backend="xla")
     np.testing.assert_array_equal(np.asarray(server(logits, h, anchors.astype(jnp.int32))), np.asarray(want))
-    assert "conditional" in server.executables[4].as_text()  # the certified passes, not the plain scan
+    text = server.executables[4].as_text()
+    assert "topk" in text.lower() and "conditional" not in text  # the certified passes' selection; no conditional
     with pytest.raises(ValueError, match="full_vocab"):
         xj.RefineServer(head, buckets=(1,), backend="xla", full_vocab="fast", progress=False)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
@@ -346,8 +348,11 @@ def test_refine_server_passes_the_mode():
 
 
 def test_lowers_for_an_h200():
-    """The Pallas certified refine lowers for an H200: the selection, the top-C pick, the full-vocab pick (the
-    subset scan and the fallback) and the latent kernels are all in the HLO, with one conditional per pass."""
+    """The Pallas certified refine lowers for an H200: the selection, the top-C pick (with its skip flag), the
+    full-vocab pick (with its active rows, packed through a row map) and the latent kernels are all in the HLO,
+    and there is no conditional (no `stablehlo.case`)."""
+    from test_kernel_full_vocab import _triton_operands
+
     from xpress_jax.kernels.common import lower_triton
 
     cfg = xj.HeadConfig(vocab_size=4099, hidden_size=64, block_size=16, rank=256, mlp_hidden=512, topc=512)
@@ -360,7 +365,9 @@ def test_lowers_for_an_h200():
     text = lower_triton(f, *args).as_text()
     for name in ("xpress_latent_pass", "xpress_topc_pick", "select_bgather", "xpress_full_vocab"):
         assert name in text, f"{name} missing from the lowered HLO"
-    assert "stablehlo.case" in text
+    assert "stablehlo.case" not in text and "stablehlo.if" not in text
+    assert _triton_operands(text, "xpress_full_vocab_fused") == 5  # base, lat, w2, row map, active
+    assert _triton_operands(text, "xpress_topc_pick") == 5  # base_c, cand, lat, w2, skip
 
 
 @pytest.mark.slow

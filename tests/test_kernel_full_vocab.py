@@ -138,6 +138,57 @@ class TestFullVocabPick:
             self.pick(base, lat, w2[:-1])
 
 
+    @pytest.mark.parametrize("pack", [True, False], ids=["packed", "tiles"])
+    @pytest.mark.parametrize("shape", [
+        (37, 1001, 24, fv.FullVocabConfig(row_tile=16, v_tile=128, v_steps=3, k_tile=16)),
+        pytest.param((25, 1337, 64, fv.FullVocabConfig(row_tile=16, v_tile=64, v_steps=4, k_tile=16, hold_lat=False,
+                                                       flat=True, prefetch_base=True, lazy=True)),
+                     marks=pytest.mark.slow),
+    ], ids=["rows37-V1001", "rows25-flat-lazy"])
+    def test_active_rows(self, shape, pack):
+        """``active``: the active rows' tokens (and partials' winners) are the plain pick's, for every mask
+        kind (all, none, one row, one row tile, the last (partial) tile, random); rows not a multiple of
+        the row tile, V not of the vocab tile, r not of the rank chunk. Packed: the active rows are moved
+        to the leading tiles first; tiles: each row tile that holds an active row runs in place."""
+        rows, vocab, rank, cfg = shape
+        base, lat, w2 = pick_inputs(rows, vocab, rank, jnp.float32, seed=rows, dyadic=True)
+        want = np.asarray(R.full_vocab_pick(base, lat, w2))
+        rng = np.random.default_rng(rows)
+        t = cfg.row_tile
+        masks = {"all": np.ones(rows, bool), "none": np.zeros(rows, bool), "one": np.arange(rows) == rows // 2,
+                 "tile": (np.arange(rows) >= t) & (np.arange(rows) < 2 * t), "tail": np.arange(rows) >= rows - 3,
+                 "random": rng.random(rows) < 0.3}
+        for name, act in masks.items():
+            for a in (jnp.asarray(act), jnp.asarray(act, jnp.int32)):
+                got = np.asarray(fv.full_vocab_pick(base, lat, w2, interpret=self.INTERPRET, config=cfg, active=a,
+                                                    pack=pack))
+                assert got.shape == (rows,)
+                np.testing.assert_array_equal(got[act], want[act], err_msg=name)
+            mv, mi = fv.full_vocab_pick(base, lat, w2, interpret=self.INTERPRET, config=cfg, active=jnp.asarray(act),
+                                        pack=pack, partials=True)
+            np.testing.assert_array_equal(np.asarray(R.best_by_score(mv, mi, axis=0)[1])[act], want[act],
+                                          err_msg=name)
+        # A row tile without an active row writes "no winner" partials (-inf, BIG); in place (no packing).
+        act = np.arange(rows) < t  # only the first tile
+        mv, mi = fv.full_vocab_pick(base, lat, w2, interpret=self.INTERPRET, config=cfg, active=jnp.asarray(act),
+                                    pack=False, partials=True)
+        assert np.isneginf(np.asarray(mv)[:, t:]).all() and (np.asarray(mi)[:, t:] == common.BIG).all()
+        with pytest.raises(ValueError, match="active"):
+            fv.full_vocab_pick(base, lat, w2, interpret=self.INTERPRET, config=cfg, active=jnp.ones(rows + 1, bool))
+
+    def test_active_with_slot_stride(self):
+        """``active`` with ``slot_stride=B`` (how refine calls it): packed rows read their own logits row."""
+        N, B, V, r = 5, 6, 700, 16
+        base, lat, w2 = pick_inputs(N * B, V, r, jnp.float32, seed=2, dyadic=True)
+        lat = lat[: N * (B - 1)]
+        cfg = fv.FullVocabConfig(row_tile=16, v_tile=128, v_steps=2)
+        want = np.asarray(fv.full_vocab_pick(base, lat, w2, interpret=self.INTERPRET, config=cfg, slot_stride=B))
+        act = np.random.default_rng(0).random(N * (B - 1)) < 0.25
+        got = np.asarray(fv.full_vocab_pick(base, lat, w2, interpret=self.INTERPRET, config=cfg, slot_stride=B,
+                                            active=jnp.asarray(act)))
+        np.testing.assert_array_equal(got[act], want[act])
+
+
 class TestFullVocabPickInterpret(TestFullVocabPick):
     INTERPRET = True
 
@@ -168,6 +219,34 @@ class TestFullVocabLowering:
         f = functools.partial(fv.full_vocab_pick, config=cfg, slot_stride=B)
         assert common.lower_triton(f, *args).as_text().count(TRITON_CALL) == 2
 
+
+
+    @pytest.mark.parametrize("n", [1, 16, 256])
+    def test_active_lowers(self, n):
+        """With ``active`` the served configs still build for an H200 (the cond in the kernel lowers), with one
+        more operand (two when packed: the row map); without it the call has exactly the three operands of the
+        plain kernel (the served default path is unchanged)."""
+        V, r, B = 151936, 256, 16
+        rows = n * (B - 1)
+        cfg = dispatch.plan(n, B, V, r, 0, jnp.bfloat16).full_vocab
+        S = jax.ShapeDtypeStruct
+        args = (S((n * B, V), jnp.bfloat16), S((rows, r), jnp.bfloat16), S((V, r), jnp.bfloat16))
+        packed = -(-rows // cfg.row_tile) > 1
+        for active, n_ops in ((None, 3), (S((rows,), jnp.bool_), 5 if packed else 4)):
+            f = lambda b, l, w, *a: fv.full_vocab_pick(b, l, w, config=cfg, slot_stride=B, active=a[0] if a else None)
+            hlo = common.lower_triton(f, *args, *([active] if active is not None else [])).as_text()
+            assert hlo.count(TRITON_CALL) == 2
+            assert _triton_operands(hlo, "xpress_full_vocab_fused") == n_ops
+
+
+def _triton_operands(hlo: str, name: str) -> int:
+    """The operand count of the Triton custom call whose function is named ``name`` in the lowered text."""
+    import re
+
+    for line in hlo.splitlines():
+        if TRITON_CALL in line and f'name = "{name}"' in line:
+            return len(re.search(r"triton\((.*?)\)", line).group(1).split(","))
+    raise AssertionError(f"no Triton call named {name}")
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

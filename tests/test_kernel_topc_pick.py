@@ -161,6 +161,27 @@ class TestTopCPick:
         with pytest.raises(ValueError, match="ties"):
             tp.topc_pick(base_c, cand, lat, w2, interpret=self.INTERPRET, ties="lowest")
 
+    def test_skip(self):
+        """``skip`` (a device scalar): false (bool or int) gives the plain pick; true makes every program return at
+        once with "no winner" partials (-inf, -inf, BIG), so every row's result is BIG; with several splits
+        (the combine kernel) and with one."""
+        base_c, cand, lat, w2 = _inputs(7, 500, 70, 24, jnp.float32, seed=9)
+        for cfg in (tp.TopCConfig(c_tile=16, c_steps=2, k_tile=16), tp.TopCConfig(c_tile=128, c_steps=1)):
+            for ties in ("base", "id"):
+                want = np.asarray(tp.topc_pick(base_c, cand, lat, w2, interpret=self.INTERPRET, config=cfg, ties=ties))
+                for off in (jnp.bool_(False), jnp.int32(0)):
+                    got = tp.topc_pick(base_c, cand, lat, w2, interpret=self.INTERPRET, config=cfg, ties=ties, skip=off)
+                    np.testing.assert_array_equal(np.asarray(got), want)
+                for on in (jnp.bool_(True), jnp.int32(5)):
+                    got = tp.topc_pick(base_c, cand, lat, w2, interpret=self.INTERPRET, config=cfg, ties=ties, skip=on)
+                    assert (np.asarray(got) == common.BIG).all()
+            mv, mb, mi = tp.topc_pick(base_c, cand, lat, w2, interpret=self.INTERPRET, config=cfg, partials=True,
+                                      skip=jnp.asarray([True]))
+            assert np.isneginf(np.asarray(mv)).all() and np.isneginf(np.asarray(mb)).all()
+            assert (np.asarray(mi) == common.BIG).all()
+        with pytest.raises(ValueError, match="skip"):
+            tp.topc_pick(base_c, cand, lat, w2, interpret=self.INTERPRET, skip=jnp.zeros(2, bool))
+
     def test_float64_is_refused(self):
         """The kernel refuses float64 (TypeError naming the dtype); refine routes it to the reference."""
         with jax.enable_x64(True):
@@ -197,3 +218,17 @@ class TestTopCLowering:
         one = tp.TopCConfig(c_tile=64, c_steps=8, k_tile=128)
         hlo = common.lower_triton(functools.partial(tp.topc_pick, config=one), *args).as_text()
         assert hlo.count(TRITON_CALL) == 1
+
+    @pytest.mark.parametrize("rows", [15, 3840])
+    def test_skip_lowers(self, rows):
+        """With ``skip`` the kernel still builds for an H200 (`pl.when` on the flag), with one more operand;
+        without it, the four operands of the plain kernel (the served path is unchanged)."""
+        V, C, r, dt = 151936, 512, 256, jnp.bfloat16
+        S = jax.ShapeDtypeStruct
+        args = (S((rows, C), dt), S((rows, C), jnp.int32), S((rows, r), dt), S((V, r), dt))
+        cfg = tp.default_config(rows, C, r, dt)
+        for skip, n_ops in ((None, 4), (S((), jnp.bool_), 5)):
+            f = lambda *a: tp.topc_pick(*a[:4], config=cfg, ties="id", partials=True, skip=a[4] if len(a) > 4 else None)
+            hlo = common.lower_triton(f, *args, *([skip] if skip is not None else [])).as_text()
+            line = next(ln for ln in hlo.splitlines() if TRITON_CALL in ln and 'name = "xpress_topc_pick"' in ln)
+            assert len(line.split(TRITON_CALL + "(")[1].split(")")[0].split(",")) == n_ops

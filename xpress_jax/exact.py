@@ -5,7 +5,8 @@ Two things live here:
 - **The refine mode** ``refine(..., topc=0, full_vocab="certified")`` (`Certified`,
   `certified_passes`): the tokens of ``topc=0`` (the plain full scan, ``full_vocab="scan"``) from the
   top-C machinery wherever a cheap bound proves that no other token can win, and a full-vocabulary
-  scan of exactly the rows (or, failing that, the passes) where it cannot.
+  scan of the rows where it cannot. No conditional: every pass runs the same steps, and the
+  kernels read the decisions as device values (they skip the work they are told to skip).
 - **The study's jnp oracle** (`prepare_exact`, `certified_full_vocab_pick`, `exact_ops`): tighter
   bounds (block centroids, an int8 copy of ``w2``) checked against the exact scores of the whole
   vocabulary; it computes every score (no saving) and stays as the reference for later kernels.
@@ -25,13 +26,16 @@ weight-only, one read of ``w2`` per call). Per pass, per draft row:
    ``beta = R(fl(tau + R(U)))``. The row is **certified** iff ``beta < best``, or ``beta == best`` and
    ``m > best_id`` (every non-candidate then scores below ``best`` or ties it with a larger id).
    The token of a certified row is ``best_id``.
-3. **Fallback.** Let F = the valid rows that are not certified (padding rows, anchor out of range,
-   never count). One ``lax.switch`` per pass: F empty -> the candidates' tokens; F at most
-   ``scan_blocks * (B-1)`` rows -> those rows are gathered and scanned over the whole vocabulary
-   (``ops.full_vocab_pick`` on a [scan_blocks, B, V] copy of their logits), the rest keep the
-   candidates' tokens; more -> the plain full-vocab pick for every row, and every later pass of the
-   call is a plain full-vocab pass (the fallback is sticky: no more candidate picks). The switch
-   also computes the next pass's latent and candidates, so a pass costs one conditional.
+3. **Scan of the failing rows.** Let F = the valid rows that are not certified (padding rows, anchor
+   out of range, never count). One ``ops.full_vocab_pick(..., active=F)`` per pass: the Pallas kernel
+   moves the active rows to its leading row tiles (a permutation computed on the device; it reads
+   each base row through an index map, no copy of the logits) and every program whose row tile holds
+   no active row returns at once, so the pass reads ``w2`` about ``ceil(|F| / row_tile)`` times (none
+   when F is empty). A row of F takes the pick's token, every other row the candidates'.
+4. **Fallback.** If more than ``scan_blocks * (B-1)`` rows fail in one pass (any row, when
+   ``scan_blocks`` is 0 or at least N), the call has *fallen back* (a device bool, sticky): every
+   later pass passes ``skip`` to the top-C pick (its programs return at once) and makes every row
+   active, i.e. runs the plain full-vocab pick. No step waits for the host.
 
 Why the tokens are those of ``topc=0`` on the same backend.
   *The score pipeline is monotone.* The full scan scores v as
@@ -55,14 +59,18 @@ Why the tokens are those of ``topc=0`` on the same backend.
   lowest-id winner. A row whose candidates all score -inf (``best = -inf``) is certified only when
   ``tau = -inf`` too (every non-candidate scores -inf) and its lowest candidate id is below ``m``:
   exactly when the full scan also returns that id. NaN or +inf logits need no special case.
-  *Rows that are not certified* get the full-vocab pick itself (the same ``ops`` step, on their rows
-  or on all rows), and a row's pick does not depend on the other rows.
+  *Rows that are not certified* (and every row once the call has fallen back) get the full-vocab
+  pick itself: the same ``ops`` step, with the same config as ``full_vocab="scan"`` (chosen by the
+  same N), the only difference being which rows are active. An active row's token does not depend
+  on the mask: its program computes its row tile exactly as without ``active`` (the rows it shares a
+  tile with, or its position in the packed order, change no operation on its own row: every dot,
+  rounding and comparison is per row). The candidates' token of a skipped pass is never used.
   *So the tokens equal ``topc=0``'s whenever the candidates' scores are computed bit for bit as the
   full scan computes them.* The one place they can differ is float32 summation order: on the Pallas
   backend the candidates are scored by the top-C pick kernel (a per-candidate multiply-and-sum) and
-  the full scan by the tensor-core kernel; a failing row's subset scan runs the full-vocab kernel
-  with the config of its own (smaller) row count; on the XLA backend the candidates' einsum and the
-  readout GEMM may also sum in different orders. A different order changes a dot by a few float32
+  the full scan by the tensor-core kernel; on the XLA backend the candidates' einsum and the
+  readout GEMM may also sum in different orders. (The previous design's subset scan ran the kernel
+  with the config of its own smaller row count: a second source, now gone.) A different order changes a dot by a few float32
   ulps, which changes a token only when two scores lie within that of each other across a rounding
   boundary (a near tie, `tests/conftest.near_tie_rows`). `tests/test_certified.py` checks, with the
   Pallas kernels in interpret mode, that every row where the certified pick differs from the scan is
@@ -70,27 +78,23 @@ Why the tokens are those of ``topc=0`` on the same backend.
   Counting them on the GPU: `benchmarks/bench_refine`'s agreement column for an ``@certified`` backend.
 
 When it is fast, and what a fallback costs (estimates from benchmarks/RESULTS.md's per-kernel numbers;
-nothing here was timed on a GPU).
-  A certified pass costs a top-C pass (the C candidates' ``w2`` rows) plus small XLA ops (a
-  [rows, r] norm, compares) and one conditional; the call adds the top-C selection (which replaces
-  the scan's argmax start) and one read of ``w2`` for ``M`` (~78 MB in bf16, some 20 µs on an H200:
-  a server could precompute it, but `refine` takes only the params). A pass whose failing rows fit
-  the subset adds a full-vocab scan of ``scan_blocks`` blocks: about a full-vocab pass at
-  N = ``scan_blocks`` (it reads all of ``w2``). A call that falls back at pass p costs the scan mode
-  plus: the selection less the argmax it replaces, p + 1 candidate picks, the ``w2`` norm read, the
-  bound's small ops and one conditional per pass. Without CUDA-graph conditionals XLA:GPU's
-  conditional copies the branch index to the host and waits for the stream (``ConditionalThunk``:
-  the GPU drains, then the branch is launched); if that costs about a while-loop step (9-28 µs,
-  RESULTS "Headline"), at N = 1 the six conditionals alone are ~+25-60% of the 254 µs scan, and the
-  issue's goal (at most 5% over the scan where pruning fails) is not met at small N; at N = 256 the
-  selection (~0.7 ms, less the argmax) and one candidate pick (~0.2 ms) on ~6.6 ms make ~+10%.
-  Both ends are what the H200 run must measure, with and without
-  ``--xla_gpu_enable_command_buffer=...,CONDITIONAL`` (CUDA-graph conditionals, no host wait).
+the design before this one, with a host conditional per pass, was timed there: "Exact mode").
+  A pass always launches the top-C pick and the full-vocab pick (plus small XLA ops: a [rows, r]
+  norm, compares, the packing permutation and, at N > 1 row tile, a [rows, r] latent gather); the
+  call adds the top-C selection (which replaces the scan's argmax start) and one read of ``w2`` for
+  ``M`` (~78 MB in bf16, some 20 µs on an H200: a server could precompute it, but `refine` takes
+  only the params). A certified pass costs a top-C pass plus an empty full-vocab launch (programs
+  that return at once) and its combine; a pass with failing rows adds ``ceil(|F| / row_tile)`` row
+  tiles' worth of a full-vocab pick; a fallen-back pass costs a full-vocab pass plus an empty top-C
+  launch. No conditional: XLA:GPU's conditionals copy the branch index to the host and wait
+  (``ConditionalThunk``), measured at ~25 µs per pass at N=1 in the previous design.
+  On the XLA backend nothing can be skipped without a conditional: it computes the candidates and
+  the full pick of every row every pass (the same tokens, more work than the scan); the mode is
+  meant for the kernels.
   The bound is Cauchy-Schwarz, loose by ~sqrt(r): on the synthetic serving head (logits N(0, 2)),
-  std 0.02 certifies 93-97% of rows with C = 512 (the rest take the subset scan every pass) and all
+  std 0.02 certifies 93-97% of rows with C = 512 (the rest are scanned every pass) and all
   with C = 2048; std 0.04 and 0.06 certify none, and every call falls back after its first pass
-  (benchmarks/RESULTS.md, "Exact mode"). Compile: each pass's switch holds the next pass's latent
-  and candidate pick in two of its three branches, so the program is a few times the scan's.
+  (benchmarks/RESULTS.md, "Exact mode").
 
 The study's oracle
 ------------------
@@ -325,7 +329,7 @@ def _exact_prepare(w2, *, block, bits):
     return w2, prepare_exact(w2, block=block, bits=bits)
 
 
-def _exact_full_vocab_pick(logits, lat, w2_prepared, *, candidates, direct_readout):
+def _exact_full_vocab_pick(logits, lat, w2_prepared, active=None, *, candidates, direct_readout):
     w2, prepared = w2_prepared
     tok, _ = certified_full_vocab_pick(ref.draft_rows(logits), lat, w2, prepared, candidates=candidates,
                                        direct_readout=direct_readout)
@@ -360,10 +364,11 @@ class Certified:
     candidates: C, the candidates scored exactly per draft row each pass (its C largest base logits;
       clamped to V). A top-C pass's cost; a larger C certifies more rows (a lower ``tau``) at a
       higher cost per pass.
-    scan_blocks: how many blocks' worth of rows (B-1 rows each) one pass may scan over the whole
-      vocabulary when their bound fails before the pass (and the rest of the call) falls back to the
-      plain full-vocab pick; ``None``: ``ceil(N / 8)``; ``0``: any failing row falls back. At or above
-      N the subset is every row: a failing pass then scans all rows (and falls back).
+    scan_blocks: the fallback threshold, in blocks' worth of rows (B-1 rows each): a pass whose
+      failing rows (bound not certified) are more than ``scan_blocks * (B-1)`` still scans just those
+      rows, but the rest of the call falls back to the plain full-vocab pick (no more candidate
+      picks); ``None``: ``ceil(N / 8)``; ``0``, or at least N: any failing row falls back. (It used to
+      also size a gathered subset scan; the full-vocab kernel's ``active`` rows replaced that.)
     """
 
     candidates: int = 512
@@ -413,8 +418,8 @@ class CertifiedStats(NamedTuple):
 
     rows_certified: jax.Array  # certified rows / rows tried (the rows of the passes that scored candidates; 1 if none)
     passes_certified: jax.Array  # fraction of the K passes in which every row certified (no scan at all)
-    passes_row_scan: jax.Array  # fraction of passes that scanned only their failing rows (scan_blocks)
-    passes_full_scan: jax.Array  # fraction of passes that ran the plain full-vocab pick (the fallback and every pass after it)
+    passes_row_scan: jax.Array  # fraction of passes that scanned their failing rows, at most scan_blocks * (B-1)
+    passes_full_scan: jax.Array  # fraction of passes from the fallback on: the pass with more failing rows (it scans them) and every later pass (the plain full-vocab pick, no candidates)
 
 
 def prepare_certified(w2: jax.Array) -> CertifiedPrepared:
@@ -463,10 +468,11 @@ def _call_data(ops: Ops, logits: jax.Array, w2: jax.Array, c: int) -> _CallData:
     return _CallData(cand, base_c, start, ops.topc_prepare(w2, cand), ops.full_vocab_prepare(w2), tau, m, max_norm)
 
 
-def _attempt(ops: Ops, d: _CallData, lat: jax.Array, dtype):
+def _attempt(ops: Ops, d: _CallData, lat: jax.Array, dtype, skip=None):
     """The candidates' full-vocab-rule winner and, per row, whether the bound certifies it:
-    (best_id [rows] int32, certified [rows] bool)."""
-    best, best_id = ops.candidates_best(d.base_c, d.cand, lat, d.cprep)
+    (best_id [rows] int32, certified [rows] bool). ``skip`` (a device bool): the candidates' kernel
+    reads nothing and both results are unspecified (the caller ignores them)."""
+    best, best_id = ops.candidates_best(d.base_c, d.cand, lat, d.cprep, skip=skip)
     if d.tau is None:  # every id is a candidate
         return best_id, jnp.ones(best_id.shape, bool)
     acc = acc_dtype(dtype)
@@ -481,12 +487,12 @@ def certified_pick(ops: Ops, logits: jax.Array, lat: jax.Array, w2: jax.Array, c
 
     ``logits`` [N, B, V] (draft slots 1..B-1 are the rows), ``lat`` [rows, r]. Returns (tokens [rows]
     int32, certified [rows] bool): the candidates' winner where the bound certifies it, else
-    ``ops.full_vocab_pick``'s token (computed for every row here, unlike refine's mode). The tokens
-    equal ``ops.full_vocab_pick(logits, lat, w2)`` by the argument of the module doc.
+    ``ops.full_vocab_pick``'s token (its active rows: those not certified). The tokens equal
+    ``ops.full_vocab_pick(logits, lat, w2)`` by the argument of the module doc.
     """
     d = _call_data(ops, logits, w2, min(int(cfg.candidates), logits.shape[2]))
     best_id, cert = _attempt(ops, d, lat, logits.dtype)
-    return jnp.where(cert, best_id, ops.full_vocab_pick(logits, lat, d.fprep)), cert
+    return jnp.where(cert, best_id, ops.full_vocab_pick(logits, lat, d.fprep, active=~cert)), cert
 
 
 def certified_passes(ops: Ops, params, logits: jax.Array, xh: jax.Array, anchors: jax.Array, prev_ids: jax.Array,
@@ -495,71 +501,38 @@ def certified_passes(ops: Ops, params, logits: jax.Array, xh: jax.Array, anchors
 
     ``anchors``/``prev_ids`` [N] int32 in range, ``valid`` [N] bool (rows of invalid blocks never
     count), ``xh`` [N, B, r]. Returns (the block [N, B] int32 after K passes, `CertifiedStats`).
+    No conditional: every pass runs the same ops, and the decisions are device values that the
+    kernels read (the top-C pick's ``skip``, the full-vocab pick's ``active`` rows).
     """
     N, B, V = logits.shape
     r = params["w1"].shape[1]
     rows = N * (B - 1)
     dtype = logits.dtype
     k_sub = cfg.blocks(N)
-    few = 0 < k_sub < N  # a subset scan exists (else a failing pass scans every row)
-    r_sub = k_sub * (B - 1)
+    limit = k_sub * (B - 1) if 0 < k_sub < N else 0  # more failing rows in a pass: the call falls back
     d = _call_data(ops, logits, params["w2"], min(int(cfg.candidates), V))  # once per call
     row_valid = jnp.repeat(valid, B - 1)
+    n_valid = jnp.sum(row_valid, dtype=jnp.int32)
 
-    def latent(blk):
-        return ops.latent(params, xh, blk, prev_ids).reshape(rows, r)
-
-    def attempt(lat):
-        """The candidates' winner, and the valid rows whose bound does not certify it."""
-        best_id, cert = _attempt(ops, d, lat, dtype)
-        return best_id, row_valid & ~cert
-
-    def scan_rows(tok_c, fail, lat):
-        """The failing rows (at most r_sub) scanned over the whole vocabulary; the rest keep tok_c."""
-        idx = jnp.nonzero(fail, size=r_sub, fill_value=rows)[0].astype(jnp.int32)  # failing rows, then none
-        q = jnp.minimum(idx, rows - 1)
-        src = ((q // (B - 1)) * B + 1 + q % (B - 1)).reshape(k_sub, B - 1)  # their rows of logits [N*B, V]
-        src = jnp.concatenate([src[:, :1], src], axis=1)  # slot 0 of each block: a copy, never scored
-        tok = ops.full_vocab_pick(logits.reshape(N * B, V)[src], lat[q], d.fprep)
-        return tok_c.at[idx].set(tok, mode="drop")
-
-    def commit(blk, tok):
-        return blk.at[:, 1:].set(tok.reshape(N, B - 1))
-
-    def advance(blk, lat, tok_c, fail, fallen: bool, last: bool):
-        """After a pass: the next pass's latent and (unless the call fell back) its candidates."""
-        if last:
-            return blk, lat, tok_c, fail
-        lat = latent(blk)
-        if fallen:
-            return blk, lat, tok_c, jnp.zeros_like(fail)
-        return (blk, lat, *attempt(lat))
-
-    def step(carry, last: bool):
-        (blk, lat, tok_c, fail, fallen), (tried, certified, outcomes) = carry
+    def one_pass(_, carry):
+        blk, fallen, (tried, certified, outcomes) = carry
+        lat = ops.latent(params, xh, blk, prev_ids).reshape(rows, r)
+        best_id, cert = _attempt(ops, d, lat, dtype, skip=fallen)  # fallen: the kernel reads nothing
+        fail = row_valid & ~cert & ~fallen  # valid rows whose bound fails (none counted once fallen)
+        active = fail | fallen  # fallen: every row (padding rows too: every token stays a real id)
+        tok = jnp.where(active, ops.full_vocab_pick(logits, lat, d.fprep, active=active), best_id)
         n_fail = jnp.sum(fail, dtype=jnp.int32)
-        full = fallen | (n_fail > (r_sub if few else 0))
-        outcome = jnp.where(full, 2, jnp.where(n_fail == 0, 0, 1)).astype(jnp.int32)  # ok / rows / full
-        n_valid = jnp.sum(row_valid, dtype=jnp.int32)
+        full = fallen | (n_fail > limit)
+        outcome = jnp.where(full, 2, jnp.where(n_fail == 0, 0, 1))  # certified / rows scanned / fallen back
         tried = tried + jnp.where(fallen, 0, n_valid)
         certified = certified + jnp.where(fallen, 0, n_valid - n_fail)
         outcomes = outcomes + (jnp.arange(3) == outcome).astype(jnp.int32)
-        branches = [
-            lambda a: advance(commit(a[0], a[2]), a[1], a[2], a[3], False, last),
-            lambda a: advance(commit(a[0], scan_rows(a[2], a[3], a[1])), a[1], a[2], a[3], False, last),
-            lambda a: advance(commit(a[0], ops.full_vocab_pick(logits, a[1], d.fprep)), a[1], a[2], a[3], True, last),
-        ]
-        if not few:  # no subset: outcome 1 cannot occur (n_fail > 0 means full): two branches
-            branches, outcome = [branches[0], branches[2]], outcome // 2
-        state = jax.lax.switch(outcome, branches, (blk, lat, tok_c, fail))
-        return (*state, full), (tried, certified, outcomes)
+        return blk.at[:, 1:].set(tok.reshape(N, B - 1)), full, (tried, certified, outcomes)
 
     blk = jnp.concatenate([anchors[:, None], d.start.reshape(N, B - 1)], axis=1)
-    lat = latent(blk)
     zero = jnp.zeros((), jnp.int32)
-    carry = ((blk, lat, *attempt(lat), jnp.zeros((), bool)), (zero, zero, jnp.zeros((3,), jnp.int32)))
-    carry = jax.lax.fori_loop(0, num_passes - 1, lambda _, cr: step(cr, False), carry, unroll=unroll)
-    (blk, *_), (tried, certified, outcomes) = step(carry, True)
+    carry = (blk, jnp.zeros((), bool), (zero, zero, jnp.zeros((3,), jnp.int32)))
+    blk, _, (tried, certified, outcomes) = jax.lax.fori_loop(0, num_passes, one_pass, carry, unroll=unroll)
     frac = _ratio(outcomes, jnp.int32(num_passes))
     stats = CertifiedStats(
         rows_certified=jnp.where(tried > 0, _ratio(certified, jnp.maximum(tried, 1)), 1.0),

@@ -23,17 +23,22 @@ The steps (static shapes; ``rows`` = N * (B-1) draft rows):
 - ``full_vocab_prepare(w2) -> prepared``: once per call; what ``full_vocab_pick`` reads for the
   readout (``w2`` itself for XLA and the kernels; weight-derived data for `xpress_jax.exact`).
   Replace it together with ``full_vocab_pick``.
-- ``full_vocab_pick(logits [N,B,V], lat [rows,r], prepared) -> [rows] int32``: the full-vocab winner.
+- ``full_vocab_pick(logits [N,B,V], lat [rows,r], prepared, active=None) -> [rows] int32``: the full-vocab
+  winner. ``active`` ([rows] bool, a device value; used by the certified mode): only those rows' tokens
+  are wanted, the others are unspecified. The kernel skips row tiles without an active row (packing
+  the active rows first); the jnp path ignores it and picks every row.
 - ``latent(params, xh [N,B,r], blk [N,B] int32, prev_ids [N] int32) -> [N,B-1,r]``.
 - ``start(logits [N,B,V]) -> [rows] int32``: the full-vocab argmax of the base logits (where a
   full-vocab refine starts).
 - ``full_vocab_best(logits, lat, prepared) -> (score [rows] f32, id [rows] int32)`` and
   ``topc_best(base_c, cand, lat, prepared) -> (score, base, id)``: the picks with the winner's
   values, for callers that combine winners across devices (`xpress_jax.sharded`).
-- ``candidates_best(base_c, cand, lat, prepared) -> (score [rows] f32, id [rows] int32)``: the
+- ``candidates_best(base_c, cand, lat, prepared, skip=None) -> (score [rows] f32, id [rows] int32)``: the
   candidates' winner by the **full-vocab** rule (largest score, lowest id; the base logit plays no
   part), ``prepared`` from ``topc_prepare``: what the certified exact mode (`xpress_jax.exact`)
-  scores each pass. ``None`` where an implementation lacks it (the vocabulary-sharded steps).
+  scores each pass. ``skip`` (a device bool scalar): when true the result is unspecified (the
+  kernel reads nothing; the jnp path ignores it and computes). ``None`` where an implementation
+  lacks it (the vocabulary-sharded steps).
 """
 
 from __future__ import annotations
@@ -130,8 +135,8 @@ def _xla_select(logits, c):
     return ref.select_candidates(ref.draft_rows(logits), c)
 
 
-def _xla_full_vocab_pick(logits, lat, w2, *, direct_readout: bool):
-    return ref.full_vocab_pick(ref.draft_rows(logits), lat, w2, direct_readout=direct_readout)
+def _xla_full_vocab_pick(logits, lat, w2, active=None, *, direct_readout: bool):
+    return ref.full_vocab_pick(ref.draft_rows(logits), lat, w2, direct_readout=direct_readout, active=active)
 
 
 def _xla_full_vocab_best(logits, lat, w2, *, direct_readout: bool):
@@ -162,31 +167,33 @@ def _pallas_topc_prepare(w2, cand):
     return ref.topc_gather(w2, cand) if jnp.dtype(w2.dtype) == jnp.float64 else w2
 
 
-def _pallas_topc(base_c, cand, lat, prepared, *, interpret, best, ties="base"):
+def _pallas_topc(base_c, cand, lat, prepared, skip=None, *, interpret, best, ties="base"):
     """`topc_pick` (``best=False``: ids, the combine kernel) or `topc_best` (``best=True``: the
     splits' (score, base, id) winners from the kernel, combined by the same rule in XLA), or, with
-    ``ties="id"``, `candidates_best` (the splits' (score, id) winners by the full-vocab rule)."""
+    ``ties="id"``, `candidates_best` (the splits' (score, id) winners by the full-vocab rule). ``skip``:
+    the kernel's skip flag (the jnp path ignores it)."""
     from .kernels import topc_pick
 
     by_id = ties == "id"
     if prepared.ndim == 3:  # float64: w2[cand], the jnp path
         if by_id:
-            return ref.candidates_best(base_c, cand, lat, prepared)
+            return ref.candidates_best(base_c, cand, lat, prepared, skip=skip)
         return (ref.topc_pick_best if best else ref.topc_pick)(base_c, cand, lat, prepared)
     rows, c = base_c.shape
     v, r = prepared.shape
     # The plan by draft rows: N = rows, B = 2 gives the same row count.
     p = _plan(rows, 2, v, r, c, base_c.dtype, interpret)
     out = topc_pick.topc_pick(base_c, cand, lat, prepared, config=p.topc, interpret=interpret, partials=best,
-                              ties=ties)
+                              ties=ties, skip=skip)
     if by_id:
         return ref.best_by_score(out[0], out[2], axis=0)
     return ref.best_by_topc_rule(*out, axis=0) if best else out
 
 
-def _pallas_full_vocab(logits, lat, w2, *, interpret, best):
+def _pallas_full_vocab(logits, lat, w2, active=None, *, interpret, best):
     """`full_vocab_pick` (``best=False``: ids, the combine kernel) or `full_vocab_best` (``best=True``:
-    the parts' (score, id) winners from the kernel, combined by the same rule in XLA)."""
+    the parts' (score, id) winners from the kernel, combined by the same rule in XLA). ``active``:
+    the kernel's active rows (the jnp path ignores it)."""
     from .kernels import full_vocab
 
     n, b, v = logits.shape
@@ -194,7 +201,7 @@ def _pallas_full_vocab(logits, lat, w2, *, interpret, best):
     if p.full_vocab is None:
         return (ref.full_vocab_best if best else ref.full_vocab_pick)(ref.draft_rows(logits), lat, w2)
     out = full_vocab.full_vocab_pick(logits.reshape(n * b, v), lat, w2, config=p.full_vocab, interpret=interpret,
-                                     slot_stride=b, partials=best)
+                                     slot_stride=b, partials=best, active=active)
     return ref.best_by_score(*out, axis=0) if best else out
 
 

@@ -147,7 +147,7 @@ def refine(
         ``"scan"`` (every pass scores the whole vocabulary) or ``"certified"`` (each pass scores the
         C=512 largest base logits and proves with a bound that no other token can win; rows the bound
         cannot certify are scanned; `xpress_jax.exact`, README "Certified exact mode"). A
-        `xpress_jax.exact.Certified` sets its candidate count and scan budget.
+        `xpress_jax.exact.Certified` sets its candidate count and fallback threshold.
       return_stats: with ``full_vocab="certified"`` (and ``topc=0``) return ``(tokens,
         xpress_jax.exact.CertifiedStats)``: the fraction of rows certified and of passes that scanned.
 

@@ -207,9 +207,9 @@ def _fused_kernel(
     base_ref,  # [rows, V] whole array
     lat_ref,  # [rows, r] whole array
     w2_ref,  # [V, r] whole array
-    mv_ref,  # [row_tile] block of [parts, rows_pad] float32
-    mi_ref,  # [row_tile] block of [parts, rows_pad] int32
-    *,
+    *refs,  # in order: map_ref [rows] int32 whole array (row_map only): the base row of each kernel row;
+    #   active_ref [rows] int32 whole array (has_active only); mv_ref [row_tile] block of
+    #   [parts, rows_pad] float32; mi_ref [row_tile] block of [parts, rows_pad] int32
     rows: int,
     vocab: int,
     rank: int,
@@ -223,10 +223,18 @@ def _fused_kernel(
     dtype,
     slot_stride: int = 0,
     lazy: bool = False,
+    has_active: bool = False,
+    row_map: bool = False,
 ):
+    refs = list(refs)
+    map_ref = refs.pop(0) if row_map else None
+    active_ref = refs.pop(0) if has_active else None
+    mv_ref, mi_ref = refs
     i, j = pl.program_id(0), pl.program_id(1)
     r0 = i * row_tile
     row_ok = (r0 + iota(row_tile)) < rows
+    if row_map:  # the base row each kernel row reads (masked rows: row 0, never used)
+        src_rows = plt.load(map_ref.at[r0 + iota(row_tile)], mask=row_ok, other=0)
     n_k = cdiv(rank, k_tile)
     # A rank k_tile does not divide ends in a masked tail chunk: its lanes past the rank load 0 on
     # both operands (adding nothing). Those loads index with arrays, never a slice past the end
@@ -263,7 +271,10 @@ def _fused_kernel(
         mask = row_ok[:, None] & col_ok[None, :]
         if valid is not True:
             mask = mask & valid
-        idx = _base_index(r0, row_tile, v0, v_tile, rows, slot_stride)
+        if row_map:  # kernel row q reads base row map[q] (in range for every q < rows)
+            idx = (src_rows[:, None], (v0 + iota(v_tile))[None, :])
+        else:
+            idx = _base_index(r0, row_tile, v0, v_tile, rows, slot_stride)
         return plt.load(base_ref.at[idx], mask=mask, other=-jnp.inf if lazy else 0.0)
 
     def next_base(t):  # tile t + 1 of this part, or nothing after the last one
@@ -285,61 +296,72 @@ def _fused_kernel(
         better = s > best
         return jnp.where(better, s, best), jnp.where(better, v0 + lanes, bidx)
 
-    zeros = jnp.zeros((row_tile, v_tile), jnp.float32)
-    if lazy:
-        epilogue = epilogue_lazy
-        init = (jnp.full((row_tile, v_tile), -jnp.inf, jnp.float32), v_start(0) + lanes)
-    else:
-        epilogue = epilogue_eager
-        init = (jnp.full((row_tile,), -jnp.inf, jnp.float32), jnp.full((row_tile,), BIG, jnp.int32))
-    # The carried base tile (prefetch_base) or an unused stand-in.
-    b0 = load_base(v_start(0)) if prefetch_base else jnp.zeros((), jnp.int32)
+    def part():  # this program's part: each row's best (score, lowest id) over its vocab tiles
+        zeros = jnp.zeros((row_tile, v_tile), jnp.float32)
+        if lazy:
+            epilogue = epilogue_lazy
+            init = (jnp.full((row_tile, v_tile), -jnp.inf, jnp.float32), v_start(0) + lanes)
+        else:
+            epilogue = epilogue_eager
+            init = (jnp.full((row_tile,), -jnp.inf, jnp.float32), jnp.full((row_tile,), BIG, jnp.int32))
+        # The carried base tile (prefetch_base) or an unused stand-in.
+        b0 = load_base(v_start(0)) if prefetch_base else jnp.zeros((), jnp.int32)
 
-    if flat:
-        # t -> (vocab tile t // n_k, rank chunk t % n_k): a shift and a mask when n_k is a power of two.
-        shift = n_k.bit_length() - 1
+        if flat:
+            # t -> (vocab tile t // n_k, rank chunk t % n_k): a shift and a mask when n_k is a power of two.
+            shift = n_k.bit_length() - 1
 
-        def flat_step(t, carry):
-            acc, best, bidx, b = carry
-            if n_k & (n_k - 1) == 0:
-                vt, kk = t >> shift, t & (n_k - 1)
-            else:
-                vt, kk = jax.lax.div(t, jnp.int32(n_k)), jax.lax.rem(t, jnp.int32(n_k))
-            v0 = v_start(vt)
-            acc = dot_chunk(acc, v0, kk * k_tile)
+            def flat_step(t, carry):
+                acc, best, bidx, b = carry
+                if n_k & (n_k - 1) == 0:
+                    vt, kk = t >> shift, t & (n_k - 1)
+                else:
+                    vt, kk = jax.lax.div(t, jnp.int32(n_k)), jax.lax.rem(t, jnp.int32(n_k))
+                v0 = v_start(vt)
+                acc = dot_chunk(acc, v0, kk * k_tile)
 
-            def finish(ops):
-                acc, best, bidx, b = ops
+                def finish(ops):
+                    acc, best, bidx, b = ops
+                    best, bidx = epilogue(acc, b if prefetch_base else load_base(v0), v0, best, bidx)
+                    return zeros, best, bidx, next_base(vt) if prefetch_base else b
+
+                if n_k == 1:
+                    return finish((acc, best, bidx, b))
+                return jax.lax.cond(kk == n_k - 1, finish, lambda ops: ops, (acc, best, bidx, b))
+
+            _, best, bidx, _ = jax.lax.fori_loop(0, v_steps * n_k, flat_step, (zeros, *init, b0))
+        else:
+            # hold_lat: the latent tile is loop-invariant, load it once (n_k chunks of [row_tile, k_tile]).
+            held = [load_lat(kk * k_tile) for kk in range(n_k)] if hold_lat else None
+
+            def step(t, carry):
+                best, bidx, b = carry
+                v0 = v_start(t)
+                b_next = next_base(t) if prefetch_base else b  # issued before the dots
+                acc = zeros
+                if hold_lat:
+                    for kk in range(n_k):
+                        acc = dot_chunk(acc, v0, kk * k_tile, held[kk])
+                elif n_k == 1:
+                    acc = dot_chunk(acc, v0, 0)
+                else:
+                    acc = jax.lax.fori_loop(0, n_k, lambda kk, a: dot_chunk(a, v0, kk * k_tile), acc)
                 best, bidx = epilogue(acc, b if prefetch_base else load_base(v0), v0, best, bidx)
-                return zeros, best, bidx, next_base(vt) if prefetch_base else b
+                return best, bidx, b_next
 
-            if n_k == 1:
-                return finish((acc, best, bidx, b))
-            return jax.lax.cond(kk == n_k - 1, finish, lambda ops: ops, (acc, best, bidx, b))
+            best, bidx, _ = jax.lax.fori_loop(0, v_steps, step, (*init, b0))
+        if lazy:  # one reduction over the lanes per part
+            best, bidx = common.best(best, bidx, axis=1)
+        return best, bidx
 
-        _, best, bidx, _ = jax.lax.fori_loop(0, v_steps * n_k, flat_step, (zeros, *init, b0))
+    if not has_active:
+        best, bidx = part()
     else:
-        # hold_lat: the latent tile is loop-invariant, load it once (n_k chunks of [row_tile, k_tile]).
-        held = [load_lat(kk * k_tile) for kk in range(n_k)] if hold_lat else None
-
-        def step(t, carry):
-            best, bidx, b = carry
-            v0 = v_start(t)
-            b_next = next_base(t) if prefetch_base else b  # issued before the dots
-            acc = zeros
-            if hold_lat:
-                for kk in range(n_k):
-                    acc = dot_chunk(acc, v0, kk * k_tile, held[kk])
-            elif n_k == 1:
-                acc = dot_chunk(acc, v0, 0)
-            else:
-                acc = jax.lax.fori_loop(0, n_k, lambda kk, a: dot_chunk(a, v0, kk * k_tile), acc)
-            best, bidx = epilogue(acc, b if prefetch_base else load_base(v0), v0, best, bidx)
-            return best, bidx, b_next
-
-        best, bidx, _ = jax.lax.fori_loop(0, v_steps, step, (*init, b0))
-    if lazy:  # one reduction over the lanes per part
-        best, bidx = common.best(best, bidx, axis=1)
+        # Row tiles without an active row read nothing (neither w2 nor the logits) and write the
+        # "no winner" partials (-inf, BIG), which lose every comparison in the combine.
+        act = plt.load(active_ref.at[r0 + iota(row_tile)], mask=row_ok, other=0)
+        none = (jnp.full((row_tile,), -jnp.inf, jnp.float32), jnp.full((row_tile,), BIG, jnp.int32))
+        best, bidx = jax.lax.cond(jnp.max(act) > 0, part, lambda: none)
     mv_ref[...] = best
     mi_ref[...] = bidx
 
@@ -432,7 +454,7 @@ def _check_shapes(base, lat, w2, rows=None):
         raise ValueError(f"dtypes must agree: {base.dtype=} {lat.dtype=} {w2.dtype=}")
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "config", "slot_stride", "partials"))
+@functools.partial(jax.jit, static_argnames=("interpret", "config", "slot_stride", "partials", "pack"))
 def full_vocab_pick(
     base: jax.Array,
     lat: jax.Array,
@@ -442,6 +464,8 @@ def full_vocab_pick(
     config: FullVocabConfig | None = None,
     slot_stride: int = 0,
     partials: bool = False,
+    active: jax.Array | None = None,
+    pack: bool = True,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """[rows,V], [rows,r], [V,r] -> [rows] int32: argmax_v float(dtype(base + dtype(lat @ w2.T))).
 
@@ -453,6 +477,15 @@ def full_vocab_pick(
     ``partials=True``: skip the combine launch and return stage 1's per-part winners
     ``(score [parts, rows] float32, id [parts, rows] int32)`` (each part's best rounded score
     and its lowest id; the caller combines them, e.g. across vocabulary shards).
+    ``active`` ([rows] bool or int, a device value; None = every row, the plain kernel with no
+    extra operand): only these rows' results are wanted. A program whose row tile holds no active
+    row reads nothing and writes "no winner" partials (score -inf, id `BIG`); an inactive row's
+    result is unspecified (often `BIG`, never used). An active row's result is the one it gets
+    without ``active`` (same config, same per-row computation). ``pack=True`` (static) and more
+    than one row tile: the active rows are first moved to the leading row tiles (a permutation
+    computed on the device; the kernel reads each base row through an index map, the latent rows
+    are gathered, [rows, r]), so the kernel reads ``w2`` about ``ceil(active rows / row_tile)``
+    times instead of once per row tile that happens to hold an active row.
     """
     if slot_stride:
         if slot_stride < 2 or base.ndim != 2 or base.shape[0] % slot_stride:
@@ -467,6 +500,9 @@ def full_vocab_pick(
                         "xpress_jax routes float64 to xpress_jax.reference.full_vocab_pick")
     vocab = base.shape[1]
     rows, rank = lat.shape
+    if active is not None and (active.shape != (rows,) or not (active.dtype == jnp.bool_
+                                                                or jnp.issubdtype(active.dtype, jnp.integer))):
+        raise ValueError(f"active must be [rows={rows}] bool or int; got {active.shape} {active.dtype}")
     cfg = config or default_config(rows, vocab, rank, dtype)
     cfg.check_shape(rows, vocab, rank, dtype)
     parts = cdiv(vocab, cfg.v_tile * cfg.v_steps)
@@ -480,9 +516,19 @@ def full_vocab_pick(
     statics = dict(rows=rows, vocab=vocab, row_tile=cfg.row_tile, v_tile=cfg.v_tile, v_steps=cfg.v_steps, dtype=dtype,
                    slot_stride=slot_stride)
     k_tile = k_chunk(cfg.k_tile, rank, MIN_DOT)
-    kernel = functools.partial(_fused_kernel, rank=rank, k_tile=k_tile, hold_lat=cfg.hold_lat, flat=cfg.flat,
-                               prefetch_base=cfg.prefetch_base, lazy=cfg.lazy, **statics)
     operands = (base, lat, w2)
+    extra = {}
+    pos = None  # packed: original row q's result is packed row pos[q]
+    if active is not None:
+        act = active != 0 if active.dtype != jnp.bool_ else active
+        if pack and row_tiles > 1:
+            pos, src, lat_p, act = _pack_rows(act, lat, slot_stride)
+            operands = (base, lat_p, w2, src)
+            extra["row_map"] = True
+        operands = (*operands, act.astype(jnp.int32))
+        extra["has_active"] = True
+    kernel = functools.partial(_fused_kernel, rank=rank, k_tile=k_tile, hold_lat=cfg.hold_lat, flat=cfg.flat,
+                               prefetch_base=cfg.prefetch_base, lazy=cfg.lazy, **statics, **extra)
     mv, mi = common.pallas_call(
         kernel,
         name="xpress_full_vocab_fused",
@@ -495,5 +541,19 @@ def full_vocab_pick(
         out_shape=out_shape,
     )(*operands)
     if partials:
-        return mv[:, :rows], mi[:, :rows]
-    return combine_partials(mv, mi, interpret=interpret)[:rows]
+        mv, mi = mv[:, :rows], mi[:, :rows]
+        return (mv, mi) if pos is None else (mv[:, pos], mi[:, pos])
+    tok = combine_partials(mv, mi, interpret=interpret)[:rows]
+    return tok if pos is None else tok[pos]
+
+
+def _pack_rows(act: jax.Array, lat: jax.Array, slot_stride: int):
+    """Active rows first, in order, then the others: (pos [rows]: row q's packed position, src [rows]
+    int32: the base row packed row p reads, lat [rows, r] in packed order, packed active mask [rows])."""
+    rows = act.shape[0]
+    a = act.astype(jnp.int32)
+    n = jnp.sum(a)
+    pos = jnp.where(act, jnp.cumsum(a) - 1, n + jnp.cumsum(1 - a) - 1).astype(jnp.int32)
+    perm = jnp.zeros((rows,), jnp.int32).at[pos].set(jnp.arange(rows, dtype=jnp.int32), unique_indices=True)
+    src = perm if not slot_stride else (perm // (slot_stride - 1)) * slot_stride + 1 + perm % (slot_stride - 1)
+    return pos, src.astype(jnp.int32), lat[perm], jnp.arange(rows, dtype=jnp.int32) < n

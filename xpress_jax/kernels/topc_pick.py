@@ -117,10 +117,9 @@ def _topc_kernel(
     cand_ref,  # [rows, C] int32 whole array
     lat_ref,  # [rows, r] whole array
     w_ref,  # [V, r] (w2), whole array
-    mv_ref,  # [] block of [splits, rows_pad] float32: best score
-    mb_ref,  # [] block of [splits, rows_pad] float32: the largest base logit holding it
-    mi_ref,  # [] block of [splits, rows_pad] int32: the lowest vocab id holding both
-    *,
+    *refs,  # in order: skip_ref [1] int32 (has_skip only: nonzero = return at once); then the outputs
+    #   mv_ref [] block of [splits, rows_pad] float32: best score; mb_ref (same) float32: the largest
+    #   base logit holding it; mi_ref (same) int32: the lowest vocab id holding both
     c: int,
     rank: int,
     c_tile: int,
@@ -128,7 +127,11 @@ def _topc_kernel(
     k_tile: int,
     dtype,
     ties: str = "base",
+    has_skip: bool = False,
 ):
+    refs = list(refs)
+    skip_ref = refs.pop(0) if has_skip else None
+    mv_ref, mb_ref, mi_ref = refs
     n, j = pl.program_id(0), pl.program_id(1)
     n_k = cdiv(rank, k_tile)
     # A rank k_tile does not divide ends in a masked tail chunk (zeros on both operands add nothing),
@@ -145,36 +148,49 @@ def _topc_kernel(
             return lat_ref[n, pl.ds(kk * k_tile, k_tile)]
         return plt.load(lat_ref.at[n, kc], mask=km, other=0.0)
 
-    xs = [load_x(kk).astype(jnp.float32) for kk in range(n_k)]
+    def run():  # this program's split of row n: (score, base logit, id) of its best candidate
+        xs = [load_x(kk).astype(jnp.float32) for kk in range(n_k)]
 
-    def step(t, carry):
-        c0 = (j * c_steps + t) * c_tile
-        ok = (c0 + iota(c_tile)) < c
-        ids = plt.load(cand_ref.at[n, pl.ds(c0, c_tile)], mask=ok, other=0)  # [c_tile]
-        ids = jnp.where(ok, ids, 0)
-        b = plt.load(base_ref.at[n, pl.ds(c0, c_tile)], mask=ok, other=0.0)  # [c_tile]
-        acc = jnp.zeros((c_tile,), jnp.float32)
-        for kk in range(n_k):  # static: the rank is small (256)
-            k0 = kk * k_tile
-            kc, km = kcols(kk)
-            if km is not None:  # [c_tile, k_tile] row gather, rank tail masked
-                w = plt.load(w_ref.at[ids[:, None], kc[None, :]], mask=jnp.broadcast_to(km[None, :], (c_tile, k_tile)),
-                             other=0.0)
-            else:
-                w = w_ref[ids, pl.ds(k0, k_tile)]  # [c_tile, k_tile] row gather (masked lanes read row 0)
-            acc = acc + jnp.sum(w.astype(jnp.float32) * xs[kk][None, :], axis=1)
-        s = jnp.where(ok, score(b, acc.astype(dtype), dtype), -jnp.inf)
-        bf = b.astype(jnp.float32)
-        bf = jnp.where(ok & (bf == bf), bf, -jnp.inf)  # NaN base (and masked lanes) rank as -inf
-        if ties == "id":  # every real candidate ranks alike on base: equal scores go to the lowest id
-            bf = jnp.where(ok, 0.0, -jnp.inf)
-        return _merge3(*carry, *_best3(s, bf, jnp.where(ok, ids, BIG), axis=0))
+        def step(t, carry):
+            c0 = (j * c_steps + t) * c_tile
+            ok = (c0 + iota(c_tile)) < c
+            ids = plt.load(cand_ref.at[n, pl.ds(c0, c_tile)], mask=ok, other=0)  # [c_tile]
+            ids = jnp.where(ok, ids, 0)
+            b = plt.load(base_ref.at[n, pl.ds(c0, c_tile)], mask=ok, other=0.0)  # [c_tile]
+            acc = jnp.zeros((c_tile,), jnp.float32)
+            for kk in range(n_k):  # static: the rank is small (256)
+                k0 = kk * k_tile
+                kc, km = kcols(kk)
+                if km is not None:  # [c_tile, k_tile] row gather, rank tail masked
+                    w = plt.load(w_ref.at[ids[:, None], kc[None, :]], mask=jnp.broadcast_to(km[None, :], (c_tile, k_tile)),
+                                 other=0.0)
+                else:
+                    w = w_ref[ids, pl.ds(k0, k_tile)]  # [c_tile, k_tile] row gather (masked lanes read row 0)
+                acc = acc + jnp.sum(w.astype(jnp.float32) * xs[kk][None, :], axis=1)
+            s = jnp.where(ok, score(b, acc.astype(dtype), dtype), -jnp.inf)
+            bf = b.astype(jnp.float32)
+            bf = jnp.where(ok & (bf == bf), bf, -jnp.inf)  # NaN base (and masked lanes) rank as -inf
+            if ties == "id":  # every real candidate ranks alike on base: equal scores go to the lowest id
+                bf = jnp.where(ok, 0.0, -jnp.inf)
+            return _merge3(*carry, *_best3(s, bf, jnp.where(ok, ids, BIG), axis=0))
 
-    init = (jnp.array(-jnp.inf, jnp.float32), jnp.array(-jnp.inf, jnp.float32), jnp.array(BIG, jnp.int32))
-    best, bbase, bidx = step(0, init) if c_steps == 1 else jax.lax.fori_loop(0, c_steps, step, init)
-    mv_ref[...] = best
-    mb_ref[...] = bbase
-    mi_ref[...] = bidx
+        init = (jnp.array(-jnp.inf, jnp.float32), jnp.array(-jnp.inf, jnp.float32), jnp.array(BIG, jnp.int32))
+        best, bbase, bidx = step(0, init) if c_steps == 1 else jax.lax.fori_loop(0, c_steps, step, init)
+        return best, bbase, bidx
+
+    def write(best, bbase, bidx):
+        mv_ref[...] = best
+        mb_ref[...] = bbase
+        mi_ref[...] = bidx
+
+    if not has_skip:
+        write(*run())
+    else:
+        # skip: read nothing and write the "no winner" triple (it loses every comparison in the
+        # combine). Both branches store (a cond returning these constants does not lower to Triton).
+        go = skip_ref[0] == 0
+        pl.when(go)(lambda: write(*run()))
+        pl.when(jnp.logical_not(go))(lambda: write(jnp.float32(-jnp.inf), jnp.float32(-jnp.inf), jnp.int32(BIG)))
 
 
 TIES = ("base", "id")
@@ -191,6 +207,7 @@ def topc_pick(
     config: TopCConfig | None = None,
     partials: bool = False,
     ties: str = "base",
+    skip: jax.Array | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array, jax.Array]:
     """[rows,C], [rows,C] int, [rows,r], [V,r] -> [rows] int32 vocab ids.
 
@@ -201,6 +218,9 @@ def topc_pick(
     ``ties``: ``"base"`` (vLLM's top-C rule: equal scores go to the larger base logit, then the lowest
     id) or ``"id"`` (the full-vocab rule: equal scores go to the lowest id; the partials' base logit is
     then 0 for every split, and combining by either rule gives the lowest id).
+    ``skip`` (a device scalar, bool or int; None = the plain kernel with no extra operand): when true
+    every program returns at once, reading nothing, and writes "no winner" partials (score and base
+    -inf, id `BIG`): the result is then `BIG` for every row (the caller ignores it).
     """
     if ties not in TIES:
         raise ValueError(f"ties must be one of {TIES}, got {ties!r}")
@@ -222,8 +242,16 @@ def topc_pick(
     cfg.check_shape(rows, c, rank, dtype)
     k_tile = k_chunk(cfg.k_tile, rank)
     splits = cdiv(c, cfg.c_tile * cfg.c_steps)
+    operands = (base_c, cand.astype(jnp.int32), lat, w2)
+    extra = {}
+    if skip is not None:
+        if jnp.size(skip) != 1 or not (skip.dtype == jnp.bool_ or jnp.issubdtype(skip.dtype, jnp.integer)):
+            raise ValueError(f"skip must be a scalar bool or int; got {jnp.shape(skip)} {skip.dtype}")
+        operands = (*operands, (jnp.reshape(skip, (1,)) != 0).astype(jnp.int32))
+        extra["has_skip"] = True
     kernel = functools.partial(
-        _topc_kernel, c=c, rank=rank, c_tile=cfg.c_tile, c_steps=cfg.c_steps, k_tile=k_tile, dtype=dtype, ties=ties
+        _topc_kernel, c=c, rank=rank, c_tile=cfg.c_tile, c_steps=cfg.c_steps, k_tile=k_tile, dtype=dtype, ties=ties,
+        **extra
     )
     rows_pad = cdiv(rows, 16) * 16  # padding rows are never written; combine_splits gets >= 16-row tiles
     out_spec = pl.BlockSpec((None, None), lambda n, j: (j, n))
@@ -234,14 +262,14 @@ def topc_pick(
         num_stages=cfg.num_stages,
         interpret=interpret,
         grid=(rows, splits),
-        in_specs=[pl.no_block_spec] * 4,
+        in_specs=[pl.no_block_spec] * len(operands),
         out_specs=(out_spec, out_spec, out_spec),
         out_shape=(
             jax.ShapeDtypeStruct((splits, rows_pad), jnp.float32),
             jax.ShapeDtypeStruct((splits, rows_pad), jnp.float32),
             jax.ShapeDtypeStruct((splits, rows_pad), jnp.int32),
         ),
-    )(base_c, cand.astype(jnp.int32), lat, w2)
+    )(*operands)
     if partials:
         return mv[:, :rows], mb[:, :rows], mi[:, :rows]
     return combine_splits(mv, mb, mi, interpret=interpret)[:rows]
