@@ -140,6 +140,25 @@ def pick_inputs(rows: int, vocab: int, rank: int, dtype, seed: int, dyadic: bool
     return base, lat, w2
 
 
+def nonfinite_pick_inputs(seed: int = 3, rows: int = 6, vocab: int = 512, rank: int = 16):
+    """float32 numpy (base [rows, V], lat [rows, r], w2 [V, r]) with non-finite base logits: row 0 has 50 NaNs,
+    row 1 a +inf at id 300, row 2 is all NaN, row 3 all -inf but one NaN, row 4 all NaN but one -inf, row 5
+    finite but one -inf. Rows 1-4 must pick 300, 0, 0, 0 under the rules (NaN = -inf, +inf wins, lowest id)."""
+    rng = np.random.default_rng(seed)
+    base = rng.normal(size=(rows, vocab)).astype(np.float32) * 2
+    base[0, rng.integers(0, vocab, 50)] = np.nan
+    base[1, 300] = np.inf
+    base[2] = np.nan
+    base[3] = -np.inf
+    base[3, 400] = np.nan
+    base[4, :] = np.nan
+    base[4, 77] = -np.inf
+    base[5, 7] = -np.inf
+    w2 = rng.normal(size=(vocab, rank)).astype(np.float32)
+    lat = rng.normal(size=(rows, rank)).astype(np.float32)
+    return base, lat, w2
+
+
 def to_f64(x) -> np.ndarray:
     return np.asarray(x.astype(jnp.float32) if x.dtype == jnp.bfloat16 else x).astype(np.float64)
 

@@ -267,19 +267,10 @@ def test_kernel_differences_are_only_near_ties(dtype):
 def test_nonfinite_logits(dtype):
     """NaN counts as -inf; +inf wins; all -inf or all NaN rows pick id 0 (certified: tau = best = -inf and id 0
     is a candidate); as the scan. The certified rows are the expected ones."""
-    rng = np.random.default_rng(3)
-    v, r, rows = 512, 16, 6
-    base = rng.normal(size=(rows, v)).astype(np.float32) * 2
-    base[0, rng.integers(0, v, 50)] = np.nan
-    base[1, 300] = np.inf
-    base[2] = np.nan
-    base[3] = -np.inf
-    base[3, 400] = np.nan
-    base[4, :] = np.nan
-    base[4, 77] = -np.inf
-    base[5, 7] = -np.inf
-    w2 = rng.normal(size=(v, r)).astype(np.float32) * 0.01
-    lat = rng.normal(size=(rows, r)).astype(np.float32)
+    from conftest import nonfinite_pick_inputs
+
+    base, lat, w2 = nonfinite_pick_inputs()
+    w2 = w2 * 0.01
     tok, cert, want = _pick(dtype, base, lat, w2)
     np.testing.assert_array_equal(tok, want)
     assert [int(want[i]) for i in (1, 2, 3, 4)] == [300, 0, 0, 0]

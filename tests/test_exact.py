@@ -122,20 +122,9 @@ def test_tie_at_the_bound_lowest_id_wins(dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_nonfinite_logits(dtype):
     """NaN counts as -inf; +inf wins; an all-NaN row picks id 0; -inf rows; as the reference."""
-    rng = np.random.default_rng(3)
-    v, r, rows = 512, 16, 6
-    base = rng.normal(size=(rows, v)).astype(np.float32) * 2
-    base[0, rng.integers(0, v, 50)] = np.nan
-    base[1, 300] = np.inf
-    base[2] = np.nan
-    base[3] = -np.inf
-    base[3, 400] = np.nan
-    base[4, :] = np.nan
-    base[4, 77] = -np.inf
-    base[5, 7] = -np.inf
-    base = jnp.asarray(base, dtype)
-    w2 = jnp.asarray(rng.normal(size=(v, r)), dtype)
-    lat = jnp.asarray(rng.normal(size=(rows, r)), dtype)
+    from conftest import nonfinite_pick_inputs
+
+    base, lat, w2 = (jnp.asarray(x, dtype) for x in nonfinite_pick_inputs())
     tok, st = _pick(base, lat, w2, prepare_exact(w2))
     want = ref.full_vocab_pick(base, lat, w2)
     np.testing.assert_array_equal(np.asarray(tok), np.asarray(want))
