@@ -330,7 +330,11 @@ def test_refine_server_passes_the_mode():
     want = xj.refine(head, logits, h, anchors, backend="xla")
     np.testing.assert_array_equal(np.asarray(server(logits, h, anchors.astype(jnp.int32))), np.asarray(want))
     text = server.executables[4].as_text()
-    assert "topk" in text.lower() and "conditional" not in text  # the certified passes' selection; no conditional
+    low = text.lower()
+    # the certified passes' selection (XLA:CPU keeps a TopK, XLA:GPU sorts); no conditional
+    assert ("topk" in low or "sort" in low) and "conditional" not in text
+    scan = xj.RefineServer(head, buckets=(4,), backend="xla", full_vocab="scan", progress=False)
+    assert not any(w in scan.executables[4].as_text().lower() for w in ("topk", "sort"))  # the plain scan selects nothing
     with pytest.raises(ValueError, match="full_vocab"):
         xj.RefineServer(head, buckets=(1,), backend="xla", full_vocab="fast", progress=False)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
