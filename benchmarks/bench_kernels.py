@@ -45,7 +45,7 @@ def step_fn(step, ops, cfg, problem):
     if step == "select":
         def f(lg):
             cand, _, am = ops.select(lg, c)
-            return lg.at[0, 1, 0].add((cand[0, 0] % 2).astype(lg.dtype))
+            return jax.lax.optimization_barrier((lg, cand))[0]  # the next call depends on this one; no copy of lg
         return f, logits
     if step == "latent":
         xh = xj.hidden_input(params, h)

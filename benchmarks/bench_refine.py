@@ -6,9 +6,9 @@
 
 Sweeps N (blocks per call) x topc x backend at serving shapes (V=151936,
 H=4096, B=16, r=256, mlp=512, C=512, K=6, bf16). Device time per refine:
-M refines chained inside one jit (call i's output feeds call i+1's anchors, and
-a one-element in-place write of it into the logits and h, so nothing can be
-hoisted out of the loop), divided by M; median of R repeats after a warm-up.
+M refines chained inside one jit (call i's output feeds call i+1's anchors, and the
+logits and h pass through an optimization barrier with it, so nothing can be hoisted
+out of the loop and nothing is copied), divided by M; median of R repeats after a warm-up.
 Wall latency: one jitted call, host clock around dispatch + block_until_ready (and the enqueue: the call without the wait),
 median of 20 (``--walls``). Also, per N, top-C selection alone: the Pallas kernel vs lax.top_k
 (and torch.topk where torch sees a GPU). Writes bench.jsonl (each result as it is
@@ -67,10 +67,11 @@ def chained(cfg, m, empty=False, refine_fn=None, **kw):
             else:
                 out = xj.refine(params, logits, h, anchors, config=cfg, **kw)
             tok = out[:, -1]
-            # Tiny in-place writes that make logits and h depend on the last output.
-            bump = (tok[0] % 2).astype(logits.dtype)
-            logits = logits.at[0, 0, 0].add(bump)
-            h = h.at[0, 0, 0].add(bump)
+            # logits and h pass through a barrier with the last output, so XLA cannot treat them as
+            # loop invariants (no step is hoisted out of the chain) and nothing is copied. (Until
+            # 2026-12-01 a tiny in-place write did this; XLA copied the logits and h for it every
+            # iteration: +920 µs per refine at N=256 top-512, +58 µs at N=16; RESULTS.md.)
+            logits, h, tok = jax.lax.optimization_barrier((logits, h, tok))
             return logits, h, tok, acc + out.sum()
 
         return jax.lax.fori_loop(0, m, body, (logits, h, anchors, jnp.int32(0)))[3]
@@ -97,8 +98,8 @@ def select_rows(cfg, n, reps, interpret=False, pallas=True):
             def body(i, carry):
                 logits, acc = carry
                 cand, vals, am = ops.select(logits, c)
-                logits = logits.at[0, 1, 0].add((cand[0, 0] % 2).astype(logits.dtype))
-                return logits, acc + am.sum()
+                logits, cand = jax.lax.optimization_barrier((logits, cand))  # the next call depends on this one; no copy
+                return logits, acc + am.sum() + cand[0, 0]
 
             return jax.lax.fori_loop(0, m, body, (logits, jnp.int32(0)))[1]
 
