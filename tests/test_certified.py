@@ -241,26 +241,52 @@ def test_ties_at_the_bound(dtype, backend):
         assert cert.tolist() == [False, False, False, False]
 
 
-@pytest.mark.interpret
+def _gpu():
+    from xpress_jax.kernels import common
+
+    return common.gpu_supported()
+
+
+@pytest.mark.parametrize("compiled", [pytest.param(False, marks=pytest.mark.interpret), True],
+                         ids=["interpret", "gpu"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
-def test_kernel_differences_are_only_near_ties(dtype):
-    """Pallas (interpret): certified rows take the top-C kernel's winner, the scan takes the full-vocab kernel's;
-    the two sum each dot in different orders. Every row where the certified pick differs from the scan must be
-    a near tie (`conftest.near_tie_rows`: another summation order could change the scan's own pick), most rows
-    must certify (the candidates' path is what is compared), and the near ties must be rare."""
+def test_kernel_differences_are_only_near_ties(dtype, compiled):
+    """Pallas (interpret on CPU; compiled on a GPU): certified rows take the top-C kernel's winner, the scan
+    takes the full-vocab kernel's; the two sum each dot in different orders. Every row where the certified
+    pick differs from the scan must be a near tie (`conftest.near_tie_rows`: another summation order could
+    change the scan's own pick), most rows must certify (the candidates' path is what is compared), and the
+    near ties must be rare."""
     from conftest import near_tie_rows, pick_inputs
 
+    if compiled and not _gpu():
+        pytest.skip("compiled kernels need a CUDA GPU (the interpret case runs here)")
     rows, v, r = 48, 1000, 32
     base, lat, w2 = pick_inputs(rows, v, r, dtype, seed=5)
     base = (base.astype(jnp.float32) * 3).astype(dtype)  # a wide spread: most rows certify with C=64
     logits = jnp.stack([jnp.zeros_like(base), base], axis=1)
-    ops = Ops.pallas(True)
+    ops = Ops.pallas(not compiled)
     tok, cert = jax.jit(certified_pick, static_argnums=(0, 4))(ops, logits, lat, w2, Certified(candidates=64))
     scan = np.asarray(ops.full_vocab_pick(logits, lat, w2))
     near = near_tie_rows(base, lat, w2, np.asarray(ref.full_vocab_pick(base, lat, w2)))
     differ = np.asarray(tok) != scan
     assert not (differ & ~near).any(), np.nonzero(differ & ~near)
     assert np.asarray(cert).mean() > 0.7 and near.mean() < 0.1, (np.asarray(cert).mean(), near.mean())
+
+
+@pytest.mark.parametrize("regime", list(REGIMES))
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_compiled_refine_on_gpu(dtype, regime):
+    """The compiled Pallas refine on a GPU (skipped elsewhere; interpret mode runs above): the certified tokens
+    equal the Pallas scan's in each regime, N = 8 and N = 24 (a packed launch of 3 blocks' rows among 120), the
+    stats say which regime ran. These inputs hold no near tie (a difference would fail here and be traced)."""
+    if not _gpu():
+        pytest.skip("needs a CUDA GPU")
+    for n in (8, 24):
+        x, cert = _regime(dtype, regime, n=n)
+        want = np.asarray(_refine(*x, backend="pallas"))
+        got, stats = _refine(*x, backend="pallas", full_vocab=cert, return_stats=True)
+        np.testing.assert_array_equal(np.asarray(got), want, err_msg=f"N={n}")
+        _check_regime(stats, regime)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
@@ -361,7 +387,9 @@ def test_lowers_for_an_h200():
     for name in ("xpress_latent_pass", "xpress_topc_pick", "select_bgather", "xpress_full_vocab"):
         assert name in text, f"{name} missing from the lowered HLO"
     assert "stablehlo.case" not in text and "stablehlo.if" not in text
-    assert _triton_operands(text, "xpress_full_vocab_fused") == 5  # base, lat, w2, row map, active
+    # two full-vocab launches per pass: the packed failing rows (base, packed lat, w2, row map, active) and
+    # all rows (base, lat, w2, active)
+    assert sorted(set(_all_triton_operands(text, "xpress_full_vocab_fused"))) == [4, 5]
     assert _triton_operands(text, "xpress_topc_pick") == 5  # base_c, cand, lat, w2, skip
 
 
@@ -378,3 +406,13 @@ def test_sweep_seeds_and_shapes(dtype, regime, seed):
         want = np.asarray(_refine(*x))
         for c in (cert, Certified(candidates=cert.candidates)):
             np.testing.assert_array_equal(np.asarray(_refine(*x, full_vocab=c)), want)
+
+
+def _all_triton_operands(hlo: str, name: str) -> list[int]:
+    """The operand counts of every Triton custom call named ``name`` in the lowered text."""
+    import re
+
+    from test_kernel_full_vocab import TRITON_CALL
+
+    return [len(re.search(r"triton\((.*?)\)", line).group(1).split(","))
+            for line in hlo.splitlines() if TRITON_CALL in line and f'name = "{name}"' in line]

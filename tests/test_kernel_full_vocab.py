@@ -189,6 +189,40 @@ class TestFullVocabPick:
         np.testing.assert_array_equal(got[act], want[act])
 
 
+    @pytest.mark.parametrize("capacity", [5, 16, 20, 37, 64])
+    def test_active_capacity(self, capacity):
+        """``capacity``: the first ``capacity`` active rows (in row order) get the plain pick's tokens, on a
+        grid of only ``ceil(capacity / row_tile)`` row tiles; active rows beyond it read BIG; partials agree. With
+        `dispatch.capacity_config`'s fewer vocabulary tiles per program the tokens equal the all-rows
+        config's BIT FOR BIT on random (not dyadic) bf16 inputs: only the vocabulary split differs."""
+        n, B, vocab, rank = 8, 6, 4099, 40  # 40 draft rows (B not a power of two), a rank tail chunk
+        rows = n * (B - 1)
+        cfg = fv.FullVocabConfig(row_tile=16, v_tile=128, v_steps=4, k_tile=16)
+        cap_cfg = dispatch.capacity_config(cfg, vocab)
+        assert cap_cfg.v_steps == 1 and dataclasses.replace(cap_cfg, v_steps=cfg.v_steps) == cfg
+        base, lat, w2 = pick_inputs(n * B, vocab, rank, jnp.bfloat16, seed=capacity)
+        lat = lat[:rows]
+        want = np.asarray(fv.full_vocab_pick(base, lat, w2, interpret=self.INTERPRET, config=cfg, slot_stride=B))
+        rng = np.random.default_rng(capacity)
+        for frac in (0.1, 0.5, 1.0):
+            act = rng.random(rows) < frac
+            first = act & (np.cumsum(act) <= capacity)  # the rows the capacity holds
+            got = np.asarray(fv.full_vocab_pick(base, lat, w2, interpret=self.INTERPRET, config=cap_cfg, slot_stride=B,
+                                                active=jnp.asarray(act), capacity=capacity))
+            np.testing.assert_array_equal(got[first], want[first], err_msg=f"frac {frac}")
+            assert (got[act & ~first] == common.BIG).all()  # active rows beyond the capacity: never computed
+            mv, mi = fv.full_vocab_pick(base, lat, w2, interpret=self.INTERPRET, config=cap_cfg, slot_stride=B,
+                                        active=jnp.asarray(act), capacity=capacity, partials=True)
+            assert mv.shape == (-(-vocab // (cap_cfg.v_tile * cap_cfg.v_steps)), rows)
+            np.testing.assert_array_equal(np.asarray(R.best_by_score(mv, mi, axis=0)[1])[first], want[first])
+            assert np.isneginf(np.asarray(mv)[:, act & ~first]).all()
+        with pytest.raises(ValueError, match="capacity needs active"):
+            fv.full_vocab_pick(base, lat, w2, interpret=self.INTERPRET, config=cfg, slot_stride=B, capacity=4)
+        with pytest.raises(ValueError, match="capacity must be"):
+            fv.full_vocab_pick(base, lat, w2, interpret=self.INTERPRET, config=cfg, slot_stride=B,
+                               active=jnp.asarray(act), capacity=0)
+
+
 class TestFullVocabPickInterpret(TestFullVocabPick):
     INTERPRET = True
 
@@ -237,6 +271,24 @@ class TestFullVocabLowering:
             hlo = common.lower_triton(f, *args, *([active] if active is not None else [])).as_text()
             assert hlo.count(TRITON_CALL) == 2
             assert _triton_operands(hlo, "xpress_full_vocab_fused") == n_ops
+
+
+    @pytest.mark.parametrize("n", [16, 64, 256])
+    def test_capacity_lowers(self, n):
+        """The certified mode's packed launch (``capacity`` = ceil(N/8) blocks of rows, `capacity_config`)
+        builds for an H200 from the served configs: a grid of ceil(capacity / row_tile) row tiles, and one
+        row tile alone gets a whole wave of programs (or every vocabulary tile)."""
+        V, r, B = 151936, 256, 16
+        rows, cap = n * (B - 1), -(-n // 8) * (B - 1)
+        cfg = dispatch.capacity_config(dispatch.plan(n, B, V, r, 0, jnp.bfloat16).full_vocab, V)
+        vtiles = -(-V // cfg.v_tile)
+        assert -(-vtiles // cfg.v_steps) >= min(dispatch.SMS, vtiles)
+        S = jax.ShapeDtypeStruct
+        args = (S((n * B, V), jnp.bfloat16), S((rows, r), jnp.bfloat16), S((V, r), jnp.bfloat16), S((rows,), jnp.bool_))
+        f = lambda b, l, w, a: fv.full_vocab_pick(b, l, w, config=cfg, slot_stride=B, active=a, capacity=cap)
+        hlo = common.lower_triton(f, *args).as_text()
+        assert hlo.count(TRITON_CALL) == 2
+        assert _triton_operands(hlo, "xpress_full_vocab_fused") == 5  # base, packed lat, w2, row map, active
 
 
 def _triton_operands(hlo: str, name: str) -> int:

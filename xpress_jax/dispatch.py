@@ -29,10 +29,13 @@ import jax.numpy as jnp
 
 from .kernels import full_vocab, latent, select, topc_pick
 
-__all__ = ["Row", "TABLE", "Plan", "plan", "SERVING_N"]
+__all__ = ["Row", "TABLE", "Plan", "plan", "capacity_config", "SERVING_N", "SMS"]
 
 #: The N values the serving configs were measured at (B = 16): draft rows 15 / 60 / 240 / 960 / 3840.
 SERVING_N = (1, 4, 16, 64, 256)
+
+#: Streaming multiprocessors of the GPU the table was measured on (H200: 132).
+SMS = 132
 
 _FV_LAZY = dict(prefetch_base=True, lazy=True)
 # Full-vocab pick configs (RESULTS.md "Full-vocab pick", evening: "lazy epilogue" + "whole waves";
@@ -157,3 +160,14 @@ def plan(n: int, b: int, v: int, r: int, c: int, dtype: Any, *, kernels_everywhe
         tc = _topc_config(rows, c, r, dtype)
         tc.check_shape(rows, c, r, dtype)
     return Plan(select=sel, latent=lat, full_vocab=fv, topc=tc, row=row)
+
+
+def capacity_config(cfg: full_vocab.FullVocabConfig, vocab: int) -> full_vocab.FullVocabConfig:
+    """The all-rows full-vocab config ``cfg`` for a launch on a few packed rows (the kernel's
+    ``capacity``): only ``v_steps`` changes, to at most ``ceil(V / v_tile / SMS)``, so that one row tile
+    alone spreads the vocabulary over a whole wave of programs (the all-rows configs of large N give a
+    row tile ~22 programs: RESULTS.md "Exact mode", capacity launch). Every (row, id) score is computed
+    as with ``cfg`` (same tiles, same rank chunks, same instructions), so the tokens are the same bit
+    for bit; the vocabulary split does not change the winner (largest score, lowest id)."""
+    steps = max(1, -(-(-(-vocab // cfg.v_tile)) // SMS))
+    return dataclasses.replace(cfg, v_steps=min(cfg.v_steps, steps))

@@ -14,9 +14,9 @@ Two things live here:
 The refine mode
 ---------------
 Once per call: each draft row's C largest base logits (``ops.select``: the top-C selection, whose
-argmax also starts the block), ``tau`` = the row's C-th largest base logit (NaN as -inf), ``m`` = the
-row's smallest non-candidate id, and ``M`` = ``max_v ||w2[v]|| (1 + 2^-9)`` (`prepare_certified`:
-weight-only, one read of ``w2`` per call). Per pass, per draft row:
+argmax also starts the block), ``tau`` = the row's C-th largest base logit (NaN as -inf), and
+``M`` = ``max_v ||w2[v]|| (1 + 2^-9)`` (`prepare_certified`: weight-only, one read of ``w2`` per call).
+Per pass, per draft row:
 
 1. **Candidates.** ``ops.candidates_best`` scores the C candidates exactly (the top-C pick kernel,
    ``ties="id"``) and returns their winner **by the full-vocab rule**: ``best`` = the largest score,
@@ -24,18 +24,23 @@ weight-only, one read of ``w2`` per call). Per pass, per draft row:
 2. **Bound.** Every non-candidate v has ``base_v <= tau`` and a computed dot ``d_v <= U`` with
    ``U = ||lat|| M`` plus the rounding slack below, so its full-scan score is at most
    ``beta = R(fl(tau + R(U)))``. The row is **certified** iff ``beta < best``, or ``beta == best`` and
-   ``m > best_id`` (every non-candidate then scores below ``best`` or ties it with a larger id).
+   every id ``<= best_id`` is a candidate (counted: ``#{cand <= best_id} == best_id + 1``, the C ids
+   being distinct), so every non-candidate scores below ``best`` or ties it with a larger id.
    The token of a certified row is ``best_id``.
 3. **Scan of the failing rows.** Let F = the valid rows that are not certified (padding rows, anchor
-   out of range, never count). One ``ops.full_vocab_pick(..., active=F)`` per pass: the Pallas kernel
-   moves the active rows to its leading row tiles (a permutation computed on the device; it reads
-   each base row through an index map, no copy of the logits) and every program whose row tile holds
-   no active row returns at once, so the pass reads ``w2`` about ``ceil(|F| / row_tile)`` times (none
-   when F is empty). A row of F takes the pick's token, every other row the candidates'.
-4. **Fallback.** If more than ``scan_blocks * (B-1)`` rows fail in one pass (any row, when
-   ``scan_blocks`` is 0 or at least N), the call has *fallen back* (a device bool, sticky): every
-   later pass passes ``skip`` to the top-C pick (its programs return at once) and makes every row
-   active, i.e. runs the plain full-vocab pick. No step waits for the host.
+   out of range, never count) and L = ``scan_blocks * (B-1)``. If ``|F| <= L``, one
+   ``ops.full_vocab_pick(..., active=F, capacity=L)``: the Pallas kernel moves F to the front (a
+   permutation computed on the device; it reads each base row through an index map, no copy of the
+   logits) and runs a grid of only ``ceil(L / row_tile)`` row tiles, with the all-rows config's
+   ``v_steps`` cut so that one row tile fills the GPU (`dispatch.capacity_config`); programs whose
+   row tile holds no row of F return at once. So the pass reads ``w2`` about ``ceil(|F| / row_tile)``
+   times, spread over ~132 programs each (none when F is empty). A row of F takes the pick's token,
+   every other row the candidates'.
+4. **Fallback.** If more than L rows fail in one pass (any row, when ``scan_blocks`` is 0 or at
+   least N), the pass scans every row with the plain all-rows pick (a second launch, ``active`` = all
+   or none: when none, its programs return at once) and the call has *fallen back* (a device bool,
+   sticky): every later pass passes ``skip`` to the top-C pick (its programs return at once) and
+   scans every row. No step waits for the host.
 
 Why the tokens are those of ``topc=0`` on the same backend.
   *The score pipeline is monotone.* The full scan scores v as
@@ -55,16 +60,19 @@ Why the tokens are those of ``topc=0`` on the same backend.
   gives +inf and NaN compares false: such rows are never certified.
   *Ties at the bound.* The full scan's winner is the largest score, lowest id. With ``beta < best``
   no non-candidate reaches ``best``; with ``beta == best`` one may tie it, but only with an id
-  ``>= m > best_id``, so it loses the tie. Either way the full scan's winner is the candidates'
-  lowest-id winner. A row whose candidates all score -inf (``best = -inf``) is certified only when
-  ``tau = -inf`` too (every non-candidate scores -inf) and its lowest candidate id is below ``m``:
-  exactly when the full scan also returns that id. NaN or +inf logits need no special case.
+  ``> best_id`` (every smaller id is a candidate), so it loses the tie. Either way the full scan's
+  winner is the candidates' lowest-id winner. A row whose candidates all score -inf (``best = -inf``)
+  is certified only when ``tau = -inf`` too (every non-candidate scores -inf) and every id below its
+  lowest candidate id is a candidate: exactly when the full scan also returns that id. NaN or +inf logits need no special case.
   *Rows that are not certified* (and every row once the call has fallen back) get the full-vocab
   pick itself: the same ``ops`` step, with the same config as ``full_vocab="scan"`` (chosen by the
-  same N), the only difference being which rows are active. An active row's token does not depend
-  on the mask: its program computes its row tile exactly as without ``active`` (the rows it shares a
-  tile with, or its position in the packed order, change no operation on its own row: every dot,
-  rounding and comparison is per row). The candidates' token of a skipped pass is never used.
+  same N), the only differences being which rows are active and, for the packed launch of F, how
+  many vocabulary tiles one program loops over (``v_steps``). Neither changes a token: every dot,
+  rounding and comparison is per (row, id) and computed the same way in every program that holds it
+  (same row tile size, rank chunks and instructions; the rows a row shares a tile with, or its
+  position in the packed order, change no operation on its own row), and the winner over the
+  vocabulary parts (largest score, lowest id) does not depend on how the vocabulary is split.
+  The candidates' token of a skipped pass is never used.
   *So the tokens equal ``topc=0``'s whenever the candidates' scores are computed bit for bit as the
   full scan computes them.* The one place they can differ is float32 summation order: on the Pallas
   backend the candidates are scored by the top-C pick kernel (a per-candidate multiply-and-sum) and
@@ -79,14 +87,15 @@ Why the tokens are those of ``topc=0`` on the same backend.
 
 When it is fast, and what a fallback costs (estimates from benchmarks/RESULTS.md's per-kernel numbers;
 the design before this one, with a host conditional per pass, was timed there: "Exact mode").
-  A pass always launches the top-C pick and the full-vocab pick (plus small XLA ops: a [rows, r]
-  norm, compares, the packing permutation and, at N > 1 row tile, a [rows, r] latent gather); the
+  A pass always launches the top-C pick and the full-vocab pick twice, the packed launch for F and the
+  all-rows one (plus small XLA ops: a [rows, r] norm, compares, the packing permutation and a [rows, r]
+  latent gather); the
   call adds the top-C selection (which replaces the scan's argmax start) and one read of ``w2`` for
   ``M`` (~78 MB in bf16, some 20 µs on an H200: a server could precompute it, but `refine` takes
-  only the params). A certified pass costs a top-C pass plus an empty full-vocab launch (programs
-  that return at once) and its combine; a pass with failing rows adds ``ceil(|F| / row_tile)`` row
-  tiles' worth of a full-vocab pick; a fallen-back pass costs a full-vocab pass plus an empty top-C
-  launch. No conditional: XLA:GPU's conditionals copy the branch index to the host and wait
+  only the params). A certified pass costs a top-C pass plus two empty full-vocab launches (programs
+  that return at once) and their combines; a pass with failing rows adds ``ceil(|F| / row_tile)`` row
+  tiles' worth of a full-vocab pick spread over a whole wave; a fallen-back pass costs a full-vocab
+  pass plus an empty top-C launch and an empty packed launch. No conditional: XLA:GPU's conditionals copy the branch index to the host and wait
   (``ConditionalThunk``), measured at ~25 µs per pass at N=1 in the previous design.
   On the XLA backend nothing can be skipped without a conditional: it computes the candidates and
   the full pick of every row every pass (the same tokens, more work than the scan); the mode is
@@ -329,7 +338,7 @@ def _exact_prepare(w2, *, block, bits):
     return w2, prepare_exact(w2, block=block, bits=bits)
 
 
-def _exact_full_vocab_pick(logits, lat, w2_prepared, active=None, *, candidates, direct_readout):
+def _exact_full_vocab_pick(logits, lat, w2_prepared, active=None, capacity=None, *, candidates, direct_readout):
     w2, prepared = w2_prepared
     tok, _ = certified_full_vocab_pick(ref.draft_rows(logits), lat, w2, prepared, candidates=candidates,
                                        direct_readout=direct_readout)
@@ -433,13 +442,6 @@ def prepare_certified(w2: jax.Array) -> CertifiedPrepared:
     return CertifiedPrepared(jnp.max(jnp.sqrt(jnp.sum(w * w, axis=1))) * (1 + _RAD))
 
 
-def _smallest_non_candidate(cand: jax.Array) -> jax.Array:
-    """[rows, C] distinct ids -> [rows] int32: the smallest id >= 0 that is not a candidate (<= C)."""
-    rows, c = cand.shape
-    present = jnp.zeros((rows, c + 1), bool).at[jnp.arange(rows)[:, None], jnp.minimum(cand, c)].set(True)
-    return jnp.argmin(present, axis=1).astype(jnp.int32)  # the first False
-
-
 class _CallData(NamedTuple):
     """What the certified mode computes once per call (module doc, "The refine mode")."""
 
@@ -449,7 +451,6 @@ class _CallData(NamedTuple):
     cprep: object  # ops.topc_prepare(w2, cand)
     fprep: object  # ops.full_vocab_prepare(w2)
     tau: jax.Array | None  # [rows] accumulation dtype: the C-th largest base logit (None: C = V)
-    m: jax.Array | None  # [rows] int32: the smallest non-candidate id
     max_norm: jax.Array | None  # [] M
 
 
@@ -460,12 +461,11 @@ def _call_data(ops: Ops, logits: jax.Array, w2: jax.Array, c: int) -> _CallData:
     acc = acc_dtype(logits.dtype)
     _check_rank(w2.shape[1], acc)
     cand, base_c, start = ops.select(logits, c)
-    tau = m = max_norm = None
+    tau = max_norm = None
     if c < logits.shape[2]:
         tau = jnp.min(ref.clean(base_c).astype(acc), axis=1)
-        m = _smallest_non_candidate(cand)
         max_norm = prepare_certified(w2).max_norm
-    return _CallData(cand, base_c, start, ops.topc_prepare(w2, cand), ops.full_vocab_prepare(w2), tau, m, max_norm)
+    return _CallData(cand, base_c, start, ops.topc_prepare(w2, cand), ops.full_vocab_prepare(w2), tau, max_norm)
 
 
 def _attempt(ops: Ops, d: _CallData, lat: jax.Array, dtype, skip=None):
@@ -479,7 +479,11 @@ def _attempt(ops: Ops, d: _CallData, lat: jax.Array, dtype, skip=None):
     latf = lat.astype(acc)
     nrm = jnp.sqrt(jnp.sum(latf * latf, axis=1)) * (1 + _SLACK)
     beta = _beta(d.tau, _upper(jnp.zeros_like(nrm), d.max_norm, nrm), dtype)
-    return best_id, _excluded(beta, d.m, best.astype(acc), best_id)
+    # Ties at the bound: certified only if every id <= best_id is a candidate (the C ids are distinct),
+    # i.e. every non-candidate id is larger than best_id.
+    below = jnp.sum(d.cand <= best_id[:, None], axis=1, dtype=jnp.int32) == best_id + 1
+    best = best.astype(acc)
+    return best_id, (beta < best) | ((beta == best) & below)
 
 
 def certified_pick(ops: Ops, logits: jax.Array, lat: jax.Array, w2: jax.Array, cfg: Certified = Certified()):
@@ -511,6 +515,7 @@ def certified_passes(ops: Ops, params, logits: jax.Array, xh: jax.Array, anchors
     k_sub = cfg.blocks(N)
     limit = k_sub * (B - 1) if 0 < k_sub < N else 0  # more failing rows in a pass: the call falls back
     d = _call_data(ops, logits, params["w2"], min(int(cfg.candidates), V))  # once per call
+    kernels = ops.name.startswith("pallas")  # steps that skip the rows they are told to skip
     row_valid = jnp.repeat(valid, B - 1)
     n_valid = jnp.sum(row_valid, dtype=jnp.int32)
 
@@ -519,10 +524,17 @@ def certified_passes(ops: Ops, params, logits: jax.Array, xh: jax.Array, anchors
         lat = ops.latent(params, xh, blk, prev_ids).reshape(rows, r)
         best_id, cert = _attempt(ops, d, lat, dtype, skip=fallen)  # fallen: the kernel reads nothing
         fail = row_valid & ~cert & ~fallen  # valid rows whose bound fails (none counted once fallen)
-        active = fail | fallen  # fallen: every row (padding rows too: every token stays a real id)
-        tok = jnp.where(active, ops.full_vocab_pick(logits, lat, d.fprep, active=active), best_id)
         n_fail = jnp.sum(fail, dtype=jnp.int32)
-        full = fallen | (n_fail > limit)
+        full = fallen | (n_fail > limit)  # this pass scans every row (padding rows too: tokens stay real ids)
+        if not kernels:  # the jnp steps compute every row whatever they are told: one pick
+            tok = jnp.where(fail | full, ops.full_vocab_pick(logits, lat, d.fprep), best_id)
+        else:
+            tok = best_id
+            if limit:  # up to `limit` failing rows, packed into a launch of their own
+                few = ops.full_vocab_pick(logits, lat, d.fprep, active=fail & ~full, capacity=limit)
+                tok = jnp.where(fail, few, tok)
+            every = ops.full_vocab_pick(logits, lat, d.fprep, active=jnp.broadcast_to(full, (rows,)))
+            tok = jnp.where(full, every, tok)
         outcome = jnp.where(full, 2, jnp.where(n_fail == 0, 0, 1))  # certified / rows scanned / fallen back
         tried = tried + jnp.where(fallen, 0, n_valid)
         certified = certified + jnp.where(fallen, 0, n_valid - n_fail)

@@ -23,10 +23,12 @@ The steps (static shapes; ``rows`` = N * (B-1) draft rows):
 - ``full_vocab_prepare(w2) -> prepared``: once per call; what ``full_vocab_pick`` reads for the
   readout (``w2`` itself for XLA and the kernels; weight-derived data for `xpress_jax.exact`).
   Replace it together with ``full_vocab_pick``.
-- ``full_vocab_pick(logits [N,B,V], lat [rows,r], prepared, active=None) -> [rows] int32``: the full-vocab
-  winner. ``active`` ([rows] bool, a device value; used by the certified mode): only those rows' tokens
-  are wanted, the others are unspecified. The kernel skips row tiles without an active row (packing
-  the active rows first); the jnp path ignores it and picks every row.
+- ``full_vocab_pick(logits [N,B,V], lat [rows,r], prepared, active=None, capacity=None) -> [rows] int32``: the
+  full-vocab winner. ``active`` ([rows] bool, a device value; used by the certified mode): only those rows'
+  tokens are wanted, the others are unspecified. The kernel skips row tiles without an active row;
+  with ``capacity`` (a static int) it runs on the first ``capacity`` active rows only, packed into a
+  launch of their own (more active rows: those beyond are unspecified). The jnp path ignores both
+  and picks every row.
 - ``latent(params, xh [N,B,r], blk [N,B] int32, prev_ids [N] int32) -> [N,B-1,r]``.
 - ``start(logits [N,B,V]) -> [rows] int32``: the full-vocab argmax of the base logits (where a
   full-vocab refine starts).
@@ -135,7 +137,7 @@ def _xla_select(logits, c):
     return ref.select_candidates(ref.draft_rows(logits), c)
 
 
-def _xla_full_vocab_pick(logits, lat, w2, active=None, *, direct_readout: bool):
+def _xla_full_vocab_pick(logits, lat, w2, active=None, capacity=None, *, direct_readout: bool):
     return ref.full_vocab_pick(ref.draft_rows(logits), lat, w2, direct_readout=direct_readout, active=active)
 
 
@@ -190,18 +192,22 @@ def _pallas_topc(base_c, cand, lat, prepared, skip=None, *, interpret, best, tie
     return ref.best_by_topc_rule(*out, axis=0) if best else out
 
 
-def _pallas_full_vocab(logits, lat, w2, active=None, *, interpret, best):
+def _pallas_full_vocab(logits, lat, w2, active=None, capacity=None, *, interpret, best):
     """`full_vocab_pick` (``best=False``: ids, the combine kernel) or `full_vocab_best` (``best=True``:
     the parts' (score, id) winners from the kernel, combined by the same rule in XLA). ``active``:
-    the kernel's active rows (the jnp path ignores it)."""
+    the kernel's active rows, unpacked (row tiles without one return at once); with ``capacity`` the
+    first ``capacity`` active rows packed into a launch of their own (the plan's config with
+    `dispatch.capacity_config`'s ``v_steps``: the same scores). The jnp path ignores both."""
+    from . import dispatch
     from .kernels import full_vocab
 
     n, b, v = logits.shape
     p = _plan(n, b, v, lat.shape[1], 0, logits.dtype, interpret)
     if p.full_vocab is None:
         return (ref.full_vocab_best if best else ref.full_vocab_pick)(ref.draft_rows(logits), lat, w2)
-    out = full_vocab.full_vocab_pick(logits.reshape(n * b, v), lat, w2, config=p.full_vocab, interpret=interpret,
-                                     slot_stride=b, partials=best, active=active)
+    cfg = p.full_vocab if capacity is None else dispatch.capacity_config(p.full_vocab, v)
+    out = full_vocab.full_vocab_pick(logits.reshape(n * b, v), lat, w2, config=cfg, interpret=interpret,
+                                     slot_stride=b, partials=best, active=active, pack=False, capacity=capacity)
     return ref.best_by_score(*out, axis=0) if best else out
 
 

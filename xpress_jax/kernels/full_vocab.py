@@ -454,7 +454,7 @@ def _check_shapes(base, lat, w2, rows=None):
         raise ValueError(f"dtypes must agree: {base.dtype=} {lat.dtype=} {w2.dtype=}")
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "config", "slot_stride", "partials", "pack"))
+@functools.partial(jax.jit, static_argnames=("interpret", "config", "slot_stride", "partials", "pack", "capacity"))
 def full_vocab_pick(
     base: jax.Array,
     lat: jax.Array,
@@ -466,6 +466,7 @@ def full_vocab_pick(
     partials: bool = False,
     active: jax.Array | None = None,
     pack: bool = True,
+    capacity: int | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """[rows,V], [rows,r], [V,r] -> [rows] int32: argmax_v float(dtype(base + dtype(lat @ w2.T))).
 
@@ -486,6 +487,14 @@ def full_vocab_pick(
     computed on the device; the kernel reads each base row through an index map, the latent rows
     are gathered, [rows, r]), so the kernel reads ``w2`` about ``ceil(active rows / row_tile)``
     times instead of once per row tile that happens to hold an active row.
+    ``capacity`` (static int, with ``active``): the kernel runs on only the first ``capacity`` packed
+    rows, a grid of ``ceil(capacity / row_tile)`` row tiles instead of all of them (``pack`` is implied):
+    the first ``capacity`` active rows in row order get their tokens, active rows beyond them read
+    ``BIG`` (partials: -inf, ``BIG``), inactive rows are unspecified. Meant for "a few rows of many" (the certified mode's scan of the
+    rows its bound cannot certify), with a ``config`` whose ``v_steps`` gives each row tile enough
+    programs (`xpress_jax.dispatch.capacity_config`); only ``v_steps`` may differ from the all-rows
+    config if the tokens must match it bit for bit (each (row, id) score is computed the same way
+    for any vocabulary split).
     """
     if slot_stride:
         if slot_stride < 2 or base.ndim != 2 or base.shape[0] % slot_stride:
@@ -503,17 +512,23 @@ def full_vocab_pick(
     if active is not None and (active.shape != (rows,) or not (active.dtype == jnp.bool_
                                                                 or jnp.issubdtype(active.dtype, jnp.integer))):
         raise ValueError(f"active must be [rows={rows}] bool or int; got {active.shape} {active.dtype}")
-    cfg = config or default_config(rows, vocab, rank, dtype)
-    cfg.check_shape(rows, vocab, rank, dtype)
+    if capacity is not None:
+        if active is None:
+            raise ValueError("capacity needs active (the rows to compute)")
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+            raise ValueError(f"capacity must be an int >= 1, got {capacity!r}")
+    cap = rows if capacity is None else min(capacity, rows)  # the rows the kernel runs on
+    cfg = config or default_config(cap, vocab, rank, dtype)
+    cfg.check_shape(cap, vocab, rank, dtype)
     parts = cdiv(vocab, cfg.v_tile * cfg.v_steps)
-    row_tiles = cdiv(rows, cfg.row_tile)
+    row_tiles = cdiv(cap, cfg.row_tile)
     rows_pad = row_tiles * cfg.row_tile
     out_shape = (
         jax.ShapeDtypeStruct((parts, rows_pad), jnp.float32),
         jax.ShapeDtypeStruct((parts, rows_pad), jnp.int32),
     )
     out_spec = pl.BlockSpec((None, cfg.row_tile), lambda i, j: (j, i))
-    statics = dict(rows=rows, vocab=vocab, row_tile=cfg.row_tile, v_tile=cfg.v_tile, v_steps=cfg.v_steps, dtype=dtype,
+    statics = dict(rows=cap, vocab=vocab, row_tile=cfg.row_tile, v_tile=cfg.v_tile, v_steps=cfg.v_steps, dtype=dtype,
                    slot_stride=slot_stride)
     k_tile = k_chunk(cfg.k_tile, rank, MIN_DOT)
     operands = (base, lat, w2)
@@ -521,9 +536,10 @@ def full_vocab_pick(
     pos = None  # packed: original row q's result is packed row pos[q]
     if active is not None:
         act = active != 0 if active.dtype != jnp.bool_ else active
-        if pack and row_tiles > 1:
+        if cap < rows or (pack and row_tiles > 1):
             pos, src, lat_p, act = _pack_rows(act, lat, slot_stride)
-            operands = (base, lat_p, w2, src)
+            operands = (base, lat_p[:cap], w2, src[:cap])
+            act = act[:cap]
             extra["row_map"] = True
         operands = (*operands, act.astype(jnp.int32))
         extra["has_active"] = True
@@ -541,10 +557,14 @@ def full_vocab_pick(
         out_shape=out_shape,
     )(*operands)
     if partials:
-        mv, mi = mv[:, :rows], mi[:, :rows]
-        return (mv, mi) if pos is None else (mv[:, pos], mi[:, pos])
-    tok = combine_partials(mv, mi, interpret=interpret)[:rows]
-    return tok if pos is None else tok[pos]
+        mv, mi = mv[:, :cap], mi[:, :cap]
+        if pos is None:
+            return mv, mi
+        kept = pos < cap  # packed beyond the capacity: never computed, reported as "no winner"
+        at = jnp.minimum(pos, cap - 1)
+        return jnp.where(kept, mv[:, at], -jnp.inf), jnp.where(kept, mi[:, at], BIG)
+    tok = combine_partials(mv, mi, interpret=interpret)[:cap]
+    return tok if pos is None else jnp.where(pos < cap, tok[jnp.minimum(pos, cap - 1)], BIG)
 
 
 def _pack_rows(act: jax.Array, lat: jax.Array, slot_stride: int):
