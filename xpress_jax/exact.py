@@ -516,6 +516,12 @@ def certified_passes(ops: Ops, params, logits: jax.Array, xh: jax.Array, anchors
     limit = k_sub * (B - 1) if 0 < k_sub < N else 0  # more failing rows in a pass: the call falls back
     d = _call_data(ops, logits, params["w2"], min(int(cfg.candidates), V))  # once per call
     kernels = ops.name.startswith("pallas")  # steps that skip the rows they are told to skip
+    if kernels and limit:
+        from . import dispatch
+
+        fv = dispatch.plan(N, B, V, r, 0, dtype, kernels_everywhere=ops.name.endswith("interpret")).full_vocab
+        if fv is None or -(-rows // fv.row_tile) == 1:
+            kernels = False  # one row tile holds every row: a packed launch would save nothing (one pick)
     row_valid = jnp.repeat(valid, B - 1)
     n_valid = jnp.sum(row_valid, dtype=jnp.int32)
 
@@ -526,8 +532,9 @@ def certified_passes(ops: Ops, params, logits: jax.Array, xh: jax.Array, anchors
         fail = row_valid & ~cert & ~fallen  # valid rows whose bound fails (none counted once fallen)
         n_fail = jnp.sum(fail, dtype=jnp.int32)
         full = fallen | (n_fail > limit)  # this pass scans every row (padding rows too: tokens stay real ids)
-        if not kernels:  # the jnp steps compute every row whatever they are told: one pick
-            tok = jnp.where(fail | full, ops.full_vocab_pick(logits, lat, d.fprep), best_id)
+        if not kernels:  # the jnp steps (every row, whatever they are told), or one row tile: one pick
+            act = fail | full
+            tok = jnp.where(act, ops.full_vocab_pick(logits, lat, d.fprep, active=act), best_id)
         else:
             tok = best_id
             if limit:  # up to `limit` failing rows, packed into a launch of their own
