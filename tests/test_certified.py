@@ -16,7 +16,7 @@ import pytest
 
 import xpress_jax as xj
 from xpress_jax import reference as ref
-from xpress_jax.exact import Certified, CertifiedStats, certified_pick, prepare_certified
+from xpress_jax.exact import Certified, CertifiedPrepared, CertifiedStats, certified_pick, prepare_certified
 from xpress_jax.ops import Ops
 from xpress_jax.refine import refine_with
 
@@ -366,6 +366,49 @@ def test_refine_server_passes_the_mode():
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
     with pytest.raises(ValueError, match="full_vocab"):
         xj.RefineServer(head, buckets=(1,), backend="xla", full_vocab="certified", mesh=mesh, progress=False)
+
+
+def test_certified_prepared():
+    """``certified_prepared`` (prepare_certified of the same w2) gives the scan's tokens; a wrong one is used,
+    not recomputed: M = 0 certifies rows the bound should not, and the tokens then differ from the scan (the
+    test can fail); errors name the argument."""
+    x, cert = _regime(jnp.float32, "fallback")
+    params = x[0]
+    want = np.asarray(_refine(*x))
+    f = jax.jit(lambda p, l, h, a, prep: xj.refine(p, l, h, a, config=CFG, topc=0, backend="xla", full_vocab=cert,
+                                                   certified_prepared=prep))
+    prep = prepare_certified(params["w2"])
+    np.testing.assert_array_equal(np.asarray(f(*x, prep)), want)
+    wrong = np.asarray(f(*x, CertifiedPrepared(jnp.zeros((), jnp.float32))))
+    assert (wrong != want).any()
+    with pytest.raises(TypeError, match="certified_prepared"):
+        xj.refine(*x, config=CFG, topc=0, full_vocab="certified", certified_prepared=prep.max_norm)
+    with pytest.raises(ValueError, match="certified_prepared"):
+        xj.refine(*x, config=CFG, topc=0, full_vocab="scan", certified_prepared=prep)
+    with pytest.raises(ValueError, match="certified_prepared"):
+        xj.refine(*x, config=CFG, topc=0, full_vocab="certified",
+                  certified_prepared=CertifiedPrepared(jnp.zeros((2,), jnp.float32)))
+
+
+def test_server_keeps_the_bound_data_with_the_weights():
+    """RefineServer(full_vocab="certified") computes prepare_certified at start-up and on reload (not per call):
+    its M always equals the serving weights' M, a failed reload keeps both, and the tokens equal the scan's."""
+    cfg = dataclasses.replace(CFG, max_num_reqs=8, topc=0)
+    params, logits, h, anchors = _problem(jnp.float32, 0.1, n=8, cfg=cfg)
+    server = xj.RefineServer(xj.Head(cfg, params), buckets=(8,), backend="xla", full_vocab="certified",
+                             progress=False)
+    m0 = float(prepare_certified(params["w2"]).max_norm)
+    assert float(server._extra[0].max_norm) == m0
+    params2 = dict(params, w2=params["w2"] * 3)
+    server.reload(params2)
+    assert float(server._extra[0].max_norm) == float(prepare_certified(params2["w2"]).max_norm) != m0
+    np.testing.assert_array_equal(np.asarray(server(logits, h, anchors.astype(jnp.int32))),
+                                  np.asarray(xj.refine(xj.Head(cfg, params2), logits, h, anchors, backend="xla")))
+    with pytest.raises(ValueError):
+        server.reload(dict(params2, w2=params2["w2"][:-1]))
+    assert float(server._extra[0].max_norm) == float(prepare_certified(params2["w2"]).max_norm)
+    scan = xj.RefineServer(xj.Head(cfg, params), buckets=(8,), backend="xla", progress=False)
+    assert scan._extra == ()
 
 
 def test_lowers_for_an_h200():

@@ -119,6 +119,7 @@ def refine(
     unroll: bool | None = None,
     full_vocab: Any = "scan",
     return_stats: bool = False,
+    certified_prepared: Any = None,
 ) -> jax.Array:
     """Refine N draft blocks with K greedy Jacobi passes; returns the draft [N, B-1] int32.
 
@@ -150,6 +151,11 @@ def refine(
         `xpress_jax.exact.Certified` sets its candidate count and fallback threshold.
       return_stats: with ``full_vocab="certified"`` (and ``topc=0``) return ``(tokens,
         xpress_jax.exact.CertifiedStats)``: the fraction of rows certified and of passes that scanned.
+      certified_prepared: with ``full_vocab="certified"``, `xpress_jax.exact.prepare_certified`
+        (``params["w2"]``) computed once for these weights (a traced argument, not static); None:
+        refine computes it every call (one read of ``w2``, ~20 µs at serving shapes on an H200).
+        It must come from the very weights passed: from other weights the bound may be wrong and
+        so may the tokens. `RefineServer` keeps it and recomputes it on every reload.
 
     No silent defaults: the config (from the `Head` or ``config=``) is the only source of
     ``num_passes`` and ``topc``. With a plain dict and no config both must be given, else
@@ -178,7 +184,7 @@ def refine(
     check_backend(backend, interpret)
     return _run(_select_ops(backend, interpret), params, logits, h, anchors, prev_ids, num_passes=num_passes,
                 topc=topc, max_num_reqs=max_num_reqs, config=config, unroll=unroll, full_vocab=full_vocab,
-                return_stats=return_stats)
+                return_stats=return_stats, certified_prepared=certified_prepared)
 
 
 def _platform() -> str:
@@ -217,7 +223,8 @@ def _select_ops(backend: str, interpret: bool) -> Ops:
 
 def refine_with(ops: Ops, params, logits, h, anchors, prev_ids=None, *, num_passes: int | None = None,
                 topc: int | None = None, max_num_reqs: int | None = None, config: HeadConfig | None = None,
-                unroll: bool | None = None, full_vocab: Any = "scan", return_stats: bool = False) -> jax.Array:
+                unroll: bool | None = None, full_vocab: Any = "scan", return_stats: bool = False,
+                certified_prepared: Any = None) -> jax.Array:
     """`refine` with an explicit `xpress_jax.ops.Ops` instead of ``backend`` (documented internal:
     benchmarks and experiments build mixed implementations with `dataclasses.replace`).
 
@@ -229,11 +236,11 @@ def refine_with(ops: Ops, params, logits, h, anchors, prev_ids=None, *, num_pass
         raise TypeError(f"ops must be an xpress_jax.ops.Ops, got {type(ops).__name__}")
     return _run(ops, params, logits, h, anchors, prev_ids, num_passes=num_passes, topc=topc,
                 max_num_reqs=max_num_reqs, config=config, unroll=unroll, full_vocab=full_vocab,
-                return_stats=return_stats)
+                return_stats=return_stats, certified_prepared=certified_prepared)
 
 
 def _run(ops: Ops, params, logits, h, anchors, prev_ids=None, *, num_passes=None, topc=None, max_num_reqs=None,
-         config=None, unroll=None, full_vocab="scan", return_stats=False):
+         config=None, unroll=None, full_vocab="scan", return_stats=False, certified_prepared=None):
     """Resolve the config's defaults, validate, and run `_refine` with ``ops`` (`refine`'s body)."""
     certified = resolve_full_vocab(full_vocab)
     if not isinstance(return_stats, bool):
@@ -244,8 +251,30 @@ def _run(ops: Ops, params, logits, h, anchors, prev_ids=None, *, num_passes=None
     if return_stats and (topc or certified is None):
         raise ValueError(f"return_stats=True reports the certified mode: it needs topc=0 and "
                          f"full_vocab='certified' (got topc={topc}, full_vocab={full_vocab!r})")
+    if certified_prepared is not None:
+        _check_certified_prepared(certified_prepared, params, topc, certified, full_vocab)
     return _refine(ops, params, logits, h, anchors, prev_ids, num_passes, topc, unroll,
-                   certified=None if topc else certified, return_stats=return_stats)
+                   certified=None if topc else certified, return_stats=return_stats,
+                   certified_prepared=certified_prepared)
+
+
+def _check_certified_prepared(prepared, params, topc, certified, full_vocab) -> None:
+    """``certified_prepared`` must be a `CertifiedPrepared` (scalar ``max_norm`` in the accumulation
+    dtype of the params) and the call must run the certified mode; else a clear error."""
+    from .exact import CertifiedPrepared
+    from .head import acc_dtype
+
+    if topc or certified is None:
+        raise ValueError(f"certified_prepared is for the certified mode: it needs topc=0 and "
+                         f"full_vocab='certified' (got topc={topc}, full_vocab={full_vocab!r})")
+    if not isinstance(prepared, CertifiedPrepared):
+        raise TypeError(f"certified_prepared must be xpress_jax.exact.prepare_certified(params['w2']), "
+                        f"got {type(prepared).__name__}")
+    m = prepared.max_norm
+    want = acc_dtype(params["w2"].dtype)
+    if getattr(m, "shape", None) != () or jnp.dtype(m.dtype) != want:
+        raise ValueError(f"certified_prepared.max_norm must be a {want.name} scalar (prepare_certified of this "
+                         f"head's w2), got {getattr(m, 'shape', None)} {getattr(m, 'dtype', None)}")
 
 
 def resolve_call(params, logits, h, anchors, prev_ids=None, *, num_passes=None, topc=None, max_num_reqs=None,
@@ -281,7 +310,7 @@ def resolve_call(params, logits, h, anchors, prev_ids=None, *, num_passes=None, 
 
 
 def _refine(ops: Ops, params, logits, h, anchors, prev_ids, num_passes, topc, unroll=False, vocab_size=None,
-            certified=None, return_stats=False):
+            certified=None, return_stats=False, certified_prepared=None):
     """The data path. ``vocab_size``: the global V when ``logits``, ``w1`` and ``w2`` hold one
     vocabulary shard (`xpress_jax.sharded`; then ``ops`` combines across shards). ``certified``: a
     `xpress_jax.exact.Certified` runs the full-vocab passes certified (`exact.certified_passes`);
@@ -299,7 +328,8 @@ def _refine(ops: Ops, params, logits, h, anchors, prev_ids, num_passes, topc, un
     xh = hidden_input(params, h)  # [N, B, r], once per call
 
     if certified is not None and not topc:
-        blk, stats = certified_passes(ops, params, logits, xh, anchors, prev_ids, valid, num_passes, unroll, certified)
+        blk, stats = certified_passes(ops, params, logits, xh, anchors, prev_ids, valid, num_passes, unroll, certified,
+                                      certified_prepared)
         out = jnp.where(valid[:, None], blk[:, 1:], INVALID_TOKEN)
         return (out, stats) if return_stats else out
 

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .config import HeadConfig
-from .exact import resolve_full_vocab
+from .exact import prepare_certified, resolve_full_vocab
 from .params import PARAM_NAMES, Head, check_params, param_shapes
 from .refine import BACKENDS, INVALID_TOKEN, check_backend, refine
 
@@ -85,7 +85,9 @@ class RefineServer:
     it, and `refine_sharded` pads inside).
 
     ``full_vocab``: `refine`'s option for ``topc=0`` (``"scan"`` or ``"certified"``, or a
-    `xpress_jax.exact.Certified`; same tokens); one device only (a mesh takes ``"scan"``).
+    `xpress_jax.exact.Certified`; same tokens); one device only (a mesh takes ``"scan"``). Certified:
+    the bound's weight-only data (`xpress_jax.exact.prepare_certified`) is computed at start-up and at
+    every reload, together with the weights, and passed to every call (not recomputed per call).
     """
 
     def __init__(
@@ -140,6 +142,14 @@ class RefineServer:
         }
         # Start-up placement (a transfer; arrays already in place are not copied).
         self._params = self._checked_params(head.params, place_jax=True)
+        # The certified mode's weight-only data (`exact.prepare_certified`), kept with the weights: computed
+        # here and at every reload by an executable compiled now, passed to every call (not per call).
+        self._certified = mesh is None and not self.topc and resolve_full_vocab(full_vocab) is not None
+        self._prepare_exe = None
+        self._extra: tuple = ()
+        if self._certified:
+            self._prepare_exe = jax.jit(prepare_certified).lower(self._param_specs["w2"]).compile()
+            self._extra = (self._prepare_exe(self._params["w2"]),)
         self.executables: dict[int, Any] = {}  # bucket -> jax.stages.Compiled
         self._specs: dict[int, dict[str, jax.ShapeDtypeStruct]] = {}
         self.compile_seconds: dict[int, float] = {}
@@ -196,14 +206,15 @@ class RefineServer:
         if mesh is not None:
             from . import sharded
 
-        def serve(params, logits, h, anchors, prev_ids, num_valid):
+        def serve(params, logits, h, anchors, prev_ids, num_valid, *prepared):
             # Padding rows get anchor -1: refine's sentinel rule reads nothing for them, returns -1.
             pad = jnp.arange(anchors.shape[0]) >= num_valid
             anchors = jnp.where(pad, INVALID_TOKEN, anchors)
             prev_ids = jnp.where(pad, INVALID_TOKEN, prev_ids)
             head = Head(config, params)
             if mesh is None:
-                return refine(head, logits, h, anchors, prev_ids, **kw)
+                return refine(head, logits, h, anchors, prev_ids, certified_prepared=prepared[0] if prepared else None,
+                              **kw)
             return sharded.refine_sharded(head, logits, h, anchors, prev_ids, mesh=mesh, data_axis=self.data_axis,
                                           model_axis=self.model_axis, **kw)
 
@@ -235,7 +246,7 @@ class RefineServer:
             t0 = time.perf_counter()
             spec = self._specs[b] = self.input_specs(b)
             jitted = jax.jit(serve, out_shardings=self.input_shardings(b)["out"])
-            lowered = jitted.lower(self._param_specs, *(spec[k] for k in _ARGS), spec["num_valid"])
+            lowered = jitted.lower(self._param_specs, *(spec[k] for k in _ARGS), spec["num_valid"], *self._extra)
             self.executables[b] = lowered.compile()
             self.compile_seconds[b] = time.perf_counter() - t0
             say(f"RefineServer: [{i + 1}/{len(self.buckets)}] N={b}: compiled in {self.compile_seconds[b]:.2f} s")
@@ -254,7 +265,7 @@ class RefineServer:
         """Refine the first ``num_valid`` blocks (default: all N); returns [bucket, B-1] int32 on
         the devices, rows ``>= num_valid`` equal to -1. See the class docstring for the inputs."""
         args, bucket, num_valid = self._prepare(logits, h, anchors, prev_ids, num_valid)
-        return self.executables[bucket](self._params, *args, self._num_valid(bucket, num_valid))
+        return self.executables[bucket](self._params, *args, self._num_valid(bucket, num_valid), *self._extra)
 
     def _num_valid(self, bucket: int, num_valid: int) -> jax.Array:
         """``num_valid`` as a device scalar placed where ``bucket``'s executable takes it, made once
@@ -269,7 +280,8 @@ class RefineServer:
     def tokens(self, logits, h, anchors, prev_ids=None, num_valid: int | None = None) -> np.ndarray:
         """``server(...)``'s valid rows on the host: numpy [num_valid, B-1] int32."""
         args, bucket, num_valid = self._prepare(logits, h, anchors, prev_ids, num_valid)
-        return np.asarray(self.executables[bucket](self._params, *args, self._num_valid(bucket, num_valid)))[:num_valid]
+        out = self.executables[bucket](self._params, *args, self._num_valid(bucket, num_valid), *self._extra)
+        return np.asarray(out)[:num_valid]
 
     def _prepare(self, logits, h, anchors, prev_ids, num_valid):
         if prev_ids is None:
@@ -402,7 +414,9 @@ class RefineServer:
                     f"{self.config}; build a new server for another config"
                 )
             params = params.params
-        self._params = self._checked_params(params, place_jax=False)
+        checked = self._checked_params(params, place_jax=False)
+        extra = (self._prepare_exe(checked["w2"]),) if self._certified else ()
+        self._params, self._extra = checked, extra  # together: the bound's data always matches the weights
 
     def reload_from(self, path: str | PathLike, *, dtype: Any = None) -> None:
         """`reload` from a converted checkpoint, restored straight onto ``param_shardings``.
