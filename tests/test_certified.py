@@ -459,3 +459,37 @@ def _all_triton_operands(hlo: str, name: str) -> list[int]:
 
     return [len(re.search(r"triton\((.*?)\)", line).group(1).split(","))
             for line in hlo.splitlines() if TRITON_CALL in line and f'name = "{name}"' in line]
+
+
+def test_server_auto_policy():
+    """RefineServer(full_vocab=Auto(...)): small buckets scan (one executable); large ones start certified and,
+    where the calls fall back (pruning fails), switch to the scan for ``retry_after`` calls, then try again;
+    where rows certify they stay certified. Tokens equal the scan's at every call; serving never compiles."""
+    from xpress_jax.exact import Auto
+
+    cfg = dataclasses.replace(CFG, max_num_reqs=8, topc=0)
+    auto = Auto(min_blocks=4, check_every=1, retry_after=2, certified=Certified(candidates=64, scan_blocks=3))
+    for std, peaked, fallback in ((0.3, False, True), (0.1, True, False)):
+        params, logits, h, anchors = _problem(jnp.float32, std, n=8, cfg=cfg, peaked=peaked)
+        head = xj.Head(cfg, params)
+        server = xj.RefineServer(head, buckets=(2, 8), backend="xla", full_vocab=auto, progress=False)
+        assert set(server.certified_executables) == {8} and server.exact_mode(2) == "scan"
+        want = np.asarray(xj.refine(head, logits, h, anchors, backend="xla"))
+        ids = anchors.astype(jnp.int32)
+        modes = []
+        small = (logits[:2], h[:2], ids[:2])
+        with jax.no_tracing():
+            for _ in range(7):
+                out = server(logits, h, ids)
+                modes.append(server.exact_mode(8))  # how that call ran
+                np.testing.assert_array_equal(np.asarray(out), want)  # waits: the stats are ready next call
+            np.testing.assert_array_equal(np.asarray(server(*small)), want[:2])
+        if fallback:  # certified (falls back) -> scan x2 -> certified (probe, falls back) -> scan x2 -> certified
+            assert modes == ["certified", "scan", "scan", "certified", "scan", "scan", "certified"], modes
+            assert server._auto_state[8]["switches"] >= 2
+        else:
+            assert modes == ["certified"] * 7 and server._auto_state[8]["switches"] == 0
+    with pytest.raises(ValueError, match="min_blocks"):
+        Auto(min_blocks=0)
+    with pytest.raises(ValueError, match="max_fallback"):
+        Auto(max_fallback=2.0)

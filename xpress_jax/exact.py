@@ -184,7 +184,7 @@ from . import reference as ref
 from .head import acc_dtype, round_to
 from .ops import Ops
 
-__all__ = ["FULL_VOCAB", "Certified", "CertifiedStats", "CertifiedPrepared", "resolve_full_vocab", "prepare_certified",
+__all__ = ["FULL_VOCAB", "Auto", "Certified", "CertifiedStats", "CertifiedPrepared", "resolve_full_vocab", "prepare_certified",
            "certified_pick", "certified_passes", "ExactPrepared", "ExactStats", "prepare_exact", "certified_full_vocab_pick", "exact_ops"]
 
 _SLACK = 2.0 ** -10
@@ -394,6 +394,40 @@ class Certified:
     def blocks(self, n: int) -> int:
         """The scan_blocks used at N blocks."""
         return -(-n // 8) if self.scan_blocks is None else int(self.scan_blocks)
+
+
+@dataclasses.dataclass(frozen=True)
+class Auto:
+    """``RefineServer(full_vocab="auto")``: exact tokens, the certified mode where it pays, the scan elsewhere.
+
+    A per-bucket policy of the server (plain `refine` has no state between calls, so it does not
+    take it). Buckets of fewer than ``min_blocks`` blocks always scan (on an H200 the certified
+    mode was slower than the scan at N <= 16 even where 97% of rows certified, and faster from
+    N = 64: benchmarks/RESULTS.md "Exact mode"). Larger buckets start certified; every
+    ``check_every``-th certified call keeps its `CertifiedStats`, read by a later call once the device
+    has finished it (never waiting); if its fraction of fallen-back passes exceeds ``max_fallback``
+    the bound is not pruning for this head and traffic, and the bucket scans for the next
+    ``retry_after`` calls, then tries the certified mode again. The tokens are the scan's either way.
+    Costs: two executables per large bucket (start-up time), one device-to-host read of a scalar
+    every ``check_every`` certified calls, and in the regime where pruning fails about one certified
+    call in ``retry_after`` (measured 1.1-1.4x a scan call).
+    """
+
+    min_blocks: int = 64
+    check_every: int = 16
+    retry_after: int = 256
+    max_fallback: float = 0.5
+    certified: Certified = Certified()
+
+    def __post_init__(self):
+        for name in ("min_blocks", "check_every", "retry_after"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+                raise ValueError(f"Auto: {name} must be an int >= 1, got {v!r}")
+        if not 0 <= self.max_fallback <= 1:
+            raise ValueError(f"Auto: max_fallback must lie in [0, 1], got {self.max_fallback!r}")
+        if not isinstance(self.certified, Certified):
+            raise ValueError(f"Auto: certified must be an xpress_jax.exact.Certified, got {self.certified!r}")
 
 
 def resolve_full_vocab(full_vocab) -> Certified | None:

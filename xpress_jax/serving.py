@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .config import HeadConfig
-from .exact import prepare_certified, resolve_full_vocab
+from .exact import Auto, prepare_certified, resolve_full_vocab
 from .params import PARAM_NAMES, Head, check_params, param_shapes
 from .refine import BACKENDS, INVALID_TOKEN, check_backend, refine
 
@@ -88,6 +88,10 @@ class RefineServer:
     `xpress_jax.exact.Certified`; same tokens); one device only (a mesh takes ``"scan"``). Certified:
     the bound's weight-only data (`xpress_jax.exact.prepare_certified`) is computed at start-up and at
     every reload, together with the weights, and passed to every call (not recomputed per call).
+    ``full_vocab="auto"`` (or a `xpress_jax.exact.Auto`): the certified mode in buckets of at least
+    ``min_blocks`` (64) blocks while its bound prunes, the scan elsewhere and whenever the certified
+    calls keep falling back (a per-bucket policy, see `Auto`; `exact_mode(bucket)` says which runs next;
+    the tokens are the same).
     """
 
     def __init__(
@@ -112,7 +116,9 @@ class RefineServer:
                 "or build it with RefineServer.from_checkpoint(path)"
             )
         check_backend(backend, interpret)
-        resolve_full_vocab(full_vocab)  # ValueError naming full_vocab
+        auto = full_vocab if isinstance(full_vocab, Auto) else Auto() if full_vocab == "auto" else None
+        if auto is None:
+            resolve_full_vocab(full_vocab)  # ValueError naming full_vocab
         if mesh is not None and full_vocab != "scan":
             raise ValueError(f"full_vocab={full_vocab!r} runs on one device; with a mesh use full_vocab='scan'")
         self.full_vocab = full_vocab
@@ -144,13 +150,18 @@ class RefineServer:
         self._params = self._checked_params(head.params, place_jax=True)
         # The certified mode's weight-only data (`exact.prepare_certified`), kept with the weights: computed
         # here and at every reload by an executable compiled now, passed to every call (not per call).
-        self._certified = mesh is None and not self.topc and resolve_full_vocab(full_vocab) is not None
+        self._auto = auto if mesh is None and not self.topc else None  # top-C mode: nothing to decide
+        self._certified = mesh is None and not self.topc and (auto is not None or resolve_full_vocab(full_vocab) is not None)
         self._prepare_exe = None
         self._extra: tuple = ()
         if self._certified:
             self._prepare_exe = jax.jit(prepare_certified).lower(self._param_specs["w2"]).compile()
             self._extra = (self._prepare_exe(self._params["w2"]),)
         self.executables: dict[int, Any] = {}  # bucket -> jax.stages.Compiled
+        # full_vocab="auto": the certified executables (returning their stats) of the buckets >= min_blocks,
+        # and each one's policy state (`exact.Auto`); `executables` then holds the scan.
+        self.certified_executables: dict[int, Any] = {}
+        self._auto_state: dict[int, dict[str, Any]] = {}
         self._specs: dict[int, dict[str, jax.ShapeDtypeStruct]] = {}
         self.compile_seconds: dict[int, float] = {}
         self._num_valid_cache: dict[tuple[int, int], jax.Array] = {}
@@ -197,11 +208,13 @@ class RefineServer:
 
     # --- compile --------------------------------------------------------------------------
 
-    def _serve_fn(self):
+    def _serve_fn(self, full_vocab=None, return_stats=False):
         config, kw = self.config, dict(num_passes=self.num_passes, topc=self.topc, backend=self.backend,
                                         interpret=self.interpret)
         if self.mesh is None:
-            kw["full_vocab"] = self.full_vocab
+            kw["full_vocab"] = self.full_vocab if full_vocab is None else full_vocab
+            if return_stats:
+                kw["return_stats"] = True
         mesh = self.mesh
         if mesh is not None:
             from . import sharded
@@ -241,15 +254,25 @@ class RefineServer:
         say(f"RefineServer: compiling {len(self.buckets)} bucket(s) {self.buckets} (V={self.config.vocab_size}, "
             f"B={self.config.block_size}, {self.dtype.name}, topc={self.topc}, K={self.num_passes}, "
             f"backend={self.backend}, {devices} device(s))")
+        if self._auto is not None:
+            serve = self._serve_fn(full_vocab="scan")
+            serve_cert = self._serve_fn(full_vocab=self._auto.certified, return_stats=True)
         t_all = time.perf_counter()
         for i, b in enumerate(self.buckets):
             t0 = time.perf_counter()
             spec = self._specs[b] = self.input_specs(b)
-            jitted = jax.jit(serve, out_shardings=self.input_shardings(b)["out"])
-            lowered = jitted.lower(self._param_specs, *(spec[k] for k in _ARGS), spec["num_valid"], *self._extra)
-            self.executables[b] = lowered.compile()
+            out = self.input_shardings(b)["out"]
+            args = (self._param_specs, *(spec[k] for k in _ARGS), spec["num_valid"])
+            jitted = jax.jit(serve, out_shardings=out)
+            self.executables[b] = jitted.lower(*args, *self._main_extra()).compile()
+            what = ""
+            if self._auto is not None and b >= self._auto.min_blocks:
+                self.certified_executables[b] = jax.jit(serve_cert).lower(*args, *self._extra).compile()
+                self._auto_state[b] = dict(mode="certified", last="certified", since=0, scan_left=0, pending=None,
+                                           switches=0)
+                what = " (scan and certified)"
             self.compile_seconds[b] = time.perf_counter() - t0
-            say(f"RefineServer: [{i + 1}/{len(self.buckets)}] N={b}: compiled in {self.compile_seconds[b]:.2f} s")
+            say(f"RefineServer: [{i + 1}/{len(self.buckets)}] N={b}: compiled{what} in {self.compile_seconds[b]:.2f} s")
         say(f"RefineServer: ready, {time.perf_counter() - t_all:.2f} s")
 
     # --- serving --------------------------------------------------------------------------
@@ -265,7 +288,43 @@ class RefineServer:
         """Refine the first ``num_valid`` blocks (default: all N); returns [bucket, B-1] int32 on
         the devices, rows ``>= num_valid`` equal to -1. See the class docstring for the inputs."""
         args, bucket, num_valid = self._prepare(logits, h, anchors, prev_ids, num_valid)
-        return self.executables[bucket](self._params, *args, self._num_valid(bucket, num_valid), *self._extra)
+        return self._run(bucket, args, self._num_valid(bucket, num_valid))
+
+    def _main_extra(self) -> tuple:
+        """What ``executables`` take after num_valid: the certified data, unless they are auto's scans."""
+        return () if self._auto is not None else self._extra
+
+    def _run(self, bucket: int, args: tuple, num_valid: jax.Array) -> jax.Array:
+        if bucket not in self.certified_executables:
+            return self.executables[bucket](self._params, *args, num_valid, *self._main_extra())
+        a, st = self._auto, self._auto_state[bucket]
+        pending = st["pending"]
+        if pending is not None and pending.is_ready():  # never waits for the device
+            st["pending"] = None
+            if float(pending) > a.max_fallback:  # the bound does not prune here: scan for a while
+                st.update(mode="scan", scan_left=a.retry_after, switches=st["switches"] + 1)
+        st["last"] = st["mode"]
+        if st["mode"] == "scan":
+            st["scan_left"] -= 1
+            if st["scan_left"] <= 0:
+                st.update(mode="certified", since=0)
+            return self.executables[bucket](self._params, *args, num_valid)
+        out, stats = self.certified_executables[bucket](self._params, *args, num_valid, *self._extra)
+        if st["since"] % a.check_every == 0:
+            st["pending"] = stats.passes_full_scan
+        st["since"] += 1
+        return out
+
+    def exact_mode(self, bucket: int) -> str:
+        """How ``bucket``'s ``topc=0`` calls run: ``"scan"`` or ``"certified"``. With ``full_vocab="auto"``:
+        how its last call ran (before any call: how the first will). It changes no token."""
+        if bucket not in self.buckets:
+            raise ValueError(f"{bucket} is not a bucket; the buckets are {self.buckets}")
+        if bucket in self._auto_state:
+            return self._auto_state[bucket]["last"]
+        if self.topc or self.mesh is not None or self._auto is not None:
+            return "scan"
+        return "scan" if resolve_full_vocab(self.full_vocab) is None else "certified"
 
     def _num_valid(self, bucket: int, num_valid: int) -> jax.Array:
         """``num_valid`` as a device scalar placed where ``bucket``'s executable takes it, made once
@@ -280,7 +339,7 @@ class RefineServer:
     def tokens(self, logits, h, anchors, prev_ids=None, num_valid: int | None = None) -> np.ndarray:
         """``server(...)``'s valid rows on the host: numpy [num_valid, B-1] int32."""
         args, bucket, num_valid = self._prepare(logits, h, anchors, prev_ids, num_valid)
-        out = self.executables[bucket](self._params, *args, self._num_valid(bucket, num_valid), *self._extra)
+        out = self._run(bucket, args, self._num_valid(bucket, num_valid))
         return np.asarray(out)[:num_valid]
 
     def _prepare(self, logits, h, anchors, prev_ids, num_valid):
