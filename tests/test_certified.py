@@ -17,6 +17,7 @@ import pytest
 import xpress_jax as xj
 from xpress_jax import reference as ref
 from xpress_jax.exact import Certified, CertifiedPrepared, CertifiedStats, certified_pick, prepare_certified
+from xpress_jax.kernels.common import gpu_supported
 from xpress_jax.ops import Ops
 from xpress_jax.refine import refine_with
 
@@ -241,12 +242,6 @@ def test_ties_at_the_bound(dtype, backend):
         assert cert.tolist() == [False, False, False, False]
 
 
-def _gpu():
-    from xpress_jax.kernels import common
-
-    return common.gpu_supported()
-
-
 @pytest.mark.parametrize("compiled", [pytest.param(False, marks=pytest.mark.interpret), True],
                          ids=["interpret", "gpu"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
@@ -258,7 +253,7 @@ def test_kernel_differences_are_only_near_ties(dtype, compiled):
     near ties must be rare."""
     from conftest import near_tie_rows, pick_inputs
 
-    if compiled and not _gpu():
+    if compiled and not gpu_supported():
         pytest.skip("compiled kernels need a CUDA GPU (the interpret case runs here)")
     rows, v, r = 48, 1000, 32
     base, lat, w2 = pick_inputs(rows, v, r, dtype, seed=5)
@@ -279,7 +274,7 @@ def test_compiled_refine_on_gpu(dtype, regime):
     """The compiled Pallas refine on a GPU (skipped elsewhere; interpret mode runs above): the certified tokens
     equal the Pallas scan's in each regime, N = 8 and N = 24 (a packed launch of 3 blocks' rows among 120), the
     stats say which regime ran. These inputs hold no near tie (a difference would fail here and be traced)."""
-    if not _gpu():
+    if not gpu_supported():
         pytest.skip("needs a CUDA GPU")
     for n in (8, 24):
         x, cert = _regime(dtype, regime, n=n)
@@ -415,7 +410,7 @@ def test_lowers_for_an_h200():
     """The Pallas certified refine lowers for an H200: the selection, the top-C pick (with its skip flag), the
     full-vocab pick (with its active rows, packed through a row map) and the latent kernels are all in the HLO,
     and there is no conditional (no `stablehlo.case`)."""
-    from test_kernel_full_vocab import _triton_operands
+    from test_kernel_full_vocab import _triton_operand_counts, _triton_operands
 
     from xpress_jax.kernels.common import lower_triton
 
@@ -432,7 +427,7 @@ def test_lowers_for_an_h200():
     assert "stablehlo.case" not in text and "stablehlo.if" not in text
     # two full-vocab launches per pass: the packed failing rows (base, packed lat, w2, row map, active) and
     # all rows (base, lat, w2, active)
-    assert sorted(set(_all_triton_operands(text, "xpress_full_vocab_fused"))) == [4, 5]
+    assert sorted(set(_triton_operand_counts(text, "xpress_full_vocab_fused"))) == [4, 5]
     assert _triton_operands(text, "xpress_topc_pick") == 5  # base_c, cand, lat, w2, skip
 
 
@@ -451,14 +446,16 @@ def test_sweep_seeds_and_shapes(dtype, regime, seed):
             np.testing.assert_array_equal(np.asarray(_refine(*x, full_vocab=c)), want)
 
 
-def _all_triton_operands(hlo: str, name: str) -> list[int]:
-    """The operand counts of every Triton custom call named ``name`` in the lowered text."""
-    import re
-
-    from test_kernel_full_vocab import TRITON_CALL
-
-    return [len(re.search(r"triton\((.*?)\)", line).group(1).split(","))
-            for line in hlo.splitlines() if TRITON_CALL in line and f'name = "{name}"' in line]
+def test_full_vocab_capacity():
+    """Which steps get a packed launch for the failing rows: the Pallas steps where more than one row tile
+    holds the rows (N=72 at B=16: 1080 rows, 128-row tiles), not where one tile holds them all (N=4: 60 rows
+    in one 64-row tile), not for float64 (the jnp reference) or a zero limit; the jnp steps never."""
+    bf16 = jnp.bfloat16
+    cap = Ops.pallas(True).full_vocab_capacity
+    assert cap(72, 16, 4099, 256, bf16, 135) == 135
+    assert cap(4, 16, 4099, 256, bf16, 15) is None
+    assert cap(72, 16, 4099, 256, jnp.float64, 135) is None and cap(72, 16, 4099, 256, bf16, 0) is None
+    assert Ops.xla().full_vocab_capacity is None
 
 
 def test_server_auto_policy():
@@ -489,6 +486,8 @@ def test_server_auto_policy():
             assert server._auto_state[8]["switches"] >= 2
         else:
             assert modes == ["certified"] * 7 and server._auto_state[8]["switches"] == 0
+    small = xj.RefineServer(head, buckets=(2, 8), backend="xla", full_vocab="auto", progress=False)  # min_blocks 64
+    assert small.certified_executables == {} and small._extra == () and small.exact_mode(8) == "scan"
     with pytest.raises(ValueError, match="min_blocks"):
         Auto(min_blocks=0)
     with pytest.raises(ValueError, match="max_fallback"):

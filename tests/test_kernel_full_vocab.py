@@ -138,7 +138,7 @@ class TestFullVocabPick:
             self.pick(base, lat, w2[:-1])
 
 
-    @pytest.mark.parametrize("pack", [True, False], ids=["packed", "tiles"])
+    @pytest.mark.parametrize("pack", [True, False], ids=["packed", "tiles"])  # packed: capacity = rows
     @pytest.mark.parametrize("shape", [
         (37, 1001, 24, fv.FullVocabConfig(row_tile=16, v_tile=128, v_steps=3, k_tile=16)),
         pytest.param((25, 1337, 64, fv.FullVocabConfig(row_tile=16, v_tile=64, v_steps=4, k_tile=16, hold_lat=False,
@@ -148,8 +148,10 @@ class TestFullVocabPick:
     def test_active_rows(self, shape, pack):
         """``active``: the active rows' tokens (and partials' winners) are the plain pick's, for every mask
         kind (all, none, one row, one row tile, the last (partial) tile, random); rows not a multiple of
-        the row tile, V not of the vocab tile, r not of the rank chunk. Packed: the active rows are moved
-        to the leading tiles first; tiles: each row tile that holds an active row runs in place."""
+        the row tile, V not of the vocab tile, r not of the rank chunk. Packed (``capacity`` = every row):
+        the active rows are moved to the leading tiles first; tiles: each row tile that holds an active row
+        runs in place."""
+        cap = dict(capacity=shape[0]) if pack else {}
         rows, vocab, rank, cfg = shape
         base, lat, w2 = pick_inputs(rows, vocab, rank, jnp.float32, seed=rows, dyadic=True)
         want = np.asarray(R.full_vocab_pick(base, lat, w2))
@@ -161,17 +163,17 @@ class TestFullVocabPick:
         for name, act in masks.items():
             for a in (jnp.asarray(act), jnp.asarray(act, jnp.int32)):
                 got = np.asarray(fv.full_vocab_pick(base, lat, w2, interpret=self.INTERPRET, config=cfg, active=a,
-                                                    pack=pack))
+                                                    **cap))
                 assert got.shape == (rows,)
                 np.testing.assert_array_equal(got[act], want[act], err_msg=name)
             mv, mi = fv.full_vocab_pick(base, lat, w2, interpret=self.INTERPRET, config=cfg, active=jnp.asarray(act),
-                                        pack=pack, partials=True)
+                                        partials=True, **cap)
             np.testing.assert_array_equal(np.asarray(R.best_by_score(mv, mi, axis=0)[1])[act], want[act],
                                           err_msg=name)
         # A row tile without an active row writes "no winner" partials (-inf, BIG); in place (no packing).
         act = np.arange(rows) < t  # only the first tile
         mv, mi = fv.full_vocab_pick(base, lat, w2, interpret=self.INTERPRET, config=cfg, active=jnp.asarray(act),
-                                    pack=False, partials=True)
+                                    partials=True)
         assert np.isneginf(np.asarray(mv)[:, t:]).all() and (np.asarray(mi)[:, t:] == common.BIG).all()
         with pytest.raises(ValueError, match="active"):
             fv.full_vocab_pick(base, lat, w2, interpret=self.INTERPRET, config=cfg, active=jnp.ones(rows + 1, bool))
@@ -258,15 +260,14 @@ class TestFullVocabLowering:
     @pytest.mark.parametrize("n", [1, 16, 256])
     def test_active_lowers(self, n):
         """With ``active`` the served configs still build for an H200 (the cond in the kernel lowers), with one
-        more operand (two when packed: the row map); without it the call has exactly the three operands of the
-        plain kernel (the served default path is unchanged)."""
+        more operand (the mask; packing, with ``capacity``, is `test_capacity_lowers`); without it the call
+        has exactly the three operands of the plain kernel (the served default path is unchanged)."""
         V, r, B = 151936, 256, 16
         rows = n * (B - 1)
         cfg = dispatch.plan(n, B, V, r, 0, jnp.bfloat16).full_vocab
         S = jax.ShapeDtypeStruct
         args = (S((n * B, V), jnp.bfloat16), S((rows, r), jnp.bfloat16), S((V, r), jnp.bfloat16))
-        packed = -(-rows // cfg.row_tile) > 1
-        for active, n_ops in ((None, 3), (S((rows,), jnp.bool_), 5 if packed else 4)):
+        for active, n_ops in ((None, 3), (S((rows,), jnp.bool_), 4)):
             f = lambda b, l, w, *a: fv.full_vocab_pick(b, l, w, config=cfg, slot_stride=B, active=a[0] if a else None)
             hlo = common.lower_triton(f, *args, *([active] if active is not None else [])).as_text()
             assert hlo.count(TRITON_CALL) == 2
@@ -291,14 +292,20 @@ class TestFullVocabLowering:
         assert _triton_operands(hlo, "xpress_full_vocab_fused") == 5  # base, packed lat, w2, row map, active
 
 
-def _triton_operands(hlo: str, name: str) -> int:
-    """The operand count of the Triton custom call whose function is named ``name`` in the lowered text."""
+def _triton_operand_counts(hlo: str, name: str) -> list[int]:
+    """The operand counts of every Triton custom call whose function is named ``name`` in the lowered text."""
     import re
 
-    for line in hlo.splitlines():
-        if TRITON_CALL in line and f'name = "{name}"' in line:
-            return len(re.search(r"triton\((.*?)\)", line).group(1).split(","))
-    raise AssertionError(f"no Triton call named {name}")
+    return [len(re.search(r"triton\((.*?)\)", line).group(1).split(","))
+            for line in hlo.splitlines() if TRITON_CALL in line and f'name = "{name}"' in line]
+
+
+def _triton_operands(hlo: str, name: str) -> int:
+    """The operand count of the first Triton custom call whose function is named ``name``."""
+    counts = _triton_operand_counts(hlo, name)
+    if not counts:
+        raise AssertionError(f"no Triton call named {name}")
+    return counts[0]
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

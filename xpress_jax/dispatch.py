@@ -28,6 +28,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from .kernels import full_vocab, latent, select, topc_pick
+from .kernels.common import cdiv
 
 __all__ = ["Row", "TABLE", "Plan", "plan", "capacity_config", "SERVING_N", "SMS"]
 
@@ -169,5 +170,5 @@ def capacity_config(cfg: full_vocab.FullVocabConfig, vocab: int) -> full_vocab.F
     row tile ~22 programs: RESULTS.md "Exact mode", capacity launch). Every (row, id) score is computed
     as with ``cfg`` (same tiles, same rank chunks, same instructions), so the tokens are the same bit
     for bit; the vocabulary split does not change the winner (largest score, lowest id)."""
-    steps = max(1, -(-(-(-vocab // cfg.v_tile)) // SMS))
+    steps = max(1, cdiv(cdiv(vocab, cfg.v_tile), SMS))
     return dataclasses.replace(cfg, v_steps=min(cfg.v_steps, steps))

@@ -90,10 +90,10 @@ fourth session: 0.48x the scan's time at N=256 and 0.77x at N=64 where 97-98% of
 1.24-1.37x at N <= 16, 1.12-1.43x where nothing certifies).
   A pass always launches the top-C pick and the full-vocab pick twice, the packed launch for F and the
   all-rows one (plus small XLA ops: a [rows, r] norm, compares, the packing permutation and a [rows, r]
-  latent gather); the
-  call adds the top-C selection (which replaces the scan's argmax start) and one read of ``w2`` for
-  ``M`` (~78 MB in bf16, some 20 µs on an H200: a server could precompute it, but `refine` takes
-  only the params). A certified pass costs a top-C pass plus two empty full-vocab launches (programs
+  latent gather); where one row tile holds every row (N <= 4 at B = 16) or any failing row falls back
+  (N = 1), one full-vocab launch with the failing rows active. The call adds the top-C selection
+  (which replaces the scan's argmax start) and, unless given ``certified_prepared``, one read of
+  ``w2`` for ``M`` (~78 MB in bf16, some 20 µs on an H200; `RefineServer` computes it once per weights). A certified pass costs a top-C pass plus two empty full-vocab launches (programs
   that return at once) and their combines; a pass with failing rows adds ``ceil(|F| / row_tile)`` row
   tiles' worth of a full-vocab pick spread over a whole wave; a fallen-back pass costs a full-vocab
   pass plus an empty top-C launch and an empty packed launch. No conditional: XLA:GPU's conditionals copy the branch index to the host and wait
@@ -358,7 +358,8 @@ def exact_ops(inner: Ops, *, candidates: int = 512, block: int = 64, bits: int =
         inner, name=f"{inner.name}+exact",
         full_vocab_prepare=functools.partial(_exact_prepare, block=int(block), bits=int(bits)),
         full_vocab_pick=functools.partial(_exact_full_vocab_pick, candidates=int(candidates),
-                                          direct_readout=bool(direct_readout)))
+                                          direct_readout=bool(direct_readout)),
+        full_vocab_capacity=None)  # the oracle picks every row
 
 
 # ============================================================================= the refine mode
@@ -374,11 +375,10 @@ class Certified:
     candidates: C, the candidates scored exactly per draft row each pass (its C largest base logits;
       clamped to V). A top-C pass's cost; a larger C certifies more rows (a lower ``tau``) at a
       higher cost per pass.
-    scan_blocks: the fallback threshold, in blocks' worth of rows (B-1 rows each): a pass whose
-      failing rows (bound not certified) are more than ``scan_blocks * (B-1)`` still scans just those
-      rows, but the rest of the call falls back to the plain full-vocab pick (no more candidate
-      picks); ``None``: ``ceil(N / 8)``; ``0``, or at least N: any failing row falls back. (It used to
-      also size a gathered subset scan; the full-vocab kernel's ``active`` rows replaced that.)
+    scan_blocks: how many blocks' worth of failing rows (B-1 rows each; bound not certified) a pass
+      scans in the packed launch; a pass with more scans every row, and the rest of the call falls
+      back to the plain full-vocab pick (no more candidate picks). ``None``: ``ceil(N / 8)``; ``0``,
+      or at least N: any failing row falls back.
     """
 
     candidates: int = 512
@@ -553,13 +553,8 @@ def certified_passes(ops: Ops, params, logits: jax.Array, xh: jax.Array, anchors
     k_sub = cfg.blocks(N)
     limit = k_sub * (B - 1) if 0 < k_sub < N else 0  # more failing rows in a pass: the call falls back
     d = _call_data(ops, logits, params["w2"], min(int(cfg.candidates), V), prepared)  # once per call
-    kernels = ops.name.startswith("pallas")  # steps that skip the rows they are told to skip
-    if kernels and limit:
-        from . import dispatch
-
-        fv = dispatch.plan(N, B, V, r, 0, dtype, kernels_everywhere=ops.name.endswith("interpret")).full_vocab
-        if fv is None or -(-rows // fv.row_tile) == 1:
-            kernels = False  # one row tile holds every row: a packed launch would save nothing (one pick)
+    # A packed launch for the failing rows, where the steps have one that saves work (else one pick).
+    cap = ops.full_vocab_capacity(N, B, V, r, dtype, limit) if limit and ops.full_vocab_capacity else None
     row_valid = jnp.repeat(valid, B - 1)
     n_valid = jnp.sum(row_valid, dtype=jnp.int32)
 
@@ -570,16 +565,13 @@ def certified_passes(ops: Ops, params, logits: jax.Array, xh: jax.Array, anchors
         fail = row_valid & ~cert & ~fallen  # valid rows whose bound fails (none counted once fallen)
         n_fail = jnp.sum(fail, dtype=jnp.int32)
         full = fallen | (n_fail > limit)  # this pass scans every row (padding rows too: tokens stay real ids)
-        if not kernels:  # the jnp steps (every row, whatever they are told), or one row tile: one pick
+        if cap is None:  # one pick: its active rows are the failing ones, or all of them
             act = fail | full
             tok = jnp.where(act, ops.full_vocab_pick(logits, lat, d.fprep, active=act), best_id)
-        else:
-            tok = best_id
-            if limit:  # up to `limit` failing rows, packed into a launch of their own
-                few = ops.full_vocab_pick(logits, lat, d.fprep, active=fail & ~full, capacity=limit)
-                tok = jnp.where(fail, few, tok)
+        else:  # up to `cap` failing rows packed into a launch of their own, and an all-rows launch if more
+            few = ops.full_vocab_pick(logits, lat, d.fprep, active=fail & ~full, capacity=cap)
             every = ops.full_vocab_pick(logits, lat, d.fprep, active=jnp.broadcast_to(full, (rows,)))
-            tok = jnp.where(full, every, tok)
+            tok = jnp.where(full, every, jnp.where(fail, few, best_id))
         outcome = jnp.where(full, 2, jnp.where(n_fail == 0, 0, 1))  # certified / rows scanned / fallen back
         tried = tried + jnp.where(fallen, 0, n_valid)
         certified = certified + jnp.where(fallen, 0, n_valid - n_fail)

@@ -41,6 +41,10 @@ The steps (static shapes; ``rows`` = N * (B-1) draft rows):
   scores each pass. ``skip`` (a device bool scalar): when true the result is unspecified (the
   kernel reads nothing; the jnp path ignores it and computes). ``None`` where an implementation
   lacks it (the vocabulary-sharded steps).
+- ``full_vocab_capacity(N, B, V, r, dtype, limit) -> int | None``: the ``capacity`` to give
+  ``full_vocab_pick`` for a packed launch of at most ``limit`` active rows, or None where such a
+  launch saves nothing (one row tile holds every row); the field is None where the steps pick every
+  row whatever they are told (the jnp steps): the certified mode then makes one pick per pass.
 """
 
 from __future__ import annotations
@@ -74,6 +78,7 @@ class Ops:
     full_vocab_best: Callable[..., Any]
     topc_best: Callable[..., Any]
     candidates_best: Callable[..., Any] | None = None
+    full_vocab_capacity: Callable[..., Any] | None = None
 
     @staticmethod
     def xla(platform: str = "cpu") -> "Ops":
@@ -106,7 +111,7 @@ def _xla_ops(platform: str) -> Ops:
         start=ref.full_vocab_start,
         full_vocab_best=functools.partial(_xla_full_vocab_best, direct_readout=platform == "gpu"),
         topc_best=ref.topc_pick_best,
-        candidates_best=ref.candidates_best,
+        candidates_best=_xla_candidates_best,
     )
 
 
@@ -124,6 +129,7 @@ def _pallas_ops(interpret: bool) -> Ops:
         full_vocab_best=functools.partial(_pallas_full_vocab, interpret=interpret, best=True),
         topc_best=functools.partial(_pallas_topc, interpret=interpret, best=True),
         candidates_best=functools.partial(_pallas_topc, interpret=interpret, best=True, ties="id"),
+        full_vocab_capacity=functools.partial(_pallas_full_vocab_capacity, interpret=interpret),
     )
 
 
@@ -138,7 +144,13 @@ def _xla_select(logits, c):
 
 
 def _xla_full_vocab_pick(logits, lat, w2, active=None, capacity=None, *, direct_readout: bool):
-    return ref.full_vocab_pick(ref.draft_rows(logits), lat, w2, direct_readout=direct_readout, active=active)
+    # Every row is picked: XLA has nothing to skip without a conditional (the step's spec allows it).
+    return ref.full_vocab_pick(ref.draft_rows(logits), lat, w2, direct_readout=direct_readout)
+
+
+def _xla_candidates_best(base_c, cand, lat, w2c, skip=None):
+    # Computed whatever ``skip`` says: the step's result is then unspecified, any value will do.
+    return ref.candidates_best(base_c, cand, lat, w2c)
 
 
 def _xla_full_vocab_best(logits, lat, w2, *, direct_readout: bool):
@@ -179,7 +191,7 @@ def _pallas_topc(base_c, cand, lat, prepared, skip=None, *, interpret, best, tie
     by_id = ties == "id"
     if prepared.ndim == 3:  # float64: w2[cand], the jnp path
         if by_id:
-            return ref.candidates_best(base_c, cand, lat, prepared, skip=skip)
+            return _xla_candidates_best(base_c, cand, lat, prepared)
         return (ref.topc_pick_best if best else ref.topc_pick)(base_c, cand, lat, prepared)
     rows, c = base_c.shape
     v, r = prepared.shape
@@ -207,8 +219,17 @@ def _pallas_full_vocab(logits, lat, w2, active=None, capacity=None, *, interpret
         return (ref.full_vocab_best if best else ref.full_vocab_pick)(ref.draft_rows(logits), lat, w2)
     cfg = p.full_vocab if capacity is None else dispatch.capacity_config(p.full_vocab, v)
     out = full_vocab.full_vocab_pick(logits.reshape(n * b, v), lat, w2, config=cfg, interpret=interpret,
-                                     slot_stride=b, partials=best, active=active, pack=False, capacity=capacity)
+                                     slot_stride=b, partials=best, active=active, capacity=capacity)
     return ref.best_by_score(*out, axis=0) if best else out
+
+
+def _pallas_full_vocab_capacity(n, b, v, r, dtype, limit, *, interpret):
+    """``limit`` where the packed launch saves work, None where the plan's full-vocab step is the jnp
+    reference (float64) or one row tile of its config holds every row (nothing to skip)."""
+    fv = _plan(n, b, v, r, 0, dtype, interpret).full_vocab
+    if not limit or fv is None or n * (b - 1) <= fv.row_tile:
+        return None
+    return limit
 
 
 def _pallas_latent(params, xh, blk, prev_ids, *, interpret):

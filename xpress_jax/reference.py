@@ -117,13 +117,8 @@ def latent_pass(params: Mapping[str, jax.Array], xh: jax.Array, blk: jax.Array, 
     return latent(params, xh, prev)
 
 
-def full_vocab_pick(base: jax.Array, lat: jax.Array, w2: jax.Array, *, direct_readout: bool = False,
-                    active: jax.Array | None = None) -> jax.Array:
-    """[rows,V], [rows,r], [V,r] -> [rows] int32: argmax_v dtype(base + dtype(lat @ w2.T)), lowest id on ties.
-
-    ``active`` ([rows] bool): the pick with active rows, whose spec is "the active rows' tokens are
-    these; the others are unspecified". The reference picks every row (XLA has nothing to skip
-    without a conditional), so it ignores ``active``; the kernel skips row tiles without one."""
+def full_vocab_pick(base: jax.Array, lat: jax.Array, w2: jax.Array, *, direct_readout: bool = False) -> jax.Array:
+    """[rows,V], [rows,r], [V,r] -> [rows] int32: argmax_v dtype(base + dtype(lat @ w2.T)), lowest id on ties."""
     bias = readout(lat, w2, base.dtype, direct=direct_readout)
     return jnp.argmax(round_sum(base, bias), axis=-1).astype(jnp.int32)
 
@@ -170,11 +165,10 @@ def topc_pick_best(base_c: jax.Array, cand: jax.Array, lat: jax.Array, w2c: jax.
     return s.astype(acc), b.astype(acc), i
 
 
-def candidates_best(base_c: jax.Array, cand: jax.Array, lat: jax.Array, w2c: jax.Array, skip: jax.Array | None = None):
+def candidates_best(base_c: jax.Array, cand: jax.Array, lat: jax.Array, w2c: jax.Array):
     """The candidates' winner by the **full-vocab** rule (largest score, lowest vocab id among equal
     scores; the base logit plays no part): (score [rows] float32, id [rows] int32). What a certified
-    exact pick (`xpress_jax.exact`) needs from the candidates. ``skip`` (a bool scalar): when true the
-    result is unspecified (the kernel then reads nothing); the reference ignores it and computes."""
+    exact pick (`xpress_jax.exact`) needs from the candidates."""
     s, i = best_by_score(topc_scores(base_c, lat, w2c), cand)
     return s.astype(acc_dtype(base_c.dtype)), i
 

@@ -90,8 +90,8 @@ class RefineServer:
     every reload, together with the weights, and passed to every call (not recomputed per call).
     ``full_vocab="auto"`` (or a `xpress_jax.exact.Auto`): the certified mode in buckets of at least
     ``min_blocks`` (64) blocks while its bound prunes, the scan elsewhere and whenever the certified
-    calls keep falling back (a per-bucket policy, see `Auto`; `exact_mode(bucket)` says which runs next;
-    the tokens are the same).
+    calls keep falling back (a per-bucket policy, see `Auto`; `exact_mode(bucket)` says how the last call
+    ran; the tokens are the same).
     """
 
     def __init__(
@@ -151,7 +151,10 @@ class RefineServer:
         # The certified mode's weight-only data (`exact.prepare_certified`), kept with the weights: computed
         # here and at every reload by an executable compiled now, passed to every call (not per call).
         self._auto = auto if mesh is None and not self.topc else None  # top-C mode: nothing to decide
-        self._certified = mesh is None and not self.topc and (auto is not None or resolve_full_vocab(full_vocab) is not None)
+        if self._auto is not None:  # some bucket runs certified
+            self._certified = any(b >= self._auto.min_blocks for b in self.buckets)
+        else:
+            self._certified = mesh is None and not self.topc and resolve_full_vocab(full_vocab) is not None
         self._prepare_exe = None
         self._extra: tuple = ()
         if self._certified:

@@ -454,7 +454,7 @@ def _check_shapes(base, lat, w2, rows=None):
         raise ValueError(f"dtypes must agree: {base.dtype=} {lat.dtype=} {w2.dtype=}")
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "config", "slot_stride", "partials", "pack", "capacity"))
+@functools.partial(jax.jit, static_argnames=("interpret", "config", "slot_stride", "partials", "capacity"))
 def full_vocab_pick(
     base: jax.Array,
     lat: jax.Array,
@@ -465,7 +465,6 @@ def full_vocab_pick(
     slot_stride: int = 0,
     partials: bool = False,
     active: jax.Array | None = None,
-    pack: bool = True,
     capacity: int | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """[rows,V], [rows,r], [V,r] -> [rows] int32: argmax_v float(dtype(base + dtype(lat @ w2.T))).
@@ -482,19 +481,18 @@ def full_vocab_pick(
     extra operand): only these rows' results are wanted. A program whose row tile holds no active
     row reads nothing and writes "no winner" partials (score -inf, id `BIG`); an inactive row's
     result is unspecified (often `BIG`, never used). An active row's result is the one it gets
-    without ``active`` (same config, same per-row computation). ``pack=True`` (static) and more
-    than one row tile: the active rows are first moved to the leading row tiles (a permutation
-    computed on the device; the kernel reads each base row through an index map, the latent rows
-    are gathered, [rows, r]), so the kernel reads ``w2`` about ``ceil(active rows / row_tile)``
-    times instead of once per row tile that happens to hold an active row.
-    ``capacity`` (static int, with ``active``): the kernel runs on only the first ``capacity`` packed
-    rows, a grid of ``ceil(capacity / row_tile)`` row tiles instead of all of them (``pack`` is implied):
-    the first ``capacity`` active rows in row order get their tokens, active rows beyond them read
-    ``BIG`` (partials: -inf, ``BIG``), inactive rows are unspecified. Meant for "a few rows of many" (the certified mode's scan of the
-    rows its bound cannot certify), with a ``config`` whose ``v_steps`` gives each row tile enough
-    programs (`xpress_jax.dispatch.capacity_config`); only ``v_steps`` may differ from the all-rows
-    config if the tokens must match it bit for bit (each (row, id) score is computed the same way
-    for any vocabulary split).
+    without ``active`` (same config, same per-row computation).
+    ``capacity`` (static int, with ``active``): the active rows are first packed to the front (a
+    permutation computed on the device; the kernel reads each base row through an index map, the
+    latent rows are gathered) and the kernel runs on only the first ``capacity`` packed rows, a grid
+    of ``ceil(capacity / row_tile)`` row tiles: the first ``capacity`` active rows in row order get
+    their tokens, active rows beyond them read ``BIG`` (partials: -inf, ``BIG``), inactive rows are
+    unspecified. So the kernel reads ``w2`` about ``ceil(active rows / row_tile)`` times. Meant for "a
+    few rows of many" (the certified mode's scan of the rows its bound cannot certify), with a
+    ``config`` whose ``v_steps`` gives each row tile enough programs
+    (`xpress_jax.dispatch.capacity_config`); only ``v_steps`` may differ from the all-rows config if
+    the tokens must match it bit for bit (each (row, id) score is computed the same way for any
+    vocabulary split).
     """
     if slot_stride:
         if slot_stride < 2 or base.ndim != 2 or base.shape[0] % slot_stride:
@@ -536,7 +534,7 @@ def full_vocab_pick(
     pos = None  # packed: original row q's result is packed row pos[q]
     if active is not None:
         act = active != 0 if active.dtype != jnp.bool_ else active
-        if cap < rows or (pack and row_tiles > 1):
+        if capacity is not None and (cap < rows or row_tiles > 1):  # one tile of all rows: nothing to pack
             pos, src, lat_p, act = _pack_rows(act, lat, slot_stride)
             operands = (base, lat_p[:cap], w2, src[:cap])
             act = act[:cap]
