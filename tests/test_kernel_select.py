@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 
@@ -10,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from xpress_jax import dispatch
 from xpress_jax.kernels import common
 from xpress_jax import reference as R
 from xpress_jax.kernels import select as sel
@@ -77,6 +79,26 @@ def test_mixed_rows_cover_every_path():
     paths = _paths(_mixed_rows(seed=1), C, b["groups"], b["cap"], b["block"])
     assert {"fast", "ties", "row"} <= set(paths), paths
     assert paths[5] == "row" and paths[4] == "ties" and paths[0] == paths[12] == "fast"  # sorted: a flood of blocks
+
+
+def _serving_rows(rows: int = 4, seed: int = 3) -> np.ndarray:
+    """bf16-rounded N(0, 2) rows at V = 151936: the benchmarks' synthetic logits (smooth rows)."""
+    x = np.random.default_rng(seed).standard_normal((rows, 151936)) * 2
+    return np.asarray(jnp.asarray(x, BF16), np.float32)
+
+
+@pytest.mark.parametrize("c", [513, 768, 1024, 1500, 2048, 3000, 4096])
+def test_dispatch_keeps_the_fast_finish_above_512(c):
+    """The dispatch's selection config for C > 512 keeps smooth serving rows on the fast finish (numpy
+    model of the bound), where the kernel's defaults (cap 1024, 2048 groups) send every row to the
+    whole-row slow path from C = 1024 on (measured 10-20x slower: RESULTS.md "Selection above C=512")."""
+    x = _serving_rows()
+    for row in dispatch.TABLE:
+        cfg = dataclasses.replace(sel.SelectConfig(), **dispatch.select_config(row, c))
+        assert _paths(x, c, cfg.groups, cfg.cap, cfg.block) == ["fast"] * len(x), (row.max_rows, cfg)
+    d = sel.SelectConfig()
+    if c >= 1024:
+        assert set(_paths(x, c, d.groups, d.cap, d.block)) == {"row"}
 
 
 def _assert_matches_oracle(got, base, c):
@@ -208,6 +230,13 @@ class TestSelect:
         for g, w, what in zip(got, want, ("ids", "values", "argmax")):
             assert g.shape == w.shape and g.dtype == w.dtype, what
             np.testing.assert_array_equal(np.asarray(g).view(np.uint8), np.asarray(w).view(np.uint8), err_msg=what)
+
+    @pytest.mark.parametrize("c", [1024, 3000])
+    def test_dispatch_configs_above_512(self, c):
+        """The configs `dispatch.select_config` serves for large C (bigger cap, more groups, smaller
+        blocks) give the oracle's candidates at V = 151936."""
+        base = jnp.asarray(_serving_rows(rows=2), BF16)
+        self.run(base, c, **dispatch.select_config(dispatch.TABLE[0], c))
 
     def test_small_vocab_one_chunk(self):
         base = jnp.asarray(np.random.default_rng(8).standard_normal((15, 37)), F32)

@@ -28,9 +28,9 @@ from typing import Any
 import jax.numpy as jnp
 
 from .kernels import full_vocab, latent, select, topc_pick
-from .kernels.common import cdiv
+from .kernels.common import cdiv, next_pow2
 
-__all__ = ["Row", "TABLE", "Plan", "plan", "capacity_config", "SERVING_N", "SMS"]
+__all__ = ["Row", "TABLE", "Plan", "plan", "capacity_config", "select_config", "SERVING_N", "SMS"]
 
 #: The N values the serving configs were measured at (B = 16): draft rows 15 / 60 / 240 / 960 / 3840.
 SERVING_N = (1, 4, 16, 64, 256)
@@ -93,6 +93,26 @@ TABLE: tuple[Row, ...] = (
 )
 
 
+def select_config(row: Row, c: int) -> dict:
+    """The selection kernel's `select.SelectConfig` fields (a dict: only what differs from its defaults)
+    for ``c`` candidates per row under table row ``row``.
+
+    The defaults (2048 groups, cap 1024) serve C <= 512. Above that the fast finish needs the elements
+    above the bound, ``M``, to fit in ``cap``, and the bound (the C-th largest of the group maxima) to
+    be tight, i.e. groups well above C: with the defaults every row of C = 1024 and above took the
+    whole-row slow path (H200, N = 1 / 16 / 256: C=1024 454 / 754 / 10102 µs, C=2048 475 / 1025 / 15399
+    µs). Here cap = next_pow2(2C) and groups = next_pow2(4C) (both at most 16384), with 16-element
+    blocks, 8 above C = 2048 (so that there are more blocks than groups at V = 151936): C=1024 33 /
+    94 / 938, C=2048 54 / 139 / 1339, C=4096 88 / 197 / 2144 µs, the same candidates (RESULTS.md
+    "Selection above C=512"). Every config is exact for any input; these only decide the speed.
+    """
+    sel = {} if row.select_block == select.SelectConfig().block else dict(block=row.select_block)
+    if c > 512:
+        sel = dict(cap=min(next_pow2(2 * c), 16384), groups=min(next_pow2(4 * c), 16384),
+                   block=min(row.select_block, 16) if c <= 2048 else 8)
+    return sel
+
+
 def _topc_config(rows: int, c: int, rank: int, dtype: Any) -> topc_pick.TopCConfig:
     """Top-C pick (all rows): 128-candidate tiles, 64-wide rank chunks, 8 warps, and half the kernel
     heuristic's candidate steps per program (so more splits at small N). RESULTS.md "Top-C pick"
@@ -152,7 +172,7 @@ def plan(n: int, b: int, v: int, r: int, c: int, dtype: Any, *, kernels_everywhe
         fv = full_vocab.default_config(rows, v, r, dtype)
     else:
         fv = full_vocab.fit_shared_memory(full_vocab.FullVocabConfig(**row.full_vocab), r, dtype)
-    sel = {} if row.select_block == select.SelectConfig().block else dict(block=row.select_block)
+    sel = select_config(row, c)
     if lat is not None:
         lat.check_shape(r, dtype)
     fv.check_shape(rows, v, r, dtype)

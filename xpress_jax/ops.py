@@ -168,7 +168,7 @@ def _pallas_select(logits, c, *, interpret):
     from .kernels import select
 
     n, b, v = logits.shape
-    p = _plan(n, b, v, 1, 0, logits.dtype, interpret)
+    p = _plan(n, b, v, 1, c, logits.dtype, interpret)
     if p.select is None:
         return _xla_select(logits, c)
     # The draft rows of the whole logits, read in place (slot_stride): no logits[:, 1:] copy
