@@ -392,16 +392,23 @@ def test_server_keeps_the_bound_data_with_the_weights():
     params, logits, h, anchors = _problem(jnp.float32, 0.1, n=8, cfg=cfg)
     server = xj.RefineServer(xj.Head(cfg, params), buckets=(8,), backend="xla", full_vocab="certified",
                              progress=False)
+    # M as the server computes it (in its own executable) against an eager computation: on a GPU the
+    # float32 sum of squares may be ordered differently (seen on the H200: 0.7819722 vs 0.78197217), which
+    # the bound's margin covers (r u <= 2^-12, `prepare_certified`); a stale M (w2 x 3) is 3x off.
+    def same_m(w2):
+        want = float(prepare_certified(w2).max_norm)
+        return abs(float(server._extra[0].max_norm) - want) <= want * 2.0**-12
+
     m0 = float(prepare_certified(params["w2"]).max_norm)
-    assert float(server._extra[0].max_norm) == m0
+    assert same_m(params["w2"])
     params2 = dict(params, w2=params["w2"] * 3)
     server.reload(params2)
-    assert float(server._extra[0].max_norm) == float(prepare_certified(params2["w2"]).max_norm) != m0
+    assert same_m(params2["w2"]) and not same_m(params["w2"]) and float(server._extra[0].max_norm) > 2 * m0
     np.testing.assert_array_equal(np.asarray(server(logits, h, anchors.astype(jnp.int32))),
                                   np.asarray(xj.refine(xj.Head(cfg, params2), logits, h, anchors, backend="xla")))
     with pytest.raises(ValueError):
         server.reload(dict(params2, w2=params2["w2"][:-1]))
-    assert float(server._extra[0].max_norm) == float(prepare_certified(params2["w2"]).max_norm)
+    assert same_m(params2["w2"])
     scan = xj.RefineServer(xj.Head(cfg, params), buckets=(8,), backend="xla", progress=False)
     assert scan._extra == ()
 

@@ -310,6 +310,26 @@ def test_lowers_to_triton_for_h200(rows, segments, x64, dtype):
     assert "topk" not in hlo.lower() and "sort" not in hlo.lower()
 
 
+@pytest.mark.parametrize("c", [1024, 3000, 4096])
+@pytest.mark.parametrize("rows", [2, 15, 240])
+def test_large_c_configs_lower_to_triton(rows, c):
+    """The large-C configs (cap up to 8192) lower at every row count: with few rows the segments per row
+    are capped so that the finish's [segments, cap] mask stays inside Triton's 2^20-element tensor
+    limit (2 rows at cap 8192 failed to build on the H200 before)."""
+    row = next(r for r in dispatch.TABLE if r.max_rows is None or rows <= r.max_rows)
+    f = functools.partial(sel.select_candidates, c=c, **dispatch.select_config(row, c))
+    hlo = common.lower_triton(f, jax.ShapeDtypeStruct((rows, 151936), BF16)).as_text()
+    assert hlo.count("__gpu$xla.gpu.triton") >= 3
+
+
+def test_config_refuses_what_triton_cannot_hold():
+    with pytest.raises(ValueError, match="cap=131072 is too large"):
+        sel.SelectConfig(cap=131072)
+    with pytest.raises(ValueError, match="segments <= 128"):
+        sel.SelectConfig(cap=8192, segments=200)
+    sel.SelectConfig(cap=8192, segments=128)
+
+
 def test_lowers_to_triton_with_slot_stride():
     """slot_stride=16 (whole logits [2*16, V], 15*2 draft rows): every kernel lowers, no copy of logits[:, 1:]."""
     f = functools.partial(sel.select_candidates, c=512, slot_stride=16)

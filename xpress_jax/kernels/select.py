@@ -119,12 +119,29 @@ class SelectConfig:
                 raise ValueError(f"{f}={v!r} must be a power of two >= {lo}")
         if self.segments is not None and (not isinstance(self.segments, int) or self.segments < 1):
             raise ValueError(f"segments={self.segments!r} must be a positive int or None")
+        if 16 * self.cap > _MAX_TENSOR:
+            raise ValueError(f"cap={self.cap} is too large: the finish holds [16, cap] in one Triton tensor "
+                             f"(at most {_MAX_TENSOR} elements), so cap <= {_MAX_TENSOR // 16}")
+        if self.segments is not None and next_pow2(self.segments) > _max_segments(self):
+            raise ValueError(f"segments={self.segments} with cap={self.cap}: the finish holds a "
+                             f"[next_pow2(segments), cap] mask in one Triton tensor (at most {_MAX_TENSOR} "
+                             f"elements), so segments <= {_max_segments(self)} at this cap")
+
+
+#: Triton's largest tensor, in elements: the finish holds a [next_pow2(segments), cap] mask, and a
+#: [16, cap] one in its threshold search.
+_MAX_TENSOR = 1 << 20
+
+
+def _max_segments(cfg: SelectConfig) -> int:
+    """The most segments per row whose [segments, cap] mask Triton can hold (a power of two)."""
+    return max(1, _MAX_TENSOR // cfg.cap)
 
 
 def _want_segments(rows: int, cfg: SelectConfig) -> int:
     if cfg.segments is not None:
         return cfg.segments
-    return 1 << max(0, (cfg.target_programs // max(rows, 1)).bit_length() - 1)
+    return min(_max_segments(cfg), 1 << max(0, (cfg.target_programs // max(rows, 1)).bit_length() - 1))
 
 
 def _split(nsteps: int, want: int) -> tuple[int, int]:
