@@ -243,6 +243,17 @@ def test_select_at_the_240_row_switch(n, b):
     _check_select(n, b, 301, 37, jnp.bfloat16, seed=n)
 
 
+@pytest.mark.parametrize("c,dtype", [
+    pytest.param(513, jnp.bfloat16, id="C513-bf16"), pytest.param(2049, jnp.float32, id="C2049-f32"),
+    pytest.param(512, jnp.float32, id="C512-f32", marks=slow), pytest.param(2048, jnp.bfloat16, id="C2048-bf16", marks=slow),
+    pytest.param(5003, jnp.bfloat16, id="CV-bf16", marks=slow)])
+def test_select_at_the_large_c_switches(c, dtype):
+    """Both sides of `dispatch.select_config`'s switches (C > 512: bigger cap and more groups; C > 2048:
+    8-element blocks) at an odd V=5003, where the groups outnumber the blocks (the bound is loose, the
+    finish may take its whole-row path: exact either way)."""
+    _check_select(1, 3, 5003, c, dtype, seed=c)
+
+
 @pytest.mark.parametrize("n,b,c,dtype", [
     pytest.param(2, 2, 1, jnp.bfloat16, id="B2-C1-bf16"), pytest.param(1, 3, 301, jnp.float32, id="B3-CV-f32"),
     pytest.param(1, 7, 1, jnp.float32, id="B7-C1-f32", marks=slow),
