@@ -36,19 +36,25 @@ def parse(path, tag):
     return dict(span=m["span"], busy=m["busy"], n=m["n"], host=m["host"], kernels=[(k, round(v, 1), m["cnt"][k]) for k, v in top],
                 api=m["api"].most_common(8), spans=[round(p["span"]) for p in per])
 
-for n in (4, 16, 64):
-    p, l, h, a = make_problem(cfg, n, std=0.02)
-    for tag, kw in (("cert", dict(topc=0, full_vocab="certified")),):
-        f = jax.jit(lambda p, l, h, a, kw=kw: xj.refine(p, l, h, a, config=cfg, backend="pallas", **kw))
-        for _ in range(5): f(p, l, h, a).block_until_ready()
-        d = f"/tmp/tr_{n}_{tag}"
-        with jax.profiler.trace(d, create_perfetto_trace=True):
-            for _ in range(8): f(p, l, h, a).block_until_ready()
-        path = glob.glob(f"{d}/**/perfetto_trace.json.gz", recursive=True)[0]
-        try:
-            r = parse(path, tag)
-        except Exception as ex:
-            r = repr(ex)
-        res[f"{n} {tag}"] = r
-        print(f"== N={n} {tag}", json.dumps(r, indent=None)[:3000], flush=True)
-json.dump(res, open(f"{OUT}/trace_cert.json", "w"), indent=1)
+def trace_refine(n, tag, std=0.02, **kw):
+    """Trace 8 calls of one jitted Pallas refine (after 5 warm-ups) and parse the median call."""
+    p, l, h, a = make_problem(cfg, n, std=std)
+    f = jax.jit(lambda p, l, h, a: xj.refine(p, l, h, a, config=cfg, backend="pallas", **kw))
+    for _ in range(5): f(p, l, h, a).block_until_ready()
+    d = f"/tmp/tr_{n}_{tag}"
+    with jax.profiler.trace(d, create_perfetto_trace=True):
+        for _ in range(8): f(p, l, h, a).block_until_ready()
+    path = glob.glob(f"{d}/**/perfetto_trace.json.gz", recursive=True)[0]
+    try:
+        return parse(path, tag)
+    except Exception as ex:
+        return repr(ex)
+
+
+if __name__ == "__main__":
+    for n in (4, 16, 64):
+        for tag, kw in (("cert", dict(topc=0, full_vocab="certified")),):
+            r = trace_refine(n, tag, **kw)
+            res[f"{n} {tag}"] = r
+            print(f"== N={n} {tag}", json.dumps(r, indent=None)[:3000], flush=True)
+    json.dump(res, open(f"{OUT}/trace_cert.json", "w"), indent=1)

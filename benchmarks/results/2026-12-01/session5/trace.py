@@ -1,6 +1,6 @@
 import sys; sys.path.insert(0, ".")
 """Per-kernel device time of one refine (perfetto trace): argv = N,topc,std,full_vocab ..."""
-import collections, glob, gzip, json, os, statistics, sys, time
+import collections, glob, gzip, importlib.util, json, os, statistics, sys, time
 import jax, jax.numpy as jnp, numpy as np
 import xpress_jax as xj
 from benchmarks.bench_refine import SERVING, make_problem
@@ -8,50 +8,15 @@ OUT = os.environ.get("OUT", "/tmp/out")
 cfg = xj.HeadConfig(**SERVING)
 res = {}
 
-def parse(path, tag):
-    d = json.load(gzip.open(path)); ev = d["traceEvents"] if isinstance(d, dict) else d
-    pname = {e["pid"]: e["args"]["name"] for e in ev if e.get("ph") == "M" and e.get("name") == "process_name"}
-    tname = {(e["pid"], e["tid"]): e["args"]["name"] for e in ev if e.get("ph") == "M" and e.get("name") == "thread_name"}
-    X = [e for e in ev if e.get("ph") == "X"]
-    calls = sorted([e for e in X if e["name"].startswith("PjitFunction") and "python" in tname.get((e["pid"], e["tid"]), "")], key=lambda e: e["ts"])
-    outer = []
-    for e in calls:
-        if outer and e["ts"] < outer[-1]["ts"] + outer[-1]["dur"]: continue
-        outer.append(e)
-    gpu = [e for e in X if "gpu" in pname.get(e["pid"], "").lower()]
-    api = [e for e in X if "gpu" not in pname.get(e["pid"], "").lower() and (e["name"].startswith("cu") or "Memcpy" in e["name"] or "Sync" in e["name"])]
-    per = []
-    for i, c in enumerate(outer[2:-1], 2):
-        t0 = c["ts"]; t1 = outer[i + 1]["ts"]
-        g = [e for e in gpu if t0 <= e["ts"] < t1]
-        if not g: continue
-        agg = collections.defaultdict(float); cnt = collections.Counter()
-        for e in g:
-            k = e["name"][:48]; agg[k] += e["dur"]; cnt[k] += 1
-        a = collections.Counter(e["name"][:40] for e in api if t0 <= e["ts"] < t1)
-        per.append(dict(span=max(e["ts"] + e["dur"] for e in g) - min(e["ts"] for e in g), busy=sum(e["dur"] for e in g),
-                        n=len(g), host=c["dur"], agg=agg, cnt=cnt, api=a))
-    m = per[len(per) // 2]
-    top = sorted(m["agg"].items(), key=lambda kv: -kv[1])[:22]
-    return dict(span=m["span"], busy=m["busy"], n=m["n"], host=m["host"], kernels=[(k, round(v, 1), m["cnt"][k]) for k, v in top],
-                api=m["api"].most_common(8), spans=[round(p["span"]) for p in per])
-
+# The fourth session's trace script (its parser and trace loop; same folder layout under results/).
+_spec = importlib.util.spec_from_file_location("s4_trace", os.path.join(os.path.dirname(__file__), "..", "issue14c", "s4_trace.py"))
+_s4 = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_s4)
 
 for spec in sys.argv[1:]:
     n, c, std, fv = spec.split(",")
     n, c, std = int(n), int(c), float(std)
-    p, l, h, a = make_problem(cfg, n, std=std)
-    kw = dict(topc=c) if c else dict(topc=0, full_vocab=fv)
-    f = jax.jit(lambda p, l, h, a, kw=kw: xj.refine(p, l, h, a, config=cfg, backend="pallas", **kw))
-    for _ in range(5): f(p, l, h, a).block_until_ready()
-    d = f"/tmp/tr_{spec}"
-    with jax.profiler.trace(d, create_perfetto_trace=True):
-        for _ in range(8): f(p, l, h, a).block_until_ready()
-    path = glob.glob(f"{d}/**/perfetto_trace.json.gz", recursive=True)[0]
-    try:
-        r = parse(path, spec)
-    except Exception as ex:
-        r = repr(ex)
+    r = _s4.trace_refine(n, spec.replace(",", "_"), std=std, **(dict(topc=c) if c else dict(topc=0, full_vocab=fv)))
     res[spec] = r
     print(f"== {spec}: span {r['span']:.0f} busy {r['busy']:.0f} n {r['n']}", flush=True)
     for k in r["kernels"]: print("   ", k)
