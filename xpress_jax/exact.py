@@ -458,6 +458,9 @@ class CertifiedStats(NamedTuple):
     """Per-call counters of the certified mode (float32 scalars; `refine(..., return_stats=True)`).
 
     Valid rows only (a row whose anchor or prev id is out of range is padding and never counts).
+    The bound is one per row, not per block of vocab ids, so the fraction of (row, vocab block) pairs
+    excluded without a scan is ``rows_certified`` too: a certified row excludes every block, a
+    failing row scans all of them.
     """
 
     rows_certified: jax.Array  # certified rows / rows tried (the rows of the passes that scored candidates; 1 if none)
