@@ -244,6 +244,57 @@ def test_ties_at_the_bound(dtype, backend):
 
 @pytest.mark.parametrize("compiled", [pytest.param(False, marks=pytest.mark.interpret), True],
                          ids=["interpret", "gpu"])
+@pytest.mark.parametrize("rows", [1, 40, 200])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_certify_kernel_equals_jnp(dtype, rows, compiled):
+    """`kernels.topc_pick.certify` (the pick kernel and the certify launch) decides every row as the jnp
+    spelling (`exact.certify_rows` on `reference.candidates_best`): the same winner, failing rows and scan
+    rows, for every ``valid`` mask, ``fallen`` and ``limit`` (none, 0, a few, all: the single-program count),
+    at a rank that is not a power of two. Inputs are dyadic (every dot and norm exact in any order), with
+    about half the rows certified and rows whose candidates are ids 0..C-1 (mex = C)."""
+    from xpress_jax.exact import certify_rows, lowest_missing
+    from xpress_jax.kernels import topc_pick
+
+    if compiled and not gpu_supported():
+        pytest.skip("compiled kernels need a CUDA GPU (the interpret case runs here)")
+    v, r, c = 3001, 24, 16
+    rng = np.random.default_rng(rows)
+    base = np.round(rng.normal(size=(rows, v)) * 16) / 8
+    base[::3, :c] = 20.0  # candidates 0..C-1: mex = C
+    lat = rng.integers(-2, 3, (rows, r)) / 4
+    w2 = rng.integers(-3, 4, (v, r)) / 32
+    base, lat, w2 = (jnp.asarray(a, dtype) for a in (base, lat, w2))
+    cand, base_c, _ = ref.select_candidates(base, c)
+    tau = jnp.min(ref.clean(base_c).astype(jnp.float32), axis=1)
+    m = prepare_certified(w2).max_norm
+    mex = lowest_missing(cand)
+    best, best_id = ref.candidates_best(base_c, cand, lat, ref.topc_gather(w2, cand))
+    for valid in (np.ones(rows, bool), rng.random(rows) < 0.7):
+        for fallen in (False, True):
+            for limit in (None, 0, 3, rows):
+                args = (tau, m, mex, jnp.asarray(valid), jnp.asarray(fallen))
+                want = certify_rows(best, best_id, lat, *args, limit, dtype)
+                got = topc_pick.certify(base_c, cand, lat, w2, *args, slack=2.0 ** -10, limit=limit,
+                                        interpret=not compiled)
+                msg = f"valid {valid.mean():.2f} fallen {fallen} limit {limit}"
+                if not fallen:
+                    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]), err_msg=msg)
+                np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]), err_msg=msg)
+                np.testing.assert_array_equal(np.asarray(got[2]), np.asarray(want[2]), err_msg=msg)
+    fail = np.asarray(certify_rows(best, best_id, lat, tau, m, mex, jnp.ones(rows, bool), jnp.asarray(False),
+                                   None, dtype)[1])
+    if rows > 1:  # the test separates the outcomes
+        assert 0.2 < fail.mean() < 0.8, fail.mean()
+    assert (np.asarray(mex)[::3] == c).all()
+    with pytest.raises(ValueError, match="limit needs rows"):
+        big = jnp.zeros((topc_pick.CERTIFY_SINGLE_ROWS + 1, c), dtype)
+        topc_pick.certify(big, big.astype(jnp.int32), jnp.zeros((big.shape[0], r), dtype), w2,
+                          jnp.zeros(big.shape[0]), m, jnp.zeros(big.shape[0], jnp.int32), jnp.ones(big.shape[0], bool),
+                          jnp.asarray(False), slack=2.0 ** -10, limit=1, interpret=True)
+
+
+@pytest.mark.parametrize("compiled", [pytest.param(False, marks=pytest.mark.interpret), True],
+                         ids=["interpret", "gpu"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
 def test_kernel_differences_are_only_near_ties(dtype, compiled):
     """Pallas (interpret on CPU; compiled on a GPU): certified rows take the top-C kernel's winner, the scan
@@ -429,13 +480,23 @@ def test_lowers_for_an_h200():
     f = lambda p, l, h, a: refine_with(Ops.pallas(False), p, l, h, a, num_passes=2, topc=0, unroll=True,
                                        full_vocab="certified")
     text = lower_triton(f, *args).as_text()
-    for name in ("xpress_latent_pass", "xpress_topc_pick", "select_bgather", "xpress_full_vocab"):
+    for name in ("xpress_latent_pass", "xpress_topc_pick", "select_bgather", "xpress_full_vocab", "xpress_certify"):
         assert name in text, f"{name} missing from the lowered HLO"
     assert "stablehlo.case" not in text and "stablehlo.if" not in text
     # two full-vocab launches per pass: the packed failing rows (base, packed lat, w2, row map, active) and
     # all rows (base, lat, w2, active)
     assert sorted(set(_triton_operand_counts(text, "xpress_full_vocab_fused"))) == [4, 5]
     assert _triton_operands(text, "xpress_topc_pick") == 5  # base_c, cand, lat, w2, skip
+    # the certify launch: partial scores and ids, lat, tau, mex, valid, M, fallen
+    assert _triton_operands(text, "xpress_certify") == 8
+    # N = 4 (60 rows in one tile): one full-vocab launch per pass, whose combine writes the certified rows'
+    # tokens (partial scores and ids, active, fallback), and the single-program certify launch.
+    n = 4
+    args = (p, S((n, 16, cfg.vocab_size), jnp.bfloat16), S((n, 16, cfg.hidden_size), jnp.bfloat16), S((n,), jnp.int32))
+    text = lower_triton(f, *args).as_text()
+    assert set(_triton_operand_counts(text, "xpress_full_vocab_fused")) == {4}
+    assert set(_triton_operand_counts(text, "xpress_pick_combine")) == {4}
+    assert _triton_operands(text, "xpress_certify") == 8
 
 
 @pytest.mark.slow

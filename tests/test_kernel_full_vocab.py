@@ -170,6 +170,11 @@ class TestFullVocabPick:
                                         partials=True, **cap)
             np.testing.assert_array_equal(np.asarray(R.best_by_score(mv, mi, axis=0)[1])[act], want[act],
                                           err_msg=name)
+            if not pack:  # fallback: inactive rows return the caller's ids, written by the combine launch
+                fb = rng.integers(0, vocab, rows).astype(np.int32)
+                got = np.asarray(fv.full_vocab_pick(base, lat, w2, interpret=self.INTERPRET, config=cfg,
+                                                    active=jnp.asarray(act), fallback=jnp.asarray(fb)))
+                np.testing.assert_array_equal(got, np.where(act, want, fb), err_msg=f"fallback {name}")
         # A row tile without an active row writes "no winner" partials (-inf, BIG); in place (no packing).
         act = np.arange(rows) < t  # only the first tile
         mv, mi = fv.full_vocab_pick(base, lat, w2, interpret=self.INTERPRET, config=cfg, active=jnp.asarray(act),
@@ -177,6 +182,17 @@ class TestFullVocabPick:
         assert np.isneginf(np.asarray(mv)[:, t:]).all() and (np.asarray(mi)[:, t:] == common.BIG).all()
         with pytest.raises(ValueError, match="active"):
             fv.full_vocab_pick(base, lat, w2, interpret=self.INTERPRET, config=cfg, active=jnp.ones(rows + 1, bool))
+        if not pack:  # one vocabulary part: no combine launch, the fallback is applied in jnp
+            one = dataclasses.replace(cfg, v_steps=fv.cdiv(vocab, cfg.v_tile))
+            fb = np.arange(rows, dtype=np.int32)
+            got = np.asarray(fv.full_vocab_pick(base, lat, w2, interpret=self.INTERPRET, config=one,
+                                                active=jnp.asarray(masks["random"]), fallback=jnp.asarray(fb)))
+            np.testing.assert_array_equal(got, np.where(masks["random"], want, fb))
+        fb = jnp.zeros((rows,), jnp.int32)
+        for bad in (dict(), dict(active=jnp.ones(rows, bool), capacity=rows),
+                    dict(active=jnp.ones(rows, bool), partials=True)):
+            with pytest.raises(ValueError, match="fallback"):
+                fv.full_vocab_pick(base, lat, w2, interpret=self.INTERPRET, config=cfg, fallback=fb, **bad)
 
     def test_active_with_slot_stride(self):
         """``active`` with ``slot_stride=B`` (how refine calls it): packed rows read their own logits row."""

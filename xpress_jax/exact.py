@@ -24,9 +24,14 @@ Per pass, per draft row:
 2. **Bound.** Every non-candidate v has ``base_v <= tau`` and a computed dot ``d_v <= U`` with
    ``U = ||lat|| M`` plus the rounding slack below, so its full-scan score is at most
    ``beta = R(fl(tau + R(U)))``. The row is **certified** iff ``beta < best``, or ``beta == best`` and
-   every id ``<= best_id`` is a candidate (counted: ``#{cand <= best_id} == best_id + 1``, the C ids
-   being distinct), so every non-candidate scores below ``best`` or ties it with a larger id.
-   The token of a certified row is ``best_id``.
+   every id ``<= best_id`` is a candidate (``best_id < mex``, ``mex`` = the row's lowest id that is not
+   a candidate, found once per call), so every non-candidate scores below ``best`` or ties it with a
+   larger id. The token of a certified row is ``best_id``. On the Pallas backend steps 1-2 are two
+   launches (``ops.certify``: the pick kernel, then one launch that combines its splits, computes
+   ``||lat||`` and the bound, and decides every row; with one row tile, it also counts the failing
+   rows and names the rows to scan); the XLA backend spells them in jnp. Both follow the formulas
+   below; their ``||lat||`` may differ by float32 summation order and the GPU's square root, which
+   the margins cover (each bound is still at least the real one), so each is a valid bound.
 3. **Scan of the failing rows.** Let F = the valid rows that are not certified (padding rows, anchor
    out of range, never count) and L = ``scan_blocks * (B-1)``. If ``|F| <= L``, one
    ``ops.full_vocab_pick(..., active=F, capacity=L)``: the Pallas kernel moves F to the front (a
@@ -88,10 +93,11 @@ Why the tokens are those of ``topc=0`` on the same backend.
 When it is fast, and what a fallback costs (measured on an H200: benchmarks/RESULTS.md, "Exact mode",
 fourth session: 0.48x the scan's time at N=256 and 0.77x at N=64 where 97-98% of rows certify,
 1.24-1.37x at N <= 16, 1.12-1.43x where nothing certifies).
-  A pass always launches the top-C pick and the full-vocab pick twice, the packed launch for F and the
-  all-rows one (plus small XLA ops: a [rows, r] norm, compares, the packing permutation and a [rows, r]
-  latent gather); where one row tile holds every row (N <= 4 at B = 16) or any failing row falls back
-  (N = 1), one full-vocab launch with the failing rows active. The call adds the top-C selection
+  A pass always launches the top-C pick, the certify launch and the full-vocab pick twice, the packed
+  launch for F and the all-rows one (plus small XLA ops: the failing-row count, the packing permutation
+  and a [rows, r] latent gather); where one row tile holds every row (N <= 4 at B = 16) or any failing
+  row falls back (N = 1), one full-vocab launch with the failing rows active, whose combine writes the
+  certified rows' tokens too. The call adds the top-C selection
   (which replaces the scan's argmax start) and, unless given ``certified_prepared``, one read of
   ``w2`` for ``M`` (~78 MB in bf16, some 20 µs on an H200; `RefineServer` computes it once per weights). A certified pass costs a top-C pass plus two empty full-vocab launches (programs
   that return at once) and their combines; a pass with failing rows adds ``ceil(|F| / row_tile)`` row
@@ -182,13 +188,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import reference as ref
+from .reference import SLACK, bound_beta as _beta, bound_upper as _upper, certify_rows
 from .head import acc_dtype, round_to
 from .ops import Ops
 
-__all__ = ["FULL_VOCAB", "Auto", "Certified", "CertifiedStats", "CertifiedPrepared", "resolve_full_vocab", "prepare_certified",
+__all__ = ["SLACK", "certify_rows", "lowest_missing", "FULL_VOCAB", "Auto", "Certified", "CertifiedStats", "CertifiedPrepared", "resolve_full_vocab", "prepare_certified",
            "certified_pick", "certified_passes", "ExactPrepared", "ExactStats", "prepare_exact", "certified_full_vocab_pick", "exact_ops"]
 
-_SLACK = 2.0 ** -10
+_SLACK = SLACK
 _RAD = 2.0 ** -9
 
 
@@ -251,16 +258,6 @@ def prepare_exact(w2: jax.Array, *, block: int = 64, bits: int = 8) -> ExactPrep
     return ExactPrepared(cen, radius, q.astype(jnp.int8), scale, qerr)
 
 
-def _upper(a, m, nrm):
-    """A value >= the real ``a + m * nrm`` (the module doc: the rounding slack)."""
-    mn = m * nrm
-    return (a + mn) + _SLACK * (jnp.abs(a) + mn)
-
-
-def _beta(b, u, dtype):
-    """``R(fl(B + R(U)))``, NaN kept (a NaN bound excludes nothing)."""
-    acc = acc_dtype(dtype)
-    return round_to(b.astype(acc) + round_to(u, dtype).astype(acc), dtype).astype(acc)
 
 
 def _excluded(beta, ids, best, best_id):
@@ -339,11 +336,14 @@ def _exact_prepare(w2, *, block, bits):
     return w2, prepare_exact(w2, block=block, bits=bits)
 
 
-def _exact_full_vocab_pick(logits, lat, w2_prepared, active=None, capacity=None, *, candidates, direct_readout):
+def _exact_full_vocab_pick(logits, lat, w2_prepared, active=None, capacity=None, fallback=None, *, candidates,
+                           direct_readout):
+    from .ops import with_fallback
+
     w2, prepared = w2_prepared
     tok, _ = certified_full_vocab_pick(ref.draft_rows(logits), lat, w2, prepared, candidates=candidates,
                                        direct_readout=direct_readout)
-    return tok
+    return with_fallback(tok, active, fallback)
 
 
 @functools.lru_cache(maxsize=None)
@@ -481,6 +481,13 @@ def prepare_certified(w2: jax.Array) -> CertifiedPrepared:
     return CertifiedPrepared(jnp.max(jnp.sqrt(jnp.sum(w * w, axis=1))) * (1 + _RAD))
 
 
+def lowest_missing(cand: jax.Array) -> jax.Array:
+    """[rows, C] distinct ids -> [rows] int32: each row's lowest id that is not among them."""
+    rows, c = cand.shape
+    present = jnp.zeros((rows, c + 1), bool).at[jnp.arange(rows)[:, None], jnp.minimum(cand, c)].set(True)
+    return jnp.argmin(present, axis=1).astype(jnp.int32)  # the first False (column c: all of 0..c-1 present)
+
+
 class _CallData(NamedTuple):
     """What the certified mode computes once per call (module doc, "The refine mode")."""
 
@@ -491,6 +498,7 @@ class _CallData(NamedTuple):
     fprep: object  # ops.full_vocab_prepare(w2)
     tau: jax.Array | None  # [rows] accumulation dtype: the C-th largest base logit (None: C = V)
     max_norm: jax.Array | None  # [] M
+    mex: jax.Array | None  # [rows] int32: the lowest id that is not a candidate (None: C = V)
 
 
 def _call_data(ops: Ops, logits: jax.Array, w2: jax.Array, c: int, prepared: "CertifiedPrepared | None" = None) -> _CallData:
@@ -500,29 +508,26 @@ def _call_data(ops: Ops, logits: jax.Array, w2: jax.Array, c: int, prepared: "Ce
     acc = acc_dtype(logits.dtype)
     _check_rank(w2.shape[1], acc)
     cand, base_c, start = ops.select(logits, c)
-    tau = max_norm = None
+    tau = max_norm = mex = None
     if c < logits.shape[2]:
         tau = jnp.min(ref.clean(base_c).astype(acc), axis=1)
         max_norm = (prepare_certified(w2) if prepared is None else prepared).max_norm
-    return _CallData(cand, base_c, start, ops.topc_prepare(w2, cand), ops.full_vocab_prepare(w2), tau, max_norm)
+        mex = lowest_missing(cand)
+    return _CallData(cand, base_c, start, ops.topc_prepare(w2, cand), ops.full_vocab_prepare(w2), tau, max_norm, mex)
 
 
-def _attempt(ops: Ops, d: _CallData, lat: jax.Array, dtype, skip=None):
-    """The candidates' full-vocab-rule winner and, per row, whether the bound certifies it:
-    (best_id [rows] int32, certified [rows] bool). ``skip`` (a device bool): the candidates' kernel
-    reads nothing and both results are unspecified (the caller ignores them)."""
-    best, best_id = ops.candidates_best(d.base_c, d.cand, lat, d.cprep, skip=skip)
-    if d.tau is None:  # every id is a candidate
-        return best_id, jnp.ones(best_id.shape, bool)
-    acc = acc_dtype(dtype)
-    latf = lat.astype(acc)
-    nrm = jnp.sqrt(jnp.sum(latf * latf, axis=1)) * (1 + _SLACK)
-    beta = _beta(d.tau, _upper(jnp.zeros_like(nrm), d.max_norm, nrm), dtype)
-    # Ties at the bound: certified only if every id <= best_id is a candidate (the C ids are distinct),
-    # i.e. every non-candidate id is larger than best_id.
-    below = jnp.sum(d.cand <= best_id[:, None], axis=1, dtype=jnp.int32) == best_id + 1
-    best = best.astype(acc)
-    return best_id, (beta < best) | ((beta == best) & below)
+def _decide(ops: Ops, d: _CallData, lat: jax.Array, dtype, valid, fallen, limit=None):
+    """``ops.certify`` (or its jnp spelling where the steps have none): (best_id [rows] int32, fail
+    [rows] bool, act [rows] bool). ``fallen`` (a device bool): the candidates' kernel reads nothing,
+    ``best_id`` is unspecified and no row fails."""
+    if d.tau is None:  # every id is a candidate: every row is certified
+        _, best_id = ops.candidates_best(d.base_c, d.cand, lat, d.cprep, skip=fallen)
+        none = jnp.zeros(best_id.shape, bool)
+        return best_id, none, none if limit is None else none | fallen
+    if ops.certify is not None:
+        return ops.certify(d.base_c, d.cand, lat, d.cprep, d.tau, d.max_norm, d.mex, valid, fallen, limit)
+    best, best_id = ops.candidates_best(d.base_c, d.cand, lat, d.cprep, skip=fallen)
+    return certify_rows(best, best_id, lat, d.tau, d.max_norm, d.mex, valid, fallen, limit, dtype)
 
 
 def certified_pick(ops: Ops, logits: jax.Array, lat: jax.Array, w2: jax.Array, cfg: Certified = Certified()):
@@ -534,8 +539,9 @@ def certified_pick(ops: Ops, logits: jax.Array, lat: jax.Array, w2: jax.Array, c
     ``ops.full_vocab_pick(logits, lat, w2)`` by the argument of the module doc.
     """
     d = _call_data(ops, logits, w2, min(int(cfg.candidates), logits.shape[2]))
-    best_id, cert = _attempt(ops, d, lat, logits.dtype)
-    return jnp.where(cert, best_id, ops.full_vocab_pick(logits, lat, d.fprep, active=~cert)), cert
+    rows = lat.shape[0]
+    best_id, fail, _ = _decide(ops, d, lat, logits.dtype, jnp.ones((rows,), bool), jnp.zeros((), bool))
+    return ops.full_vocab_pick(logits, lat, d.fprep, active=fail, fallback=best_id), ~fail
 
 
 def certified_passes(ops: Ops, params, logits: jax.Array, xh: jax.Array, anchors: jax.Array, prev_ids: jax.Array,
@@ -564,13 +570,12 @@ def certified_passes(ops: Ops, params, logits: jax.Array, xh: jax.Array, anchors
     def one_pass(_, carry):
         blk, fallen, (tried, certified, outcomes) = carry
         lat = ops.latent(params, xh, blk, prev_ids).reshape(rows, r)
-        best_id, cert = _attempt(ops, d, lat, dtype, skip=fallen)  # fallen: the kernel reads nothing
-        fail = row_valid & ~cert & ~fallen  # valid rows whose bound fails (none counted once fallen)
+        # fail: valid rows whose bound fails (none once fallen: then the candidates' kernel reads nothing)
+        best_id, fail, act = _decide(ops, d, lat, dtype, row_valid, fallen, limit if cap is None else None)
         n_fail = jnp.sum(fail, dtype=jnp.int32)
         full = fallen | (n_fail > limit)  # this pass scans every row (padding rows too: tokens stay real ids)
-        if cap is None:  # one pick: its active rows are the failing ones, or all of them
-            act = fail | full
-            tok = jnp.where(act, ops.full_vocab_pick(logits, lat, d.fprep, active=act), best_id)
+        if cap is None:  # one pick: its active rows (act = fail | full) get its token, the others best_id
+            tok = ops.full_vocab_pick(logits, lat, d.fprep, active=act, fallback=best_id)
         else:  # up to `cap` failing rows packed into a launch of their own, and an all-rows launch if more
             few = ops.full_vocab_pick(logits, lat, d.fprep, active=fail & ~full, capacity=cap)
             every = ops.full_vocab_pick(logits, lat, d.fprep, active=jnp.broadcast_to(full, (rows,)))

@@ -28,7 +28,8 @@ The steps (static shapes; ``rows`` = N * (B-1) draft rows):
   tokens are wanted, the others are unspecified. The kernel skips row tiles without an active row;
   with ``capacity`` (a static int) it runs on the first ``capacity`` active rows only, packed into a
   launch of their own (more active rows: those beyond are unspecified). The jnp path ignores both
-  and picks every row.
+  and picks every row. ``fallback`` ([rows] int32, with ``active``, without ``capacity``): inactive
+  rows return it (every path).
 - ``latent(params, xh [N,B,r], blk [N,B] int32, prev_ids [N] int32) -> [N,B-1,r]``.
 - ``start(logits [N,B,V]) -> [rows] int32``: the full-vocab argmax of the base logits (where a
   full-vocab refine starts).
@@ -41,6 +42,12 @@ The steps (static shapes; ``rows`` = N * (B-1) draft rows):
   scores each pass. ``skip`` (a device bool scalar): when true the result is unspecified (the
   kernel reads nothing; the jnp path ignores it and computes). ``None`` where an implementation
   lacks it (the vocabulary-sharded steps).
+- ``certify(base_c, cand, lat, prepared, tau, max_norm, mex, valid, fallen, limit=None) -> (best_id, fail,
+  act)``: the certified mode's whole candidates step (`xpress_jax.exact`): ``candidates_best`` (skipped
+  when ``fallen``), then each row's decision by the bound; the Pallas steps make it one launch after
+  the pick. ``fail`` = valid rows the bound does not certify (none once ``fallen``); ``act``, with a
+  ``limit``, = ``fail | full``, ``full = fallen | (sum(fail) > limit)`` (else ``fail``). ``None``:
+  the certified mode spells it with ``candidates_best`` and jnp (same decisions).
 - ``full_vocab_capacity(N, B, V, r, dtype, limit) -> int | None``: the ``capacity`` to give
   ``full_vocab_pick`` for a packed launch of at most ``limit`` active rows, or None where such a
   launch saves nothing (one row tile holds every row); the field is None where the steps pick every
@@ -79,6 +86,7 @@ class Ops:
     topc_best: Callable[..., Any]
     candidates_best: Callable[..., Any] | None = None
     full_vocab_capacity: Callable[..., Any] | None = None
+    certify: Callable[..., Any] | None = None
 
     @staticmethod
     def xla(platform: str = "cpu") -> "Ops":
@@ -112,6 +120,7 @@ def _xla_ops(platform: str) -> Ops:
         full_vocab_best=functools.partial(_xla_full_vocab_best, direct_readout=platform == "gpu"),
         topc_best=ref.topc_pick_best,
         candidates_best=_xla_candidates_best,
+        certify=_xla_certify,
     )
 
 
@@ -130,6 +139,7 @@ def _pallas_ops(interpret: bool) -> Ops:
         topc_best=functools.partial(_pallas_topc, interpret=interpret, best=True),
         candidates_best=functools.partial(_pallas_topc, interpret=interpret, best=True, ties="id"),
         full_vocab_capacity=functools.partial(_pallas_full_vocab_capacity, interpret=interpret),
+        certify=functools.partial(_pallas_certify, interpret=interpret),
     )
 
 
@@ -143,9 +153,20 @@ def _xla_select(logits, c):
     return ref.select_candidates(ref.draft_rows(logits), c)
 
 
-def _xla_full_vocab_pick(logits, lat, w2, active=None, capacity=None, *, direct_readout: bool):
+def _xla_full_vocab_pick(logits, lat, w2, active=None, capacity=None, fallback=None, *, direct_readout: bool):
     # Every row is picked: XLA has nothing to skip without a conditional (the step's spec allows it).
-    return ref.full_vocab_pick(ref.draft_rows(logits), lat, w2, direct_readout=direct_readout)
+    return with_fallback(ref.full_vocab_pick(ref.draft_rows(logits), lat, w2, direct_readout=direct_readout),
+                         active, fallback)
+
+
+def with_fallback(tok, active, fallback):
+    """``tok`` where ``active``, else ``fallback`` (``fallback`` None: ``tok``)."""
+    return tok if fallback is None else jnp.where(active, tok, fallback.astype(tok.dtype))
+
+
+def _xla_certify(base_c, cand, lat, w2c, tau, max_norm, mex, valid, fallen, limit=None):
+    best, best_id = ref.candidates_best(base_c, cand, lat, w2c)
+    return ref.certify_rows(best, best_id, lat, tau, max_norm, mex, valid, fallen, limit, base_c.dtype)
 
 
 def _xla_candidates_best(base_c, cand, lat, w2c, skip=None):
@@ -204,7 +225,22 @@ def _pallas_topc(base_c, cand, lat, prepared, skip=None, *, interpret, best, tie
     return ref.best_by_topc_rule(*out, axis=0) if best else out
 
 
-def _pallas_full_vocab(logits, lat, w2, active=None, capacity=None, *, interpret, best):
+def _pallas_certify(base_c, cand, lat, prepared, tau, max_norm, mex, valid, fallen, limit=None, *, interpret):
+    """`certify`: the pick kernel and the certify launch (`kernels.topc_pick.certify`); the jnp
+    spelling where the plan has no kernel (float64) or ``limit`` needs more rows than one program holds."""
+    from .kernels import topc_pick
+
+    rows, c = base_c.shape
+    if prepared.ndim == 3 or (limit is not None and rows > topc_pick.CERTIFY_SINGLE_ROWS):
+        best, best_id = _pallas_topc(base_c, cand, lat, prepared, fallen, interpret=interpret, best=True, ties="id")
+        return ref.certify_rows(best, best_id, lat, tau, max_norm, mex, valid, fallen, limit, base_c.dtype)
+    v, r = prepared.shape
+    p = _plan(rows, 2, v, r, c, base_c.dtype, interpret)
+    return topc_pick.certify(base_c, cand, lat, prepared, tau, max_norm, mex, valid, fallen, slack=ref.SLACK, limit=limit,
+                             interpret=interpret, config=p.topc)
+
+
+def _pallas_full_vocab(logits, lat, w2, active=None, capacity=None, fallback=None, *, interpret, best):
     """`full_vocab_pick` (``best=False``: ids, the combine kernel) or `full_vocab_best` (``best=True``:
     the parts' (score, id) winners from the kernel, combined by the same rule in XLA). ``active``:
     the kernel's active rows, unpacked (row tiles without one return at once); with ``capacity`` the
@@ -216,10 +252,13 @@ def _pallas_full_vocab(logits, lat, w2, active=None, capacity=None, *, interpret
     n, b, v = logits.shape
     p = _plan(n, b, v, lat.shape[1], 0, logits.dtype, interpret)
     if p.full_vocab is None:
-        return (ref.full_vocab_best if best else ref.full_vocab_pick)(ref.draft_rows(logits), lat, w2)
+        if best:
+            return ref.full_vocab_best(ref.draft_rows(logits), lat, w2)
+        return with_fallback(ref.full_vocab_pick(ref.draft_rows(logits), lat, w2), active, fallback)
     cfg = p.full_vocab if capacity is None else dispatch.capacity_config(p.full_vocab, v)
     out = full_vocab.full_vocab_pick(logits.reshape(n * b, v), lat, w2, config=cfg, interpret=interpret,
-                                     slot_stride=b, partials=best, active=active, capacity=capacity)
+                                     slot_stride=b, partials=best, active=active, capacity=capacity,
+                                     fallback=fallback)
     return ref.best_by_score(*out, axis=0) if best else out
 
 

@@ -19,6 +19,10 @@ import jax.numpy as jnp
 from .head import _dot, acc_dtype, latent, precision_for, round_to
 
 __all__ = [
+    "SLACK",
+    "bound_upper",
+    "bound_beta",
+    "certify_rows",
     "clean",
     "round_sum",
     "topc_winner",
@@ -181,3 +185,38 @@ def topc_scores(base_c: jax.Array, lat: jax.Array, w2c: jax.Array) -> jax.Array:
         "nr,ncr->nc", lat, w2c, precision=precision_for(lat.dtype), preferred_element_type=acc
     ), base_c.dtype)
     return round_sum(base_c, bias_c)
+
+
+# ----------------------------------------------------------------------------- the certified mode's bound
+# (`xpress_jax.exact`'s module doc gives the argument; the kernels spell the same formulas.)
+
+#: The relative slack on ``||lat||`` and on the bound's product; the certify kernel uses the same.
+SLACK = 2.0 ** -10
+
+
+def bound_upper(a, m, nrm):
+    """A value >= the real ``a + m * nrm`` (the rounding slack of `xpress_jax.exact`'s module doc)."""
+    mn = m * nrm
+    return (a + mn) + SLACK * (jnp.abs(a) + mn)
+
+
+def bound_beta(b, u, dtype):
+    """``R(fl(B + R(U)))``, NaN kept (a NaN bound excludes nothing)."""
+    acc = acc_dtype(dtype)
+    return round_to(b.astype(acc) + round_to(u, dtype).astype(acc), dtype).astype(acc)
+
+
+def certify_rows(best, best_id, lat, tau, max_norm, mex, valid, fallen, limit, dtype):
+    """The jnp spelling of ``ops.certify``'s decision (module doc, step 2): (best_id, fail, act)."""
+    acc = acc_dtype(dtype)
+    latf = lat.astype(acc)
+    nrm = jnp.sqrt(jnp.sum(latf * latf, axis=1)) * (1 + SLACK)
+    beta = bound_beta(tau, bound_upper(jnp.zeros_like(nrm), max_norm, nrm), dtype)
+    best = best.astype(acc)
+    # Ties at the bound: certified only if every id <= best_id is a candidate (best_id < mex).
+    cert = (beta < best) | ((beta == best) & (best_id < mex))
+    fail = valid & ~cert & ~fallen
+    if limit is None:
+        return best_id, fail, fail
+    full = fallen | (jnp.sum(fail, dtype=jnp.int32) > limit)
+    return best_id, fail, fail | full

@@ -373,12 +373,13 @@ def _fused_kernel(
 def _combine_kernel(
     mv_ref,  # [parts, rows_pad] float32, whole array
     mi_ref,  # [parts, rows_pad] int32, whole array
-    o_ref,  # [row_tile] block of [rows_pad] int32
-    *,
+    *refs,  # act_ref, fb_ref [rows] int32 whole arrays (fallback only); o_ref [row_tile] block of [rows_pad] int32
     parts: int,
     row_tile: int,
     part_tile: int,
+    fallback_rows: int = 0,
 ):
+    o_ref = refs[-1]
     r0 = pl.program_id(0) * row_tile
     shape = (part_tile, row_tile)
 
@@ -401,30 +402,53 @@ def _combine_kernel(
     init = (jnp.full((row_tile,), -jnp.inf, jnp.float32), jnp.full((row_tile,), BIG, jnp.int32))
     n_t = cdiv(parts, part_tile)
     _, bidx = step(0, init) if n_t == 1 else jax.lax.fori_loop(0, n_t, step, init)
+    if fallback_rows:  # inactive rows take the caller's token
+        rix = r0 + iota(row_tile)
+        rok = rix < fallback_rows
+        act = plt.load(refs[0].at[rix], mask=rok, other=1)
+        fb = plt.load(refs[1].at[rix], mask=rok, other=BIG)
+        bidx = jnp.where(act != 0, bidx, fb)
     o_ref[...] = bidx
 
 
 def _combine_row_tile(rows_pad: int) -> int:
-    # rows_pad is a multiple of the stage-1 row tile (a power of two); use up to 128 rows.
+    """rows_pad is a multiple of the stage-1 row tile (a power of two, >= 16). Up to 128 rows per
+    program, but at least 8 programs where 16-row tiles allow it: the combine is latency-bound, and
+    one program reading every part of few rows cost 4.5 µs on an H200 (132 parts x 128 rows; the
+    certified mode's packed launch at N=16) where 8 programs share it."""
     t = 1
-    while t < 128 and rows_pad % (2 * t) == 0:
+    while t < 128 and rows_pad % (2 * t) == 0 and (t < 16 or rows_pad // (2 * t) >= 8):
         t *= 2
     return t
 
 
-def combine_partials(mv: jax.Array, mi: jax.Array, *, interpret: bool = False) -> jax.Array:
+def combine_partials(mv: jax.Array, mi: jax.Array, *, interpret: bool = False, active: jax.Array | None = None,
+                     fallback: jax.Array | None = None) -> jax.Array:
     """[parts, rows_pad] float32 best values + int32 ids -> [rows_pad] int32.
 
     The largest value wins, the lowest id among equal values (so "earliest vocab
     tile" in full-vocab mode and "lowest vocab id" in top-C mode alike).
+    ``active``, ``fallback`` ([rows] each, rows <= rows_pad; both or neither): row q gets
+    ``fallback[q]`` where ``active[q]`` is false (rows past ``rows`` keep the winner).
     """
     parts, rows_pad = mv.shape
+    extra, operands = {}, (mv, mi)
+    if (active is None) != (fallback is None):
+        raise ValueError("combine_partials: give both active and fallback, or neither")
+    if active is not None:
+        n = active.shape[0]
+        if fallback.shape != (n,) or n > rows_pad:
+            raise ValueError(f"combine_partials: active {active.shape} and fallback {fallback.shape} must be [rows <= {rows_pad}]")
+        if parts == 1:
+            return jnp.concatenate([jnp.where(active, mi[0, :n], fallback.astype(jnp.int32)), mi[0, n:]])
+        operands = (mv, mi, active.astype(jnp.int32), fallback.astype(jnp.int32))
+        extra["fallback_rows"] = n
     if parts == 1:
         return mi[0]
     row_tile = _combine_row_tile(rows_pad)
     # Up to 16K partials per load: few sequential steps even for ~2K parts (N=1, 64-wide tiles).
     part_tile = min(next_pow2(parts), max(1, 16384 // row_tile))
-    kernel = functools.partial(_combine_kernel, parts=parts, row_tile=row_tile, part_tile=part_tile)
+    kernel = functools.partial(_combine_kernel, parts=parts, row_tile=row_tile, part_tile=part_tile, **extra)
     return common.pallas_call(
         kernel,
         name="xpress_pick_combine",
@@ -432,10 +456,10 @@ def combine_partials(mv: jax.Array, mi: jax.Array, *, interpret: bool = False) -
         num_stages=1,
         interpret=interpret,
         grid=(rows_pad // row_tile,),
-        in_specs=[pl.no_block_spec, pl.no_block_spec],
+        in_specs=[pl.no_block_spec] * len(operands),
         out_specs=pl.BlockSpec((row_tile,), lambda i: (i,)),
         out_shape=jax.ShapeDtypeStruct((rows_pad,), jnp.int32),
-    )(mv, mi)
+    )(*operands)
 
 
 # ---------------------------------------------------------------------------
@@ -466,6 +490,7 @@ def full_vocab_pick(
     partials: bool = False,
     active: jax.Array | None = None,
     capacity: int | None = None,
+    fallback: jax.Array | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """[rows,V], [rows,r], [V,r] -> [rows] int32: argmax_v float(dtype(base + dtype(lat @ w2.T))).
 
@@ -493,6 +518,8 @@ def full_vocab_pick(
     (`xpress_jax.dispatch.capacity_config`); only ``v_steps`` may differ from the all-rows config if
     the tokens must match it bit for bit (each (row, id) score is computed the same way for any
     vocabulary split).
+    ``fallback`` ([rows] int, with ``active``, without ``capacity`` and ``partials``): inactive rows
+    return ``fallback`` (the combine launch writes it: no extra select after the pick).
     """
     if slot_stride:
         if slot_stride < 2 or base.ndim != 2 or base.shape[0] % slot_stride:
@@ -515,6 +542,10 @@ def full_vocab_pick(
             raise ValueError("capacity needs active (the rows to compute)")
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
             raise ValueError(f"capacity must be an int >= 1, got {capacity!r}")
+    if fallback is not None and (active is None or capacity is not None or partials or fallback.shape != (rows,)
+                                 or not jnp.issubdtype(fallback.dtype, jnp.integer)):
+        raise ValueError(f"fallback must be [rows={rows}] int, with active and without capacity or partials; "
+                         f"got {fallback.shape} {fallback.dtype}")
     cap = rows if capacity is None else min(capacity, rows)  # the rows the kernel runs on
     cfg = config or default_config(cap, vocab, rank, dtype)
     cfg.check_shape(cap, vocab, rank, dtype)
@@ -561,6 +592,8 @@ def full_vocab_pick(
         kept = pos < cap  # packed beyond the capacity: never computed, reported as "no winner"
         at = jnp.minimum(pos, cap - 1)
         return jnp.where(kept, mv[:, at], -jnp.inf), jnp.where(kept, mi[:, at], BIG)
+    if fallback is not None:
+        return combine_partials(mv, mi, interpret=interpret, active=active != 0, fallback=fallback)[:rows]
     tok = combine_partials(mv, mi, interpret=interpret)[:cap]
     return tok if pos is None else jnp.where(pos < cap, tok[jnp.minimum(pos, cap - 1)], BIG)
 

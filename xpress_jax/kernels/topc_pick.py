@@ -45,7 +45,7 @@ from jax.experimental.pallas import triton as plt
 from . import common
 from .common import BIG, cdiv, iota, k_chunk, next_pow2, score
 
-__all__ = ["TopCConfig", "TIES", "default_config", "topc_pick", "combine_splits"]
+__all__ = ["TopCConfig", "TIES", "default_config", "topc_pick", "combine_splits", "certify", "CERTIFY_SINGLE_ROWS"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,6 +222,16 @@ def topc_pick(
     every program returns at once, reading nothing, and writes "no winner" partials (score and base
     -inf, id `BIG`): the result is then `BIG` for every row (the caller ignores it).
     """
+    mv, mb, mi = _partials(base_c, cand, lat, w2, interpret=interpret, config=config, ties=ties, skip=skip)
+    rows = base_c.shape[0]
+    if partials:
+        return mv[:, :rows], mb[:, :rows], mi[:, :rows]
+    return combine_splits(mv, mb, mi, interpret=interpret)[:rows]
+
+
+def _partials(base_c, cand, lat, w2, *, interpret, config, ties, skip):
+    """The pick kernel's launch: each split's winner, ``(score, base, id)`` each [splits, rows_pad]
+    (rows_pad = rows rounded up to 16; padding rows unwritten). Checks every argument."""
     if ties not in TIES:
         raise ValueError(f"ties must be one of {TIES}, got {ties!r}")
     if base_c.ndim != 2 or cand.shape != base_c.shape or lat.ndim != 2 or lat.shape[0] != base_c.shape[0]:
@@ -270,9 +280,7 @@ def topc_pick(
             jax.ShapeDtypeStruct((splits, rows_pad), jnp.int32),
         ),
     )(*operands)
-    if partials:
-        return mv[:, :rows], mb[:, :rows], mi[:, :rows]
-    return combine_splits(mv, mb, mi, interpret=interpret)[:rows]
+    return mv, mb, mi
 
 
 def _combine_kernel(mv_ref, mb_ref, mi_ref, o_ref, *, splits: int, row_tile: int, split_tile: int):
@@ -326,3 +334,122 @@ def combine_splits(mv: jax.Array, mb: jax.Array, mi: jax.Array, *, interpret: bo
         out_specs=pl.BlockSpec((row_tile,), lambda i: (i,)),
         out_shape=jax.ShapeDtypeStruct((rows_pad,), jnp.int32),
     )(mv, mb, mi)
+
+
+# ---------------------------------------------------------------------------
+# The certified exact mode's per-pass decision (`xpress_jax.exact`), in one launch after the pick.
+
+
+def _certify_kernel(mv_ref, mi_ref, lat_ref, tau_ref, mex_ref, valid_ref, m_ref, fallen_ref, best_ref, fail_ref,
+                    act_ref, *, rows: int, splits: int, row_tile: int, split_tile: int, rank: int, k_tile: int,
+                    dtype, slack: float, limit: int | None):
+    """Per row tile: the candidates' winner by the full-vocab rule (largest score, lowest id) over the
+    splits, the bound ``beta = R(fl(tau + R(U)))`` with ``U = M ||lat|| (1 + slack)^2``, and the decision
+    (the module doc of `xpress_jax.exact`). ``limit`` (single program only): also the active rows of
+    the all-rows scan, ``fail | full`` with ``full = fallen | (#fail > limit)``."""
+    r0 = pl.program_id(0) * row_tile
+    rix = r0 + iota(row_tile)
+    rok = rix < rows
+
+    def step(t, carry):
+        p0 = t * split_tile
+        ok = ((p0 + iota(split_tile)) < splits)[:, None] & rok[None, :]  # [split_tile, row_tile]
+        idx = ((p0 + iota(split_tile))[:, None], rix[None, :])
+        v = jnp.where(ok, plt.load(mv_ref.at[idx], mask=ok, other=-jnp.inf), -jnp.inf)
+        ix = jnp.where(ok, plt.load(mi_ref.at[idx], mask=ok, other=BIG), BIG)
+        return common.merge(*carry, *common.best(v, ix, axis=0))
+
+    init = (jnp.full((row_tile,), -jnp.inf, jnp.float32), jnp.full((row_tile,), BIG, jnp.int32))
+    n_t = cdiv(splits, split_tile)
+    best, bidx = step(0, init) if n_t == 1 else jax.lax.fori_loop(0, n_t, step, init)
+
+    ss = jnp.zeros((row_tile,), jnp.float32)
+    for kk in range(cdiv(rank, k_tile)):  # static: sum of squares of the row's latent, float32
+        kc = kk * k_tile + iota(k_tile)
+        msk = rok[:, None] & (kc < rank)[None, :]
+        x = plt.load(lat_ref.at[rix[:, None], kc[None, :]], mask=msk, other=0.0).astype(jnp.float32)
+        ss = ss + jnp.sum(x * x, axis=1)
+    nrm = jnp.sqrt(ss) * (1 + slack)
+    mn = m_ref[0] * nrm
+    u = mn + slack * mn
+
+    def rnd(x):
+        return x.astype(dtype).astype(jnp.float32)
+
+    tau = plt.load(tau_ref.at[rix], mask=rok, other=-jnp.inf)
+    beta = rnd(tau + rnd(u))
+    mex = plt.load(mex_ref.at[rix], mask=rok, other=0)
+    cert = (beta < best) | ((beta == best) & (bidx < mex))
+    fallen = fallen_ref[0] != 0
+    valid = plt.load(valid_ref.at[rix], mask=rok, other=0) != 0
+    fail = rok & valid & jnp.logical_not(cert) & jnp.logical_not(fallen)
+    best_ref[...] = bidx
+    fail_ref[...] = fail.astype(jnp.int32)
+    if limit is None:
+        act_ref[...] = fail.astype(jnp.int32)
+    else:
+        full = fallen | (jnp.sum(fail.astype(jnp.int32)) > limit)
+        act_ref[...] = (fail | full).astype(jnp.int32)
+
+
+#: Rows one certify program holds when its launch must see every row (``limit``).
+CERTIFY_SINGLE_ROWS = 256
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "config", "slack", "limit"))
+def certify(base_c: jax.Array, cand: jax.Array, lat: jax.Array, w2: jax.Array, tau: jax.Array, max_norm: jax.Array,
+            mex: jax.Array, valid: jax.Array, fallen: jax.Array, *, slack: float, limit: int | None = None,
+            interpret: bool = False, config: TopCConfig | None = None):
+    """The certified mode's candidates step: the pick kernel (``ties="id"``, skipped when ``fallen``)
+    and one launch that decides every row. Returns ``(best_id, fail, act)``, each [rows] (int32, bool, bool):
+
+    - ``best_id``: the candidates' winner by the full-vocab rule (`BIG` when ``fallen``);
+    - ``fail``: ``valid & ~certified & ~fallen``, where a row is certified iff ``beta < best`` or
+      (``beta == best`` and ``best_id < mex``), ``beta = R(fl(tau + R(U)))``, ``R`` the rounding to the
+      logits' dtype, ``U = fl(M n) (1 + slack)`` with ``n = ||lat|| (1 + slack)`` summed in float32
+      (each a value at least the real one for ``slack`` >= 2^-10: `xpress_jax.exact`'s margins);
+    - ``act``: with ``limit`` (an int), ``fail | full``, ``full = fallen | (sum(fail) > limit)``, the
+      rows the pass must scan when one launch scans them (else ``fail``).
+
+    ``tau`` [rows] float32: each row's C-th largest base logit (NaN as -inf); ``max_norm`` []:
+    ``M``; ``mex`` [rows] int32: the lowest id that is not a candidate; ``valid`` [rows] bool;
+    ``fallen`` [] bool. Refuses ``limit`` with more than `CERTIFY_SINGLE_ROWS` rows (one program
+    must hold them all).
+    """
+    rows, c = base_c.shape
+    rank = lat.shape[1]
+    for name, a, want in (("tau", tau, (rows,)), ("mex", mex, (rows,)), ("valid", valid, (rows,)),
+                          ("max_norm", max_norm, ()), ("fallen", fallen, ())):
+        if jnp.shape(a) != want:
+            raise ValueError(f"certify: {name} must have shape {want}, got {jnp.shape(a)}")
+    if limit is not None and rows > CERTIFY_SINGLE_ROWS:
+        raise ValueError(f"certify: limit needs rows <= {CERTIFY_SINGLE_ROWS} (one program), got {rows}")
+    fallen = jnp.asarray(fallen)
+    mv, _, mi = _partials(base_c, cand, lat, w2, interpret=interpret, config=config, ties="id", skip=fallen)
+    splits, rows_pad = mv.shape
+    if limit is not None:
+        row_tile = next_pow2(rows_pad)
+    else:
+        row_tile = 16
+        while row_tile < 64 and rows_pad % (2 * row_tile) == 0 and rows_pad // (2 * row_tile) >= 8:
+            row_tile *= 2
+    grid = cdiv(rows_pad, row_tile)
+    split_tile = min(next_pow2(splits), max(1, 4096 // row_tile))
+    k_tile = min(next_pow2(rank), max(16, 4096 // row_tile))
+    kernel = functools.partial(_certify_kernel, rows=rows, splits=splits, row_tile=row_tile, split_tile=split_tile,
+                               rank=rank, k_tile=k_tile, dtype=jnp.dtype(base_c.dtype), slack=float(slack),
+                               limit=None if limit is None else int(limit))
+    out = jax.ShapeDtypeStruct((grid * row_tile,), jnp.int32)
+    best_id, fail, act = common.pallas_call(
+        kernel,
+        name="xpress_certify",
+        num_warps=4,
+        num_stages=1,
+        interpret=interpret,
+        grid=(grid,),
+        in_specs=[pl.no_block_spec] * 8,
+        out_specs=(pl.BlockSpec((row_tile,), lambda i: (i,)),) * 3,
+        out_shape=(out, out, out),
+    )(mv, mi, lat, tau.astype(jnp.float32), mex.astype(jnp.int32), valid.astype(jnp.int32),
+      jnp.reshape(max_norm, (1,)).astype(jnp.float32), jnp.reshape(fallen, (1,)).astype(jnp.int32))
+    return best_id[:rows], fail[:rows] != 0, act[:rows] != 0

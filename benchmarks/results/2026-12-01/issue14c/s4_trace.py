@@ -7,6 +7,7 @@ from benchmarks.bench_refine import SERVING, make_problem
 OUT = os.environ.get("OUT", "/tmp/out")
 cfg = xj.HeadConfig(**SERVING)
 res = {}
+TOP = 22  # kernels kept per call (a later session sets more)
 
 def parse(path, tag):
     d = json.load(gzip.open(path)); ev = d["traceEvents"] if isinstance(d, dict) else d
@@ -32,13 +33,17 @@ def parse(path, tag):
         per.append(dict(span=max(e["ts"] + e["dur"] for e in g) - min(e["ts"] for e in g), busy=sum(e["dur"] for e in g),
                         n=len(g), host=c["dur"], agg=agg, cnt=cnt, api=a))
     m = per[len(per) // 2]
-    top = sorted(m["agg"].items(), key=lambda kv: -kv[1])[:22]
+    top = sorted(m["agg"].items(), key=lambda kv: -kv[1])[:TOP]
     return dict(span=m["span"], busy=m["busy"], n=m["n"], host=m["host"], kernels=[(k, round(v, 1), m["cnt"][k]) for k, v in top],
                 api=m["api"].most_common(8), spans=[round(p["span"]) for p in per])
 
-def trace_refine(n, tag, std=0.02, **kw):
-    """Trace 8 calls of one jitted Pallas refine (after 5 warm-ups) and parse the median call."""
+def trace_refine(n, tag, std=0.02, prepared=False, **kw):
+    """Trace 8 calls of one jitted Pallas refine (after 5 warm-ups) and parse the median call.
+    ``prepared``: pass the certified mode's weight data (as a server does)."""
     p, l, h, a = make_problem(cfg, n, std=std)
+    if prepared:
+        from xpress_jax.exact import prepare_certified
+        kw["certified_prepared"] = prepare_certified(p["w2"])
     f = jax.jit(lambda p, l, h, a: xj.refine(p, l, h, a, config=cfg, backend="pallas", **kw))
     for _ in range(5): f(p, l, h, a).block_until_ready()
     d = f"/tmp/tr_{n}_{tag}"
