@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import xpress_jax as xj
+from xpress_jax import dispatch
 from xpress_jax import reference as ref
 from xpress_jax.exact import Certified, CertifiedPrepared, CertifiedStats, certified_pick, prepare_certified
 from xpress_jax.kernels.common import gpu_supported
@@ -483,12 +484,31 @@ def test_lowers_for_an_h200():
     for name in ("xpress_latent_pass", "xpress_topc_pick", "select_bgather", "xpress_full_vocab", "xpress_certify"):
         assert name in text, f"{name} missing from the lowered HLO"
     assert "stablehlo.case" not in text and "stablehlo.if" not in text
-    # two full-vocab launches per pass: the packed failing rows (base, packed lat, w2, row map, active) and
-    # all rows (base, lat, w2, active)
+    # above dispatch.SCAN_FAILING_MAX_ROWS, two full-vocab launches per pass: the packed failing rows (base,
+    # packed lat, w2, row map, active) and all rows (base, lat, w2, active)
     assert sorted(set(_triton_operand_counts(text, "xpress_full_vocab_fused"))) == [4, 5]
+    assert "xpress_pack_active" not in text
     assert _triton_operands(text, "xpress_topc_pick") == 5  # base_c, cand, lat, w2, skip
     # the certify launch: partial scores and ids, lat, tau, mex, valid, M, fallen
     assert _triton_operands(text, "xpress_certify") == 8
+    # N = 16 (240 rows, 2 row tiles; up to SCAN_FAILING_MAX_ROWS): one scan launch per pass (`scan_failing`): the
+    # failing rows packed first by `xpress_pack_active` (fail, fallen), read through the row map (base, lat, w2,
+    # row map, active, the pass's full flag: the plan's split differs from capacity_config's there), combined
+    # back in row order (partials, pos, active, fallback)
+    n = 16
+    args = (p, S((n, 16, cfg.vocab_size), jnp.bfloat16), S((n, 16, cfg.hidden_size), jnp.bfloat16), S((n,), jnp.int32))
+    text = lower_triton(f, *args).as_text()
+    assert set(_triton_operand_counts(text, "xpress_full_vocab_fused")) == {6}
+    assert set(_triton_operand_counts(text, "xpress_pack_active")) == {2}
+    assert set(_triton_operand_counts(text, "xpress_pick_combine")) == {5}
+    # Both sides of dispatch.SCAN_FAILING_MAX_ROWS (960 draft rows: N = 64 / 65 at B = 16).
+    assert dispatch.SCAN_FAILING_MAX_ROWS == 64 * 15
+    for n, one_launch in ((64, True), (65, False)):
+        args = (p, S((n, 16, cfg.vocab_size), jnp.bfloat16), S((n, 16, cfg.hidden_size), jnp.bfloat16),
+                S((n,), jnp.int32))
+        text = lower_triton(f, *args).as_text()
+        assert ("xpress_pack_active" in text) == one_launch, n
+        assert sorted(set(_triton_operand_counts(text, "xpress_full_vocab_fused"))) == ([6] if one_launch else [4, 5]), n
     # N = 4 (60 rows in one tile): one full-vocab launch per pass, whose combine writes the certified rows'
     # tokens (partial scores and ids, active, fallback), and the single-program certify launch.
     n = 4

@@ -241,6 +241,63 @@ class TestFullVocabPick:
                                active=jnp.asarray(act), capacity=0)
 
 
+    @pytest.mark.parametrize("rows", [1, 37, 40, 1000, 3840])
+    def test_pack_active(self, rows):
+        """`pack_active` == its jnp spelling (the packed order, the inverse map, the counts, the full flag) on
+        random failing rows, at both sides of the fallback ``limit`` and with the call fallen back; the packed
+        order is a permutation that puts the active rows first, in row order."""
+        rng = np.random.default_rng(rows)
+        for frac, fallen, limit in ((0.0, False, 5), (0.05, False, rows), (0.3, False, 2), (0.5, True, rows),
+                                    (1.0, False, rows)):
+            fail = jnp.asarray(rng.random(rows) < frac)
+            got = fv.pack_active(fail, jnp.asarray(fallen), limit=limit, interpret=self.INTERPRET)
+            want = fv.pack_active_ref(fail, jnp.asarray(fallen), limit=limit)
+            for name, g, w in zip(("pos", "src", "act_p", "act", "n_fail", "full"), got, want):
+                np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=f"{name} frac {frac}")
+            pos, src, act_p, act = (np.asarray(a) for a in got[:4])
+            n_fail, full = int(got[4]), bool(got[5])
+            f = np.asarray(fail)
+            assert n_fail == f.sum() and full == (fallen or f.sum() > limit)
+            np.testing.assert_array_equal(act, f | full)
+            assert sorted(src.tolist()) == list(range(src.shape[0])) and (src[pos] == np.arange(rows)).all()
+            np.testing.assert_array_equal(src[: act.sum()], np.flatnonzero(act))  # active first, in row order
+            assert act_p.sum() == act.sum() and act_p[: act.sum()].all()
+        with pytest.raises(ValueError, match="limit must be"):
+            fv.pack_active(fail, jnp.asarray(False), limit=-1, interpret=self.INTERPRET)
+        with pytest.raises(ValueError, match="need fail"):
+            fv.pack_active(fail[None], jnp.asarray(False), limit=1, interpret=self.INTERPRET)
+
+    def test_scan_failing(self):
+        """`scan_failing`: the failing rows (every row once the pass is full: more than ``limit`` fail, or the call
+        has fallen back) get the all-rows pick's tokens BIT FOR BIT on random bf16 inputs (`capacity_config`'s
+        split when few rows fail, the all-rows split when the pass is full), the others ``fallback``; n_fail and
+        full as `pack_active` counts them. 40 draft rows (B=6), V=4099, a rank with a tail chunk."""
+        n, B, vocab, rank = 8, 6, 4099, 40
+        rows = n * (B - 1)
+        cfg = fv.FullVocabConfig(row_tile=16, v_tile=128, v_steps=4, k_tile=16)
+        cap_cfg = dispatch.capacity_config(cfg, vocab)
+        base, lat, w2 = pick_inputs(n * B, vocab, rank, jnp.bfloat16, seed=5)
+        lat = lat[:rows]
+        want = np.asarray(fv.full_vocab_pick(base, lat, w2, interpret=self.INTERPRET, config=cfg, slot_stride=B))
+        rng = np.random.default_rng(5)
+        fb = rng.integers(0, vocab, rows).astype(np.int32)
+        limit = 10
+        cases = ((0.0, False), (0.1, False), (0.2, False), (0.6, False), (0.0, True))
+        for (frac, fallen), split in zip(cases * 2, [cfg.v_steps] * 5 + [None] * 5):  # run-time split, or one
+            fail = rng.random(rows) < frac
+            tok, n_fail, full = fv.scan_failing(base, lat, w2, jnp.asarray(fail), jnp.asarray(fallen), jnp.asarray(fb),
+                                                limit=limit, interpret=self.INTERPRET, config=cap_cfg, slot_stride=B,
+                                                v_steps_full=split)
+            is_full = fallen or fail.sum() > limit
+            msg = f"frac {frac} fallen {fallen} v_steps_full {split}"
+            assert int(n_fail) == fail.sum() and bool(full) == is_full, msg
+            expect = want if is_full else np.where(fail, want, fb)
+            np.testing.assert_array_equal(np.asarray(tok), expect, err_msg=msg)
+        with pytest.raises(ValueError, match="fallback must be"):
+            fv.scan_failing(base, lat, w2, jnp.asarray(fail), jnp.asarray(False), jnp.asarray(fb[:-1]), limit=limit,
+                            interpret=self.INTERPRET, config=cap_cfg, slot_stride=B)
+
+
 class TestFullVocabPickInterpret(TestFullVocabPick):
     INTERPRET = True
 
@@ -306,6 +363,27 @@ class TestFullVocabLowering:
         hlo = common.lower_triton(f, *args).as_text()
         assert hlo.count(TRITON_CALL) == 2
         assert _triton_operands(hlo, "xpress_full_vocab_fused") == 5  # base, packed lat, w2, row map, active
+
+
+    @pytest.mark.parametrize("n", [16, 64, 256])
+    def test_scan_failing_lowers(self, n):
+        """The certified mode's scan of its failing rows builds for an H200 from the served configs: the packing
+        launch (fail, fallen), one fused pick (base, lat, w2, row map, active, the full flag) and the combine
+        that reads each row's partials at its packed position (partials, pos, active, fallback)."""
+        V, r, B = 151936, 256, 16
+        rows = n * (B - 1)
+        served = dispatch.plan(n, B, V, r, 0, jnp.bfloat16).full_vocab
+        cfg = dispatch.capacity_config(served, V)
+        S = jax.ShapeDtypeStruct
+        args = (S((n * B, V), jnp.bfloat16), S((rows, r), jnp.bfloat16), S((V, r), jnp.bfloat16), S((rows,), jnp.bool_),
+                S((), jnp.bool_), S((rows,), jnp.int32))
+        f = lambda b, l, w, fail, fallen, fb: fv.scan_failing(b, l, w, fail, fallen, fb, limit=-(-n // 8) * (B - 1),
+                                                              config=cfg, slot_stride=B, v_steps_full=served.v_steps)
+        hlo = common.lower_triton(f, *args).as_text()
+        assert hlo.count(TRITON_CALL) == 3
+        assert _triton_operands(hlo, "xpress_pack_active") == 2
+        assert _triton_operands(hlo, "xpress_full_vocab_fused") == (6 if served.v_steps != cfg.v_steps else 5)
+        assert _triton_operands(hlo, "xpress_pick_combine") == 5
 
 
 def _triton_operand_counts(hlo: str, name: str) -> list[int]:

@@ -30,13 +30,22 @@ import jax.numpy as jnp
 from .kernels import full_vocab, latent, select, topc_pick
 from .kernels.common import cdiv, next_pow2
 
-__all__ = ["Row", "TABLE", "Plan", "plan", "capacity_config", "select_config", "SERVING_N", "SMS"]
+__all__ = ["Row", "TABLE", "Plan", "plan", "capacity_config", "select_config", "SERVING_N", "SMS",
+           "SCAN_FAILING_MAX_ROWS"]
 
 #: The N values the serving configs were measured at (B = 16): draft rows 15 / 60 / 240 / 960 / 3840.
 SERVING_N = (1, 4, 16, 64, 256)
 
 #: Streaming multiprocessors of the GPU the table was measured on (H200: 132).
 SMS = 132
+
+#: The certified mode's failing rows are scanned in one launch (`full_vocab.scan_failing`: pack, one pick
+#: over every row tile in packed order, combine) up to this many draft rows, above it by a packed launch of
+#: the failing rows plus an all-rows launch. RESULTS.md "Certified mode: the failing rows' scan in one
+#: launch" (seventh session): one launch saves 51-118 µs per refine at N = 16 / 32 / 64 where every row or
+#: 97-98% certify (except +8 at N=16, std 0.02), and costs +103 at N=256 (30 row tiles x 132 mostly
+#: empty programs per pass) where 97.5% certify.
+SCAN_FAILING_MAX_ROWS = 960
 
 _FV_LAZY = dict(prefetch_base=True, lazy=True)
 # Full-vocab pick configs (RESULTS.md "Full-vocab pick", evening: "lazy epilogue" + "whole waves";

@@ -33,19 +33,23 @@ Per pass, per draft row:
    below; their ``||lat||`` may differ by float32 summation order and the GPU's square root, which
    the margins cover (each bound is still at least the real one), so each is a valid bound.
 3. **Scan of the failing rows.** Let F = the valid rows that are not certified (padding rows, anchor
-   out of range, never count) and L = ``scan_blocks * (B-1)``. If ``|F| <= L``, one
-   ``ops.full_vocab_pick(..., active=F, capacity=L)``: the Pallas kernel moves F to the front (a
-   permutation computed on the device; it reads each base row through an index map, no copy of the
-   logits) and runs a grid of only ``ceil(L / row_tile)`` row tiles, with the all-rows config's
-   ``v_steps`` cut so that one row tile fills the GPU (`dispatch.capacity_config`); programs whose
-   row tile holds no row of F return at once. So the pass reads ``w2`` about ``ceil(|F| / row_tile)``
-   times, spread over ~132 programs each (none when F is empty). A row of F takes the pick's token,
-   every other row the candidates'.
+   out of range, never count) and L = ``scan_blocks * (B-1)``. If ``|F| <= L``, ``ops.scan_failing``
+   scans F: the Pallas steps move F to the front (a permutation computed on the device; the kernel
+   reads each base and latent row through an index map, no copy of the logits) and, up to
+   `dispatch.SCAN_FAILING_MAX_ROWS` draft rows, run one fused pick over every row tile in that order
+   with the all-rows config's ``v_steps`` cut so that one row tile fills the GPU
+   (`dispatch.capacity_config`), then one combine back in row order (three launches: the packing, the
+   pick, the combine); above that, a packed launch of only ``ceil(L / row_tile)`` row tiles. Programs
+   whose row tile holds no row of F return at once. So the pass reads ``w2`` about
+   ``ceil(|F| / row_tile)`` times, spread over ~132 programs each (none when F is empty). A row of F
+   takes the pick's token, every other row the candidates'. Where one row tile holds every row
+   (N <= 4 at B = 16), one ``ops.full_vocab_pick(..., active=F | full)`` instead.
 4. **Fallback.** If more than L rows fail in one pass (any row, when ``scan_blocks`` is 0 or at
-   least N), the pass scans every row with the plain all-rows pick (a second launch, ``active`` = all
-   or none: when none, its programs return at once) and the call has *fallen back* (a device bool,
-   sticky): every later pass passes ``skip`` to the top-C pick (its programs return at once) and
-   scans every row. No step waits for the host.
+   least N), the pass scans every row (in the one-launch scan: the same launch, with the all-rows
+   config's vocabulary split read at run time; above `dispatch.SCAN_FAILING_MAX_ROWS`: the all-rows
+   pick, a second launch whose programs return at once in other passes) and the call has *fallen
+   back* (a device bool, sticky): every later pass passes ``skip`` to the top-C pick (its programs
+   return at once) and scans every row. No step waits for the host.
 
 Why the tokens are those of ``topc=0`` on the same backend.
   *The score pipeline is monotone.* The full scan scores v as
@@ -93,16 +97,18 @@ Why the tokens are those of ``topc=0`` on the same backend.
 When it is fast, and what a fallback costs (measured on an H200: benchmarks/RESULTS.md, "Exact mode",
 fourth session: 0.48x the scan's time at N=256 and 0.77x at N=64 where 97-98% of rows certify,
 1.24-1.37x at N <= 16, 1.12-1.43x where nothing certifies).
-  A pass always launches the top-C pick, the certify launch and the full-vocab pick twice, the packed
-  launch for F and the all-rows one (plus small XLA ops: the failing-row count, the packing permutation
-  and a [rows, r] latent gather); where one row tile holds every row (N <= 4 at B = 16) or any failing
-  row falls back (N = 1), one full-vocab launch with the failing rows active, whose combine writes the
-  certified rows' tokens too. The call adds the top-C selection
-  (which replaces the scan's argmax start) and, unless given ``certified_prepared``, one read of
-  ``w2`` for ``M`` (~78 MB in bf16, some 20 µs on an H200; `RefineServer` computes it once per weights). A certified pass costs a top-C pass plus two empty full-vocab launches (programs
-  that return at once) and their combines; a pass with failing rows adds ``ceil(|F| / row_tile)`` row
-  tiles' worth of a full-vocab pick spread over a whole wave; a fallen-back pass costs a full-vocab
-  pass plus an empty top-C launch and an empty packed launch. No conditional: XLA:GPU's conditionals copy the branch index to the host and wait
+  A pass always launches the top-C pick and the certify launch, then the scan of the failing rows:
+  up to `dispatch.SCAN_FAILING_MAX_ROWS` draft rows three launches (the packing, one full-vocab pick
+  in packed order, its combine), above it the packed launch for F and the all-rows one (plus small
+  XLA ops: the failing-row count, the packing permutation and a [rows, r] latent gather); where one
+  row tile holds every row (N <= 4 at B = 16) or any failing row falls back (N = 1), one full-vocab
+  launch with the failing rows active, whose combine writes the certified rows' tokens too. The
+  call adds the top-C selection (which replaces the scan's argmax start) and, unless given
+  ``certified_prepared``, one read of ``w2`` for ``M`` (~78 MB in bf16, some 20 µs on an H200;
+  `RefineServer` computes it once per weights). A certified pass costs a top-C pass plus the scan's
+  launches with every program returning at once; a pass with failing rows adds ``ceil(|F| / row_tile)``
+  row tiles' worth of a full-vocab pick spread over a whole wave; a fallen-back pass costs a full-vocab
+  pass plus an empty top-C launch (and, above the threshold, an empty packed launch). No conditional: XLA:GPU's conditionals copy the branch index to the host and wait
   (``ConditionalThunk``), measured at ~25 µs per pass at N=1 in the previous design.
   On the XLA backend nothing can be skipped without a conditional: it computes the candidates and
   the full pick of every row every pass (the same tokens, more work than the scan); the mode is
@@ -562,8 +568,9 @@ def certified_passes(ops: Ops, params, logits: jax.Array, xh: jax.Array, anchors
     k_sub = cfg.blocks(N)
     limit = k_sub * (B - 1) if 0 < k_sub < N else 0  # more failing rows in a pass: the call falls back
     d = _call_data(ops, logits, params["w2"], min(int(cfg.candidates), V), prepared)  # once per call
-    # A packed launch for the failing rows, where the steps have one that saves work (else one pick).
-    cap = ops.full_vocab_capacity(N, B, V, r, dtype, limit) if limit and ops.full_vocab_capacity else None
+    # A packed scan of the failing rows, where the steps have one that saves work (else one pick).
+    packed = bool(limit and ops.scan_failing and ops.full_vocab_capacity
+                  and ops.full_vocab_capacity(N, B, V, r, dtype, limit) is not None)
     row_valid = jnp.repeat(valid, B - 1)
     n_valid = jnp.sum(row_valid, dtype=jnp.int32)
 
@@ -571,15 +578,13 @@ def certified_passes(ops: Ops, params, logits: jax.Array, xh: jax.Array, anchors
         blk, fallen, (tried, certified, outcomes) = carry
         lat = ops.latent(params, xh, blk, prev_ids).reshape(rows, r)
         # fail: valid rows whose bound fails (none once fallen: then the candidates' kernel reads nothing)
-        best_id, fail, act = _decide(ops, d, lat, dtype, row_valid, fallen, limit if cap is None else None)
-        n_fail = jnp.sum(fail, dtype=jnp.int32)
-        full = fallen | (n_fail > limit)  # this pass scans every row (padding rows too: tokens stay real ids)
-        if cap is None:  # one pick: its active rows (act = fail | full) get its token, the others best_id
+        best_id, fail, act = _decide(ops, d, lat, dtype, row_valid, fallen, None if packed else limit)
+        if packed:  # the failing rows (every row if the pass is full) scanned, the others best_id
+            tok, n_fail, full = ops.scan_failing(logits, lat, d.fprep, fail, fallen, best_id, limit)
+        else:  # one pick: its active rows (act = fail | full) get its token, the others best_id
+            n_fail = jnp.sum(fail, dtype=jnp.int32)
+            full = fallen | (n_fail > limit)  # this pass scans every row (padding rows too: tokens stay real ids)
             tok = ops.full_vocab_pick(logits, lat, d.fprep, active=act, fallback=best_id)
-        else:  # up to `cap` failing rows packed into a launch of their own, and an all-rows launch if more
-            few = ops.full_vocab_pick(logits, lat, d.fprep, active=fail & ~full, capacity=cap)
-            every = ops.full_vocab_pick(logits, lat, d.fprep, active=jnp.broadcast_to(full, (rows,)))
-            tok = jnp.where(full, every, jnp.where(fail, few, best_id))
         outcome = jnp.where(full, 2, jnp.where(n_fail == 0, 0, 1))  # certified / rows scanned / fallen back
         tried = tried + jnp.where(fallen, 0, n_valid)
         certified = certified + jnp.where(fallen, 0, n_valid - n_fail)

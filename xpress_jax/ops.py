@@ -48,10 +48,17 @@ The steps (static shapes; ``rows`` = N * (B-1) draft rows):
   the pick. ``fail`` = valid rows the bound does not certify (none once ``fallen``); ``act``, with a
   ``limit``, = ``fail | full``, ``full = fallen | (sum(fail) > limit)`` (else ``fail``). ``None``:
   the certified mode spells it with ``candidates_best`` and jnp (same decisions).
-- ``full_vocab_capacity(N, B, V, r, dtype, limit) -> int | None``: the ``capacity`` to give
-  ``full_vocab_pick`` for a packed launch of at most ``limit`` active rows, or None where such a
-  launch saves nothing (one row tile holds every row); the field is None where the steps pick every
-  row whatever they are told (the jnp steps): the certified mode then makes one pick per pass.
+- ``scan_failing(logits, lat, prepared, fail, fallen, fallback, limit) -> (tokens, n_fail, full)``: the
+  certified mode's scan of its failing rows (`xpress_jax.exact`): ``n_fail = sum(fail)``, ``full =
+  fallen | (n_fail > limit)``; the rows ``fail | full`` get ``full_vocab_pick``'s token, the others
+  ``fallback``. The Pallas steps: up to `dispatch.SCAN_FAILING_MAX_ROWS` draft rows, one launch that
+  packs those rows first, one fused pick in packed order and one combine back
+  (`kernels.full_vocab.scan_failing`); above, a packed launch of at most ``limit`` failing rows and an
+  all-rows launch (active only when ``full``). ``None`` where the steps have no packed launch.
+- ``full_vocab_capacity(N, B, V, r, dtype, limit) -> int | None``: ``limit`` where ``scan_failing``
+  saves work over one ``full_vocab_pick`` of the active rows, None where it saves nothing (one row
+  tile holds every row); the field is None where the steps pick every row whatever they are told
+  (the jnp steps): the certified mode then makes one pick per pass.
 """
 
 from __future__ import annotations
@@ -87,6 +94,7 @@ class Ops:
     candidates_best: Callable[..., Any] | None = None
     full_vocab_capacity: Callable[..., Any] | None = None
     certify: Callable[..., Any] | None = None
+    scan_failing: Callable[..., Any] | None = None
 
     @staticmethod
     def xla(platform: str = "cpu") -> "Ops":
@@ -140,6 +148,7 @@ def _pallas_ops(interpret: bool) -> Ops:
         candidates_best=functools.partial(_pallas_topc, interpret=interpret, best=True, ties="id"),
         full_vocab_capacity=functools.partial(_pallas_full_vocab_capacity, interpret=interpret),
         certify=functools.partial(_pallas_certify, interpret=interpret),
+        scan_failing=functools.partial(_pallas_scan_failing, interpret=interpret),
     )
 
 
@@ -260,6 +269,33 @@ def _pallas_full_vocab(logits, lat, w2, active=None, capacity=None, fallback=Non
                                      slot_stride=b, partials=best, active=active, capacity=capacity,
                                      fallback=fallback)
     return ref.best_by_score(*out, axis=0) if best else out
+
+
+def _pallas_scan_failing(logits, lat, w2, fail, fallen, fallback, limit, *, interpret):
+    """`scan_failing` (module doc). Up to `dispatch.SCAN_FAILING_MAX_ROWS` draft rows:
+    `kernels.full_vocab.scan_failing` with `dispatch.capacity_config`'s split while few rows fail and the
+    plan's own split (read at run time) once the pass is full. Above: the packed launch of at most
+    ``limit`` failing rows (`_pallas_full_vocab` with ``capacity``) and the all-rows launch, whose
+    programs return at once unless the pass is full. Either way a row's token is the plan's pick's
+    (the same per-row computation; only the vocabulary split differs)."""
+    from . import dispatch
+    from .kernels import full_vocab
+
+    n, b, v = logits.shape
+    rows = n * (b - 1)
+    fv = _plan(n, b, v, lat.shape[1], 0, logits.dtype, interpret).full_vocab
+    if fv is None:
+        raise ValueError("scan_failing: no full-vocab kernel serves this dtype (full_vocab_capacity is None there)")
+    if rows <= dispatch.SCAN_FAILING_MAX_ROWS:
+        return full_vocab.scan_failing(logits.reshape(n * b, v), lat, w2, fail, fallen, fallback, limit=int(limit),
+                                       config=dispatch.capacity_config(fv, v), v_steps_full=fv.v_steps,
+                                       interpret=interpret, slot_stride=b)
+    n_fail = jnp.sum(fail, dtype=jnp.int32)
+    full = fallen | (n_fail > limit)
+    pick = functools.partial(_pallas_full_vocab, logits, lat, w2, interpret=interpret, best=False)
+    few = pick(active=fail & ~full, capacity=int(limit))
+    every = pick(active=jnp.broadcast_to(full, (rows,)))
+    return jnp.where(full, every, jnp.where(fail, few, fallback)), n_fail, full
 
 
 def _pallas_full_vocab_capacity(n, b, v, r, dtype, limit, *, interpret):

@@ -43,6 +43,8 @@ __all__ = [
     "default_config",
     "full_vocab_pick",
     "combine_partials",
+    "pack_active",
+    "scan_failing",
 ]
 
 #: Smallest dimension of a tensor-core dot the kernels issue: Triton's ``tl.dot`` wants M, N and
@@ -225,16 +227,27 @@ def _fused_kernel(
     lazy: bool = False,
     has_active: bool = False,
     row_map: bool = False,
+    lat_map: bool = False,
+    v_steps_full: int = 0,
 ):
     refs = list(refs)
     map_ref = refs.pop(0) if row_map else None
     active_ref = refs.pop(0) if has_active else None
-    mv_ref, mi_ref = refs
+    mv_ref, mi_ref = refs[-2:]
     i, j = pl.program_id(0), pl.program_id(1)
+    live = None  # v_steps_full: whether this program's part holds any vocab id
+    if v_steps_full:  # a run-time split (`scan_failing`): v_steps_full vocab tiles per part when full_ref[0]
+        is_full = refs[0][0] != 0
+        v_steps = jnp.where(is_full, jnp.int32(v_steps_full), jnp.int32(v_steps))
+        live = j * v_steps * v_tile < vocab
     r0 = i * row_tile
     row_ok = (r0 + iota(row_tile)) < rows
     if row_map:  # the base row each kernel row reads (masked rows: row 0, never used)
         src_rows = plt.load(map_ref.at[r0 + iota(row_tile)], mask=row_ok, other=0)
+        if lat_map:  # the map names draft rows: kernel row q reads lat row map[q] and its base row
+            lat_rows = src_rows
+            if slot_stride:
+                src_rows = (lat_rows // (slot_stride - 1)) * slot_stride + 1 + lat_rows % (slot_stride - 1)
     n_k = cdiv(rank, k_tile)
     # A rank k_tile does not divide ends in a masked tail chunk: its lanes past the rank load 0 on
     # both operands (adding nothing). Those loads index with arrays, never a slice past the end
@@ -247,6 +260,10 @@ def _fused_kernel(
         return (j * v_steps + t) * v_tile
 
     def load_lat(k0):
+        if lat_map:  # kernel row q reads lat row map[q] too (`scan_failing`: packed rows, nothing copied)
+            kc = k0 + iota(k_tile)
+            msk = lat_mask & (kc < rank)[None, :] if k_tail else lat_mask
+            return plt.load(lat_ref.at[lat_rows[:, None], kc[None, :]], mask=msk, other=0.0)
         if k_tail:
             kc = k0 + iota(k_tile)
             idx = ((r0 + iota(row_tile))[:, None], kc[None, :])
@@ -361,7 +378,8 @@ def _fused_kernel(
         # "no winner" partials (-inf, BIG), which lose every comparison in the combine.
         act = plt.load(active_ref.at[r0 + iota(row_tile)], mask=row_ok, other=0)
         none = (jnp.full((row_tile,), -jnp.inf, jnp.float32), jnp.full((row_tile,), BIG, jnp.int32))
-        best, bidx = jax.lax.cond(jnp.max(act) > 0, part, lambda: none)
+        go = jnp.max(act) > 0
+        best, bidx = jax.lax.cond(go if live is None else go & live, part, lambda: none)
     mv_ref[...] = best
     mi_ref[...] = bidx
 
@@ -373,23 +391,32 @@ def _fused_kernel(
 def _combine_kernel(
     mv_ref,  # [parts, rows_pad] float32, whole array
     mi_ref,  # [parts, rows_pad] int32, whole array
-    *refs,  # act_ref, fb_ref [rows] int32 whole arrays (fallback only); o_ref [row_tile] block of [rows_pad] int32
+    *refs,  # pos_ref [rows] int32 whole array (pos_map only); act_ref, fb_ref [rows] int32 whole arrays
+    #   (fallback only); o_ref [row_tile] block of [rows_pad] int32
     parts: int,
     row_tile: int,
     part_tile: int,
     fallback_rows: int = 0,
+    pos_map: bool = False,
 ):
-    o_ref = refs[-1]
+    refs = list(refs)
+    o_ref = refs.pop()
+    pos_ref = refs.pop(0) if pos_map else None
     r0 = pl.program_id(0) * row_tile
+    rix = r0 + iota(row_tile)
     shape = (part_tile, row_tile)
+    # pos_map: output row q combines the partials of column pos[q] (`scan_failing`'s packed rows).
+    cols = plt.load(pos_ref.at[rix], mask=rix < fallback_rows, other=0) if pos_map else None
 
     def step(t, carry):
         p0 = t * part_tile
         ok = jnp.broadcast_to(((p0 + iota(part_tile)) < parts)[:, None], shape)
-        if isinstance(p0, int) and p0 + part_tile > parts:
+        if pos_map:
+            idx = ((p0 + iota(part_tile))[:, None], cols[None, :])
+        elif isinstance(p0, int) and p0 + part_tile > parts:
             # A static slice past the end (one masked tile): JAX >= 0.12 refuses it at trace time,
             # so index with arrays (the same addresses).
-            idx = ((p0 + iota(part_tile))[:, None], (r0 + iota(row_tile))[None, :])
+            idx = ((p0 + iota(part_tile))[:, None], rix[None, :])
         else:
             idx = (pl.ds(p0, part_tile), pl.ds(r0, row_tile))
         v = plt.load(mv_ref.at[idx], mask=ok, other=-jnp.inf)
@@ -403,7 +430,6 @@ def _combine_kernel(
     n_t = cdiv(parts, part_tile)
     _, bidx = step(0, init) if n_t == 1 else jax.lax.fori_loop(0, n_t, step, init)
     if fallback_rows:  # inactive rows take the caller's token
-        rix = r0 + iota(row_tile)
         rok = rix < fallback_rows
         act = plt.load(refs[0].at[rix], mask=rok, other=1)
         fb = plt.load(refs[1].at[rix], mask=rok, other=BIG)
@@ -423,13 +449,16 @@ def _combine_row_tile(rows_pad: int) -> int:
 
 
 def combine_partials(mv: jax.Array, mi: jax.Array, *, interpret: bool = False, active: jax.Array | None = None,
-                     fallback: jax.Array | None = None) -> jax.Array:
+                     fallback: jax.Array | None = None, pos: jax.Array | None = None) -> jax.Array:
     """[parts, rows_pad] float32 best values + int32 ids -> [rows_pad] int32.
 
     The largest value wins, the lowest id among equal values (so "earliest vocab
     tile" in full-vocab mode and "lowest vocab id" in top-C mode alike).
     ``active``, ``fallback`` ([rows] each, rows <= rows_pad; both or neither): row q gets
     ``fallback[q]`` where ``active[q]`` is false (rows past ``rows`` keep the winner).
+    ``pos`` ([rows] int32 in [0, rows_pad), with ``active`` and ``fallback``): row q combines the
+    partials of column ``pos[q]`` (`scan_failing`: the kernel ran on the rows in packed order); the
+    output has one entry per row (``[rows_pad]`` rounded up to the combine's tile, the tail unspecified).
     """
     parts, rows_pad = mv.shape
     extra, operands = {}, (mv, mi)
@@ -439,10 +468,20 @@ def combine_partials(mv: jax.Array, mi: jax.Array, *, interpret: bool = False, a
         n = active.shape[0]
         if fallback.shape != (n,) or n > rows_pad:
             raise ValueError(f"combine_partials: active {active.shape} and fallback {fallback.shape} must be [rows <= {rows_pad}]")
-        if parts == 1:
+        if pos is not None:
+            if pos.shape != (n,):
+                raise ValueError(f"combine_partials: pos {pos.shape} must be [rows={n}]")
+            if parts == 1:
+                return jnp.where(active, mi[0, pos], fallback.astype(jnp.int32))
+        elif parts == 1:
             return jnp.concatenate([jnp.where(active, mi[0, :n], fallback.astype(jnp.int32)), mi[0, n:]])
         operands = (mv, mi, active.astype(jnp.int32), fallback.astype(jnp.int32))
         extra["fallback_rows"] = n
+        if pos is not None:
+            operands = (mv, mi, pos.astype(jnp.int32), *operands[2:])
+            extra["pos_map"] = True
+    elif pos is not None:
+        raise ValueError("combine_partials: pos needs active and fallback")
     if parts == 1:
         return mi[0]
     row_tile = _combine_row_tile(rows_pad)
@@ -596,6 +635,148 @@ def full_vocab_pick(
         return combine_partials(mv, mi, interpret=interpret, active=active != 0, fallback=fallback)[:rows]
     tok = combine_partials(mv, mi, interpret=interpret)[:cap]
     return tok if pos is None else jnp.where(pos < cap, tok[jnp.minimum(pos, cap - 1)], BIG)
+
+
+# ---------------------------------------------------------------------------
+# The certified mode's scan of its failing rows: pack, one pick in packed order, combine back.
+
+
+def _pack_kernel(fail_ref, fallen_ref, pos_ref, src_ref, actp_ref, act_ref, meta_ref, *, rows: int, limit: int):
+    """One program over every row (``n_pad`` = a power of two >= rows): the rows to scan first."""
+    n_pad = pos_ref.shape[0]
+    q = iota(n_pad)
+    rok = q < rows
+    f = (plt.load(fail_ref.at[q], mask=rok, other=0) != 0) & rok
+    n_fail = jnp.sum(f.astype(jnp.int32))
+    full = (fallen_ref[0] != 0) | (n_fail > limit)
+    a = (f | full) & rok
+    ai = a.astype(jnp.int32)
+    n_act = jnp.sum(ai)
+    # Active rows first in row order, then the others (padding last): a permutation of 0..n_pad-1.
+    pos = jnp.where(a, jnp.cumsum(ai) - 1, n_act + jnp.cumsum(1 - ai) - 1)
+    pos_ref[...] = pos
+    plt.store(src_ref.at[pos], q)  # every slot written once
+    actp_ref[...] = (q < n_act).astype(jnp.int32)
+    act_ref[...] = ai
+    k = iota(8)
+    meta_ref[...] = jnp.where(k == 0, n_fail, jnp.where(k == 1, full.astype(jnp.int32), 0))
+
+
+def pack_active(fail: jax.Array, fallen: jax.Array, *, limit: int, interpret: bool = False):
+    """[rows] bool ``fail``, [] bool ``fallen`` -> the certified mode's rows to scan, in one launch.
+
+    ``full = fallen | (sum(fail) > limit)``; the active rows are ``act = fail | full``. Returns
+    ``(pos [rows] int32, src [n_pad] int32, act_p [n_pad] bool, act [rows] bool, n_fail [] int32, full [] bool)``
+    with ``n_pad`` = the next power of two >= rows: ``pos[q]`` is row q's packed position (active rows
+    first, in row order, then the others), ``src[p]`` the row at packed position p (``src[pos[q]] = q``;
+    positions past ``rows`` hold padding ids >= rows), ``act_p[p]`` = p < the number of active rows.
+    The jnp spelling is `pack_active_ref`."""
+    rows = fail.shape[0]
+    if fail.ndim != 1 or jnp.shape(fallen) != ():
+        raise ValueError(f"pack_active: need fail [rows] and fallen []; got {fail.shape} {jnp.shape(fallen)}")
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+        raise ValueError(f"pack_active: limit must be an int >= 0, got {limit!r}")
+    n_pad = next_pow2(rows)
+    if n_pad > 2 ** 20:
+        raise ValueError(f"pack_active: {rows} rows are more than one program holds (2^20)")
+    vec = pl.BlockSpec((n_pad,), lambda i: (0,))
+    out = jax.ShapeDtypeStruct((n_pad,), jnp.int32)
+    pos, src, act_p, act, meta = common.pallas_call(
+        functools.partial(_pack_kernel, rows=rows, limit=int(limit)),
+        name="xpress_pack_active",
+        num_warps=4 if n_pad <= 1024 else 8,
+        num_stages=1,
+        interpret=interpret,
+        grid=(1,),
+        in_specs=[pl.no_block_spec] * 2,
+        out_specs=(vec, vec, vec, vec, pl.BlockSpec((8,), lambda i: (0,))),
+        out_shape=(out, out, out, out, jax.ShapeDtypeStruct((8,), jnp.int32)),
+    )(fail.astype(jnp.int32), jnp.reshape(fallen, (1,)).astype(jnp.int32))
+    return pos[:rows], src, act_p != 0, act[:rows] != 0, meta[0], meta[1] != 0
+
+
+def pack_active_ref(fail: jax.Array, fallen: jax.Array, *, limit: int):
+    """`pack_active` in jnp (the oracle of its tests)."""
+    rows = fail.shape[0]
+    n_pad = next_pow2(rows)
+    f = jnp.zeros((n_pad,), bool).at[:rows].set(fail)
+    n_fail = jnp.sum(f, dtype=jnp.int32)
+    full = jnp.asarray(fallen) | (n_fail > limit)
+    a = (f | full) & (jnp.arange(n_pad) < rows)
+    ai = a.astype(jnp.int32)
+    n_act = jnp.sum(ai)
+    pos = jnp.where(a, jnp.cumsum(ai) - 1, n_act + jnp.cumsum(1 - ai) - 1).astype(jnp.int32)
+    src = jnp.zeros((n_pad,), jnp.int32).at[pos].set(jnp.arange(n_pad, dtype=jnp.int32))
+    return pos[:rows], src, jnp.arange(n_pad) < n_act, a[:rows], n_fail, full
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "config", "slot_stride", "limit", "v_steps_full"))
+def scan_failing(base: jax.Array, lat: jax.Array, w2: jax.Array, fail: jax.Array, fallen: jax.Array,
+                 fallback: jax.Array, *, limit: int, interpret: bool = False, config: FullVocabConfig | None = None,
+                 slot_stride: int = 0, v_steps_full: int | None = None):
+    """The certified mode's scan of the rows its bound did not certify: three launches, no XLA op.
+
+    ``full = fallen | (sum(fail) > limit)``; the rows to scan are ``fail | full``. (1) `pack_active`
+    orders them first; (2) the fused pick runs on every row in that order (it reads each base and
+    latent row through the packed index map: nothing is copied), so the active rows fill the leading
+    row tiles and every program of a tile without one returns at once; (3) the combine reads each
+    row's partials at its packed position and writes ``fallback`` for the inactive rows. Returns
+    ``(tokens [rows] int32, n_fail [] int32, full [] bool)``: an active row's token is the one
+    `full_vocab_pick` gives it with the same ``config`` (the same per-row computation: the rows a row
+    shares a tile with change no operation on its own row); a config with a smaller ``v_steps`` than
+    the all-rows one (`xpress_jax.dispatch.capacity_config`) spreads a few active rows over a whole
+    wave of programs and still gives the same scores bit for bit. ``v_steps_full`` (static; default
+    ``config.v_steps``): the vocab tiles per part when the pass is full (every row scanned): the
+    all-rows config's split, read at run time, so that a full pass costs what the all-rows pick costs
+    (its parts past the vocabulary return at once; the split changes no token).
+    ``base``/``slot_stride`` as in `full_vocab_pick`; ``fail`` [rows] bool, ``fallen`` [] bool,
+    ``fallback`` [rows] int.
+    """
+    if slot_stride:
+        if slot_stride < 2 or base.ndim != 2 or base.shape[0] % slot_stride:
+            raise ValueError(f"slot_stride={slot_stride} needs base [N*B, V] with B={slot_stride}; got {base.shape}")
+        _check_shapes(base, lat, w2, rows=base.shape[0] // slot_stride * (slot_stride - 1))
+    else:
+        _check_shapes(base, lat, w2)
+    dtype = jnp.dtype(base.dtype)
+    if dtype not in _KERNEL_DTYPES:
+        raise TypeError(f"scan_failing: dtype {dtype.name} is not supported (bf16, f16, f32)")
+    vocab = base.shape[1]
+    rows, rank = lat.shape
+    for name, a in (("fail", fail), ("fallback", fallback)):
+        if a.shape != (rows,):
+            raise ValueError(f"scan_failing: {name} must be [rows={rows}], got {a.shape}")
+    pos, src, act_p, act, n_fail, full = pack_active(fail, fallen, limit=limit, interpret=interpret)
+    cfg = config or default_config(rows, vocab, rank, dtype)
+    cfg.check_shape(rows, vocab, rank, dtype)
+    vs_full = cfg.v_steps if v_steps_full is None else int(v_steps_full)
+    if vs_full < 1:
+        raise ValueError(f"scan_failing: v_steps_full must be >= 1, got {v_steps_full!r}")
+    if vs_full == cfg.v_steps:
+        vs_full = 0  # one split: static
+    parts = cdiv(vocab, cfg.v_tile * min(cfg.v_steps, vs_full or cfg.v_steps))  # the finer split's parts
+    row_tiles = cdiv(rows, cfg.row_tile)
+    rows_pad = row_tiles * cfg.row_tile
+    out_spec = pl.BlockSpec((None, cfg.row_tile), lambda i, j: (j, i))
+    kernel = functools.partial(_fused_kernel, rank=rank, k_tile=k_chunk(cfg.k_tile, rank, MIN_DOT), hold_lat=cfg.hold_lat,
+                               flat=cfg.flat, prefetch_base=cfg.prefetch_base, lazy=cfg.lazy, rows=rows, vocab=vocab,
+                               row_tile=cfg.row_tile, v_tile=cfg.v_tile, v_steps=cfg.v_steps, dtype=dtype,
+                               slot_stride=slot_stride, has_active=True, row_map=True, lat_map=True,
+                               v_steps_full=vs_full)
+    mv, mi = common.pallas_call(
+        kernel,
+        name="xpress_full_vocab_fused",
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        interpret=interpret,
+        grid=(row_tiles, parts),
+        in_specs=[pl.no_block_spec] * (6 if vs_full else 5),
+        out_specs=(out_spec, out_spec),
+        out_shape=(jax.ShapeDtypeStruct((parts, rows_pad), jnp.float32),
+                   jax.ShapeDtypeStruct((parts, rows_pad), jnp.int32)),
+    )(base, lat, w2, src[:rows], act_p[:rows].astype(jnp.int32), *((jnp.reshape(full, (1,)).astype(jnp.int32),) if vs_full else ()))
+    tok = combine_partials(mv, mi, interpret=interpret, active=act, fallback=fallback, pos=pos)[:rows]
+    return tok, n_fail, full
 
 
 def _pack_rows(act: jax.Array, lat: jax.Array, slot_stride: int):
