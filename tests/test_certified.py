@@ -282,6 +282,13 @@ def test_certify_kernel_equals_jnp(dtype, rows, compiled):
                     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]), err_msg=msg)
                 np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]), err_msg=msg)
                 np.testing.assert_array_equal(np.asarray(got[2]), np.asarray(want[2]), err_msg=msg)
+                assert got[0].shape == got[1].shape == got[2].shape == (rows,), msg  # whole rows: nothing to slice
+                if limit is None:
+                    assert got[3] is None and want[3] is None
+                else:  # [full, #fail, 0...]: the next pass's fallen flag as the kernels read it
+                    np.testing.assert_array_equal(np.asarray(got[3]), np.asarray(want[3]), err_msg=msg)
+                    f = np.asarray(want[1])
+                    assert int(got[3][1]) == f.sum() and bool(got[3][0]) == (fallen or f.sum() > limit), msg
     fail = np.asarray(certify_rows(best, best_id, lat, tau, m, mex, jnp.ones(rows, bool), jnp.asarray(False),
                                    None, dtype)[1])
     if rows > 1:  # the test separates the outcomes

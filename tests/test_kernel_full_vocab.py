@@ -252,20 +252,30 @@ class TestFullVocabPick:
             fail = jnp.asarray(rng.random(rows) < frac)
             got = fv.pack_active(fail, jnp.asarray(fallen), limit=limit, interpret=self.INTERPRET)
             want = fv.pack_active_ref(fail, jnp.asarray(fallen), limit=limit)
-            for name, g, w in zip(("pos", "src", "act_p", "act", "n_fail", "full"), got, want):
+            for name, g, w in zip(("pos", "src", "act_p", "act", "flags"), got, want):
+                assert g.dtype == jnp.int32 and g.shape == w.shape, name
                 np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=f"{name} frac {frac}")
-            pos, src, act_p, act = (np.asarray(a) for a in got[:4])
-            n_fail, full = int(got[4]), bool(got[5])
+            pos, src, act_p, act, flags = (np.asarray(a) for a in got)
+            assert pos.shape == act.shape == (rows,) and flags.shape == (8,)
+            full, n_fail = bool(flags[0]), int(flags[1])
             f = np.asarray(fail)
-            assert n_fail == f.sum() and full == (fallen or f.sum() > limit)
+            assert n_fail == f.sum() and full == (fallen or f.sum() > limit) and not flags[2:].any()
             np.testing.assert_array_equal(act, f | full)
             assert sorted(src.tolist()) == list(range(src.shape[0])) and (src[pos] == np.arange(rows)).all()
             np.testing.assert_array_equal(src[: act.sum()], np.flatnonzero(act))  # active first, in row order
             assert act_p.sum() == act.sum() and act_p[: act.sum()].all()
+            # fallen given as the flags a kernel wrote (element 0 counts), and fail as int32: the same result
+            again = fv.pack_active(jnp.asarray(f.astype(np.int32)), jnp.asarray([int(fallen), 7, 0, 0, 0, 0, 0, 0],
+                                                                                 jnp.int32),
+                                   limit=limit, interpret=self.INTERPRET)
+            for g, w in zip(again, got):
+                np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
         with pytest.raises(ValueError, match="limit must be"):
             fv.pack_active(fail, jnp.asarray(False), limit=-1, interpret=self.INTERPRET)
         with pytest.raises(ValueError, match="need fail"):
             fv.pack_active(fail[None], jnp.asarray(False), limit=1, interpret=self.INTERPRET)
+        with pytest.raises(ValueError, match="fallen must be"):
+            fv.pack_active(fail, jnp.zeros((2,), bool), limit=1, interpret=self.INTERPRET)
 
     def test_scan_failing(self):
         """`scan_failing`: the failing rows (every row once the pass is full: more than ``limit`` fail, or the call
@@ -285,12 +295,12 @@ class TestFullVocabPick:
         cases = ((0.0, False), (0.1, False), (0.2, False), (0.6, False), (0.0, True))
         for (frac, fallen), split in zip(cases * 2, [cfg.v_steps] * 5 + [None] * 5):  # run-time split, or one
             fail = rng.random(rows) < frac
-            tok, n_fail, full = fv.scan_failing(base, lat, w2, jnp.asarray(fail), jnp.asarray(fallen), jnp.asarray(fb),
-                                                limit=limit, interpret=self.INTERPRET, config=cap_cfg, slot_stride=B,
-                                                v_steps_full=split)
+            tok, flags = fv.scan_failing(base, lat, w2, jnp.asarray(fail), jnp.asarray(fallen), jnp.asarray(fb),
+                                         limit=limit, interpret=self.INTERPRET, config=cap_cfg, slot_stride=B,
+                                         v_steps_full=split)
             is_full = fallen or fail.sum() > limit
             msg = f"frac {frac} fallen {fallen} v_steps_full {split}"
-            assert int(n_fail) == fail.sum() and bool(full) == is_full, msg
+            assert int(flags[1]) == fail.sum() and bool(flags[0]) == is_full, msg
             expect = want if is_full else np.where(fail, want, fb)
             np.testing.assert_array_equal(np.asarray(tok), expect, err_msg=msg)
         with pytest.raises(ValueError, match="fallback must be"):

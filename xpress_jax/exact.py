@@ -524,12 +524,16 @@ def _call_data(ops: Ops, logits: jax.Array, w2: jax.Array, c: int, prepared: "Ce
 
 def _decide(ops: Ops, d: _CallData, lat: jax.Array, dtype, valid, fallen, limit=None):
     """``ops.certify`` (or its jnp spelling where the steps have none): (best_id [rows] int32, fail
-    [rows] bool, act [rows] bool). ``fallen`` (a device bool): the candidates' kernel reads nothing,
-    ``best_id`` is unspecified and no row fails."""
+    [rows], act [rows], flags) as ``ops.certify`` returns them (``fail``/``act`` bool or int32 0/1;
+    ``flags`` int32 [8] with ``limit``, else None). ``fallen`` (a device flag: a bool scalar or int32
+    flags): the candidates' kernel reads nothing, ``best_id`` is unspecified and no row fails."""
     if d.tau is None:  # every id is a candidate: every row is certified
         _, best_id = ops.candidates_best(d.base_c, d.cand, lat, d.cprep, skip=fallen)
         none = jnp.zeros(best_id.shape, bool)
-        return best_id, none, none if limit is None else none | fallen
+        if limit is None:
+            return best_id, none, none, None
+        was = ref.flag_value(fallen)
+        return best_id, none, none | was, ref.make_flags(was, 0)
     if ops.certify is not None:
         return ops.certify(d.base_c, d.cand, lat, d.cprep, d.tau, d.max_norm, d.mex, valid, fallen, limit)
     best, best_id = ops.candidates_best(d.base_c, d.cand, lat, d.cprep, skip=fallen)
@@ -546,8 +550,8 @@ def certified_pick(ops: Ops, logits: jax.Array, lat: jax.Array, w2: jax.Array, c
     """
     d = _call_data(ops, logits, w2, min(int(cfg.candidates), logits.shape[2]))
     rows = lat.shape[0]
-    best_id, fail, _ = _decide(ops, d, lat, logits.dtype, jnp.ones((rows,), bool), jnp.zeros((), bool))
-    return ops.full_vocab_pick(logits, lat, d.fprep, active=fail, fallback=best_id), ~fail
+    best_id, fail, _, _ = _decide(ops, d, lat, logits.dtype, jnp.ones((rows,), bool), jnp.zeros((), bool))
+    return ops.full_vocab_pick(logits, lat, d.fprep, active=fail, fallback=best_id), fail == 0
 
 
 def certified_passes(ops: Ops, params, logits: jax.Array, xh: jax.Array, anchors: jax.Array, prev_ids: jax.Array,
@@ -575,25 +579,28 @@ def certified_passes(ops: Ops, params, logits: jax.Array, xh: jax.Array, anchors
     n_valid = jnp.sum(row_valid, dtype=jnp.int32)
 
     def one_pass(_, carry):
-        blk, fallen, (tried, certified, outcomes) = carry
+        # flags: int32 [8] = [fallen, the last pass's failing rows, 0, ...], as the kernels write and
+        # read it (`kernels.common.flag_operand`): between two kernels of the certified mode no XLA op runs
+        blk, flags, (tried, certified, outcomes) = carry
+        fallen = ref.flag_value(flags)
         lat = ops.latent(params, xh, blk, prev_ids).reshape(rows, r)
         # fail: valid rows whose bound fails (none once fallen: then the candidates' kernel reads nothing)
-        best_id, fail, act = _decide(ops, d, lat, dtype, row_valid, fallen, None if packed else limit)
+        best_id, fail, act, decided = _decide(ops, d, lat, dtype, row_valid, flags, None if packed else limit)
         if packed:  # the failing rows (every row if the pass is full) scanned, the others best_id
-            tok, n_fail, full = ops.scan_failing(logits, lat, d.fprep, fail, fallen, best_id, limit)
+            tok, flags = ops.scan_failing(logits, lat, d.fprep, fail, flags, best_id, limit)
         else:  # one pick: its active rows (act = fail | full) get its token, the others best_id
-            n_fail = jnp.sum(fail, dtype=jnp.int32)
-            full = fallen | (n_fail > limit)  # this pass scans every row (padding rows too: tokens stay real ids)
-            tok = ops.full_vocab_pick(logits, lat, d.fprep, active=act, fallback=best_id)
+            tok, flags = ops.full_vocab_pick(logits, lat, d.fprep, active=act, fallback=best_id), decided
+        # full: this pass scanned every row (padding rows too: tokens stay real ids)
+        full, n_fail = flags[0] != 0, flags[1]
         outcome = jnp.where(full, 2, jnp.where(n_fail == 0, 0, 1))  # certified / rows scanned / fallen back
         tried = tried + jnp.where(fallen, 0, n_valid)
         certified = certified + jnp.where(fallen, 0, n_valid - n_fail)
         outcomes = outcomes + (jnp.arange(3) == outcome).astype(jnp.int32)
-        return blk.at[:, 1:].set(tok.reshape(N, B - 1)), full, (tried, certified, outcomes)
+        return blk.at[:, 1:].set(tok.reshape(N, B - 1)), flags, (tried, certified, outcomes)
 
     blk = jnp.concatenate([anchors[:, None], d.start.reshape(N, B - 1)], axis=1)
     zero = jnp.zeros((), jnp.int32)
-    carry = (blk, jnp.zeros((), bool), (zero, zero, jnp.zeros((3,), jnp.int32)))
+    carry = (blk, jnp.zeros((8,), jnp.int32), (zero, zero, jnp.zeros((3,), jnp.int32)))
     blk, _, (tried, certified, outcomes) = jax.lax.fori_loop(0, num_passes, one_pass, carry, unroll=unroll)
     frac = _ratio(outcomes, jnp.int32(num_passes))
     stats = CertifiedStats(

@@ -43,15 +43,19 @@ The steps (static shapes; ``rows`` = N * (B-1) draft rows):
   kernel reads nothing; the jnp path ignores it and computes). ``None`` where an implementation
   lacks it (the vocabulary-sharded steps).
 - ``certify(base_c, cand, lat, prepared, tau, max_norm, mex, valid, fallen, limit=None) -> (best_id, fail,
-  act)``: the certified mode's whole candidates step (`xpress_jax.exact`): ``candidates_best`` (skipped
-  when ``fallen``), then each row's decision by the bound; the Pallas steps make it one launch after
-  the pick. ``fail`` = valid rows the bound does not certify (none once ``fallen``); ``act``, with a
-  ``limit``, = ``fail | full``, ``full = fallen | (sum(fail) > limit)`` (else ``fail``). ``None``:
-  the certified mode spells it with ``candidates_best`` and jnp (same decisions).
-- ``scan_failing(logits, lat, prepared, fail, fallen, fallback, limit) -> (tokens, n_fail, full)``: the
-  certified mode's scan of its failing rows (`xpress_jax.exact`): ``n_fail = sum(fail)``, ``full =
-  fallen | (n_fail > limit)``; the rows ``fail | full`` get ``full_vocab_pick``'s token, the others
-  ``fallback``. The Pallas steps: up to `dispatch.SCAN_FAILING_MAX_ROWS` draft rows, one launch that
+  act, flags)``: the certified mode's whole candidates step (`xpress_jax.exact`): ``candidates_best``
+  (skipped when ``fallen``), then each row's decision by the bound; the Pallas steps make it one launch
+  after the pick. ``fail`` = valid rows the bound does not certify (none once ``fallen``); ``act``, with
+  a ``limit``, = ``fail | full``, ``full = fallen | (sum(fail) > limit)`` (else ``fail``); ``flags``,
+  with a ``limit``, = int32 [8] ``[full, sum(fail), 0, ...]`` (`reference.make_flags`), else None.
+  ``fail``/``act`` are bool or int32 0/1 (the kernels write int32, which the full-vocab kernels read as
+  it is). ``fallen`` here and in the steps below is a device flag: a bool scalar or int32 flags
+  (element 0; `kernels.common.flag_operand`). ``None``: the certified mode spells it with
+  ``candidates_best`` and jnp (same decisions).
+- ``scan_failing(logits, lat, prepared, fail, fallen, fallback, limit) -> (tokens, flags)``: the
+  certified mode's scan of its failing rows (`xpress_jax.exact`): ``full = fallen | (sum(fail) >
+  limit)``; the rows ``fail | full`` get ``full_vocab_pick``'s token, the others ``fallback``;
+  ``flags`` = int32 [8] ``[full, sum(fail), 0, ...]``. The Pallas steps: up to `dispatch.SCAN_FAILING_MAX_ROWS` draft rows, one launch that
   packs those rows first, one fused pick in packed order and one combine back
   (`kernels.full_vocab.scan_failing`); above, a packed launch of at most ``limit`` failing rows and an
   all-rows launch (active only when ``full``). ``None`` where the steps have no packed launch.
@@ -290,12 +294,13 @@ def _pallas_scan_failing(logits, lat, w2, fail, fallen, fallback, limit, *, inte
         return full_vocab.scan_failing(logits.reshape(n * b, v), lat, w2, fail, fallen, fallback, limit=int(limit),
                                        config=dispatch.capacity_config(fv, v), v_steps_full=fv.v_steps,
                                        interpret=interpret, slot_stride=b)
+    fail = fail != 0
     n_fail = jnp.sum(fail, dtype=jnp.int32)
-    full = fallen | (n_fail > limit)
+    full = ref.flag_value(fallen) | (n_fail > limit)
     pick = functools.partial(_pallas_full_vocab, logits, lat, w2, interpret=interpret, best=False)
     few = pick(active=fail & ~full, capacity=int(limit))
     every = pick(active=jnp.broadcast_to(full, (rows,)))
-    return jnp.where(full, every, jnp.where(fail, few, fallback)), n_fail, full
+    return jnp.where(full, every, jnp.where(fail, few, fallback)), ref.make_flags(full, n_fail)
 
 
 def _pallas_full_vocab_capacity(n, b, v, r, dtype, limit, *, interpret):

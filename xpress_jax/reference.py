@@ -206,9 +206,21 @@ def bound_beta(b, u, dtype):
     return round_to(b.astype(acc) + round_to(u, dtype).astype(acc), dtype).astype(acc)
 
 
+def flag_value(x) -> jax.Array:
+    """A device flag (a bool or int scalar, or int32 [k] flags: element 0) -> a bool scalar."""
+    return jnp.reshape(jnp.asarray(x), (-1,))[0] != 0
+
+
+def make_flags(full, n_fail) -> jax.Array:
+    """The certified mode's per-pass flags as its kernels write them: int32 [8] = [full, n_fail, 0, ...]."""
+    return jnp.zeros((8,), jnp.int32).at[0].set(jnp.asarray(full).astype(jnp.int32)).at[1].set(n_fail)
+
+
 def certify_rows(best, best_id, lat, tau, max_norm, mex, valid, fallen, limit, dtype):
-    """The jnp spelling of ``ops.certify``'s decision (module doc, step 2): (best_id, fail, act)."""
+    """The jnp spelling of ``ops.certify``'s decision (module doc, step 2): (best_id, fail, act, flags).
+    ``fallen``: a flag (`flag_value`); ``flags``: `make_flags` of the pass with ``limit``, else None."""
     acc = acc_dtype(dtype)
+    fallen = flag_value(fallen)
     latf = lat.astype(acc)
     nrm = jnp.sqrt(jnp.sum(latf * latf, axis=1)) * (1 + SLACK)
     beta = bound_beta(tau, bound_upper(jnp.zeros_like(nrm), max_norm, nrm), dtype)
@@ -217,6 +229,7 @@ def certify_rows(best, best_id, lat, tau, max_norm, mex, valid, fallen, limit, d
     cert = (beta < best) | ((beta == best) & (best_id < mex))
     fail = valid & ~cert & ~fallen
     if limit is None:
-        return best_id, fail, fail
-    full = fallen | (jnp.sum(fail, dtype=jnp.int32) > limit)
-    return best_id, fail, fail | full
+        return best_id, fail, fail, None
+    n_fail = jnp.sum(fail, dtype=jnp.int32)
+    full = fallen | (n_fail > limit)
+    return best_id, fail, fail | full, make_flags(full, n_fail)

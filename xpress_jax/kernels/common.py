@@ -17,7 +17,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 __all__ = ["pallas_call", "compiler_params", "lower_triton", "gpu_supported", "BIG", "iota", "cdiv", "next_pow2",
-           "k_chunk", "score", "best", "merge"]
+           "k_chunk", "score", "best", "merge", "flag_operand"]
 
 #: Index of a lane that must never win (masked columns, padded parts); also int32's largest value.
 BIG = 2**31 - 1
@@ -25,6 +25,19 @@ BIG = 2**31 - 1
 # JAX >= 0.11 warns (DeprecationWarning) at every Pallas-Triton lowering. This package installs no
 # warning filter: Python hides DeprecationWarnings outside __main__ by default, and the tests filter
 # it in their pytest configuration.
+
+
+def flag_operand(x: Any, name: str = "flag") -> jax.Array:
+    """A device flag as the kernels read it (``ref[0] != 0``): an int32 [k] array, element 0 nonzero for
+    true. An int32 1-D array passes as it is (the flags another kernel wrote: `full_vocab.pack_active`,
+    `topc_pick.certify`), so no XLA op runs between the two kernels; a bool or integer scalar (or [1]
+    array) becomes ``int32 [1]``."""
+    x = jnp.asarray(x)
+    if x.dtype == jnp.int32 and x.ndim == 1 and x.shape[0] >= 1:
+        return x
+    if jnp.size(x) != 1 or not (x.dtype == jnp.bool_ or jnp.issubdtype(x.dtype, jnp.integer)):
+        raise ValueError(f"{name} must be a bool or int scalar, or int32 [k] flags; got {jnp.shape(x)} {x.dtype}")
+    return (jnp.reshape(x, (1,)) != 0).astype(jnp.int32)
 
 
 def compiler_params(num_warps: int = 4, num_stages: int = 1) -> Any:

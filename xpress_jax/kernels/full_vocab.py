@@ -378,7 +378,7 @@ def _fused_kernel(
         # "no winner" partials (-inf, BIG), which lose every comparison in the combine.
         act = plt.load(active_ref.at[r0 + iota(row_tile)], mask=row_ok, other=0)
         none = (jnp.full((row_tile,), -jnp.inf, jnp.float32), jnp.full((row_tile,), BIG, jnp.int32))
-        go = jnp.max(act) > 0
+        go = jnp.max((act != 0).astype(jnp.int32)) > 0
         best, bidx = jax.lax.cond(go if live is None else go & live, part, lambda: none)
     mv_ref[...] = best
     mi_ref[...] = bidx
@@ -454,8 +454,9 @@ def combine_partials(mv: jax.Array, mi: jax.Array, *, interpret: bool = False, a
 
     The largest value wins, the lowest id among equal values (so "earliest vocab
     tile" in full-vocab mode and "lowest vocab id" in top-C mode alike).
-    ``active``, ``fallback`` ([rows] each, rows <= rows_pad; both or neither): row q gets
-    ``fallback[q]`` where ``active[q]`` is false (rows past ``rows`` keep the winner).
+    ``active``, ``fallback`` ([rows] each, rows <= rows_pad; both or neither; ``active`` bool or int,
+    nonzero = active, int32 read as it is): row q gets ``fallback[q]`` where ``active[q]`` is false
+    (rows past ``rows`` keep the winner).
     ``pos`` ([rows] int32 in [0, rows_pad), with ``active`` and ``fallback``): row q combines the
     partials of column ``pos[q]`` (`scan_failing`: the kernel ran on the rows in packed order); the
     output has one entry per row (``[rows_pad]`` rounded up to the combine's tile, the tail unspecified).
@@ -517,6 +518,47 @@ def _check_shapes(base, lat, w2, rows=None):
         raise ValueError(f"dtypes must agree: {base.dtype=} {lat.dtype=} {w2.dtype=}")
 
 
+def _check_inputs(base, lat, w2, slot_stride: int, who: str):
+    """The shape and dtype checks of every fused-pick wrapper; returns the dtype."""
+    if slot_stride:
+        if slot_stride < 2 or base.ndim != 2 or base.shape[0] % slot_stride:
+            raise ValueError(f"slot_stride={slot_stride} needs base [N*B, V] with B={slot_stride}; got {base.shape}")
+        _check_shapes(base, lat, w2, rows=base.shape[0] // slot_stride * (slot_stride - 1))
+    else:
+        _check_shapes(base, lat, w2)
+    dtype = jnp.dtype(base.dtype)
+    if dtype not in _KERNEL_DTYPES:
+        raise TypeError(f"{who}: dtype {dtype.name} is not supported (bf16, f16, f32); "
+                        "xpress_jax routes float64 to xpress_jax.reference.full_vocab_pick")
+    return dtype
+
+
+def _fused_launch(operands, cfg: FullVocabConfig, *, rows: int, vocab: int, rank: int, dtype, slot_stride: int,
+                  interpret: bool, parts: int | None = None, **switches):
+    """One launch of `_fused_kernel` over ``rows`` kernel rows with ``cfg``: the [parts, rows_pad] float32
+    best values and int32 ids (``parts`` default: one per ``cfg.v_steps`` vocabulary tiles).
+    ``switches``: the kernel's operand switches (``has_active``, ``row_map``, ``lat_map``, ``v_steps_full``)."""
+    parts = cdiv(vocab, cfg.v_tile * cfg.v_steps) if parts is None else parts
+    row_tiles = cdiv(rows, cfg.row_tile)
+    out_spec = pl.BlockSpec((None, cfg.row_tile), lambda i, j: (j, i))
+    kernel = functools.partial(_fused_kernel, rank=rank, k_tile=k_chunk(cfg.k_tile, rank, MIN_DOT), hold_lat=cfg.hold_lat,
+                               flat=cfg.flat, prefetch_base=cfg.prefetch_base, lazy=cfg.lazy, rows=rows, vocab=vocab,
+                               row_tile=cfg.row_tile, v_tile=cfg.v_tile, v_steps=cfg.v_steps, dtype=dtype,
+                               slot_stride=slot_stride, **switches)
+    shape = (parts, row_tiles * cfg.row_tile)
+    return common.pallas_call(
+        kernel,
+        name="xpress_full_vocab_fused",
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        interpret=interpret,
+        grid=(row_tiles, parts),
+        in_specs=[pl.no_block_spec] * len(operands),
+        out_specs=(out_spec, out_spec),
+        out_shape=(jax.ShapeDtypeStruct(shape, jnp.float32), jax.ShapeDtypeStruct(shape, jnp.int32)),
+    )(*operands)
+
+
 @functools.partial(jax.jit, static_argnames=("interpret", "config", "slot_stride", "partials", "capacity"))
 def full_vocab_pick(
     base: jax.Array,
@@ -560,17 +602,7 @@ def full_vocab_pick(
     ``fallback`` ([rows] int, with ``active``, without ``capacity`` and ``partials``): inactive rows
     return ``fallback`` (the combine launch writes it: no extra select after the pick).
     """
-    if slot_stride:
-        if slot_stride < 2 or base.ndim != 2 or base.shape[0] % slot_stride:
-            raise ValueError(f"slot_stride={slot_stride} needs base [N*B, V] with B={slot_stride}; got {base.shape}")
-        n = base.shape[0] // slot_stride
-        _check_shapes(base, lat, w2, rows=n * (slot_stride - 1))
-    else:
-        _check_shapes(base, lat, w2)
-    dtype = jnp.dtype(base.dtype)
-    if dtype not in _KERNEL_DTYPES:
-        raise TypeError(f"full-vocab pick kernel: dtype {dtype.name} is not supported (bf16, f16, f32); "
-                        "xpress_jax routes float64 to xpress_jax.reference.full_vocab_pick")
+    dtype = _check_inputs(base, lat, w2, slot_stride, "full-vocab pick kernel")
     vocab = base.shape[1]
     rows, rank = lat.shape
     if active is not None and (active.shape != (rows,) or not (active.dtype == jnp.bool_
@@ -588,42 +620,21 @@ def full_vocab_pick(
     cap = rows if capacity is None else min(capacity, rows)  # the rows the kernel runs on
     cfg = config or default_config(cap, vocab, rank, dtype)
     cfg.check_shape(cap, vocab, rank, dtype)
-    parts = cdiv(vocab, cfg.v_tile * cfg.v_steps)
     row_tiles = cdiv(cap, cfg.row_tile)
-    rows_pad = row_tiles * cfg.row_tile
-    out_shape = (
-        jax.ShapeDtypeStruct((parts, rows_pad), jnp.float32),
-        jax.ShapeDtypeStruct((parts, rows_pad), jnp.int32),
-    )
-    out_spec = pl.BlockSpec((None, cfg.row_tile), lambda i, j: (j, i))
-    statics = dict(rows=cap, vocab=vocab, row_tile=cfg.row_tile, v_tile=cfg.v_tile, v_steps=cfg.v_steps, dtype=dtype,
-                   slot_stride=slot_stride)
-    k_tile = k_chunk(cfg.k_tile, rank, MIN_DOT)
     operands = (base, lat, w2)
     extra = {}
     pos = None  # packed: original row q's result is packed row pos[q]
     if active is not None:
-        act = active != 0 if active.dtype != jnp.bool_ else active
+        act = active  # int32 (nonzero: active) goes to the kernel as it is: no XLA op in between
         if capacity is not None and (cap < rows or row_tiles > 1):  # one tile of all rows: nothing to pack
-            pos, src, lat_p, act = _pack_rows(act, lat, slot_stride)
+            pos, src, lat_p, act = _pack_rows(active != 0, lat, slot_stride)
             operands = (base, lat_p[:cap], w2, src[:cap])
             act = act[:cap]
             extra["row_map"] = True
-        operands = (*operands, act.astype(jnp.int32))
+        operands = (*operands, act if act.dtype == jnp.int32 else (act != 0).astype(jnp.int32))
         extra["has_active"] = True
-    kernel = functools.partial(_fused_kernel, rank=rank, k_tile=k_tile, hold_lat=cfg.hold_lat, flat=cfg.flat,
-                               prefetch_base=cfg.prefetch_base, lazy=cfg.lazy, **statics, **extra)
-    mv, mi = common.pallas_call(
-        kernel,
-        name="xpress_full_vocab_fused",
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-        interpret=interpret,
-        grid=(row_tiles, parts),
-        in_specs=[pl.no_block_spec] * len(operands),
-        out_specs=(out_spec, out_spec),
-        out_shape=out_shape,
-    )(*operands)
+    mv, mi = _fused_launch(operands, cfg, rows=cap, vocab=vocab, rank=rank, dtype=dtype, slot_stride=slot_stride,
+                           interpret=interpret, **extra)
     if partials:
         mv, mi = mv[:, :cap], mi[:, :cap]
         if pos is None:
@@ -632,7 +643,7 @@ def full_vocab_pick(
         at = jnp.minimum(pos, cap - 1)
         return jnp.where(kept, mv[:, at], -jnp.inf), jnp.where(kept, mi[:, at], BIG)
     if fallback is not None:
-        return combine_partials(mv, mi, interpret=interpret, active=active != 0, fallback=fallback)[:rows]
+        return combine_partials(mv, mi, interpret=interpret, active=active, fallback=fallback)[:rows]
     tok = combine_partials(mv, mi, interpret=interpret)[:cap]
     return tok if pos is None else jnp.where(pos < cap, tok[jnp.minimum(pos, cap - 1)], BIG)
 
@@ -641,9 +652,10 @@ def full_vocab_pick(
 # The certified mode's scan of its failing rows: pack, one pick in packed order, combine back.
 
 
-def _pack_kernel(fail_ref, fallen_ref, pos_ref, src_ref, actp_ref, act_ref, meta_ref, *, rows: int, limit: int):
-    """One program over every row (``n_pad`` = a power of two >= rows): the rows to scan first."""
-    n_pad = pos_ref.shape[0]
+def _pack_kernel(fail_ref, fallen_ref, pos_ref, src_ref, actp_ref, act_ref, flag_ref, *, rows: int, limit: int):
+    """One program over every row (``n_pad`` = a power of two >= rows): the rows to scan first. ``pos``
+    and ``act`` are [rows] (masked stores), ``src`` and ``act_p`` [n_pad], ``flag_ref`` [8]."""
+    n_pad = src_ref.shape[0]
     q = iota(n_pad)
     rok = q < rows
     f = (plt.load(fail_ref.at[q], mask=rok, other=0) != 0) & rok
@@ -654,34 +666,37 @@ def _pack_kernel(fail_ref, fallen_ref, pos_ref, src_ref, actp_ref, act_ref, meta
     n_act = jnp.sum(ai)
     # Active rows first in row order, then the others (padding last): a permutation of 0..n_pad-1.
     pos = jnp.where(a, jnp.cumsum(ai) - 1, n_act + jnp.cumsum(1 - ai) - 1)
-    pos_ref[...] = pos
+    plt.store(pos_ref.at[q], pos, mask=rok)
     plt.store(src_ref.at[pos], q)  # every slot written once
     actp_ref[...] = (q < n_act).astype(jnp.int32)
-    act_ref[...] = ai
+    plt.store(act_ref.at[q], ai, mask=rok)
     k = iota(8)
-    meta_ref[...] = jnp.where(k == 0, n_fail, jnp.where(k == 1, full.astype(jnp.int32), 0))
+    flag_ref[...] = jnp.where(k == 0, full.astype(jnp.int32), jnp.where(k == 1, n_fail, 0))
 
 
 def pack_active(fail: jax.Array, fallen: jax.Array, *, limit: int, interpret: bool = False):
-    """[rows] bool ``fail``, [] bool ``fallen`` -> the certified mode's rows to scan, in one launch.
+    """[rows] ``fail`` (bool or int32, nonzero: failed), a flag ``fallen`` -> the certified mode's rows to
+    scan, in one launch.
 
-    ``full = fallen | (sum(fail) > limit)``; the active rows are ``act = fail | full``. Returns
-    ``(pos [rows] int32, src [n_pad] int32, act_p [n_pad] bool, act [rows] bool, n_fail [] int32, full [] bool)``
-    with ``n_pad`` = the next power of two >= rows: ``pos[q]`` is row q's packed position (active rows
-    first, in row order, then the others), ``src[p]`` the row at packed position p (``src[pos[q]] = q``;
-    positions past ``rows`` hold padding ids >= rows), ``act_p[p]`` = p < the number of active rows.
-    The jnp spelling is `pack_active_ref`."""
+    ``full = fallen | (sum(fail) > limit)``; the active rows are ``act = fail | full``. Returns int32
+    ``(pos [rows], src [n_pad], act_p [n_pad], act [rows], flags [8])`` with ``n_pad`` = the next power
+    of two >= rows: ``pos[q]`` is row q's packed position (active rows first, in row order, then the
+    others), ``src[p]`` the row at packed position p (``src[pos[q]] = q``; positions past ``rows``
+    hold padding ids >= rows), ``act_p[p]`` = p < the number of active rows, ``act`` 0/1 and
+    ``flags`` = [full, sum(fail), 0, ...] (the next pass's ``fallen``, `common.flag_operand`). The
+    kernels downstream read them as they are (no XLA op in between). ``fallen``: a bool scalar or
+    int32 flags. The jnp spelling is `pack_active_ref`."""
     rows = fail.shape[0]
-    if fail.ndim != 1 or jnp.shape(fallen) != ():
-        raise ValueError(f"pack_active: need fail [rows] and fallen []; got {fail.shape} {jnp.shape(fallen)}")
+    if fail.ndim != 1:
+        raise ValueError(f"pack_active: need fail [rows]; got {fail.shape}")
+    fallen = common.flag_operand(fallen, "fallen")
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
         raise ValueError(f"pack_active: limit must be an int >= 0, got {limit!r}")
     n_pad = next_pow2(rows)
     if n_pad > 2 ** 20:
         raise ValueError(f"pack_active: {rows} rows are more than one program holds (2^20)")
-    vec = pl.BlockSpec((n_pad,), lambda i: (0,))
-    out = jax.ShapeDtypeStruct((n_pad,), jnp.int32)
-    pos, src, act_p, act, meta = common.pallas_call(
+    by_row, padded = jax.ShapeDtypeStruct((rows,), jnp.int32), jax.ShapeDtypeStruct((n_pad,), jnp.int32)
+    return tuple(common.pallas_call(
         functools.partial(_pack_kernel, rows=rows, limit=int(limit)),
         name="xpress_pack_active",
         num_warps=4 if n_pad <= 1024 else 8,
@@ -689,25 +704,26 @@ def pack_active(fail: jax.Array, fallen: jax.Array, *, limit: int, interpret: bo
         interpret=interpret,
         grid=(1,),
         in_specs=[pl.no_block_spec] * 2,
-        out_specs=(vec, vec, vec, vec, pl.BlockSpec((8,), lambda i: (0,))),
-        out_shape=(out, out, out, out, jax.ShapeDtypeStruct((8,), jnp.int32)),
-    )(fail.astype(jnp.int32), jnp.reshape(fallen, (1,)).astype(jnp.int32))
-    return pos[:rows], src, act_p != 0, act[:rows] != 0, meta[0], meta[1] != 0
+        out_specs=(pl.no_block_spec,) * 5,
+        out_shape=(by_row, padded, padded, by_row, jax.ShapeDtypeStruct((8,), jnp.int32)),
+    )(fail if fail.dtype == jnp.int32 else fail.astype(jnp.int32), fallen))
 
 
 def pack_active_ref(fail: jax.Array, fallen: jax.Array, *, limit: int):
     """`pack_active` in jnp (the oracle of its tests)."""
     rows = fail.shape[0]
     n_pad = next_pow2(rows)
-    f = jnp.zeros((n_pad,), bool).at[:rows].set(fail)
+    f = jnp.zeros((n_pad,), bool).at[:rows].set(fail != 0)
     n_fail = jnp.sum(f, dtype=jnp.int32)
-    full = jnp.asarray(fallen) | (n_fail > limit)
+    full = jnp.reshape(jnp.asarray(fallen), (-1,))[0] != 0
+    full = full | (n_fail > limit)
     a = (f | full) & (jnp.arange(n_pad) < rows)
     ai = a.astype(jnp.int32)
     n_act = jnp.sum(ai)
     pos = jnp.where(a, jnp.cumsum(ai) - 1, n_act + jnp.cumsum(1 - ai) - 1).astype(jnp.int32)
     src = jnp.zeros((n_pad,), jnp.int32).at[pos].set(jnp.arange(n_pad, dtype=jnp.int32))
-    return pos[:rows], src, jnp.arange(n_pad) < n_act, a[:rows], n_fail, full
+    flags = jnp.zeros((8,), jnp.int32).at[0].set(full.astype(jnp.int32)).at[1].set(n_fail)
+    return pos[:rows], src, (jnp.arange(n_pad) < n_act).astype(jnp.int32), ai[:rows], flags
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "config", "slot_stride", "limit", "v_steps_full"))
@@ -721,7 +737,8 @@ def scan_failing(base: jax.Array, lat: jax.Array, w2: jax.Array, fail: jax.Array
     latent row through the packed index map: nothing is copied), so the active rows fill the leading
     row tiles and every program of a tile without one returns at once; (3) the combine reads each
     row's partials at its packed position and writes ``fallback`` for the inactive rows. Returns
-    ``(tokens [rows] int32, n_fail [] int32, full [] bool)``: an active row's token is the one
+    ``(tokens [rows] int32, flags [8] int32)``, ``flags`` = [full, sum(fail), 0, ...] as `pack_active`
+    writes it (the next pass's ``fallen``): an active row's token is the one
     `full_vocab_pick` gives it with the same ``config`` (the same per-row computation: the rows a row
     shares a tile with change no operation on its own row); a config with a smaller ``v_steps`` than
     the all-rows one (`xpress_jax.dispatch.capacity_config`) spreads a few active rows over a whole
@@ -729,24 +746,16 @@ def scan_failing(base: jax.Array, lat: jax.Array, w2: jax.Array, fail: jax.Array
     ``config.v_steps``): the vocab tiles per part when the pass is full (every row scanned): the
     all-rows config's split, read at run time, so that a full pass costs what the all-rows pick costs
     (its parts past the vocabulary return at once; the split changes no token).
-    ``base``/``slot_stride`` as in `full_vocab_pick`; ``fail`` [rows] bool, ``fallen`` [] bool,
-    ``fallback`` [rows] int.
+    ``base``/``slot_stride`` as in `full_vocab_pick`; ``fail`` [rows] bool or int32 (nonzero: failed),
+    ``fallen`` a flag (a bool scalar or int32 flags, `common.flag_operand`), ``fallback`` [rows] int.
     """
-    if slot_stride:
-        if slot_stride < 2 or base.ndim != 2 or base.shape[0] % slot_stride:
-            raise ValueError(f"slot_stride={slot_stride} needs base [N*B, V] with B={slot_stride}; got {base.shape}")
-        _check_shapes(base, lat, w2, rows=base.shape[0] // slot_stride * (slot_stride - 1))
-    else:
-        _check_shapes(base, lat, w2)
-    dtype = jnp.dtype(base.dtype)
-    if dtype not in _KERNEL_DTYPES:
-        raise TypeError(f"scan_failing: dtype {dtype.name} is not supported (bf16, f16, f32)")
+    dtype = _check_inputs(base, lat, w2, slot_stride, "scan_failing")
     vocab = base.shape[1]
     rows, rank = lat.shape
     for name, a in (("fail", fail), ("fallback", fallback)):
         if a.shape != (rows,):
             raise ValueError(f"scan_failing: {name} must be [rows={rows}], got {a.shape}")
-    pos, src, act_p, act, n_fail, full = pack_active(fail, fallen, limit=limit, interpret=interpret)
+    pos, src, act_p, act, flags = pack_active(fail, fallen, limit=limit, interpret=interpret)
     cfg = config or default_config(rows, vocab, rank, dtype)
     cfg.check_shape(rows, vocab, rank, dtype)
     vs_full = cfg.v_steps if v_steps_full is None else int(v_steps_full)
@@ -755,28 +764,12 @@ def scan_failing(base: jax.Array, lat: jax.Array, w2: jax.Array, fail: jax.Array
     if vs_full == cfg.v_steps:
         vs_full = 0  # one split: static
     parts = cdiv(vocab, cfg.v_tile * min(cfg.v_steps, vs_full or cfg.v_steps))  # the finer split's parts
-    row_tiles = cdiv(rows, cfg.row_tile)
-    rows_pad = row_tiles * cfg.row_tile
-    out_spec = pl.BlockSpec((None, cfg.row_tile), lambda i, j: (j, i))
-    kernel = functools.partial(_fused_kernel, rank=rank, k_tile=k_chunk(cfg.k_tile, rank, MIN_DOT), hold_lat=cfg.hold_lat,
-                               flat=cfg.flat, prefetch_base=cfg.prefetch_base, lazy=cfg.lazy, rows=rows, vocab=vocab,
-                               row_tile=cfg.row_tile, v_tile=cfg.v_tile, v_steps=cfg.v_steps, dtype=dtype,
-                               slot_stride=slot_stride, has_active=True, row_map=True, lat_map=True,
-                               v_steps_full=vs_full)
-    mv, mi = common.pallas_call(
-        kernel,
-        name="xpress_full_vocab_fused",
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-        interpret=interpret,
-        grid=(row_tiles, parts),
-        in_specs=[pl.no_block_spec] * (6 if vs_full else 5),
-        out_specs=(out_spec, out_spec),
-        out_shape=(jax.ShapeDtypeStruct((parts, rows_pad), jnp.float32),
-                   jax.ShapeDtypeStruct((parts, rows_pad), jnp.int32)),
-    )(base, lat, w2, src[:rows], act_p[:rows].astype(jnp.int32), *((jnp.reshape(full, (1,)).astype(jnp.int32),) if vs_full else ()))
+    # The kernel reads rows < `rows` of src and act_p ([n_pad]) and element 0 of flags (the pass's full).
+    mv, mi = _fused_launch((base, lat, w2, src, act_p, *((flags,) if vs_full else ())), cfg, rows=rows, vocab=vocab,
+                           rank=rank, dtype=dtype, slot_stride=slot_stride, interpret=interpret, parts=parts,
+                           has_active=True, row_map=True, lat_map=True, v_steps_full=vs_full)
     tok = combine_partials(mv, mi, interpret=interpret, active=act, fallback=fallback, pos=pos)[:rows]
-    return tok, n_fail, full
+    return tok, flags
 
 
 def _pack_rows(act: jax.Array, lat: jax.Array, slot_stride: int):

@@ -117,7 +117,7 @@ def _topc_kernel(
     cand_ref,  # [rows, C] int32 whole array
     lat_ref,  # [rows, r] whole array
     w_ref,  # [V, r] (w2), whole array
-    *refs,  # in order: skip_ref [1] int32 (has_skip only: nonzero = return at once); then the outputs
+    *refs,  # in order: skip_ref [k] int32 (has_skip only: element 0 nonzero = return at once); then the outputs
     #   mv_ref [] block of [splits, rows_pad] float32: best score; mb_ref (same) float32: the largest
     #   base logit holding it; mi_ref (same) int32: the lowest vocab id holding both
     c: int,
@@ -218,7 +218,8 @@ def topc_pick(
     ``ties``: ``"base"`` (vLLM's top-C rule: equal scores go to the larger base logit, then the lowest
     id) or ``"id"`` (the full-vocab rule: equal scores go to the lowest id; the partials' base logit is
     then 0 for every split, and combining by either rule gives the lowest id).
-    ``skip`` (a device scalar, bool or int; None = the plain kernel with no extra operand): when true
+    ``skip`` (a device flag: a bool or int scalar, or int32 flags [k] whose element 0 counts,
+    `common.flag_operand`; None = the plain kernel with no extra operand): when true
     every program returns at once, reading nothing, and writes "no winner" partials (score and base
     -inf, id `BIG`): the result is then `BIG` for every row (the caller ignores it).
     """
@@ -255,9 +256,7 @@ def _partials(base_c, cand, lat, w2, *, interpret, config, ties, skip):
     operands = (base_c, cand.astype(jnp.int32), lat, w2)
     extra = {}
     if skip is not None:
-        if jnp.size(skip) != 1 or not (skip.dtype == jnp.bool_ or jnp.issubdtype(skip.dtype, jnp.integer)):
-            raise ValueError(f"skip must be a scalar bool or int; got {jnp.shape(skip)} {skip.dtype}")
-        operands = (*operands, (jnp.reshape(skip, (1,)) != 0).astype(jnp.int32))
+        operands = (*operands, common.flag_operand(skip, "skip"))
         extra["has_skip"] = True
     kernel = functools.partial(
         _topc_kernel, c=c, rank=rank, c_tile=cfg.c_tile, c_steps=cfg.c_steps, k_tile=k_tile, dtype=dtype, ties=ties,
@@ -341,12 +340,14 @@ def combine_splits(mv: jax.Array, mb: jax.Array, mi: jax.Array, *, interpret: bo
 
 
 def _certify_kernel(mv_ref, mi_ref, lat_ref, tau_ref, mex_ref, valid_ref, m_ref, fallen_ref, best_ref, fail_ref,
-                    act_ref, *, rows: int, splits: int, row_tile: int, split_tile: int, rank: int, k_tile: int,
+                    act_ref, *flag_ref, rows: int, splits: int, row_tile: int, split_tile: int, rank: int, k_tile: int,
                     dtype, slack: float, limit: int | None):
     """Per row tile: the candidates' winner by the full-vocab rule (largest score, lowest id) over the
     splits, the bound ``beta = R(fl(tau + R(U)))`` with ``U = M ||lat|| (1 + slack)^2``, and the decision
-    (the module doc of `xpress_jax.exact`). ``limit`` (single program only): also the active rows of
-    the all-rows scan, ``fail | full`` with ``full = fallen | (#fail > limit)``."""
+    (the module doc of `xpress_jax.exact`). The outputs are whole [rows] arrays, each program storing
+    its own rows (masked: nothing is sliced afterwards). ``limit`` (single program only): also the
+    active rows of the all-rows scan, ``fail | full`` with ``full = fallen | (#fail > limit)``, and
+    ``flag_ref`` [8] int32 = [full, #fail, 0, ...]."""
     r0 = pl.program_id(0) * row_tile
     rix = r0 + iota(row_tile)
     rok = rix < rows
@@ -383,13 +384,16 @@ def _certify_kernel(mv_ref, mi_ref, lat_ref, tau_ref, mex_ref, valid_ref, m_ref,
     fallen = fallen_ref[0] != 0
     valid = plt.load(valid_ref.at[rix], mask=rok, other=0) != 0
     fail = rok & valid & jnp.logical_not(cert) & jnp.logical_not(fallen)
-    best_ref[...] = bidx
-    fail_ref[...] = fail.astype(jnp.int32)
+    plt.store(best_ref.at[rix], bidx, mask=rok)
+    plt.store(fail_ref.at[rix], fail.astype(jnp.int32), mask=rok)
     if limit is None:
-        act_ref[...] = fail.astype(jnp.int32)
+        plt.store(act_ref.at[rix], fail.astype(jnp.int32), mask=rok)
     else:
-        full = fallen | (jnp.sum(fail.astype(jnp.int32)) > limit)
-        act_ref[...] = (fail | full).astype(jnp.int32)
+        n_fail = jnp.sum(fail.astype(jnp.int32))
+        full = fallen | (n_fail > limit)
+        plt.store(act_ref.at[rix], (fail | full).astype(jnp.int32), mask=rok)
+        k = iota(8)
+        flag_ref[0][...] = jnp.where(k == 0, full.astype(jnp.int32), jnp.where(k == 1, n_fail, 0))
 
 
 #: Rows one certify program holds when its launch must see every row (``limit``).
@@ -401,7 +405,8 @@ def certify(base_c: jax.Array, cand: jax.Array, lat: jax.Array, w2: jax.Array, t
             mex: jax.Array, valid: jax.Array, fallen: jax.Array, *, slack: float, limit: int | None = None,
             interpret: bool = False, config: TopCConfig | None = None):
     """The certified mode's candidates step: the pick kernel (``ties="id"``, skipped when ``fallen``)
-    and one launch that decides every row. Returns ``(best_id, fail, act)``, each [rows] (int32, bool, bool):
+    and one launch that decides every row. Returns ``(best_id, fail, act, flags)``, the first three [rows]
+    int32 (``fail`` and ``act`` 0/1, as the full-vocab kernels read them: no XLA op in between):
 
     - ``best_id``: the candidates' winner by the full-vocab rule (`BIG` when ``fallen``);
     - ``fail``: ``valid & ~certified & ~fallen``, where a row is certified iff ``beta < best`` or
@@ -409,22 +414,24 @@ def certify(base_c: jax.Array, cand: jax.Array, lat: jax.Array, w2: jax.Array, t
       logits' dtype, ``U = fl(M n) (1 + slack)`` with ``n = ||lat|| (1 + slack)`` summed in float32
       (each a value at least the real one for ``slack`` >= 2^-10: `xpress_jax.exact`'s margins);
     - ``act``: with ``limit`` (an int), ``fail | full``, ``full = fallen | (sum(fail) > limit)``, the
-      rows the pass must scan when one launch scans them (else ``fail``).
+      rows the pass must scan when one launch scans them (else ``fail``);
+    - ``flags``: with ``limit``, int32 [8] = [full, sum(fail), 0, ...] (the next pass's ``fallen`` as
+      the kernels read it, `common.flag_operand`); None without.
 
     ``tau`` [rows] float32: each row's C-th largest base logit (NaN as -inf); ``max_norm`` []:
     ``M``; ``mex`` [rows] int32: the lowest id that is not a candidate; ``valid`` [rows] bool;
-    ``fallen`` [] bool. Refuses ``limit`` with more than `CERTIFY_SINGLE_ROWS` rows (one program
-    must hold them all).
+    ``fallen``: a flag (a bool scalar or int32 flags, `common.flag_operand`). Refuses ``limit`` with
+    more than `CERTIFY_SINGLE_ROWS` rows (one program must hold them all).
     """
     rows, c = base_c.shape
     rank = lat.shape[1]
     for name, a, want in (("tau", tau, (rows,)), ("mex", mex, (rows,)), ("valid", valid, (rows,)),
-                          ("max_norm", max_norm, ()), ("fallen", fallen, ())):
+                          ("max_norm", max_norm, ())):
         if jnp.shape(a) != want:
             raise ValueError(f"certify: {name} must have shape {want}, got {jnp.shape(a)}")
     if limit is not None and rows > CERTIFY_SINGLE_ROWS:
         raise ValueError(f"certify: limit needs rows <= {CERTIFY_SINGLE_ROWS} (one program), got {rows}")
-    fallen = jnp.asarray(fallen)
+    fallen = common.flag_operand(fallen, "fallen")
     mv, _, mi = _partials(base_c, cand, lat, w2, interpret=interpret, config=config, ties="id", skip=fallen)
     splits, rows_pad = mv.shape
     if limit is not None:
@@ -439,8 +446,9 @@ def certify(base_c: jax.Array, cand: jax.Array, lat: jax.Array, w2: jax.Array, t
     kernel = functools.partial(_certify_kernel, rows=rows, splits=splits, row_tile=row_tile, split_tile=split_tile,
                                rank=rank, k_tile=k_tile, dtype=jnp.dtype(base_c.dtype), slack=float(slack),
                                limit=None if limit is None else int(limit))
-    out = jax.ShapeDtypeStruct((grid * row_tile,), jnp.int32)
-    best_id, fail, act = common.pallas_call(
+    out = jax.ShapeDtypeStruct((rows,), jnp.int32)
+    n_out = 3 if limit is None else 4
+    outs = common.pallas_call(
         kernel,
         name="xpress_certify",
         num_warps=4,
@@ -448,8 +456,8 @@ def certify(base_c: jax.Array, cand: jax.Array, lat: jax.Array, w2: jax.Array, t
         interpret=interpret,
         grid=(grid,),
         in_specs=[pl.no_block_spec] * 8,
-        out_specs=(pl.BlockSpec((row_tile,), lambda i: (i,)),) * 3,
-        out_shape=(out, out, out),
+        out_specs=(pl.no_block_spec,) * n_out,
+        out_shape=(out, out, out, jax.ShapeDtypeStruct((8,), jnp.int32))[:n_out],
     )(mv, mi, lat, tau.astype(jnp.float32), mex.astype(jnp.int32), valid.astype(jnp.int32),
-      jnp.reshape(max_norm, (1,)).astype(jnp.float32), jnp.reshape(fallen, (1,)).astype(jnp.int32))
-    return best_id[:rows], fail[:rows] != 0, act[:rows] != 0
+      jnp.reshape(max_norm, (1,)).astype(jnp.float32), fallen)
+    return (*outs, None) if limit is None else tuple(outs)

@@ -12,7 +12,10 @@ launch, capacity_config's split for full passes too), cert_one (one launch at an
 `scan_failing.jsonl` and `scan_failing_parts_bug.jsonl` (the first run: the static split's grid had one part
 per vocab tile, fixed) were measured before exact.py chose between the two scans by
 `dispatch.SCAN_FAILING_MAX_ROWS`: cert_new was the one launch at every N and cert_old the two-launch scan.
-`FINAL=1 JSONL=final.jsonl`: the committed dispatch (cert_new), and cert_one at N=128.
+`FINAL=1 JSONL=final.jsonl`: the committed dispatch (cert_new), and cert_one at N=128. `FLAGS=after`: the
+certified mode with top-512 and the scan at N = 1..256 (`flags_after.jsonl`); `FLAGS=before`: the certified
+mode alone on the tree before the flags change, in the same lease (`flags_before.jsonl`; run as
+PYTHONPATH=.old:$PWD with that tree's xpress_jax copied to .old/).
 """
 import dataclasses
 import json
@@ -78,6 +81,10 @@ PLAN = [  # (std, N, variants)
 if os.environ.get("FINAL") == "1":  # the committed dispatch (Ops.pallas: the one-launch scan up to 960 rows)
     PLAN = ([(0.02, n, ("scan", "cert_new")) for n in (16, 64, 256)]
             + [(0.02, 128, ("scan", "cert_new", "cert_one")), (0.01, 128, ("cert_new", "cert_one"))])
+if os.environ.get("FLAGS"):  # the flags change: FLAGS=before (PYTHONPATH=.old:$PWD: the tree before), FLAGS=after
+    ref_variants = () if os.environ["FLAGS"] == "before" else ("top512", "scan")
+    PLAN = ([(0.01, n, (*ref_variants, "cert_new")) for n in (1, 4, 16, 64, 256)]
+            + [(0.02, n, (*ref_variants[1:], "cert_new")) for n in (1, 16, 256)])
 rows = []
 f = open(os.path.join(out_dir, os.environ.get("JSONL", "scan_failing.jsonl")), "w")
 for std, n, variants in (PLAN[:1] + PLAN[-1:] if small else PLAN):
