@@ -94,9 +94,11 @@ Why the tokens are those of ``topc=0`` on the same backend.
   such a near tie; in its CPU runs (XLA and interpret mode; bf16, float32, float64) no token differed.
   Counting them on the GPU: `benchmarks/bench_refine`'s agreement column for an ``@certified`` backend.
 
-When it is fast, and what a fallback costs (measured on an H200: benchmarks/RESULTS.md, "Exact mode",
-fourth session: 0.48x the scan's time at N=256 and 0.77x at N=64 where 97-98% of rows certify,
-1.24-1.37x at N <= 16, 1.12-1.43x where nothing certifies).
+When it is fast, and what a fallback costs (measured on an H200, seventh session: benchmarks/RESULTS.md,
+"Certified mode: no XLA op between its kernels" and the section before it). Where every row certifies,
+1.14-1.23x top-512's time and 0.44-0.67x the scan's at N = 1..256; where 2-7% of rows fail, 0.47x the
+scan at N=256, 0.70x at N=64, 1.08x at N=16 and 1.19x at N=1 (one failing row scans the whole call
+there); where nothing certifies, 1.10-1.23x the scan.
   A pass always launches the top-C pick and the certify launch, then the scan of the failing rows:
   up to `dispatch.SCAN_FAILING_MAX_ROWS` draft rows three launches (the packing, one full-vocab pick
   in packed order, its combine), above it the packed launch for F and the all-rows one (plus small
