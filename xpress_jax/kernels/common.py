@@ -17,7 +17,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 __all__ = ["pallas_call", "compiler_params", "lower_triton", "gpu_supported", "BIG", "iota", "cdiv", "next_pow2",
-           "k_chunk", "score", "best", "merge", "flag_operand"]
+           "k_chunk", "score", "best", "merge", "flag_operand", "flags_row"]
 
 #: Index of a lane that must never win (masked columns, padded parts); also int32's largest value.
 BIG = 2**31 - 1
@@ -38,6 +38,13 @@ def flag_operand(x: Any, name: str = "flag") -> jax.Array:
     if jnp.size(x) != 1 or not (x.dtype == jnp.bool_ or jnp.issubdtype(x.dtype, jnp.integer)):
         raise ValueError(f"{name} must be a bool or int scalar, or int32 [k] flags; got {jnp.shape(x)} {x.dtype}")
     return (jnp.reshape(x, (1,)) != 0).astype(jnp.int32)
+
+
+def flags_row(full: jax.Array, n_fail: jax.Array) -> jax.Array:
+    """In a kernel: the int32 [8] flags ``[full, n_fail, 0, ...]`` a kernel writes for the next one
+    (`flag_operand` passes them on; element 0 is the flag)."""
+    k = iota(8)
+    return jnp.where(k == 0, full.astype(jnp.int32), jnp.where(k == 1, n_fail, 0))
 
 
 def compiler_params(num_warps: int = 4, num_stages: int = 1) -> Any:

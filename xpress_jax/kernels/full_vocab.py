@@ -670,8 +670,7 @@ def _pack_kernel(fail_ref, fallen_ref, pos_ref, src_ref, actp_ref, act_ref, flag
     plt.store(src_ref.at[pos], q)  # every slot written once
     actp_ref[...] = (q < n_act).astype(jnp.int32)
     plt.store(act_ref.at[q], ai, mask=rok)
-    k = iota(8)
-    flag_ref[...] = jnp.where(k == 0, full.astype(jnp.int32), jnp.where(k == 1, n_fail, 0))
+    flag_ref[...] = common.flags_row(full, n_fail)
 
 
 def pack_active(fail: jax.Array, fallen: jax.Array, *, limit: int, interpret: bool = False):

@@ -392,8 +392,7 @@ def _certify_kernel(mv_ref, mi_ref, lat_ref, tau_ref, mex_ref, valid_ref, m_ref,
         n_fail = jnp.sum(fail.astype(jnp.int32))
         full = fallen | (n_fail > limit)
         plt.store(act_ref.at[rix], (fail | full).astype(jnp.int32), mask=rok)
-        k = iota(8)
-        flag_ref[0][...] = jnp.where(k == 0, full.astype(jnp.int32), jnp.where(k == 1, n_fail, 0))
+        flag_ref[0][...] = common.flags_row(full, n_fail)
 
 
 #: Rows one certify program holds when its launch must see every row (``limit``).
