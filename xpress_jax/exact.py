@@ -344,7 +344,7 @@ def _exact_prepare(w2, *, block, bits):
     return w2, prepare_exact(w2, block=block, bits=bits)
 
 
-def _exact_full_vocab_pick(logits, lat, w2_prepared, active=None, capacity=None, fallback=None, *, candidates,
+def _exact_full_vocab_pick(logits, lat, w2_prepared, active=None, fallback=None, *, candidates,
                            direct_readout):
     from .ops import with_fallback
 

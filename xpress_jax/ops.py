@@ -23,13 +23,12 @@ The steps (static shapes; ``rows`` = N * (B-1) draft rows):
 - ``full_vocab_prepare(w2) -> prepared``: once per call; what ``full_vocab_pick`` reads for the
   readout (``w2`` itself for XLA and the kernels; weight-derived data for `xpress_jax.exact`).
   Replace it together with ``full_vocab_pick``.
-- ``full_vocab_pick(logits [N,B,V], lat [rows,r], prepared, active=None, capacity=None) -> [rows] int32``: the
-  full-vocab winner. ``active`` ([rows] bool, a device value; used by the certified mode): only those rows'
-  tokens are wanted, the others are unspecified. The kernel skips row tiles without an active row;
-  with ``capacity`` (a static int) it runs on the first ``capacity`` active rows only, packed into a
-  launch of their own (more active rows: those beyond are unspecified). The jnp path ignores both
-  and picks every row. ``fallback`` ([rows] int32, with ``active``, without ``capacity``): inactive
-  rows return it (every path).
+- ``full_vocab_pick(logits [N,B,V], lat [rows,r], prepared, active=None, fallback=None) -> [rows] int32``:
+  the full-vocab winner. ``active`` ([rows] bool, or int32 with nonzero = active, a device value; used
+  by the certified mode): only those rows' tokens are wanted, the others are unspecified. The kernel
+  skips row tiles without an active row and reads int32 ``active`` as it is; the jnp path ignores it
+  and picks every row. ``fallback`` ([rows] int32, with ``active``): inactive rows return it (every
+  path).
 - ``latent(params, xh [N,B,r], blk [N,B] int32, prev_ids [N] int32) -> [N,B-1,r]``.
 - ``start(logits [N,B,V]) -> [rows] int32``: the full-vocab argmax of the base logits (where a
   full-vocab refine starts).
@@ -55,8 +54,9 @@ The steps (static shapes; ``rows`` = N * (B-1) draft rows):
 - ``scan_failing(logits, lat, prepared, fail, fallen, fallback, limit) -> (tokens, flags)``: the
   certified mode's scan of its failing rows (`xpress_jax.exact`): ``full = fallen | (sum(fail) >
   limit)``; the rows ``fail | full`` get ``full_vocab_pick``'s token, the others ``fallback``;
-  ``flags`` = int32 [8] ``[full, sum(fail), 0, ...]``. The Pallas steps: up to `dispatch.SCAN_FAILING_MAX_ROWS` draft rows, one launch that
-  packs those rows first, one fused pick in packed order and one combine back
+  ``flags`` = int32 [8] ``[full, sum(fail), 0, ...]``. The Pallas steps: up to
+  `dispatch.SCAN_FAILING_MAX_ROWS` draft rows, one launch that packs those rows first, one fused
+  pick in packed order and one combine back
   (`kernels.full_vocab.scan_failing`); above, a packed launch of at most ``limit`` failing rows and an
   all-rows launch (active only when ``full``). ``None`` where the steps have no packed launch.
 - ``full_vocab_capacity(N, B, V, r, dtype, limit) -> int | None``: ``limit`` where ``scan_failing``
@@ -166,7 +166,7 @@ def _xla_select(logits, c):
     return ref.select_candidates(ref.draft_rows(logits), c)
 
 
-def _xla_full_vocab_pick(logits, lat, w2, active=None, capacity=None, fallback=None, *, direct_readout: bool):
+def _xla_full_vocab_pick(logits, lat, w2, active=None, fallback=None, *, direct_readout: bool):
     # Every row is picked: XLA has nothing to skip without a conditional (the step's spec allows it).
     return with_fallback(ref.full_vocab_pick(ref.draft_rows(logits), lat, w2, direct_readout=direct_readout),
                          active, fallback)
@@ -253,12 +253,13 @@ def _pallas_certify(base_c, cand, lat, prepared, tau, max_norm, mex, valid, fall
                              interpret=interpret, config=p.topc)
 
 
-def _pallas_full_vocab(logits, lat, w2, active=None, capacity=None, fallback=None, *, interpret, best):
+def _pallas_full_vocab(logits, lat, w2, active=None, fallback=None, *, interpret, best, capacity=None):
     """`full_vocab_pick` (``best=False``: ids, the combine kernel) or `full_vocab_best` (``best=True``:
     the parts' (score, id) winners from the kernel, combined by the same rule in XLA). ``active``:
-    the kernel's active rows, unpacked (row tiles without one return at once); with ``capacity`` the
-    first ``capacity`` active rows packed into a launch of their own (the plan's config with
-    `dispatch.capacity_config`'s ``v_steps``: the same scores). The jnp path ignores both."""
+    the kernel's active rows, unpacked (row tiles without one return at once); with ``capacity`` (not
+    part of the step's contract: `_pallas_scan_failing`'s two-launch scan only) the first ``capacity``
+    active rows packed into a launch of their own (the plan's config with `dispatch.capacity_config`'s
+    ``v_steps``: the same scores). The jnp path ignores both."""
     from . import dispatch
     from .kernels import full_vocab
 
