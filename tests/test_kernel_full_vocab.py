@@ -280,8 +280,8 @@ class TestFullVocabPick:
     def test_scan_failing(self):
         """`scan_failing`: the failing rows (every row once the pass is full: more than ``limit`` fail, or the call
         has fallen back) get the all-rows pick's tokens BIT FOR BIT on random bf16 inputs (`capacity_config`'s
-        split when few rows fail, the all-rows split when the pass is full), the others ``fallback``; n_fail and
-        full as `pack_active` counts them. 40 draft rows (B=6), V=4099, a rank with a tail chunk."""
+        split when few rows fail, the all-rows split when the pass is full), the others ``fallback``; the flags
+        [full, n_fail] as `pack_active` counts them. 40 draft rows (B=6), V=4099, a rank with a tail chunk."""
         n, B, vocab, rank = 8, 6, 4099, 40
         rows = n * (B - 1)
         cfg = fv.FullVocabConfig(row_tile=16, v_tile=128, v_steps=4, k_tile=16)
