@@ -27,7 +27,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from .kernels import full_vocab, hidden, latent, select, topc_pick
+from .kernels import full_vocab, latent, select, topc_pick
 from .kernels.common import cdiv, next_pow2
 
 __all__ = ["Row", "TABLE", "Plan", "plan", "capacity_config", "select_config", "SERVING_N", "SMS",
@@ -67,7 +67,6 @@ class Row:
     latent: ``"xla"`` (XLA's fused jnp latent: measured faster inside refine up to N=64), ``"split"``
       (three kernels spreading the weights over many programs) or ``"fused"`` (one kernel).
     latent_blocks_per_program: the fused latent's blocks per program.
-    hidden: `hidden.HiddenConfig` fields of the hidden-input kernels (once per call), or None: XLA's jnp.
     select_block: elements per block of the selection kernel's block maxima.
     source: the measurement behind the row (RESULTS.md section and row).
     """
@@ -78,7 +77,6 @@ class Row:
     select_block: int
     source: str
     latent_blocks_per_program: int = 1
-    hidden: dict | None = None
 
 
 #: The decision table for 16-bit dtypes, by draft rows (N at B = 16 in the comments).
@@ -139,7 +137,6 @@ class Plan:
 
     select: selection kernel keyword arguments (`select.SelectConfig` fields), or None.
     latent: `latent.LatentConfig`, or None (XLA's jnp latent).
-    hidden: `hidden.HiddenConfig` (the hidden-input kernels, once per call), or None (XLA's jnp).
     full_vocab: `full_vocab.FullVocabConfig`, or None.
     topc: `topc_pick.TopCConfig`, or None (None too when C = 0).
     row: the `TABLE` row used (None for float64 and N = 0).
@@ -150,7 +147,6 @@ class Plan:
     full_vocab: full_vocab.FullVocabConfig | None
     topc: topc_pick.TopCConfig | None
     row: Row | None = None
-    hidden: hidden.HiddenConfig | None = None
 
 
 def _row(rows: int) -> Row:
@@ -193,11 +189,7 @@ def plan(n: int, b: int, v: int, r: int, c: int, dtype: Any, *, kernels_everywhe
     if c:
         tc = _topc_config(rows, c, r, dtype)
         tc.check_shape(rows, c, r, dtype)
-    if row.hidden is not None:
-        hid = hidden.HiddenConfig(**row.hidden)
-    else:
-        hid = hidden.HiddenConfig() if kernels_everywhere else None
-    return Plan(select=sel, latent=lat, full_vocab=fv, topc=tc, row=row, hidden=hid)
+    return Plan(select=sel, latent=lat, full_vocab=fv, topc=tc, row=row)
 
 
 def capacity_config(cfg: full_vocab.FullVocabConfig, vocab: int) -> full_vocab.FullVocabConfig:

@@ -30,9 +30,6 @@ The steps (static shapes; ``rows`` = N * (B-1) draft rows):
   and picks every row. ``fallback`` ([rows] int32, with ``active``): inactive rows return it (every
   path).
 - ``latent(params, xh [N,B,r], blk [N,B] int32, prev_ids [N] int32) -> [N,B-1,r]``.
-- ``hidden(params, h [N,B,H]) -> xh [N,B,r]``: once per call, the pass-invariant hidden half of
-  ``in_proj`` (`xpress_jax.head.hidden_input`; the Pallas steps: `kernels.hidden` where the plan says so).
-  ``None``: `xpress_jax.head.hidden_input`.
 - ``start(logits [N,B,V]) -> [rows] int32``: the full-vocab argmax of the base logits (where a
   full-vocab refine starts).
 - ``full_vocab_best(logits, lat, prepared) -> (score [rows] f32, id [rows] int32)`` and
@@ -102,7 +99,6 @@ class Ops:
     full_vocab_capacity: Callable[..., Any] | None = None
     certify: Callable[..., Any] | None = None
     scan_failing: Callable[..., Any] | None = None
-    hidden: Callable[..., Any] | None = None
 
     @staticmethod
     def xla(platform: str = "cpu") -> "Ops":
@@ -157,7 +153,6 @@ def _pallas_ops(interpret: bool) -> Ops:
         full_vocab_capacity=functools.partial(_pallas_full_vocab_capacity, interpret=interpret),
         certify=functools.partial(_pallas_certify, interpret=interpret),
         scan_failing=functools.partial(_pallas_scan_failing, interpret=interpret),
-        hidden=functools.partial(_pallas_hidden, interpret=interpret),
     )
 
 
@@ -316,18 +311,6 @@ def _pallas_full_vocab_capacity(n, b, v, r, dtype, limit, *, interpret):
     if not limit or fv is None or n * (b - 1) <= fv.row_tile:
         return None
     return limit
-
-
-def _pallas_hidden(params, h, *, interpret):
-    from .head import hidden_input
-    from .kernels import hidden
-
-    n, b, _ = h.shape
-    v, r = params["w1"].shape
-    p = _plan(n, b, v, r, 0, params["w1"].dtype, interpret)
-    if p.hidden is None:
-        return hidden_input(params, h)
-    return hidden.hidden_input(params, h, config=p.hidden, interpret=interpret)
 
 
 def _pallas_latent(params, xh, blk, prev_ids, *, interpret):
