@@ -2,7 +2,7 @@
 
 `TestLatentKernel` runs the kernel compiled for a GPU (skipped without one);
 `TestLatentKernelInterpret` runs the same tests in Pallas interpret mode on CPU.
-Every test runs the fused variant, the split one (three kernels for small N) and the front one (two).
+Every test runs the fused variant and the split one (three kernels for small N).
 The lowering tests build the kernels' Triton IR for an H200 on any machine.
 
 Exactness: interpret mode groups the float32 sums differently from
@@ -29,7 +29,7 @@ from xpress_jax.ops import Ops
 from xpress_jax.params import param_shapes
 from xpress_jax.refine import refine_with
 
-VARIANTS = ("fused", "split", "front")
+VARIANTS = ("fused", "split")
 
 CASES = {
     # name: (N, B, V, r, M, config overrides). K and hidden dims are split in several
@@ -46,13 +46,6 @@ CASES = {
                                                     blocks_per_program=2)),
     # serving r, M with the split defaults: 45 rows -> three 16-row tiles, the last one partial.
     "split_n3_b16_serving_rm": (3, 16, 97, 256, 512, dict(variant="split")),
-    # front: 4 rank-column chunks and 4 hidden programs; one 16-row tile of 15 rows.
-    "front_n1_b16": (1, 16, 97, 64, 128, dict(variant="front", k_block=16, h_block=32, col_block=16)),
-    # odd: column, K and hidden tails, masked slots (B=6 -> bp=8, 2 blocks per program), a block past N.
-    "front_n3_b6_odd_bpp2": (3, 6, 97, 48, 80, dict(variant="front", k_block=32, h_block=32, col_block=32,
-                                                    blocks_per_program=2)),
-    # serving r, M with the front defaults.
-    "front_n2_b16_serving_rm": (2, 16, 97, 256, 512, dict(variant="front")),
 }
 
 
@@ -171,9 +164,7 @@ class TestLatentKernel:
         pytest.param(jnp.float32, 0, "fused", id="f32_full-fused"),
         pytest.param(jnp.bfloat16, 7, "split", id="bf16_top7-split"),
         pytest.param(jnp.float32, 0, "split", id="f32_full-split", marks=pytest.mark.slow),
-        pytest.param(jnp.bfloat16, 7, "fused", id="bf16_top7-fused", marks=pytest.mark.slow),
-        pytest.param(jnp.bfloat16, 0, "front", id="bf16_full-front"),
-        pytest.param(jnp.float32, 7, "front", id="f32_top7-front", marks=pytest.mark.slow)])
+        pytest.param(jnp.bfloat16, 7, "fused", id="bf16_top7-fused", marks=pytest.mark.slow)])
     def test_refined_tokens_identical(self, dtype, topc, variant):
         """Downstream: K passes of refine with the kernel give the oracle's tokens."""
         cfg = HeadConfig(vocab_size=97, hidden_size=24, block_size=6, rank=48, mlp_hidden=80,
@@ -218,7 +209,6 @@ def _abstract(N, B, V, r, M, dtype):
 
 
 SPLIT_NAMES = ("xpress_latent_pass_mix", "xpress_latent_pass_gateup", "xpress_latent_pass_down")
-FRONT_NAMES = ("xpress_latent_front", "xpress_latent_pass_down")
 
 
 @pytest.mark.parametrize(
@@ -234,14 +224,9 @@ FRONT_NAMES = ("xpress_latent_front", "xpress_latent_pass_down")
         (32, 16, jnp.bfloat16, dict(variant="split", row_block=64, num_warps=8, blocks_per_program=2), SPLIT_NAMES),
         (5, 12, jnp.bfloat16, dict(variant="split", col_block=16, h_block=64, k_block=32), SPLIT_NAMES),
         (3, 16, jnp.float32, dict(variant="split"), SPLIT_NAMES),
-        (1, 16, jnp.bfloat16, dict(variant="front"), FRONT_NAMES),
-        (16, 16, jnp.bfloat16, dict(variant="front", h_block=64, col_block=64), FRONT_NAMES),
-        (5, 12, jnp.bfloat16, dict(variant="front", col_block=16, h_block=16, k_block=64), FRONT_NAMES),
-        (3, 16, jnp.float32, dict(variant="front"), FRONT_NAMES),
     ],
     ids=["bf16_n4_fused", "bf16_n256", "bf16_bpp4", "bf16_b12", "f32_n4_fused", "bf16_n1_split",
-         "bf16_n4_split", "bf16_n32_split_rb64", "bf16_b12_split", "f32_n3_split", "bf16_n1_front",
-         "bf16_n16_front_64", "bf16_b12_front", "f32_n3_front"],
+         "bf16_n4_split", "bf16_n32_split_rb64", "bf16_b12_split", "f32_n3_split"],
 )
 def test_lowers_to_triton_for_h200(N, B, dtype, cfg, names):
     """Serving-like shapes lower to one Triton custom call per kernel, each named after it."""

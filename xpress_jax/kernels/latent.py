@@ -49,23 +49,7 @@ so each dependency is a kernel boundary; the intermediates are tiny):
    deterministic, no partial sums), rounded to ``cd`` -> [N*(B-1), r].
 
 Rows of stages 2-3 are the draft rows n*(B-1) + slot-1 (slot 0 never enters the
-MLP), so they are plain row-tiled matmuls.
-
-Front variant (small N, two launches)
--------------------------------------
-``variant="front"`` merges the split variant's first two stages:
-
-1. ``xpress_latent_front``, grid ``(cdiv(N, bpp), cdiv(M, h_block))``: every program computes ``x`` and
-   the mixer for all rank columns of its blocks, ``col_block`` columns at a time (the w1 rows are
-   gathered once, whole), and accumulates its ``h_block`` hidden columns of ``u_cd @ gate`` and
-   ``u_cd @ up`` chunk by chunk; it writes ``act`` for those columns, and program 0 of each block
-   row writes ``u`` (float32). The mixer is one broadcast product and sum over j per column chunk
-   (``[bp, bp, col_block]``), not one cross-row extraction per slot (the split stage 1's
-   straight-line form, which pays a cross-warp reduction per j).
-2. the split variant's ``xpress_latent_pass_down`` (``k_block`` over M, ``col_block`` columns).
-
-Every front program re-reads ``in_proj_token`` and ``mix`` (~256 KB at r=256, B=16, bf16) from L2:
-what the second launch saved is paid in bytes, which pays only while few blocks run (small N). (A ``split_xla`` variant, stage 1 then the
+MLP), so they are plain row-tiled matmuls. (A ``split_xla`` variant, stage 1 then the
 SwiGLU as XLA dots, and other mixer forms, a fori_loop over j or one 3-D sum, were never
 served and were removed; benchmarks/RESULTS.md "Latent pass".)
 
@@ -117,9 +101,8 @@ _HI = jax.lax.Precision.HIGHEST
 
 
 #: Kernel variants: ``"fused"`` (one kernel, one program per block(s)), ``"split"`` (three
-#: kernels that spread the weights over many programs), ``"front"`` (two kernels: x, the mixer and one
-#: hidden chunk of the SwiGLU per program, then the split variant's down stage).
-VARIANTS = ("fused", "split", "front")
+#: kernels that spread the weights over many programs).
+VARIANTS = ("fused", "split")
 
 @dataclasses.dataclass(frozen=True)
 class LatentConfig:
@@ -214,9 +197,6 @@ def default_config(n: int, dtype: Any, variant: str | None = None, rank: int = 2
     if auto and variant == "fused":
         fused = default_config(n, dtype, "fused", rank)
         return fused if fused.smem_bytes(rank, dtype) <= SMEM_LIMIT else default_config(n, dtype, "split", rank)
-    if variant == "front":
-        return LatentConfig(variant=variant, blocks_per_program=1, k_block=32 if f32 else 128, h_block=32,
-                            col_block=32, row_block=0, num_warps=4, num_stages=2)
     if variant != "fused":
         return LatentConfig(variant=variant, blocks_per_program=1, k_block=32 if f32 else 64, h_block=32,
                             col_block=32, row_block=0, num_warps=4, num_stages=2)
@@ -432,84 +412,6 @@ def _split_mix_kernel(
         plt.store(uc_ref.at[orow[:, None], col[None, :]], u.astype(cd), mask=smask)
 
 
-def _mix3(x, col, col_ok, mix_ref, *, b: int, bp: int, bpp: int, col_tail: bool):
-    """Folded causal mixer on ``len(col)`` channels as one broadcast product and sum over j:
-    ``u[blk, k, c] = sum_j mix[k, j, c] * x[blk, j, c]`` ([R, cb] float32 -> [R, cb])."""
-    f32 = jnp.float32
-    rows, cb = x.shape
-    ks = jnp.arange(bp, dtype=jnp.int32)
-    mask = _and((ks < b)[:, None, None] & (ks < b)[None, :, None] if bp != b else None,
-                col_ok[None, None, :] if col_tail else None)
-    mk = _load(mix_ref.at[ks[:, None, None], ks[None, :, None], col[None, None, :]], mask).astype(f32)  # [k, j, c]
-    if bpp == 1:
-        return jnp.sum(mk * x[None, :, :], axis=1)
-    x4 = x.reshape(bpp, 1, bp, cb)
-    return jnp.sum(mk[None] * x4, axis=2).reshape(rows, cb)
-
-
-def _front_kernel(
-    ids_ref,  # [N*B] int32, blk flattened
-    prev_ref,  # [N] int32
-    xh_ref,  # [N*B, r] cd
-    w1_ref,  # [V, r] cd
-    wt_ref,  # [r, r] cd (in_proj_token)
-    mix_ref,  # [B, B, r] cd
-    wg_ref,  # [r, M] cd
-    wu_ref,  # [r, M] cd
-    u_ref,  # [N*(B-1), r] float32
-    act_ref,  # [N*(B-1), M] cd
-    *,
-    n: int,
-    b: int,
-    bp: int,
-    bpp: int,
-    v: int,
-    r: int,
-    rp: int,
-    m: int,
-    cb: int,
-    hb: int,
-):
-    """Front stage, grid (cdiv(N, bpp), cdiv(M, hb)): x and the mixer for all rank columns (cb at a
-    time), and act = silu(u_cd @ gate) * (u_cd @ up) for this program's hb hidden columns."""
-    f32 = jnp.float32
-    cd = w1_ref.dtype
-    _, slot, blk_c, valid = _block_rows(pl.program_id(0) * bpp, n=n, b=b, bp=bp, bpp=bpp)
-    ids = _pred_ids(ids_ref, prev_ref, slot, blk_c, valid, b=b, v=v)  # [R]
-    xrow = jnp.where(valid, blk_c * b + slot, 0)
-    kk = jnp.arange(rp, dtype=jnp.int32)
-    k_ok = kk < r
-    k_tail = rp != r
-    e = _load(w1_ref.at[ids[:, None], kk[None, :]], k_ok[None, :] if k_tail else None)  # [R, rp], once
-    hc = pl.program_id(1) * hb + jnp.arange(hb, dtype=jnp.int32)
-    h_ok = hc < m
-    h_tail = m % hb != 0
-    keep = valid & (slot >= 1)
-    orow = jnp.where(keep, blk_c * (b - 1) + slot - 1, n * (b - 1))  # masked lanes one past the end
-    first = pl.program_id(1) == 0
-    rows_n = bpp * bp
-    gate = jnp.zeros((rows_n, hb), f32)
-    up = jnp.zeros((rows_n, hb), f32)
-    c_tail = r % cb != 0
-    for c0 in range(0, r, cb):  # static: r / cb column chunks
-        col = c0 + jnp.arange(cb, dtype=jnp.int32)
-        col_ok = col < r
-        xh = plt.load(xh_ref.at[xrow[:, None], col[None, :]], mask=valid[:, None] & col_ok[None, :], other=0)
-        w = _load(wt_ref.at[kk[:, None], col[None, :]],
-                  _and(k_ok[:, None] if k_tail else None, col_ok[None, :] if c_tail else None))  # [rp, cb]
-        x = xh.astype(f32) + jnp.dot(e, w, precision=_HI, preferred_element_type=f32)  # [R, cb]
-        u = _mix3(x, col, col_ok, mix_ref, b=b, bp=bp, bpp=bpp, col_tail=c_tail)
-        plt.store(u_ref.at[orow[:, None], col[None, :]], u, mask=keep[:, None] & col_ok[None, :] & first)
-        gmask = _and(col_ok[:, None] if c_tail else None, h_ok[None, :] if h_tail else None)
-        uc = u.astype(cd)
-        wg = _load(wg_ref.at[col[:, None], hc[None, :]], gmask)  # [cb, hb]
-        wu = _load(wu_ref.at[col[:, None], hc[None, :]], gmask)
-        gate = gate + jnp.dot(uc, wg, precision=_HI, preferred_element_type=f32)
-        up = up + jnp.dot(uc, wu, precision=_HI, preferred_element_type=f32)
-    act = (jax.nn.silu(gate) * up).astype(cd)
-    plt.store(act_ref.at[orow[:, None], hc[None, :]], act, mask=keep[:, None] & h_ok[None, :])
-
-
 def _tile_rows(rb: int, rows: int):
     """Split stages 2-3: (row_ok, load row, store row) of this program's rb rows. Rows past the
     end load row 0 and store one past the end (never written)."""
@@ -614,30 +516,6 @@ def _latent_split(xh, blk, prev_ids, w1, wt, mix, wg, wu, wd, *, cfg: LatentConf
     kb1 = min(cfg.k_block, rp)
     with_uc = jnp.dtype(cd) != jnp.dtype(f32)
     u_shape = jax.ShapeDtypeStruct((rows, r), f32)
-    rb = min(cfg.row_block or _auto_row_block(rows), max(16, next_pow2(rows)))
-    down_call = common.pallas_call(
-        functools.partial(_split_down_kernel, rows=rows, r=r, m=m, rb=rb, cb=cb, kb=min(cfg.k_block, mp)),
-        name="xpress_latent_pass_down",
-        out_shape=jax.ShapeDtypeStruct((rows, r), cd),
-        grid=(pl.cdiv(rows, rb), pl.cdiv(r, cb)),
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-        interpret=interpret,
-    )
-    ids_flat = blk.reshape(n * b).astype(jnp.int32)
-    if cfg.variant == "front":
-        hb = min(cfg.h_block, mp)
-        front_call = common.pallas_call(
-            functools.partial(_front_kernel, n=n, b=b, bp=bp, bpp=bpp, v=v, r=r, rp=rp, m=m, cb=cb, hb=hb),
-            name="xpress_latent_front",
-            out_shape=(u_shape, jax.ShapeDtypeStruct((rows, m), cd)),
-            grid=(pl.cdiv(n, bpp), pl.cdiv(m, hb)),
-            num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
-            interpret=interpret,
-        )
-        u, act = front_call(ids_flat, prev_ids.astype(jnp.int32), xh.reshape(n * b, r), w1, wt, mix, wg, wu)
-        return down_call(u, act, wd)
     mix_call = common.pallas_call(
         functools.partial(_split_mix_kernel, n=n, b=b, bp=bp, bpp=bpp, v=v, r=r, cb=cb, kb=kb1),
         name="xpress_latent_pass_mix",
@@ -647,10 +525,12 @@ def _latent_split(xh, blk, prev_ids, w1, wt, mix, wg, wu, wd, *, cfg: LatentConf
         num_stages=cfg.num_stages,
         interpret=interpret,
     )
-    outs = mix_call(ids_flat, prev_ids.astype(jnp.int32), xh.reshape(n * b, r), w1, wt, mix)
+    outs = mix_call(blk.reshape(n * b).astype(jnp.int32), prev_ids.astype(jnp.int32), xh.reshape(n * b, r),
+                    w1, wt, mix)
     u = outs[0]
     uc = outs[1] if with_uc else u
 
+    rb = min(cfg.row_block or _auto_row_block(rows), max(16, next_pow2(rows)))
     hb = min(cfg.h_block, mp)
     gateup_call = common.pallas_call(
         functools.partial(_split_gateup_kernel, rows=rows, r=r, m=m, rb=rb, hb=hb, kb=kb1),
@@ -662,6 +542,15 @@ def _latent_split(xh, blk, prev_ids, w1, wt, mix, wg, wu, wd, *, cfg: LatentConf
         interpret=interpret,
     )
     act = gateup_call(uc, wg, wu)
+    down_call = common.pallas_call(
+        functools.partial(_split_down_kernel, rows=rows, r=r, m=m, rb=rb, cb=cb, kb=min(cfg.k_block, mp)),
+        name="xpress_latent_pass_down",
+        out_shape=jax.ShapeDtypeStruct((rows, r), cd),
+        grid=(pl.cdiv(rows, rb), pl.cdiv(r, cb)),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        interpret=interpret,
+    )
     return down_call(u, act, wd)
 
 
