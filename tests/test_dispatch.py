@@ -14,6 +14,7 @@ import pytest
 import xpress_jax as xj
 from conftest import make_head, make_inputs
 from xpress_jax import dispatch
+from xpress_jax import reference as xref
 from xpress_jax.kernels import full_vocab, latent, select, topc_pick
 from xpress_jax.ops import Ops
 from xpress_jax.refine import refine_with
@@ -116,7 +117,7 @@ def test_ops_are_typed_and_cached():
     fields = {f.name for f in dataclasses.fields(Ops)}
     assert fields == {"name", "select", "topc_prepare", "topc_pick", "full_vocab_prepare", "full_vocab_pick", "latent", "start",
                       "full_vocab_best", "topc_best", "candidates_best", "full_vocab_capacity", "certify",
-                      "scan_failing"}
+                      "scan_failing", "hidden"}
     with pytest.raises(dataclasses.FrozenInstanceError):
         Ops.xla().name = "x"  # type: ignore[misc]
     with pytest.raises(ValueError, match="platform"):
@@ -130,13 +131,43 @@ def test_refine_with_refuses_what_is_not_ops():
         refine_with("pallas", head, *make_inputs(cfg, 1))
 
 
-def test_xla_gpu_readout_spelling_gives_the_same_tokens():
-    """Ops.xla("gpu") only changes how the readout dot is spelled (the 16-bit result written directly)."""
-    cfg = xj.HeadConfig(vocab_size=301, hidden_size=16, block_size=5, rank=24, mlp_hidden=32, topc=0)
+@pytest.mark.parametrize("n,topc", [(3, 0), (1, 0), (1, 7)])
+def test_xla_gpu_spelling_gives_the_same_tokens(n, topc):
+    """Ops.xla("gpu") only changes how the readout dot (the 16-bit result written directly) and the hidden
+    input (`reference.hidden_input_gpu`: N=1 padded, xh behind a barrier) are spelled."""
+    cfg = xj.HeadConfig(vocab_size=301, hidden_size=16, block_size=5, rank=24, mlp_hidden=32, topc=topc)
     head = xj.Head(cfg, make_head(cfg, dtype=jnp.bfloat16))
-    x = make_inputs(cfg, 3, dtype=jnp.bfloat16)
+    x = make_inputs(cfg, n, dtype=jnp.bfloat16)
     a = refine_with(Ops.xla("cpu"), head, *x)
     np.testing.assert_array_equal(np.asarray(refine_with(Ops.xla("gpu"), head, *x)), np.asarray(a))
+    assert Ops.xla("gpu").hidden is xref.hidden_input_gpu and Ops.xla("cpu").hidden is None
+    assert Ops.pallas(False).hidden is xref.hidden_input_gpu and Ops.pallas(True).hidden is None
+
+
+@pytest.mark.parametrize("n", [1, 2, 8])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_hidden_input_gpu_is_the_same_sums(n, dtype):
+    """`reference.hidden_input_gpu` == `head.hidden_input` bit for bit where every summation order is exact
+    (small dyadic values: the padded row, the slice and the barriers must change nothing), and within float32
+    rounding on random values (XLA may order a padded GEMM's sums unlike a strength-reduced GEMV's)."""
+    from xpress_jax.head import hidden_input
+
+    rng = np.random.default_rng(n)
+    B, H, r = 4, 64, 16
+    def dyadic(shape, scale):
+        return jnp.asarray((rng.integers(-4, 5, shape) * scale).astype(np.float32)).astype(dtype)
+    p = {"w1": jnp.zeros((3, r), dtype), "down_h": dyadic((H, r), 2.0**-4), "down_g": dyadic((H, r), 2.0**-4),
+         "in_proj_hidden": dyadic((2 * r, r), 2.0**-5)}
+    h = dyadic((n, B, H), 2.0**-2)  # slot sums of 4 values / 4: exact; products and sums exact in f32
+    want = np.asarray(hidden_input(p, h))
+    np.testing.assert_array_equal(np.asarray(xref.hidden_input_gpu(p, h)), want)
+    np.testing.assert_array_equal(np.asarray(jax.jit(xref.hidden_input_gpu)(p, h)), want)
+    assert np.abs(want).max() > 0
+    p = {k: jnp.asarray(rng.standard_normal(v.shape).astype(np.float32) * 0.2).astype(dtype) for k, v in p.items()}
+    h = jnp.asarray(rng.standard_normal((n, B, H)).astype(np.float32)).astype(dtype)
+    got, want = (np.asarray(f(p, h)).astype(np.float32) for f in (xref.hidden_input_gpu, hidden_input))
+    tol = 1e-6 if dtype == jnp.float32 else 2.0**-7
+    assert np.abs(got - want).max() <= tol * np.abs(want).max()
 
 
 # ----------------------------------------------------------------------------- import structure

@@ -68,20 +68,29 @@ def _dot(a: jax.Array, b: jax.Array, acc: jnp.dtype) -> jax.Array:
     return jnp.matmul(a, b, precision=precision_for(a.dtype), preferred_element_type=acc)
 
 
-def hidden_cache(params: Params, h: jax.Array) -> jax.Array:
-    """``concat(h @ down_h, mean_slots(h) @ down_g)``: [N, B, H] -> [N, B, 2r] (pass-invariant)."""
+def hidden_cache(params: Params, h: jax.Array, *, pad_rows: int = 0) -> jax.Array:
+    """``concat(h @ down_h, mean_slots(h) @ down_g)``: [N, B, H] -> [N, B, 2r] (pass-invariant).
+
+    ``pad_rows`` (a spelling for XLA:GPU, same values: `xpress_jax.reference.hidden_input_gpu`): with
+    N < pad_rows, ``mean_slots(h)`` is padded with zero rows to ``pad_rows`` behind an optimization
+    barrier before its dot, so that XLA cannot strength-reduce an N = 1 dot into a multiply + reduce.
+    """
     cd = params["w1"].dtype
     acc = acc_dtype(cd)
+    n = h.shape[0]
     hh = round_to(_dot(h, params["down_h"], acc), cd)  # [N, B, r]
     g = round_to(jnp.mean(h.astype(acc), axis=1), cd)  # [N, H]
-    hg = round_to(_dot(g, params["down_g"], acc), cd)  # [N, r]
+    if n < pad_rows:
+        g = jax.lax.optimization_barrier(jnp.pad(g, ((0, pad_rows - n), (0, 0))))
+    hg = round_to(_dot(g, params["down_g"], acc), cd)[:n]  # [N, r]
     return jnp.concatenate([hh, jnp.broadcast_to(hg[:, None, :], hh.shape)], axis=-1)
 
 
-def hidden_input(params: Params, h: jax.Array) -> jax.Array:
-    """``xh = hidden_cache(h) @ in_proj_hidden``: the pass-invariant half of ``in_proj``, [N, B, r]."""
+def hidden_input(params: Params, h: jax.Array, *, pad_rows: int = 0) -> jax.Array:
+    """``xh = hidden_cache(h) @ in_proj_hidden``: the pass-invariant half of ``in_proj``, [N, B, r].
+    ``pad_rows``: see `hidden_cache` (the same values)."""
     cd = params["w1"].dtype
-    return round_to(_dot(hidden_cache(params, h), params["in_proj_hidden"], acc_dtype(cd)), cd)
+    return round_to(_dot(hidden_cache(params, h, pad_rows=pad_rows), params["in_proj_hidden"], acc_dtype(cd)), cd)
 
 
 def latent(params: Params, xh: jax.Array, prev: jax.Array) -> jax.Array:

@@ -30,6 +30,9 @@ The steps (static shapes; ``rows`` = N * (B-1) draft rows):
   and picks every row. ``fallback`` ([rows] int32, with ``active``): inactive rows return it (every
   path).
 - ``latent(params, xh [N,B,r], blk [N,B] int32, prev_ids [N] int32) -> [N,B-1,r]``.
+- ``hidden(params, h [N,B,H]) -> xh [N,B,r]``: once per call, the pass-invariant hidden half of
+  ``in_proj``. ``None``: `xpress_jax.head.hidden_input`; on GPUs (`Ops.xla("gpu")`, compiled `Ops.pallas`)
+  `reference.hidden_input_gpu`, the same sums spelled so that XLA:GPU avoids two slow fusions.
 - ``start(logits [N,B,V]) -> [rows] int32``: the full-vocab argmax of the base logits (where a
   full-vocab refine starts).
 - ``full_vocab_best(logits, lat, prepared) -> (score [rows] f32, id [rows] int32)`` and
@@ -99,12 +102,14 @@ class Ops:
     full_vocab_capacity: Callable[..., Any] | None = None
     certify: Callable[..., Any] | None = None
     scan_failing: Callable[..., Any] | None = None
+    hidden: Callable[..., Any] | None = None
 
     @staticmethod
     def xla(platform: str = "cpu") -> "Ops":
         """The jnp reference for every step. ``platform`` (decided by the caller, once): on
         ``"gpu"`` the full-vocab readout dot writes its 16-bit result directly (same values,
-        `reference.readout`); it changes nothing else. One object per platform (a static jit arg)."""
+        `reference.readout`) and the hidden input is `reference.hidden_input_gpu` (same sums); it
+        changes nothing else. One object per platform (a static jit arg)."""
         if platform not in PLATFORMS:
             raise ValueError(f"platform must be one of {PLATFORMS}, got {platform!r}")
         return _xla_ops(platform)
@@ -133,6 +138,7 @@ def _xla_ops(platform: str) -> Ops:
         topc_best=ref.topc_pick_best,
         candidates_best=_xla_candidates_best,
         certify=_xla_certify,
+        hidden=ref.hidden_input_gpu if platform == "gpu" else None,
     )
 
 
@@ -153,6 +159,8 @@ def _pallas_ops(interpret: bool) -> Ops:
         full_vocab_capacity=functools.partial(_pallas_full_vocab_capacity, interpret=interpret),
         certify=functools.partial(_pallas_certify, interpret=interpret),
         scan_failing=functools.partial(_pallas_scan_failing, interpret=interpret),
+        # Interpret mode runs on a CPU: the plain spelling there (the GPU one is for XLA:GPU's fusions).
+        hidden=None if interpret else ref.hidden_input_gpu,
     )
 
 

@@ -325,7 +325,7 @@ def _refine(ops: Ops, params, logits, h, anchors, prev_ids, num_passes, topc, un
     anchors = jnp.where(valid, anchors, 0).astype(jnp.int32)
     prev_ids = jnp.where(valid, prev_ids, 0).astype(jnp.int32)
 
-    xh = hidden_input(params, h)  # [N, B, r], once per call
+    xh = (ops.hidden or hidden_input)(params, h)  # [N, B, r], once per call
 
     if certified is not None and not topc:
         blk, stats = certified_passes(ops, params, logits, xh, anchors, prev_ids, valid, num_passes, unroll, certified,
