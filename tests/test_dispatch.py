@@ -42,9 +42,9 @@ def test_table_is_ordered_and_ends_unbounded():
 _LAZY = dict(prefetch_base=True, lazy=True)
 SERVED = {
     1: dict(fv=dict(row_tile=16, v_tile=128, v_steps=3, k_tile=64, num_warps=4, num_stages=4, hold_lat=False,
-                    flat=True, **_LAZY), latent=None, select={}, topc_steps=1),
+                    flat=True, **_LAZY), latent=None, select=dict(block=16), topc_steps=1),
     4: dict(fv=dict(row_tile=64, v_tile=64, v_steps=6, k_tile=64, num_warps=4, num_stages=4, hold_lat=False,
-                    flat=True, **_LAZY), latent=None, select={}, topc_steps=1),
+                    flat=True, **_LAZY), latent=None, select=dict(block=16), topc_steps=1),
     16: dict(fv=dict(row_tile=128, v_tile=64, v_steps=36, k_tile=0, num_warps=8, num_stages=3, hold_lat=True, **_LAZY),
              latent=None, select=dict(block=16), topc_steps=1),
     64: dict(fv=dict(row_tile=128, v_tile=64, v_steps=12, k_tile=0, num_warps=8, num_stages=3, hold_lat=True, **_LAZY),

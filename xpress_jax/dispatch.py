@@ -81,13 +81,15 @@ class Row:
 
 #: The decision table for 16-bit dtypes, by draft rows (N at B = 16 in the comments).
 TABLE: tuple[Row, ...] = (
-    Row(15, _FV_15, "xla", 32,  # N = 1
-        "Full-vocab pick N=1 (31.8 µs); Latent pass N=1 (XLA ~0 vs split 1.9 µs); Top-C selection N=1 (9.7 µs, bs32)"),
-    Row(60, _FV_60, "xla", 32,  # N = 2..4
-        "Full-vocab pick N=4 (40.5 µs); Latent pass N=4 (XLA 0.8 vs split 3.5 µs)"),
-    Row(239, _FV_240, "xla", 32,  # N = 5..15: between the measured points N=4 and N=16
+    Row(15, _FV_15, "xla", 16,  # N = 1
+        "Full-vocab pick N=1 (31.8 µs); Latent pass N=1 (XLA ~0 vs split 1.9 µs); Small-N latency 2026-12-02: "
+        "selection bs16 23.6 vs bs32 28.6 µs, refine top-512 113.3 vs 114.1"),
+    Row(60, _FV_60, "xla", 16,  # N = 2..4
+        "Full-vocab pick N=4 (40.5 µs); Latent pass N=4 (XLA 0.8 vs split 3.5 µs); Small-N latency 2026-12-02: "
+        "selection bs16 33.2 vs bs32 38.6 µs at N=4, refine top-512 135.1 vs 140.4 (N=2), 159.4 vs 165.3 (N=4)"),
+    Row(239, _FV_240, "xla", 16,  # N = 5..15: between the measured points N=4 and N=16
         "Full-vocab pick N=16 (71.2 µs, 1 wave); Latent in refine N=8 (XLA 249.9 vs split 272.3 µs top-512, "
-        "532.4 vs 584.1 full); selection bs16 measured only from 240 rows on"),
+        "532.4 vs 584.1 full); selection bs16 faster at both neighbours (N=4: 33.2 vs 38.6 µs, N=16: 71.9 vs 89.1)"),
     Row(240, _FV_240, "xla", 16,  # N = 16
         "Full-vocab pick N=16 (71.2 µs); Latent in refine N=16 (XLA 371.5 vs split 410.1 µs top-512, 611.0 vs "
         "648.8 full); Top-C selection N=16 (bs16 56.9 vs bs32 77.9 µs)"),
