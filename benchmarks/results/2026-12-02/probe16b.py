@@ -11,6 +11,8 @@ from benchmarks.timing import time_jitted
 from xpress_jax.ops import Ops
 from xpress_jax.refine import refine_with
 from xpress_jax.kernels import latent as klat, hidden as khid
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from trace_util import trace  # noqa: E402
 
 OUT = os.environ.get("OUT", "/tmp/out")
 SMALL = jax.default_backend() != "gpu"
@@ -52,37 +54,6 @@ def fn_of(ops, topc):
 def device(fn, args, m):
     ch = jax.jit(chained(cfg, m, refine_fn=fn)).lower(*args).compile()
     return round(time_jitted(ch, args, 5)[1] / m * 1e6, 1)
-
-
-def parse(path):
-    d = json.load(gzip.open(path)); ev = d["traceEvents"] if isinstance(d, dict) else d
-    pname = {e["pid"]: e["args"]["name"] for e in ev if e.get("ph") == "M" and e.get("name") == "process_name"}
-    tname = {(e["pid"], e["tid"]): e["args"]["name"] for e in ev if e.get("ph") == "M" and e.get("name") == "thread_name"}
-    X = [e for e in ev if e.get("ph") == "X"]
-    calls = sorted([e for e in X if e["name"].startswith("PjitFunction") and "python" in tname.get((e["pid"], e["tid"]), "")], key=lambda e: e["ts"])
-    outer = []
-    for e in calls:
-        if outer and e["ts"] < outer[-1]["ts"] + outer[-1]["dur"]: continue
-        outer.append(e)
-    gpu = [e for e in X if "gpu" in pname.get(e["pid"], "").lower()]
-    i = len(outer) // 2
-    t0 = outer[i]["ts"]; t1 = outer[i + 1]["ts"] if i + 1 < len(outer) else 1e30
-    ks = sorted([e for e in gpu if t0 <= e["ts"] < t1], key=lambda e: e["ts"])
-    s0 = ks[0]["ts"]
-    return dict(span=round(max(e["ts"] + e["dur"] for e in ks) - s0, 1), n=len(ks),
-                kernels=[(e["name"][:24], round(e["dur"], 2)) for e in ks[:40]])
-
-
-def trace(fn, args, tag):
-    f = jax.jit(fn)
-    for _ in range(5): f(*args).block_until_ready()
-    d = f"/tmp/tr16b_{tag}"
-    with jax.profiler.trace(d, create_perfetto_trace=True):
-        for _ in range(9): f(*args).block_until_ready()
-    try:
-        return parse(glob.glob(f"{d}/**/perfetto_trace.json.gz", recursive=True)[0])
-    except Exception as ex:
-        return repr(ex)
 
 
 CASES = [(1, cfg.topc), (4, cfg.topc), (16, cfg.topc), (1, 0), (4, 0), (16, 0)]

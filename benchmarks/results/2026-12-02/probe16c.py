@@ -17,6 +17,8 @@ from benchmarks.timing import time_jitted
 from xpress_jax.head import _dot, acc_dtype, round_to, hidden_input
 from xpress_jax.ops import Ops
 from xpress_jax.refine import refine_with
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from trace_util import trace  # noqa: E402
 
 OUT = os.environ.get("OUT", "/tmp/out")
 SMALL = jax.default_backend() != "gpu"
@@ -41,37 +43,6 @@ def hidden_variant(params, h, gbar=False, xbar=False):
     cat = jnp.concatenate([hh, jnp.broadcast_to(hg[:, None, :], hh.shape)], axis=-1)
     xh = round_to(_dot(cat, params["in_proj_hidden"], acc), cd)
     return jax.lax.optimization_barrier(xh) if xbar else xh
-
-
-def parse(path):
-    d = json.load(gzip.open(path)); ev = d["traceEvents"] if isinstance(d, dict) else d
-    pname = {e["pid"]: e["args"]["name"] for e in ev if e.get("ph") == "M" and e.get("name") == "process_name"}
-    tname = {(e["pid"], e["tid"]): e["args"]["name"] for e in ev if e.get("ph") == "M" and e.get("name") == "thread_name"}
-    X = [e for e in ev if e.get("ph") == "X"]
-    calls = sorted([e for e in X if e["name"].startswith("PjitFunction") and "python" in tname.get((e["pid"], e["tid"]), "")], key=lambda e: e["ts"])
-    outer = []
-    for e in calls:
-        if outer and e["ts"] < outer[-1]["ts"] + outer[-1]["dur"]: continue
-        outer.append(e)
-    gpu = [e for e in X if "gpu" in pname.get(e["pid"], "").lower()]
-    i = len(outer) // 2
-    t0 = outer[i]["ts"]; t1 = outer[i + 1]["ts"] if i + 1 < len(outer) else 1e30
-    ks = sorted([e for e in gpu if t0 <= e["ts"] < t1], key=lambda e: e["ts"])
-    s0 = ks[0]["ts"]
-    return dict(span=round(max(e["ts"] + e["dur"] for e in ks) - s0, 1), n=len(ks),
-                kernels=[(e["name"][:24], round(e["dur"], 2)) for e in ks[:40]])
-
-
-def trace(fn, args, tag):
-    f = jax.jit(fn)
-    for _ in range(5): f(*args).block_until_ready()
-    d = f"/tmp/tr16b_{tag}"
-    with jax.profiler.trace(d, create_perfetto_trace=True):
-        for _ in range(9): f(*args).block_until_ready()
-    try:
-        return parse(glob.glob(f"{d}/**/perfetto_trace.json.gz", recursive=True)[0])
-    except Exception as ex:
-        return repr(ex)
 
 
 VARS = {"default": None, "gbar": dict(gbar=True), "xbar": dict(xbar=True), "both": dict(gbar=True, xbar=True)}
