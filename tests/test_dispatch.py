@@ -131,7 +131,7 @@ def test_refine_with_refuses_what_is_not_ops():
         refine_with("pallas", head, *make_inputs(cfg, 1))
 
 
-@pytest.mark.parametrize("n,topc", [(3, 0), (1, 0), (1, 7)])
+@pytest.mark.parametrize("n,topc", [(3, 0), (1, 0), pytest.param(1, 7, marks=pytest.mark.slow)])
 def test_xla_gpu_spelling_gives_the_same_tokens(n, topc):
     """Ops.xla("gpu") only changes how the readout dot (the 16-bit result written directly) and the hidden
     input (`reference.hidden_input_gpu`: N=1 padded, xh behind a barrier) are spelled."""
