@@ -60,11 +60,12 @@ def hidden_input_gpu(params: Mapping[str, jax.Array], h: jax.Array) -> jax.Array
       ``g`` is padded to 16 rows behind an optimization barrier, so XLA runs it as a GEMM.
     - N in `GPU_MATERIALIZE_XH_N` (8..64): ``xh`` passes an optimization barrier, so XLA materialises it
       once instead of fusing the reduction of its split-K partials into pass 1's add (at N=16 one
-      10.9 µs fusion; at N=2..4 the barrier measured 0.8-2.8 µs slower, at N=1 no change).
+      10.9 µs fusion; at N=4 the barrier measured 0.8-2.8 µs slower, at N=1 no gain).
 
-    Measured (benchmarks/RESULTS.md "Small-N latency: the hidden input's spelling", 2026-12-02, H200):
+    Measured (benchmarks/RESULTS.md "Small-N latency: per-kernel traces, ...", part 3, 2026-12-02, H200;
     top-512 N=1 119.5 -> 115.4 µs per refine, N=16 324.6 -> 318.0; full vocab N=1 251.9 -> 248.6, N=16
-    562.1 -> 551.1; 0 tokens differ. Summation order inside each dot is XLA's choice either way.
+    562.1 -> 551.1, that run with the barrier at N = 1..64; 0 tokens differ). Summation order inside each
+    dot is XLA's choice either way.
     """
     n = h.shape[0]
     xh = hidden_input(params, h, pad_rows=16 if n == 1 else 0)
