@@ -200,7 +200,7 @@ from .reference import SLACK, bound_beta as _beta, bound_upper as _upper, certif
 from .head import acc_dtype, round_to
 from .ops import Ops
 
-__all__ = ["SLACK", "certify_rows", "lowest_missing", "FULL_VOCAB", "Auto", "Certified", "CertifiedStats", "CertifiedPrepared", "resolve_full_vocab", "prepare_certified",
+__all__ = ["SLACK", "certify_rows", "lowest_missing", "FULL_VOCAB", "Auto", "Certified", "CertifiedStats", "CertifiedPrepared", "PrunedPrepared", "prepare_pruned", "Pruned", "PrunedStats", "pruned_passes", "resolve_full_vocab", "prepare_certified",
            "certified_pick", "certified_passes", "ExactPrepared", "ExactStats", "prepare_exact", "certified_full_vocab_pick", "exact_ops"]
 
 _SLACK = SLACK
@@ -373,7 +373,7 @@ def exact_ops(inner: Ops, *, candidates: int = 512, block: int = 64, bits: int =
 # ============================================================================= the refine mode
 
 #: The spellings of `refine`'s ``full_vocab`` (how ``topc=0`` is computed; a `Certified` also works).
-FULL_VOCAB = ("scan", "certified")
+FULL_VOCAB = ("scan", "certified", "pruned")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -403,6 +403,32 @@ class Certified:
     def blocks(self, n: int) -> int:
         """The scan_blocks used at N blocks."""
         return -(-n // 8) if self.scan_blocks is None else int(self.scan_blocks)
+
+
+@dataclasses.dataclass(frozen=True)
+class Pruned:
+    """Settings of ``full_vocab="pruned"`` (frozen: a static jit argument). None changes a token.
+
+    guess: where each row's threshold id comes from: ``"candidates"`` (the winner of its C largest
+      base logits, scored by the top-C pick each pass: the best guess, one top-C pass's cost) or
+      ``"previous"`` (the row's token from the previous pass, the base argmax in pass 1: free).
+    candidates: C for ``guess="candidates"``.
+    max_exact: a pass that scores more than this fraction of its vocab tiles exactly makes the call
+      fall back: every later pass is the plain scan (no int8 work, no candidates).
+    """
+
+    guess: str = "candidates"
+    candidates: int = 512
+    max_exact: float = 0.25
+
+    def __post_init__(self):
+        if self.guess not in ("candidates", "previous"):
+            raise ValueError(f"Pruned: guess must be 'candidates' or 'previous', got {self.guess!r}")
+        c = self.candidates
+        if isinstance(c, bool) or not isinstance(c, (int, np.integer)) or c < 1:
+            raise ValueError(f"Pruned: candidates must be an int >= 1, got {c!r}")
+        if not 0 <= self.max_exact <= 1:
+            raise ValueError(f"Pruned: max_exact must lie in [0, 1], got {self.max_exact!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -439,14 +465,15 @@ class Auto:
             raise ValueError(f"Auto: certified must be an xpress_jax.exact.Certified, got {self.certified!r}")
 
 
-def resolve_full_vocab(full_vocab) -> Certified | None:
-    """``"scan"`` -> None (the plain full scan), ``"certified"`` -> ``Certified()``, a `Certified` ->
-    itself; anything else raises ValueError naming ``full_vocab``."""
-    if isinstance(full_vocab, Certified):
+def resolve_full_vocab(full_vocab) -> "Certified | Pruned | None":
+    """``"scan"`` -> None (the plain full scan), ``"certified"`` -> ``Certified()``, ``"pruned"`` ->
+    ``Pruned()``, a `Certified` or `Pruned` -> itself; anything else raises ValueError naming ``full_vocab``."""
+    if isinstance(full_vocab, (Certified, Pruned)):
         return full_vocab
     if isinstance(full_vocab, str) and full_vocab in FULL_VOCAB:
-        return None if full_vocab == "scan" else Certified()
-    raise ValueError(f"full_vocab must be one of {FULL_VOCAB} or an xpress_jax.exact.Certified, got {full_vocab!r}")
+        return {"scan": None, "certified": Certified(), "pruned": Pruned()}[full_vocab]
+    raise ValueError(f"full_vocab must be one of {FULL_VOCAB}, an xpress_jax.exact.Certified or an "
+                     f"xpress_jax.exact.Pruned, got {full_vocab!r}")
 
 
 class CertifiedPrepared(NamedTuple):
@@ -487,6 +514,51 @@ def prepare_certified(w2: jax.Array) -> CertifiedPrepared:
     _check_rank(w2.shape[1], acc)
     w = w2.astype(acc)
     return CertifiedPrepared(jnp.max(jnp.sqrt(jnp.sum(w * w, axis=1))) * (1 + _RAD))
+
+
+class PrunedPrepared(NamedTuple):
+    """Weight-only data of the pruned mode (`prepare_pruned`; float32 unless stated)."""
+
+    q: jax.Array  # [V, r] int8: w2[v] ~ scale[v] * q[v], values in [-127, 127]
+    scale: jax.Array  # [V] s_v = max|w2[v]| / 127 (1 where the row is 0)
+    err: jax.Array  # [V] E_v: ||w2[v] - s_v q[v]|| with every rounding margin folded in (the pruned mode's doc)
+    max_norm: jax.Array  # [] M = max_v ||w2[v]|| (1 + 2^-9)
+
+
+def prepare_pruned(w2: jax.Array) -> PrunedPrepared:
+    """[V, r] -> `PrunedPrepared` for ``full_vocab="pruned"``: a per-row int8 copy of ``w2`` and its error norms.
+
+    Weights only: `refine` computes it once per call (one read of ``w2`` and a 39 MB int8 write at
+    serving shapes) unless given it as ``certified_prepared``; a server keeps it with the loaded
+    params. ``E_v = (||e_v|| + 2^-11 (s_v ||q_v|| + ||w2[v]||)) (1 + 2^-9)`` with ``e_v = w2[v] - s_v q_v``
+    (module doc, "The pruned mode", why this covers every rounding). Refuses ranks too large for the
+    margins (``r u > 2^-12`` in float32) and float64 weights (the pruned kernel's dtypes are bf16,
+    f16 and f32)."""
+    _check_rank(w2.shape[1], jnp.float32)
+    if jnp.dtype(w2.dtype) == jnp.float64:
+        raise TypeError("prepare_pruned: float64 weights have no pruned kernel (use full_vocab='scan')")
+    w = w2.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(w), axis=1)
+    scale = jnp.where(amax > 0, amax / 127, 1.0).astype(jnp.float32)
+    q = jnp.clip(jnp.round(w / scale[:, None]), -127, 127)
+    e = jnp.linalg.norm(w - q * scale[:, None], axis=1)
+    nq = jnp.linalg.norm(q, axis=1)
+    nw = jnp.linalg.norm(w, axis=1)
+    err = (e + 2.0 ** -11 * (scale * nq + nw)) * (1 + _RAD)
+    return PrunedPrepared(q.astype(jnp.int8), scale, err.astype(jnp.float32), (jnp.max(nw) * (1 + _RAD)).astype(jnp.float32))
+
+
+class PrunedStats(NamedTuple):
+    """Per-call counters of the pruned mode (float32 scalars; `refine(..., return_stats=True)`).
+
+    Over the passes that ran the bound (not fallen back) and the valid rows. A row's winning tile
+    always needs its exact score, so a row is *certified* when its bound excluded every other tile.
+    """
+
+    rows_certified: jax.Array  # rows whose bound excluded every vocab tile but one / rows tried (1 if none)
+    tiles_excluded: jax.Array  # (row, vocab tile) pairs the row's bound excluded / pairs tried (1 if none)
+    tiles_exact: jax.Array  # (row tile, vocab tile) pairs the kernel scored exactly / pairs, mean over passes tried
+    passes_full_scan: jax.Array  # fraction of the K passes run as the plain scan (after a fallback)
 
 
 def lowest_missing(cand: jax.Array) -> jax.Array:
@@ -608,4 +680,68 @@ def certified_passes(ops: Ops, params, logits: jax.Array, xh: jax.Array, anchors
     stats = CertifiedStats(
         rows_certified=jnp.where(tried > 0, _ratio(certified, jnp.maximum(tried, 1)), 1.0),
         passes_certified=frac[0], passes_row_scan=frac[1], passes_full_scan=frac[2])
+    return blk, stats
+
+
+def pruned_passes(ops: Ops, params, logits: jax.Array, xh: jax.Array, anchors: jax.Array, prev_ids: jax.Array,
+                  valid: jax.Array, num_passes: int, unroll: bool, cfg: "Pruned",
+                  prepared: "PrunedPrepared | None" = None):
+    """The K passes of ``refine(..., topc=0, full_vocab=cfg)`` with a `Pruned` ``cfg`` (module doc,
+    "The pruned mode"). Returns (the block [N, B] int32 after K passes, `PrunedStats`)."""
+    N, B, V = logits.shape
+    r = params["w1"].shape[1]
+    rows = N * (B - 1)
+    w2 = params["w2"]
+    if ops.pruned_pick is None:
+        raise ValueError(f"full_vocab='pruned' needs Ops with pruned_pick; {ops.name!r} has none "
+                         "(the vocabulary-sharded steps do not support it)")
+    fprep = ops.full_vocab_prepare(w2)
+    if jnp.dtype(logits.dtype) == jnp.float64:  # no int8 bound in float64: the plain scan, reported as fallen back
+        def scan_pass(_, blk):
+            lat = ops.latent(params, xh, blk, prev_ids).reshape(rows, r)
+            return blk.at[:, 1:].set(ops.full_vocab_pick(logits, lat, fprep).reshape(N, B - 1))
+
+        blk = jnp.concatenate([anchors[:, None], ops.start(logits).reshape(N, B - 1)], axis=1)
+        blk = jax.lax.fori_loop(0, num_passes, scan_pass, blk, unroll=unroll)
+        one, nil = jnp.float32(1), jnp.float32(0)
+        return blk, PrunedStats(one, one, nil, one)
+    pp = prepare_pruned(w2) if prepared is None else prepared
+    by_cand = cfg.guess == "candidates"
+    if by_cand:
+        cand, base_c, start = ops.select(logits, min(int(cfg.candidates), V))
+        cprep = ops.topc_prepare(w2, cand)
+    else:
+        start = ops.start(logits)
+    row_valid = jnp.repeat(valid, B - 1)
+    n_valid = jnp.sum(row_valid, dtype=jnp.int32)
+
+    def one_pass(_, carry):
+        blk, fallen, (tried, certified, excl, exact, n_full) = carry
+        lat = ops.latent(params, xh, blk, prev_ids).reshape(rows, r)
+        if by_cand:
+            _, guess = ops.candidates_best(base_c, cand, lat, cprep, skip=fallen)
+        else:
+            guess = blk[:, 1:].reshape(rows)
+        tok, need, frac, n_tiles = ops.pruned_pick(logits, lat, fprep, pp, guess, fallen)
+        n_tiles_box[0] = n_tiles
+        ran = jnp.logical_not(fallen)
+        tried = tried + jnp.where(ran, n_valid, 0)
+        certified = certified + jnp.where(ran, jnp.sum(row_valid & (need <= 1), dtype=jnp.int32), 0)
+        excl = excl + jnp.where(ran, jnp.sum(jnp.where(row_valid, need, 0)).astype(jnp.float32), 0.0)
+        exact = exact + jnp.where(ran, frac, 0.0)
+        n_full = n_full + fallen.astype(jnp.int32)
+        fallen = fallen | (frac > cfg.max_exact)
+        return blk.at[:, 1:].set(tok.reshape(N, B - 1)), fallen, (tried, certified, excl, exact, n_full)
+
+    n_tiles_box = [1]  # the pick's vocab tiles per row (a static int, known once a pass is traced)
+    blk = jnp.concatenate([anchors[:, None], start.reshape(N, B - 1)], axis=1)
+    zero, zf = jnp.zeros((), jnp.int32), jnp.zeros((), jnp.float32)
+    carry = (blk, jnp.zeros((), bool), (zero, zero, zf, zf, zero))
+    blk, _, (tried, certified, excl, exact, n_full) = jax.lax.fori_loop(0, num_passes, one_pass, carry, unroll=unroll)
+    n_ran = num_passes - n_full
+    stats = PrunedStats(
+        rows_certified=jnp.where(tried > 0, _ratio(certified, jnp.maximum(tried, 1)), 1.0),
+        tiles_excluded=jnp.where(tried > 0, 1 - excl / (jnp.maximum(tried, 1).astype(jnp.float32) * n_tiles_box[0]), 1.0),
+        tiles_exact=jnp.where(n_ran > 0, exact / jnp.maximum(n_ran, 1).astype(jnp.float32), 0.0),
+        passes_full_scan=_ratio(n_full, jnp.int32(num_passes)))
     return blk, stats

@@ -66,6 +66,14 @@ The steps (static shapes; ``rows`` = N * (B-1) draft rows):
   saves work over one ``full_vocab_pick`` of the active rows, None where it saves nothing (one row
   tile holds every row); the field is None where the steps pick every row whatever they are told
   (the jnp steps): the certified mode then makes one pick per pass.
+- ``pruned_pick(logits, lat, prepared, pruned, guess, fallen) -> (tokens [rows] int32, need [rows] int32,
+  exact_frac [] float32, tiles)``: the pruned mode's pick (`xpress_jax.exact`, "The pruned mode"): the
+  ``full_vocab_pick`` tokens, scoring exactly only the vocab tiles that an int8 copy of ``w2``
+  (``pruned``: `xpress_jax.exact.prepare_pruned`) cannot exclude against a threshold from each row's
+  ``guess`` id; ``need`` = per row, the tiles (``tiles`` per row, a Python int) its bound could
+  not exclude; ``exact_frac`` = the fraction of tiles scored exactly; ``fallen``: score every tile (the plain scan). The jnp spelling
+  computes every score and masks the excluded tiles (its tokens depend on the bound being sound);
+  ``None`` where the steps have none (the vocabulary-sharded steps).
 """
 
 from __future__ import annotations
@@ -103,6 +111,7 @@ class Ops:
     certify: Callable[..., Any] | None = None
     scan_failing: Callable[..., Any] | None = None
     hidden: Callable[..., Any] | None = None
+    pruned_pick: Callable[..., Any] | None = None
 
     @staticmethod
     def xla(platform: str = "cpu") -> "Ops":
@@ -139,6 +148,7 @@ def _xla_ops(platform: str) -> Ops:
         candidates_best=_xla_candidates_best,
         certify=_xla_certify,
         hidden=ref.hidden_input_gpu if platform == "gpu" else None,
+        pruned_pick=functools.partial(_xla_pruned_pick, direct_readout=platform == "gpu"),
     )
 
 
@@ -161,6 +171,7 @@ def _pallas_ops(interpret: bool) -> Ops:
         scan_failing=functools.partial(_pallas_scan_failing, interpret=interpret),
         # Interpret mode runs on a CPU: the plain spelling there (the GPU one is for XLA:GPU's fusions).
         hidden=None if interpret else ref.hidden_input_gpu,
+        pruned_pick=functools.partial(_pallas_pruned_pick, interpret=interpret),
     )
 
 
@@ -193,6 +204,11 @@ def _xla_certify(base_c, cand, lat, w2c, tau, max_norm, mex, valid, fallen, limi
 def _xla_candidates_best(base_c, cand, lat, w2c, skip=None):
     # Computed whatever ``skip`` says: the step's result is then unspecified, any value will do.
     return ref.candidates_best(base_c, cand, lat, w2c)
+
+
+def _xla_pruned_pick(logits, lat, w2, prepared, guess, fallen, *, direct_readout: bool):
+    return ref.pruned_pick(ref.draft_rows(logits), lat, w2, prepared.q, prepared.scale, prepared.err,
+                           prepared.max_norm, guess, fallen, direct_readout=direct_readout)
 
 
 def _xla_full_vocab_best(logits, lat, w2, *, direct_readout: bool):
@@ -282,6 +298,21 @@ def _pallas_full_vocab(logits, lat, w2, active=None, fallback=None, *, interpret
                                      slot_stride=b, partials=best, active=active, capacity=capacity,
                                      fallback=fallback)
     return ref.best_by_score(*out, axis=0) if best else out
+
+
+def _pallas_pruned_pick(logits, lat, w2, prepared, guess, fallen, *, interpret):
+    """`pruned_pick`: `kernels.pruned.pruned_pick` with `kernels.pruned.pruned_config` of the plan's
+    full-vocab config (the same row, vocab and rank tiles: the scan's scores bit for bit); the jnp
+    spelling where the plan has no kernel."""
+    from .kernels import pruned
+
+    n, b, v = logits.shape
+    p = _plan(n, b, v, lat.shape[1], 0, logits.dtype, interpret)
+    if p.full_vocab is None:
+        return _xla_pruned_pick(logits, lat, w2, prepared, guess, fallen, direct_readout=False)
+    cfg = pruned.pruned_config(p.full_vocab, lat.shape[1], logits.dtype)
+    return pruned.pruned_pick(logits.reshape(n * b, v), lat, w2, prepared.q, prepared.scale, prepared.err,
+                              prepared.max_norm, guess, fallen, config=cfg, slot_stride=b, interpret=interpret)
 
 
 def _pallas_scan_failing(logits, lat, w2, fail, fallen, fallback, limit, *, interpret):

@@ -263,3 +263,41 @@ def certify_rows(best, best_id, lat, tau, max_norm, mex, valid, fallen, limit, d
     n_fail = jnp.sum(fail, dtype=jnp.int32)
     full = fallen | (n_fail > limit)
     return best_id, fail, fail | full, make_flags(full, n_fail)
+
+
+#: The pruned mode's threshold margin: ``eps = 2^-PRUNE_EPS_SHIFT ||lat|| M`` (twice the float32 dot error).
+PRUNE_EPS_SHIFT = 11
+
+
+def pruned_pick(base: jax.Array, lat: jax.Array, w2: jax.Array, q: jax.Array, scale: jax.Array, err: jax.Array,
+                max_norm: jax.Array, guess: jax.Array, fallen, *, tile: int = 64, direct_readout: bool = False):
+    """The pruned pick in jnp (`xpress_jax.kernels.pruned`'s rules, per row and per ``tile`` vocab ids).
+
+    [rows,V] base, [rows,r] lat (16-bit or float32), [V,r] w2, `xpress_jax.exact.prepare_pruned`'s
+    ``q, scale, err, max_norm``, [rows] ``guess`` ids, a ``fallen`` flag. Returns (tokens [rows] int32,
+    need [rows] int32: the tiles of the row that its int8 bound could not exclude, exact_frac []
+    float32: their fraction, tiles: the tiles per row, a Python int). The tokens are the argmax over only the unexcluded tiles' exact scores:
+    they equal `full_vocab_pick` only if the bound is sound (what the tests check). It computes
+    every exact score (the oracle saves nothing)."""
+    rows, V = base.shape
+    dtype = base.dtype
+    s = round_sum(base, readout(lat, w2, dtype, direct=direct_readout)).astype(jnp.float32)  # [rows, V]
+    latf = lat.astype(jnp.float32)
+    nl = jnp.sqrt(jnp.sum(latf * latf, axis=1)) * (1 + SLACK)
+    eps = nl * max_norm.astype(jnp.float32) * 2.0 ** -PRUNE_EPS_SHIFT
+    g = jnp.clip(guess.astype(jnp.int32), 0, V - 1)
+    d_g = jnp.sum(latf * w2[g].astype(jnp.float32), axis=1)
+    b_g = jnp.take_along_axis(base, g[:, None], axis=1)[:, 0]
+    thr = clean(round_to(b_g.astype(jnp.float32) + round_to(d_g - 2 * eps, dtype).astype(jnp.float32), dtype)
+                .astype(jnp.float32))
+    t = jnp.matmul(latf, q.astype(jnp.float32).T, precision=jax.lax.Precision.HIGHEST)
+    u = t * scale[None].astype(jnp.float32) + nl[:, None] * err[None].astype(jnp.float32)
+    ub = round_to(base.astype(jnp.float32) + round_to(u, dtype).astype(jnp.float32), dtype).astype(jnp.float32)
+    hit = jnp.logical_not(ub < thr[:, None])
+    nt = -(-V // tile)
+    hit_t = jnp.any(jnp.pad(hit, ((0, 0), (0, nt * tile - V))).reshape(rows, nt, tile), axis=2)
+    hit_t = hit_t | (flag_value(fallen) != 0)
+    keep = jnp.repeat(hit_t, tile, axis=1)[:, :V]
+    _, tok = best_by_score(jnp.where(keep, s, -jnp.inf), jnp.arange(V, dtype=jnp.int32)[None], axis=1)
+    need = jnp.sum(hit_t, axis=1, dtype=jnp.int32)
+    return tok, need, (jnp.sum(need) / (rows * nt)).astype(jnp.float32), nt

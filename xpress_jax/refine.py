@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .config import HeadConfig
-from .exact import certified_passes, resolve_full_vocab
+from .exact import Pruned, certified_passes, pruned_passes, resolve_full_vocab
 from .head import hidden_input
 from .ops import Ops
 from .params import Head, check_params
@@ -148,11 +148,17 @@ def refine(
         ``"scan"`` (every pass scores the whole vocabulary) or ``"certified"`` (each pass scores the
         C=512 largest base logits and proves with a bound that no other token can win; rows the bound
         cannot certify are scanned; `xpress_jax.exact`, README "Certified exact mode"). A
-        `xpress_jax.exact.Certified` sets its candidate count and fallback threshold.
-      return_stats: with ``full_vocab="certified"`` (and ``topc=0``) return ``(tokens,
-        xpress_jax.exact.CertifiedStats)``: the fraction of rows certified and of passes that scanned.
+        `xpress_jax.exact.Certified` sets its candidate count and fallback threshold. ``"pruned"``
+        (an int8 copy of ``w2`` bounds every vocab tile's scores against each row's best candidate;
+        only the tiles it cannot exclude are scored exactly, by the scan's own code: the scan's
+        tokens bit for bit; `xpress_jax.exact` "The pruned mode"); a `xpress_jax.exact.Pruned` sets
+        its guess, C and fallback threshold.
+      return_stats: with ``full_vocab="certified"`` or ``"pruned"`` (and ``topc=0``) return ``(tokens,
+        stats)``: `xpress_jax.exact.CertifiedStats` (the fraction of rows certified and of passes
+        that scanned) or `xpress_jax.exact.PrunedStats`.
       certified_prepared: with ``full_vocab="certified"``, `xpress_jax.exact.prepare_certified`
-        (``params["w2"]``) computed once for these weights (a traced argument, not static); None:
+        (``params["w2"]``); with ``"pruned"``, `xpress_jax.exact.prepare_pruned` (``params["w2"]``);
+        computed once for these weights (a traced argument, not static); None:
         refine computes it every call (one read of ``w2``, ~20 µs at serving shapes on an H200).
         It must come from the very weights passed: from other weights the bound may be wrong and
         so may the tokens. `RefineServer` keeps it and recomputes it on every reload.
@@ -249,8 +255,8 @@ def _run(ops: Ops, params, logits, h, anchors, prev_ids=None, *, num_passes=None
         params, logits, h, anchors, prev_ids, num_passes=num_passes, topc=topc, max_num_reqs=max_num_reqs,
         config=config, unroll=unroll)
     if return_stats and (topc or certified is None):
-        raise ValueError(f"return_stats=True reports the certified mode: it needs topc=0 and "
-                         f"full_vocab='certified' (got topc={topc}, full_vocab={full_vocab!r})")
+        raise ValueError(f"return_stats=True reports the certified or pruned mode: it needs topc=0 and "
+                         f"full_vocab='certified' or 'pruned' (got topc={topc}, full_vocab={full_vocab!r})")
     if certified_prepared is not None:
         _check_certified_prepared(certified_prepared, params, topc, certified, full_vocab)
     return _refine(ops, params, logits, h, anchors, prev_ids, num_passes, topc, unroll,
@@ -261,12 +267,21 @@ def _run(ops: Ops, params, logits, h, anchors, prev_ids=None, *, num_passes=None
 def _check_certified_prepared(prepared, params, topc, certified, full_vocab) -> None:
     """``certified_prepared`` must be a `CertifiedPrepared` (scalar ``max_norm`` in the accumulation
     dtype of the params) and the call must run the certified mode; else a clear error."""
-    from .exact import CertifiedPrepared
+    from .exact import CertifiedPrepared, Pruned, PrunedPrepared
     from .head import acc_dtype
 
     if topc or certified is None:
-        raise ValueError(f"certified_prepared is for the certified mode: it needs topc=0 and "
-                         f"full_vocab='certified' (got topc={topc}, full_vocab={full_vocab!r})")
+        raise ValueError(f"certified_prepared is for the certified and pruned modes: it needs topc=0 and "
+                         f"full_vocab='certified' or 'pruned' (got topc={topc}, full_vocab={full_vocab!r})")
+    if isinstance(certified, Pruned):
+        w2 = params["w2"]
+        if not isinstance(prepared, PrunedPrepared):
+            raise TypeError(f"certified_prepared for full_vocab='pruned' must be xpress_jax.exact.prepare_pruned("
+                            f"params['w2']), got {type(prepared).__name__}")
+        if getattr(prepared.q, "shape", None) != w2.shape or jnp.dtype(prepared.q.dtype) != jnp.int8:
+            raise ValueError(f"certified_prepared.q must be int8 {w2.shape} (prepare_pruned of this head's w2), "
+                             f"got {getattr(prepared.q, 'dtype', None)} {getattr(prepared.q, 'shape', None)}")
+        return
     if not isinstance(prepared, CertifiedPrepared):
         raise TypeError(f"certified_prepared must be xpress_jax.exact.prepare_certified(params['w2']), "
                         f"got {type(prepared).__name__}")
@@ -326,6 +341,12 @@ def _refine(ops: Ops, params, logits, h, anchors, prev_ids, num_passes, topc, un
     prev_ids = jnp.where(valid, prev_ids, 0).astype(jnp.int32)
 
     xh = (ops.hidden or hidden_input)(params, h)  # [N, B, r], once per call
+
+    if isinstance(certified, Pruned) and not topc:
+        blk, stats = pruned_passes(ops, params, logits, xh, anchors, prev_ids, valid, num_passes, unroll, certified,
+                                   certified_prepared)
+        out = jnp.where(valid[:, None], blk[:, 1:], INVALID_TOKEN)
+        return (out, stats) if return_stats else out
 
     if certified is not None and not topc:
         blk, stats = certified_passes(ops, params, logits, xh, anchors, prev_ids, valid, num_passes, unroll, certified,
