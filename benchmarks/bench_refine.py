@@ -149,9 +149,21 @@ def bench_ops(name, interpret):
 
 def certified_flag(flag):
     """"certified" / "certified-c2048" / "certified-c2048-s4" -> `xpress_jax.exact.Certified` (C candidates,
-    scan_blocks S); anything else -> None (not a certified backend)."""
-    from xpress_jax.exact import Certified
+    scan_blocks S); "pruned" / "pruned-prev" / "pruned-c1024-x50" -> `xpress_jax.exact.Pruned` (guess from the
+    previous tokens, C candidates, max_exact X percent); anything else -> None (neither)."""
+    from xpress_jax.exact import Certified, Pruned
 
+    if flag.startswith("pruned"):
+        kw = {}
+        for part in flag.removeprefix("pruned").split("-")[1:]:
+            if part == "prev":
+                kw["guess"] = "previous"
+            elif part[:1] in ("c", "x") and part[1:].isdigit():
+                kw["candidates" if part[0] == "c" else "max_exact"] = (int(part[1:]) if part[0] == "c"
+                                                                      else int(part[1:]) / 100)
+            else:
+                raise SystemExit(f"bench_refine: {flag!r} must look like pruned, pruned-prev or pruned-c1024-x50")
+        return Pruned(**kw)
     if not flag.startswith("certified"):
         return None
     kw = {}
@@ -194,7 +206,8 @@ def main(argv=None):
                          "devices, inputs and weights placed as it expects) or "
                          "@loop (passes in a lax.fori_loop instead of unrolled) or @certified[-c<C>][-s<S>] (full "
                          "vocab as refine(full_vocab=Certified(candidates=C, scan_blocks=S)): same tokens; top-C rows "
-                         "skip it; adds its stats to the row). Default: xla,pallas on a GPU, "
+                         "skip it; adds its stats to the row) or @pruned[-prev][-c<C>][-x<percent>] (full vocab as "
+                         "refine(full_vocab=Pruned(...)), likewise). Default: xla,pallas on a GPU, "
                          "xla elsewhere (pallas off a GPU runs in interpret mode: slow)")
     ap.add_argument("--reps", type=int, default=5, help="timed repeats of each chained measurement (median)")
     ap.add_argument("--walls", type=int, default=20, help="single calls timed for the wall latency (median)")
@@ -260,7 +273,8 @@ def main(argv=None):
                 placed = problem
                 # The bound's weight-only data, computed once as a server does (RefineServer: at
                 # start-up and reload), not inside every timed call.
-                prep = exact.prepare_certified(problem[0]["w2"]) if cert is not None else None
+                prep = (None if cert is None else exact.prepare_pruned(problem[0]["w2"])
+                        if isinstance(cert, exact.Pruned) else exact.prepare_certified(problem[0]["w2"]))
 
                 def refine_fn(p, l, h, a, ops=ops, topc=topc, unroll=unroll, cert=cert, stats=False, prep=prep):
                     return refine_with(ops, p, l, h, a, config=cfg, topc=topc, unroll=unroll,
@@ -352,7 +366,10 @@ def to_markdown(meta, rows, backends):
                 cells.append(f"- | {r['wall_us']:.0f} ({r['enqueue_us']:.0f})" if r else "- | -")
             if r and "agree" in r:
                 agree.append(f"{b}: {r['agree']:.2%} ({r['disagree_tokens']} differ)")
-            if r and "rows_certified" in r:  # a certified backend: its stats
+            if r and "tiles_exact" in r:  # a pruned backend: its stats
+                agree.append(f"{b}: rows certified {r['rows_certified']:.1%}, tiles excluded {r['tiles_excluded']:.2%}, "
+                             f"scored exactly {r['tiles_exact']:.2%}, passes full {r['passes_full_scan']:.2f}")
+            elif r and "rows_certified" in r:  # a certified backend: its stats
                 agree.append(f"{b}: rows certified {r['rows_certified']:.1%}, passes certified / row scan / full "
                              f"{r['passes_certified']:.2f} / {r['passes_row_scan']:.2f} / {r['passes_full_scan']:.2f}")
         mode = "full vocab" if topc == 0 else f"top-{topc}"
