@@ -367,7 +367,7 @@ def to_markdown(meta, rows, backends):
             if r and "agree" in r:
                 agree.append(f"{b}: {r['agree']:.2%} ({r['disagree_tokens']} differ)")
             if r and "tiles_exact" in r:  # a pruned backend: its stats
-                agree.append(f"{b}: rows certified {r['rows_certified']:.1%}, tiles excluded {r['tiles_excluded']:.2%}, "
+                agree.append(f"{b}: rows certified {r['rows_certified']:.1%}, ids excluded {r['ids_excluded']:.4%}, "
                              f"scored exactly {r['tiles_exact']:.2%}, passes full {r['passes_full_scan']:.2f}")
             elif r and "rows_certified" in r:  # a certified backend: its stats
                 agree.append(f"{b}: rows certified {r['rows_certified']:.1%}, passes certified / row scan / full "

@@ -551,12 +551,12 @@ def prepare_pruned(w2: jax.Array) -> PrunedPrepared:
 class PrunedStats(NamedTuple):
     """Per-call counters of the pruned mode (float32 scalars; `refine(..., return_stats=True)`).
 
-    Over the passes that ran the bound (not fallen back) and the valid rows. A row's winning tile
-    always needs its exact score, so a row is *certified* when its bound excluded every other tile.
+    Over the passes that ran the bound (not fallen back) and the valid rows. The winner's own bound
+    always reaches its threshold, so a row is *certified* when its bound excluded every other id.
     """
 
-    rows_certified: jax.Array  # rows whose bound excluded every vocab tile but one / rows tried (1 if none)
-    tiles_excluded: jax.Array  # (row, vocab tile) pairs the row's bound excluded / pairs tried (1 if none)
+    rows_certified: jax.Array  # rows whose bound excluded every id but one / rows tried (1 if none)
+    ids_excluded: jax.Array  # (row, id) pairs the row's bound excluded / pairs tried (1 if none)
     tiles_exact: jax.Array  # (row tile, vocab tile) pairs the kernel scored exactly / pairs, mean over passes tried
     passes_full_scan: jax.Array  # fraction of the K passes run as the plain scan (after a fallback)
 
@@ -722,8 +722,7 @@ def pruned_passes(ops: Ops, params, logits: jax.Array, xh: jax.Array, anchors: j
             _, guess = ops.candidates_best(base_c, cand, lat, cprep, skip=fallen)
         else:
             guess = blk[:, 1:].reshape(rows)
-        tok, need, frac, n_tiles = ops.pruned_pick(logits, lat, fprep, pp, guess, fallen)
-        n_tiles_box[0] = n_tiles
+        tok, need, frac, _ = ops.pruned_pick(logits, lat, fprep, pp, guess, fallen)
         ran = jnp.logical_not(fallen)
         tried = tried + jnp.where(ran, n_valid, 0)
         certified = certified + jnp.where(ran, jnp.sum(row_valid & (need <= 1), dtype=jnp.int32), 0)
@@ -733,7 +732,6 @@ def pruned_passes(ops: Ops, params, logits: jax.Array, xh: jax.Array, anchors: j
         fallen = fallen | (frac > cfg.max_exact)
         return blk.at[:, 1:].set(tok.reshape(N, B - 1)), fallen, (tried, certified, excl, exact, n_full)
 
-    n_tiles_box = [1]  # the pick's vocab tiles per row (a static int, known once a pass is traced)
     blk = jnp.concatenate([anchors[:, None], start.reshape(N, B - 1)], axis=1)
     zero, zf = jnp.zeros((), jnp.int32), jnp.zeros((), jnp.float32)
     carry = (blk, jnp.zeros((), bool), (zero, zero, zf, zf, zero))
@@ -741,7 +739,7 @@ def pruned_passes(ops: Ops, params, logits: jax.Array, xh: jax.Array, anchors: j
     n_ran = num_passes - n_full
     stats = PrunedStats(
         rows_certified=jnp.where(tried > 0, _ratio(certified, jnp.maximum(tried, 1)), 1.0),
-        tiles_excluded=jnp.where(tried > 0, 1 - excl / (jnp.maximum(tried, 1).astype(jnp.float32) * n_tiles_box[0]), 1.0),
+        ids_excluded=jnp.where(tried > 0, 1 - excl / (jnp.maximum(tried, 1).astype(jnp.float32) * V), 1.0),
         tiles_exact=jnp.where(n_ran > 0, exact / jnp.maximum(n_ran, 1).astype(jnp.float32), 0.0),
         passes_full_scan=_ratio(n_full, jnp.int32(num_passes)))
     return blk, stats

@@ -67,11 +67,11 @@ The steps (static shapes; ``rows`` = N * (B-1) draft rows):
   tile holds every row); the field is None where the steps pick every row whatever they are told
   (the jnp steps): the certified mode then makes one pick per pass.
 - ``pruned_pick(logits, lat, prepared, pruned, guess, fallen) -> (tokens [rows] int32, need [rows] int32,
-  exact_frac [] float32, tiles)``: the pruned mode's pick (`xpress_jax.exact`, "The pruned mode"): the
+  exact_frac [] float32, V)``: the pruned mode's pick (`xpress_jax.exact`, "The pruned mode"): the
   ``full_vocab_pick`` tokens, scoring exactly only the vocab tiles that an int8 copy of ``w2``
   (``pruned``: `xpress_jax.exact.prepare_pruned`) cannot exclude against a threshold from each row's
-  ``guess`` id; ``need`` = per row, the tiles (``tiles`` per row, a Python int) its bound could
-  not exclude; ``exact_frac`` = the fraction of tiles scored exactly; ``fallen``: score every tile (the plain scan). The jnp spelling
+  ``guess`` id; ``need`` = per row, the ids its bound could not exclude (the winner among them);
+  ``exact_frac`` = the fraction of vocab tiles scored exactly; ``fallen``: score every tile (the plain scan). The jnp spelling
   computes every score and masks the excluded tiles (its tokens depend on the bound being sound);
   ``None`` where the steps have none (the vocabulary-sharded steps).
 """

@@ -275,8 +275,8 @@ def pruned_pick(base: jax.Array, lat: jax.Array, w2: jax.Array, q: jax.Array, sc
 
     [rows,V] base, [rows,r] lat (16-bit or float32), [V,r] w2, `xpress_jax.exact.prepare_pruned`'s
     ``q, scale, err, max_norm``, [rows] ``guess`` ids, a ``fallen`` flag. Returns (tokens [rows] int32,
-    need [rows] int32: the tiles of the row that its int8 bound could not exclude, exact_frac []
-    float32: their fraction, tiles: the tiles per row, a Python int). The tokens are the argmax over only the unexcluded tiles' exact scores:
+    need [rows] int32: the ids whose int8 bound reached the row's threshold (0 once fallen),
+    exact_frac [] float32: the fraction of (row, tile) pairs scored exactly, V). The tokens are the argmax over only the unexcluded tiles' exact scores:
     they equal `full_vocab_pick` only if the bound is sound (what the tests check). It computes
     every exact score (the oracle saves nothing)."""
     rows, V = base.shape
@@ -299,5 +299,5 @@ def pruned_pick(base: jax.Array, lat: jax.Array, w2: jax.Array, q: jax.Array, sc
     hit_t = hit_t | (flag_value(fallen) != 0)
     keep = jnp.repeat(hit_t, tile, axis=1)[:, :V]
     _, tok = best_by_score(jnp.where(keep, s, -jnp.inf), jnp.arange(V, dtype=jnp.int32)[None], axis=1)
-    need = jnp.sum(hit_t, axis=1, dtype=jnp.int32)
-    return tok, need, (jnp.sum(need) / (rows * nt)).astype(jnp.float32), nt
+    need = jnp.where(flag_value(fallen), 0, jnp.sum(hit, axis=1, dtype=jnp.int32))
+    return tok, need, (jnp.sum(hit_t) / (rows * nt)).astype(jnp.float32), V

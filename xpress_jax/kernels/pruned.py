@@ -23,8 +23,8 @@ Same result as `full_vocab.full_vocab_pick` with the same ``row_tile``, ``v_tile
 4. ``fallen`` (a device flag): no int8 work, every tile exact (the plain scan's cost and result).
 
 Outputs: the [parts, rows_pad] best values and ids `full_vocab.combine_partials` reduces, per row
-the vocab tiles of the part where that row needed the exact step, and per program the tiles it
-scored exactly (written to each of its rows).
+the ids of the part whose bound reached its threshold (counted lane by lane: no per-tile reduction),
+and per program the tiles it scored exactly (written to each of its rows).
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ def _pruned_kernel(base_ref, lat_ref, w2_ref, q_ref, qs_ref, qe_ref, m_ref, g_re
 
     lanes = jax.lax.broadcasted_iota(jnp.int32, (row_tile, v_tile), 1)
 
-    def need_of(v0, b, th):  # [row_tile] int32 0/1: rows with an id of this tile whose bound reaches th
+    def hits(v0, b, th):  # [row_tile, v_tile] bool: ids whose bound reaches the row's threshold th
         col_ok = (v0 + iota(v_tile)) < vocab
         t = jnp.zeros((row_tile, v_tile), jnp.float32)
         for kk, x in enumerate(held):
@@ -146,33 +146,38 @@ def _pruned_kernel(base_ref, lat_ref, w2_ref, q_ref, qs_ref, qe_ref, m_ref, g_re
         e_v = plt.load(qe_ref.at[cols], mask=col_ok, other=0.0)
         u = t * s_v[None, :] + nl[:, None] * e_v[None, :]
         ub = (b.astype(jnp.float32) + u.astype(dtype).astype(jnp.float32)).astype(dtype).astype(jnp.float32)
-        hit = jnp.logical_not(ub < th[:, None]) & row_ok[:, None] & col_ok[None, :]
-        return jnp.max(hit.astype(jnp.int32), axis=1)
+        return jnp.logical_not(ub < th[:, None]) & row_ok[:, None] & col_ok[None, :]
 
-    def step(t, carry):
+    def exact(v0, b, best, bidx, th):  # the scan's own scores of the tile, its lazy epilogue, th raised
+        acc = jnp.zeros((row_tile, v_tile), jnp.float32)
+        for kk, x in enumerate(held):
+            acc = acc + dot(x, wload(w2_ref, v0, kk, 0.0))
+        s = (b.astype(jnp.float32) + acc.astype(dtype).astype(jnp.float32)).astype(dtype).astype(jnp.float32)
+        better = s > best
+        clean = jnp.where(s != s, -jnp.inf, s)
+        return jnp.where(better, s, best), jnp.where(better, v0 + lanes, bidx), jnp.maximum(th, jnp.max(clean, axis=1))
+
+    def pruned_step(t, carry):
         best, bidx, th, cnt, n_go = carry
         v0 = v_start(t)
         b = load_base(v0)
-        in_v = v0 < vocab  # the last part may run past V: nothing to score there
-        need = jax.lax.cond(fallen, lambda: (row_ok & in_v).astype(jnp.int32), lambda: need_of(v0, b, th))
-        go = jnp.max(need) > 0
+        hit = hits(v0, b, th)
+        go = jnp.max(hit.astype(jnp.int32)) > 0
+        best, bidx, th = jax.lax.cond(go, lambda o: exact(v0, b, *o), lambda o: o, (best, bidx, th))
+        return best, bidx, th, cnt + hit.astype(jnp.int32), n_go + go.astype(jnp.int32)
 
-        def exact(ops):
-            best, bidx, th = ops
-            acc = jnp.zeros((row_tile, v_tile), jnp.float32)
-            for kk, x in enumerate(held):
-                acc = acc + dot(x, wload(w2_ref, v0, kk, 0.0))
-            s = (b.astype(jnp.float32) + acc.astype(dtype).astype(jnp.float32)).astype(dtype).astype(jnp.float32)
-            better = s > best
-            clean = jnp.where(s != s, -jnp.inf, s)
-            return jnp.where(better, s, best), jnp.where(better, v0 + lanes, bidx), jnp.maximum(th, jnp.max(clean, axis=1))
-
-        best, bidx, th = jax.lax.cond(go, exact, lambda ops: ops, (best, bidx, th))
-        return best, bidx, th, cnt + need, n_go + go.astype(jnp.int32)
+    def plain_step(t, carry):  # fallen back: every tile exact, no int8 work
+        best, bidx, th, cnt, n_go = carry
+        v0 = v_start(t)
+        best, bidx, th = exact(v0, load_base(v0), best, bidx, th)
+        return best, bidx, th, cnt, n_go + (v0 < vocab).astype(jnp.int32)
 
     init = (jnp.full((row_tile, v_tile), -jnp.inf, jnp.float32), v_start(0) + lanes, thr,
-            jnp.zeros((row_tile,), jnp.int32), jnp.int32(0))
-    best, bidx, _, cnt, n_go = jax.lax.fori_loop(0, v_steps, step, init)
+            jnp.zeros((row_tile, v_tile), jnp.int32), jnp.int32(0))
+    best, bidx, _, cnt, n_go = jax.lax.cond(
+        fallen, lambda c: jax.lax.fori_loop(0, v_steps, plain_step, c),
+        lambda c: jax.lax.fori_loop(0, v_steps, pruned_step, c), init)
+    cnt = jnp.sum(cnt, axis=1)
     best, bidx = common.best(best, bidx, axis=1)
     mv_ref[...] = best
     mi_ref[...] = bidx
@@ -184,8 +189,8 @@ def pruned_pick(base: jax.Array, lat: jax.Array, w2: jax.Array, q: jax.Array, qs
                 max_norm: jax.Array, guess: jax.Array, fallen: jax.Array, *, config: FullVocabConfig,
                 slot_stride: int = 0, interpret: bool = False):
     """The pruned pick (module doc): ``(tokens [rows] int32, need [rows] int32, exact_frac [] float32,
-    tiles)`` (``tiles``: the vocab tiles per row, a Python int):
-    ``need`` = the vocab tiles where the row's bound reached its threshold, ``exact_frac`` = the
+    V)``: ``need`` = the vocab ids whose bound reached the row's threshold (at least 1: the winner;
+    after a fallback, 0), ``exact_frac`` = the
     fraction of (row tile, vocab tile) pairs scored exactly (a tile is, where any of its rows needs it).
 
     ``base``/``lat``/``w2``/``slot_stride`` as in `full_vocab.full_vocab_pick`; ``q`` [V, r] int8,
@@ -228,4 +233,4 @@ def pruned_pick(base: jax.Array, lat: jax.Array, w2: jax.Array, q: jax.Array, qs
     tok = combine_partials(mv, mi, interpret=interpret)[:rows]
     n_tiles = cdiv(vocab, cfg.v_tile)
     exact_frac = jnp.sum(tiles[:, ::cfg.row_tile]) / (row_tiles * n_tiles)
-    return tok, jnp.sum(need[:, :rows], axis=0), exact_frac.astype(jnp.float32), n_tiles
+    return tok, jnp.sum(need[:, :rows], axis=0), exact_frac.astype(jnp.float32), vocab
