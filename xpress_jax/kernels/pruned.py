@@ -66,7 +66,8 @@ def smem_bytes(cfg: FullVocabConfig, rank: int, dtype) -> int:
 
 def _pruned_kernel(base_ref, lat_ref, w2_ref, q_ref, qs_ref, qe_ref, m_ref, g_ref, fallen_ref,
                    mv_ref, mi_ref, need_ref, tiles_ref, *, rows: int, vocab: int, rank: int, row_tile: int, v_tile: int,
-                   v_steps: int, k_tile: int, dtype, slot_stride: int):
+                   v_steps: int, k_tile: int, dtype, slot_stride: int, two_phase: bool = True,
+                   swap: bool = False):
     i, j = pl.program_id(0), pl.program_id(1)
     r0 = i * row_tile
     rix = r0 + iota(row_tile)
@@ -118,10 +119,13 @@ def _pruned_kernel(base_ref, lat_ref, w2_ref, q_ref, qs_ref, qe_ref, m_ref, g_re
     def v_start(t):
         return (j * v_steps + t) * v_tile
 
-    def load_base(v0):
+    def load_base(v0, valid=True):
         col_ok = (v0 + iota(v_tile)) < vocab
         idx = _base_index(r0, row_tile, v0, v_tile, rows, slot_stride)
-        return plt.load(base_ref.at[idx], mask=row_ok[:, None] & col_ok[None, :], other=-jnp.inf)
+        mask = row_ok[:, None] & col_ok[None, :]
+        if valid is not True:
+            mask = mask & valid
+        return plt.load(base_ref.at[idx], mask=mask, other=-jnp.inf)
 
     def wload(ref, v0, kk, other):
         kc, kok = kmask(kk)
@@ -136,17 +140,32 @@ def _pruned_kernel(base_ref, lat_ref, w2_ref, q_ref, qs_ref, qe_ref, m_ref, g_re
 
     lanes = jax.lax.broadcasted_iota(jnp.int32, (row_tile, v_tile), 1)
 
-    def hits(v0, b, th):  # [row_tile, v_tile] bool: ids whose bound reaches the row's threshold th
+    def hits(v0, b, th):  # bool: ids whose bound reaches the row's threshold th ([row_tile, v_tile]; swap: transposed)
         col_ok = (v0 + iota(v_tile)) < vocab
-        t = jnp.zeros((row_tile, v_tile), jnp.float32)
-        for kk, x in enumerate(held):
-            t = t + dot(x, wload(q_ref, v0, kk, 0).astype(dtype))
         cols = v0 + iota(v_tile)
         s_v = plt.load(qs_ref.at[cols], mask=col_ok, other=0.0)
         e_v = plt.load(qe_ref.at[cols], mask=col_ok, other=0.0)
+        if swap:  # q as the dot's first operand: [v_tile, row_tile]
+            t = jnp.zeros((v_tile, row_tile), jnp.float32)
+            for kk, x in enumerate(held):
+                t = t + jax.lax.dot_general(wload(q_ref, v0, kk, 0).astype(dtype), x, (((1,), (1,)), ((), ())),
+                                            precision=precision, preferred_element_type=jnp.float32)
+            u = t * s_v[:, None] + nl[None, :] * e_v[:, None]
+            ub = (b.astype(jnp.float32) + u.astype(dtype).astype(jnp.float32)).astype(dtype).astype(jnp.float32)
+            return jnp.logical_not(ub < th[None, :]) & row_ok[None, :] & col_ok[:, None]
+        t = jnp.zeros((row_tile, v_tile), jnp.float32)
+        for kk, x in enumerate(held):
+            t = t + dot(x, wload(q_ref, v0, kk, 0).astype(dtype))
         u = t * s_v[None, :] + nl[:, None] * e_v[None, :]
         ub = (b.astype(jnp.float32) + u.astype(dtype).astype(jnp.float32)).astype(dtype).astype(jnp.float32)
         return jnp.logical_not(ub < th[:, None]) & row_ok[:, None] & col_ok[None, :]
+
+    def load_base_t(v0, valid=True):  # [v_tile, row_tile]: the base tile transposed (swap)
+        cols = v0 + iota(v_tile)
+        mask = (cols < vocab)[:, None] & row_ok[None, :]
+        if valid is not True:
+            mask = mask & valid
+        return plt.load(base_ref.at[src[None, :], cols[:, None]], mask=mask, other=-jnp.inf)
 
     def exact(v0, b, best, bidx, th):  # the scan's own scores of the tile, its lazy epilogue, th raised
         acc = jnp.zeros((row_tile, v_tile), jnp.float32)
@@ -174,10 +193,52 @@ def _pruned_kernel(base_ref, lat_ref, w2_ref, q_ref, qs_ref, qe_ref, m_ref, g_re
 
     init = (jnp.full((row_tile, v_tile), -jnp.inf, jnp.float32), v_start(0) + lanes, thr,
             jnp.zeros((row_tile, v_tile), jnp.int32), jnp.int32(0))
-    best, bidx, _, cnt, n_go = jax.lax.cond(
-        fallen, lambda c: jax.lax.fori_loop(0, v_steps, plain_step, c),
-        lambda c: jax.lax.fori_loop(0, v_steps, pruned_step, c), init)
-    cnt = jnp.sum(cnt, axis=1)
+    if not two_phase:
+        best, bidx, _, cnt, n_go = jax.lax.cond(
+            fallen, lambda c: jax.lax.fori_loop(0, v_steps, plain_step, c),
+            lambda c: jax.lax.fori_loop(0, v_steps, pruned_step, c), init)
+        cnt = jnp.sum(cnt, axis=1)
+    else:
+        # Phase 1: the int8 bound of every tile, no conditional in the loop (Triton pipelines its loads);
+        # the tiles to score exactly as bits of ceil(v_steps / 32) words. Phase 2: those tiles, exactly.
+        n_words = cdiv(v_steps, 32)
+        load_b = load_base_t if swap else load_base
+        cshape = (v_tile, row_tile) if swap else (row_tile, v_tile)
+
+        def phase1(t, carry):
+            words, cnt, b = carry
+            b_next = load_b(v_start(t + 1), (t + 1) < v_steps)  # prefetched one step ahead
+            hit = hits(v_start(t), b, thr)
+            go = (jnp.max(hit.astype(jnp.int32)) > 0).astype(jnp.int32)
+            w_ix, bit = t >> 5, t & 31  # t >= 0 (jnp's % does not lower to Triton here)
+            words = tuple(jnp.where(w_ix == w, wd | (go << bit), wd) for w, wd in enumerate(words))
+            return words, cnt + hit.astype(jnp.int32), b_next
+
+        def phase2(words, t, carry):
+            best, bidx, th, n_go = carry
+            w_ix, bit = t >> 5, t & 31  # t >= 0 (jnp's % does not lower to Triton here)
+            wd = words[0]
+            for w in range(1, n_words):
+                wd = jnp.where(w_ix == w, words[w], wd)
+            go = ((wd >> bit) & 1) != 0
+            v0 = v_start(t)
+            best, bidx, th = jax.lax.cond(go, lambda o: exact(v0, load_base(v0), *o), lambda o: o, (best, bidx, th))
+            return best, bidx, th, n_go + go.astype(jnp.int32)
+
+        def run_pruned(c):
+            best, bidx, th, _, _ = c
+            words, cnt, _ = jax.lax.fori_loop(
+                0, v_steps, phase1, (tuple(jnp.int32(0) for _ in range(n_words)), jnp.zeros(cshape, jnp.int32),
+                                     load_b(v_start(0))))
+            best, bidx, _, n_go = jax.lax.fori_loop(0, v_steps, functools.partial(phase2, words),
+                                                    (best, bidx, th, jnp.int32(0)))
+            return best, bidx, jnp.sum(cnt, axis=0 if swap else 1), n_go
+
+        def run_plain(c):
+            best, bidx, _, cnt, n_go = jax.lax.fori_loop(0, v_steps, plain_step, c)
+            return best, bidx, jnp.sum(cnt, axis=1), n_go
+
+        best, bidx, cnt, n_go = jax.lax.cond(fallen, run_plain, run_pruned, init)
     best, bidx = common.best(best, bidx, axis=1)
     mv_ref[...] = best
     mi_ref[...] = bidx
@@ -187,7 +248,7 @@ def _pruned_kernel(base_ref, lat_ref, w2_ref, q_ref, qs_ref, qe_ref, m_ref, g_re
 
 def pruned_pick(base: jax.Array, lat: jax.Array, w2: jax.Array, q: jax.Array, qscale: jax.Array, qerr: jax.Array,
                 max_norm: jax.Array, guess: jax.Array, fallen: jax.Array, *, config: FullVocabConfig,
-                slot_stride: int = 0, interpret: bool = False):
+                slot_stride: int = 0, interpret: bool = False, two_phase: bool = True, swap: bool = False):
     """The pruned pick (module doc): ``(tokens [rows] int32, need [rows] int32, exact_frac [] float32,
     V)``: ``need`` = the vocab ids whose bound reached the row's threshold (at least 1: the winner;
     after a fallback, 0), ``exact_frac`` = the
@@ -219,7 +280,8 @@ def pruned_pick(base: jax.Array, lat: jax.Array, w2: jax.Array, q: jax.Array, qs
     row_tiles = cdiv(rows, cfg.row_tile)
     out_spec = pl.BlockSpec((None, cfg.row_tile), lambda i, j: (j, i))
     kernel = functools.partial(_pruned_kernel, rows=rows, vocab=vocab, rank=rank, row_tile=cfg.row_tile,
-                               v_tile=cfg.v_tile, v_steps=cfg.v_steps, k_tile=kc, dtype=dtype, slot_stride=slot_stride)
+                               v_tile=cfg.v_tile, v_steps=cfg.v_steps, k_tile=kc, dtype=dtype, slot_stride=slot_stride,
+                               two_phase=two_phase, swap=swap)
     shape = (parts, row_tiles * cfg.row_tile)
     operands = (base, lat, w2, q, qscale.astype(jnp.float32), qerr.astype(jnp.float32),
                 jnp.reshape(max_norm, (1,)).astype(jnp.float32), guess.astype(jnp.int32),

@@ -35,19 +35,21 @@ for n in ns:
     t_scan = time_step(lambda x: scan(x)[0], lat, m, 5)
     want = jax.jit(scan)(lat)[1]
     base_cfg = pruned.pruned_config(plan.full_vocab, cfg.rank, jnp.bfloat16)
-    variants = {"default": base_cfg}
-    for st in (1, 3, 4):
-        variants[f"stages{st}"] = dataclasses.replace(base_cfg, num_stages=st)
-    variants["vsteps/2"] = dataclasses.replace(base_cfg, v_steps=max(1, base_cfg.v_steps // 2))
-    variants["vsteps*2"] = dataclasses.replace(base_cfg, v_steps=base_cfg.v_steps * 2)
-    variants["warps*2"] = dataclasses.replace(base_cfg, num_warps=min(8, base_cfg.num_warps * 2))
+    # (config, two_phase, swap); second run of this script (the two-phase kernel)
+    variants = {"2phase": (base_cfg, True, False), "2phase swap": (base_cfg, True, True)}
+    if n < 256:
+        variants["1phase"] = (base_cfg, False, False)
+        variants["2phase stages3"] = (dataclasses.replace(base_cfg, num_stages=3), True, False)
+        variants["2phase swap stages3"] = (dataclasses.replace(base_cfg, num_stages=3), True, True)
+        variants["2phase vsteps*2"] = (dataclasses.replace(base_cfg, v_steps=base_cfg.v_steps * 2), True, False)
     print(json.dumps(dict(N=n, std=std, impl="scan", us=t_scan, cfg=str(plan.full_vocab))), flush=True)
-    for name, c in variants.items():
-        for fallen in (False, True) if name == "default" else (False,):
+    for name, (c, tp, sw) in variants.items():
+        for fallen in (False, True) if name == "2phase" else (False,):
             try:
-                def f(lat, c=c, fallen=fallen):
+                def f(lat, c=c, fallen=fallen, tp=tp, sw=sw):
                     tok, need, frac, _ = pruned.pruned_pick(base2, lat, w2, pp.q, pp.scale, pp.err, pp.max_norm, guess,
-                                                            jnp.asarray(fallen), config=c, slot_stride=B)
+                                                            jnp.asarray(fallen), config=c, slot_stride=B, two_phase=tp,
+                                                            swap=sw)
                     return lat.at[0, 0].add((tok[0] % 2).astype(lat.dtype) * 0), tok, need, frac
 
                 t = time_step(lambda x: f(x)[0], lat, m, 5)
