@@ -38,11 +38,12 @@ def _pick_inputs(dtype, rows, vocab, rank, *, std=0.05, seed=0, flat=False):
     return base.astype(dtype), lat.astype(dtype), w2.astype(dtype)
 
 
-def _kernel_pick(base, lat, w2, guess, fallen=False, cfg=None):
+def _kernel_pick(base, lat, w2, guess, fallen=False, cfg=None, **variant):
     cfg = cfg or full_vocab.FullVocabConfig(row_tile=16, v_tile=32, v_steps=3, k_tile=16, lazy=True)
     p = prepare_pruned(w2)
     tok, need, frac, _ = pruned.pruned_pick(base, lat, w2, p.q, p.scale, p.err, p.max_norm, guess, jnp.asarray(fallen),
-                                            config=pruned.pruned_config(cfg, lat.shape[1], base.dtype), interpret=True)
+                                            config=pruned.pruned_config(cfg, lat.shape[1], base.dtype), interpret=True,
+                                            **variant)
     want = full_vocab.full_vocab_pick(base, lat, w2, config=cfg, interpret=True)
     return np.asarray(tok), np.asarray(want), np.asarray(need), float(frac)
 
@@ -65,6 +66,23 @@ def test_kernel_equals_scan_kernel(dtype, rows, vocab, rank):
     tok, want, need, frac = _kernel_pick(base, lat, w2, scan, fallen=True)
     np.testing.assert_array_equal(tok, want)
     assert frac == 1 and (need == 0).all()  # fallen back: every tile exact, no bound
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("variant", [dict(two_phase=True), dict(two_phase=True, swap=True)], ids=["2phase", "swap"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_kernel_variants(dtype, variant):
+    """The two-phase loop (its tile bits span two words: 40 tiles per part) and the transposed bound dot,
+    with a NaN and an inf base logit and fallen back: the scan's tokens."""
+    base, lat, w2 = _pick_inputs(dtype, 20, 3000, 48)
+    base = base.at[0, 5].set(jnp.nan).at[1, 9].set(jnp.inf)
+    cfg = full_vocab.FullVocabConfig(row_tile=16, v_tile=32, v_steps=40, k_tile=16, lazy=True)
+    scan = full_vocab.full_vocab_pick(base, lat, w2, config=cfg, interpret=True)
+    for guess, fallen in ((scan, False), (jnp.zeros((20,), jnp.int32), False), (scan, True)):
+        tok, want, need, frac = _kernel_pick(base, lat, w2, guess, fallen, cfg=cfg, **variant)
+        np.testing.assert_array_equal(tok, want)
+        assert fallen or (need >= 1).all()
+        assert frac == 1 if fallen else frac < 1 or guess is not scan
 
 
 @pytest.mark.interpret
@@ -260,6 +278,15 @@ def test_lowers_for_an_h200():
         text = lower_triton(f, *args).as_text()
         assert text.count('"xpress_full_vocab_pruned"') >= 2 or text.count("xpress_full_vocab_pruned") >= 2, n
         assert "xpress_full_vocab_fused" not in text, n
+    # the kernel's other loops (two phases: tile bits in words, shifts and masks; the transposed bound dot)
+    rows, v = 45, cfg.vocab_size
+    fv = full_vocab.FullVocabConfig(row_tile=64, v_tile=64, v_steps=36, k_tile=0, num_warps=8, lazy=True)
+    args = (S((48, v), jnp.bfloat16), S((rows, 256), jnp.bfloat16), S((v, 256), jnp.bfloat16), S((v, 256), jnp.int8),
+            S((v,), jnp.float32), S((v,), jnp.float32), S((), jnp.float32), S((rows,), jnp.int32), S((1,), jnp.int32))
+    for swap in (False, True):
+        g = lambda *a, swap=swap: pruned.pruned_pick(*a, config=pruned.pruned_config(fv, 256, jnp.bfloat16),
+                                                     slot_stride=16, two_phase=True, swap=swap)[0]
+        assert "xpress_full_vocab_pruned" in lower_triton(g, *args).as_text()
 
 
 @pytest.mark.skipif(not gpu_supported(), reason="needs a supported NVIDIA GPU (compiled kernels)")

@@ -20,7 +20,13 @@ Same result as `full_vocab.full_vocab_pick` with the same ``row_tile``, ``v_tile
    tile is skipped: every id in it scores below ``thr`` <= the row's winning score, so it can
    neither win nor tie the winner. The winner's tile is never skipped (its ``ub`` >= its score >=
    ``thr``), so each row's best over its parts is the full scan's.
-4. ``fallen`` (a device flag): no int8 work, every tile exact (the plain scan's cost and result).
+4. ``fallen`` (a device flag): no int8 work, every tile exact (the plain scan's result).
+
+Measured on an H200 (benchmarks/RESULTS.md, "Pruned mode", 2026-12-02): correct (0 tokens differ) and
+pruning (at the synthetic std-0.04 head 1.9% / 7% / 7.7% of tiles scored exactly at N = 1 / 16 / 256),
+but **not faster than the scan**: the bound's pass costs about what the bf16 scan costs (0.95-1.4x the
+scan's pick at N=1, 1.7-2.3x at N=16, 1.9x at N=256 over the variants tried). The scan is not bound by
+reading ``w2`` at N >= 16, and the int8 tile converted for a bf16 tensor-core dot adds work.
 
 Outputs: the [parts, rows_pad] best values and ids `full_vocab.combine_partials` reduces, per row
 the ids of the part whose bound reached its threshold (counted lane by lane: no per-tile reduction),
@@ -66,7 +72,7 @@ def smem_bytes(cfg: FullVocabConfig, rank: int, dtype) -> int:
 
 def _pruned_kernel(base_ref, lat_ref, w2_ref, q_ref, qs_ref, qe_ref, m_ref, g_ref, fallen_ref,
                    mv_ref, mi_ref, need_ref, tiles_ref, *, rows: int, vocab: int, rank: int, row_tile: int, v_tile: int,
-                   v_steps: int, k_tile: int, dtype, slot_stride: int, two_phase: bool = True,
+                   v_steps: int, k_tile: int, dtype, slot_stride: int, two_phase: bool = False,
                    swap: bool = False):
     i, j = pl.program_id(0), pl.program_id(1)
     r0 = i * row_tile
@@ -248,7 +254,7 @@ def _pruned_kernel(base_ref, lat_ref, w2_ref, q_ref, qs_ref, qe_ref, m_ref, g_re
 
 def pruned_pick(base: jax.Array, lat: jax.Array, w2: jax.Array, q: jax.Array, qscale: jax.Array, qerr: jax.Array,
                 max_norm: jax.Array, guess: jax.Array, fallen: jax.Array, *, config: FullVocabConfig,
-                slot_stride: int = 0, interpret: bool = False, two_phase: bool = True, swap: bool = False):
+                slot_stride: int = 0, interpret: bool = False, two_phase: bool = False, swap: bool = False):
     """The pruned pick (module doc): ``(tokens [rows] int32, need [rows] int32, exact_frac [] float32,
     V)``: ``need`` = the vocab ids whose bound reached the row's threshold (at least 1: the winner;
     after a fallback, 0), ``exact_frac`` = the
@@ -259,7 +265,10 @@ def pruned_pick(base: jax.Array, lat: jax.Array, w2: jax.Array, q: jax.Array, qs
     ``guess`` [rows] int (any ids; out-of-range ones are clipped); ``fallen`` a flag
     (`common.flag_operand`). ``config``: the kernel's config (`pruned_config` of the scan's). The
     tokens equal ``full_vocab_pick(base, lat, w2, config=c)`` for any ``c`` with the same
-    ``row_tile``, ``v_tile`` and ``k_tile``.
+    ``row_tile``, ``v_tile`` and ``k_tile``. ``two_phase`` (static): first the int8 bound of every tile
+    of the part (a loop with no conditional), then the flagged tiles exactly; else one loop with the
+    exact step under a `lax.cond` per tile. ``swap`` (two_phase only): the bound's dot as ``q @ lat.T``.
+    Neither changes a token; on an H200 neither was faster (benchmarks/RESULTS.md, "Pruned mode").
     """
     dtype = _check_inputs(base, lat, w2, slot_stride, "pruned pick kernel")
     vocab = base.shape[1]
