@@ -324,3 +324,15 @@ def test_sweep_kernel_seeds_and_shapes(dtype, seed):
         guess = jnp.asarray(rng.integers(0, vocab, rows), jnp.int32)
         tok, want, _, _ = _kernel_pick(base, lat, w2, guess, cfg=cfg)
         np.testing.assert_array_equal(tok, want, err_msg=f"{rows=} {vocab=} {rank=} {std=} {cfg}")
+
+
+def test_refine_server_runs_the_pruned_mode():
+    """`RefineServer(full_vocab="pruned")` keeps the int8 copy with its weights and gives the scan's tokens."""
+    head = xj.init_head(CFG, jax.random.key(0), std=0.1)
+    _, logits, h, anchors = _problem(jnp.float32, 0.1, n=3, peaked=True)
+    args = (np.asarray(logits), np.asarray(h), np.asarray(anchors))
+    want = xj.RefineServer(head, buckets=(4,), topc=0, backend="xla")(*args)
+    server = xj.RefineServer(head, buckets=(4,), topc=0, full_vocab="pruned", backend="xla")
+    assert server.exact_mode(4) == "pruned"
+    got = server(*args)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

@@ -1,6 +1,6 @@
 """Certified exact full-vocabulary picks at (close to) top-C cost (issue 14).
 
-Two things live here:
+Three things live here (the pruned mode below is the third):
 
 - **The refine mode** ``refine(..., topc=0, full_vocab="certified")`` (`Certified`,
   `certified_passes`): the tokens of ``topc=0`` (the plain full scan, ``full_vocab="scan"``) from the
@@ -119,6 +119,60 @@ there); where nothing certifies, 1.10-1.23x the scan.
   std 0.02 certifies 93-97% of rows with C = 512 (the rest are scanned every pass) and all
   with C = 2048; std 0.04 and 0.06 certify none, and every call falls back after its first pass
   (benchmarks/RESULTS.md, "Exact mode").
+
+The pruned mode
+---------------
+``refine(..., topc=0, full_vocab="pruned")`` (`Pruned`, `pruned_passes`, `prepare_pruned`, the kernel
+`xpress_jax.kernels.pruned`, its jnp spelling `reference.pruned_pick`): the scan's tokens, **bit for bit**,
+scoring exactly only the vocab tiles that an int8 copy of ``w2`` cannot exclude. Once per call (weights
+only, or given as ``certified_prepared``): ``q_v = round(w2[v] / s_v)`` in [-127, 127] with
+``s_v = max|w2[v]| / 127``, ``e_v = w2[v] - s_v q_v``, ``E_v = (||e_v|| + 2^-11 (s_v ||q_v|| + ||w2[v]||)) (1 + 2^-9)``
+and ``M = max ||w2[v]|| (1 + 2^-9)``. Per pass and draft row: a guess id g (``guess="candidates"``: the
+winner of the C largest base logits by the full-vocab rule, from the top-C pick; ``"previous"``: the
+row's previous token), then the pruned pick.
+
+Why its tokens are the scan's (the pick reads the row's held latent ``x`` in the logits' dtype, as
+the scan's kernel does, and ``n = ||x|| (1 + 2^-10)``, at least the real norm):
+  *Every score is bounded.* The scan's dot ``d_v`` (float32, any order) obeys
+  ``d_v <= x . w2[v] + gamma_r ||x|| ||w2[v]||`` and ``x . w2[v] = s_v (x . q_v) + x . e_v``. The pick's
+  ``t_v`` (the int8 row converted exactly to the logits' dtype, float32 tensor-core sum) obeys
+  ``|t_v - x . q_v| <= gamma_r ||x|| ||q_v||``. So ``d_v <= s_v t_v + ||x|| (||e_v|| + gamma_r (s_v ||q_v||
+  + ||w2[v]||))``. ``U_v = fl(t_v s_v) + fl(n E_v)`` exceeds that: with ``r u <= 2^-12`` (checked),
+  ``gamma_r < 2^-11`` covers the dot errors and the three float32 roundings of ``U_v`` (each below
+  ``u (|s_v t_v| + n E_v)``, and ``|s_v t_v| <= s_v ||q_v|| ||x|| (1 + gamma_r)``) fall inside the ``2^-11``
+  and ``1 + 2^-9`` slack; the norms' own float32 errors (relative ``(r/2 + 1) u``) too. The score pipeline
+  ``R(fl(base + R(d)))`` is monotone, so ``ub_v = R(fl(base_v + R(U_v)))`` >= the scan's score of v (a NaN
+  ``ub`` forces the exact step).
+  *The threshold is at most the winning score.* ``thr = clean(R(fl(base_g + R(d_g - 2 eps))))`` with
+  ``d_g`` = ``x . w2[g]`` in float32 (any order) and ``eps = 2^-11 n M``: the scan's ``d_g`` differs from
+  it by at most ``2 gamma_r ||x|| ||w2[g]|| < eps``, so by monotonicity ``thr`` <= the scan's score of g
+  <= the row's winning score. Inside a program ``thr`` rises to the best exact score seen (a score of
+  the scan itself).
+  *Nothing that could win or tie the winner is skipped.* A tile is skipped only if every id in it has
+  ``ub < thr``: each scores below ``thr`` <= the winner's score, so it is neither the winner nor tied
+  with it (ties at the bound need no rule: equality is never excluded). The winner's own ``ub`` >=
+  its score >= ``thr``, so its tile is scored exactly, by the scan kernel's code: the same held latent
+  chunks, the same dots (the same row, vocab and rank tiles: `kernels.pruned.pruned_config`), the same
+  lazy epilogue, the same combine. Each row's (largest score, lowest id) over the scored tiles is then
+  the scan's. NaN logits score -inf in both; a NaN or inf latent gives ``thr = -inf`` (every tile scored).
+  So, unlike the certified mode, no difference through summation order is possible: the candidates'
+  scores only choose ``g`` and never enter a comparison. `tests/test_pruned.py` checks the bound id by id
+  (``ub >= score``), that a too-small bound is caught, and the tokens against the scan (odd shapes,
+  ties, NaN/inf, adversarial heads, both kernel loops, compiled on an H200).
+  *Fallback.* A pass that scores more than ``max_exact`` of its vocab tiles exactly sets a device flag:
+  every later pass runs the kernel's plain loop (every tile, no int8 work) and skips the top-C pick.
+  Float64 runs the scan (no int8 kernel; stats report every pass as a full scan).
+
+What it costs (H200, 2026-12-02, benchmarks/RESULTS.md "Pruned mode"): it prunes well — on the
+synthetic std-0.04 serving head (strong refinement: the certified mode certifies no row there),
+99.9% of (row, id) pairs excluded, 1.9 / 7.1 / 7.8% of (row tile, vocab tile) pairs scored exactly at
+N = 1 / 16 / 256, 0 tokens differ — but it is **slower than the scan**: 366 / 1056 / 11671 µs per
+refine against the scan's 242 / 549 / 5819 (the first kernel version; the pick alone, later variants:
+0.95-1.4x the scan's pick at N=1, 1.7-2.3x at N=16, 1.9x at N=256). The int8 bound pass costs about
+what the bf16 scan costs: at N >= 16 the scan is not bound by reading ``w2`` (its pick runs at ~26% of
+the tensor cores' peak, ~3 TB/s), and the int8 tile must be converted for a bf16 tensor-core dot. So
+``"scan"`` stays the default and this mode is for measurement and later kernels (an int8 x int8 dot
+with a quantised latent, which the same argument covers with one more error term).
 
 The study's oracle
 ------------------

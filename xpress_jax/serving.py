@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .config import HeadConfig
-from .exact import Auto, prepare_certified, resolve_full_vocab
+from .exact import Auto, Pruned, prepare_certified, prepare_pruned, resolve_full_vocab
 from .params import PARAM_NAMES, Head, check_params, param_shapes
 from .refine import BACKENDS, INVALID_TOKEN, check_backend, refine
 
@@ -84,8 +84,9 @@ class RefineServer:
     and weights must lie (a bucket the data axis does not divide takes its inputs replicated over
     it, and `refine_sharded` pads inside).
 
-    ``full_vocab``: `refine`'s option for ``topc=0`` (``"scan"`` or ``"certified"``, or a
-    `xpress_jax.exact.Certified`; same tokens); one device only (a mesh takes ``"scan"``). Certified:
+    ``full_vocab``: `refine`'s option for ``topc=0`` (``"scan"``, ``"certified"`` or ``"pruned"``, or a
+    `xpress_jax.exact.Certified` / `xpress_jax.exact.Pruned`; same tokens; a pruned server keeps the int8
+    copy of ``w2``, `xpress_jax.exact.prepare_pruned`, like the certified one keeps its bound's data); one device only (a mesh takes ``"scan"``). Certified:
     the bound's weight-only data (`xpress_jax.exact.prepare_certified`) is computed at start-up and at
     every reload, together with the weights, and passed to every call (not recomputed per call).
     ``full_vocab="auto"`` (or a `xpress_jax.exact.Auto`): the certified mode in buckets of at least
@@ -158,7 +159,8 @@ class RefineServer:
         self._prepare_exe = None
         self._extra: tuple = ()
         if self._certified:
-            self._prepare_exe = jax.jit(prepare_certified).lower(self._param_specs["w2"]).compile()
+            prep = prepare_pruned if isinstance(resolve_full_vocab(full_vocab), Pruned) else prepare_certified
+            self._prepare_exe = jax.jit(prep).lower(self._param_specs["w2"]).compile()
             self._extra = (self._prepare_exe(self._params["w2"]),)
         self.executables: dict[int, Any] = {}  # bucket -> jax.stages.Compiled
         # full_vocab="auto": the certified executables (returning their stats) of the buckets >= min_blocks,
@@ -319,7 +321,7 @@ class RefineServer:
         return out
 
     def exact_mode(self, bucket: int) -> str:
-        """How ``bucket``'s ``topc=0`` calls run: ``"scan"`` or ``"certified"``. With ``full_vocab="auto"``:
+        """How ``bucket``'s ``topc=0`` calls run: ``"scan"``, ``"certified"`` or ``"pruned"``. With ``full_vocab="auto"``:
         how its last call ran (before any call: how the first will). It changes no token."""
         if bucket not in self.buckets:
             raise ValueError(f"{bucket} is not a bucket; the buckets are {self.buckets}")
@@ -327,7 +329,8 @@ class RefineServer:
             return self._auto_state[bucket]["last"]
         if self.topc or self.mesh is not None or self._auto is not None:
             return "scan"
-        return "scan" if resolve_full_vocab(self.full_vocab) is None else "certified"
+        mode = resolve_full_vocab(self.full_vocab)
+        return "scan" if mode is None else "pruned" if isinstance(mode, Pruned) else "certified"
 
     def _num_valid(self, bucket: int, num_valid: int) -> jax.Array:
         """``num_valid`` as a device scalar placed where ``bucket``'s executable takes it, made once
