@@ -159,7 +159,8 @@ class RefineServer:
         self._prepare_exe = None
         self._extra: tuple = ()
         if self._certified:
-            prep = prepare_pruned if isinstance(resolve_full_vocab(full_vocab), Pruned) else prepare_certified
+            pruned = auto is None and isinstance(resolve_full_vocab(full_vocab), Pruned)  # "auto" runs certified
+            prep = prepare_pruned if pruned else prepare_certified
             self._prepare_exe = jax.jit(prep).lower(self._param_specs["w2"]).compile()
             self._extra = (self._prepare_exe(self._params["w2"]),)
         self.executables: dict[int, Any] = {}  # bucket -> jax.stages.Compiled
