@@ -70,6 +70,13 @@ def smem_bytes(cfg: FullVocabConfig, rank: int, dtype) -> int:
     return cfg.smem_bytes(rank, dtype) + max(1, cfg.num_stages) * cfg.v_tile * kc
 
 
+def _any(hit: jax.Array) -> jax.Array:
+    """Whether any element of a 2-D bool tile is set, reduced one axis at a time: JAX 0.12's lowering for
+    an H200 refuses a one-step 2-D -> scalar reduction (a sharding rank mismatch), and Triton has no
+    reduce_or."""
+    return jnp.max(jnp.max(hit.astype(jnp.int32), axis=1)) > 0
+
+
 def _pruned_kernel(base_ref, lat_ref, w2_ref, q_ref, qs_ref, qe_ref, m_ref, g_ref, fallen_ref,
                    mv_ref, mi_ref, need_ref, tiles_ref, *, rows: int, vocab: int, rank: int, row_tile: int, v_tile: int,
                    v_steps: int, k_tile: int, dtype, slot_stride: int, two_phase: bool = False,
@@ -187,7 +194,7 @@ def _pruned_kernel(base_ref, lat_ref, w2_ref, q_ref, qs_ref, qe_ref, m_ref, g_re
         v0 = v_start(t)
         b = load_base(v0)
         hit = hits(v0, b, th)
-        go = jnp.max(hit.astype(jnp.int32)) > 0
+        go = _any(hit)
         best, bidx, th = jax.lax.cond(go, lambda o: exact(v0, b, *o), lambda o: o, (best, bidx, th))
         return best, bidx, th, cnt + hit.astype(jnp.int32), n_go + go.astype(jnp.int32)
 
@@ -215,7 +222,7 @@ def _pruned_kernel(base_ref, lat_ref, w2_ref, q_ref, qs_ref, qe_ref, m_ref, g_re
             words, cnt, b = carry
             b_next = load_b(v_start(t + 1), (t + 1) < v_steps)  # prefetched one step ahead
             hit = hits(v_start(t), b, thr)
-            go = (jnp.max(hit.astype(jnp.int32)) > 0).astype(jnp.int32)
+            go = _any(hit).astype(jnp.int32)
             w_ix, bit = t >> 5, t & 31  # t >= 0 (jnp's % does not lower to Triton here)
             words = tuple(jnp.where(w_ix == w, wd | (go << bit), wd) for w, wd in enumerate(words))
             return words, cnt + hit.astype(jnp.int32), b_next
