@@ -9,7 +9,6 @@ that the path it means to test (pruning, or the fallback) is the one taken.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -135,6 +134,10 @@ def test_bound_covers_every_score(dtype, std):
         tok, need, frac, nv = ref.pruned_pick(base, lat, w2, p.q, p.scale, p.err, p.max_norm, guess, False)
         np.testing.assert_array_equal(tok, want)
         assert nv == 1500 and (np.asarray(need) >= 1).all()
+
+
+def test_margins_agree():
+    assert pruned.EPS_SHIFT == ref.PRUNE_EPS_SHIFT
 
 
 def head_round(base, u, dtype):

@@ -44,12 +44,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from . import common
-from .common import BIG, cdiv, iota, k_chunk
+from .common import cdiv, iota, k_chunk
 from .full_vocab import MIN_DOT, SMEM_LIMIT, FullVocabConfig, _base_index, _check_inputs, combine_partials
 
 __all__ = ["pruned_config", "pruned_pick", "EPS_SHIFT"]
 
-#: ``eps = 2^-EPS_SHIFT ||lat|| M``: covers twice the float32 dot error (2 gamma_r, r u <= 2^-12).
+#: ``eps = 2^-EPS_SHIFT ||lat|| M``: covers twice the float32 dot error (2 gamma_r, r u <= 2^-12). The same
+#: value as `xpress_jax.reference.PRUNE_EPS_SHIFT` (this package imports nothing from xpress_jax; a test checks).
 EPS_SHIFT = 11
 
 
