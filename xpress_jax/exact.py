@@ -154,9 +154,13 @@ the scan's kernel does, and ``n = ||x|| (1 + 2^-10)``, at least the real norm):
   its score >= ``thr``, so its tile is scored exactly, by the scan kernel's code: the same held latent
   chunks, the same dots (the same row, vocab and rank tiles: `kernels.pruned.pruned_config`), the same
   lazy epilogue, the same combine. Each row's (largest score, lowest id) over the scored tiles is then
-  the scan's. NaN logits score -inf in both; a NaN or inf latent gives ``thr = -inf`` (every tile scored).
-  So, unlike the certified mode, no difference through summation order is possible: the candidates'
-  scores only choose ``g`` and never enter a comparison. `tests/test_pruned.py` checks the bound id by id
+  the scan's. NaN logits score -inf in both; a NaN or inf latent makes ``||x||`` inf or NaN, so every
+  bound is inf or NaN and every tile is scored.
+  So, unlike the certified mode, the candidates' scores never enter a comparison (they only choose
+  ``g``), and no float32 summation order of another kernel can change a token. What remains is the
+  compiler: the exact step issues the scan's dots on the same chunk shapes, in the same order, with the
+  same warps, but in another loop (the scan at N <= 4 uses its flat loop), and nothing but Triton's
+  choices makes the two instruction sequences equal; in every compiled run so far no token differed. `tests/test_pruned.py` checks the bound id by id
   (``ub >= score``), that a too-small bound is caught, and the tokens against the scan (odd shapes,
   ties, NaN/inf, adversarial heads, both kernel loops, compiled on an H200).
   *Fallback.* A pass that scores more than ``max_exact`` of its vocab tiles exactly sets a device flag:

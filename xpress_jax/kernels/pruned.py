@@ -1,7 +1,7 @@
-"""The int8-pruned full-vocabulary pick: the full scan's tokens, bit for bit, reading an int8 copy of ``w2``.
+"""The int8-pruned full-vocabulary pick: the full scan's tokens, from the scan's own scores, reading an int8 copy of ``w2``.
 
 Same result as `full_vocab.full_vocab_pick` with the same ``row_tile``, ``v_tile`` and ``k_tile``
-(issue 14, ``refine(..., topc=0, full_vocab="pruned")``; the argument is in
+(the same dots on the same chunks, in another loop: equal as far as Triton compiles them alike; issue 14, ``refine(..., topc=0, full_vocab="pruned")``; the argument is in
 `xpress_jax.exact`'s "The pruned mode"). Per program (a row tile and ``v_steps`` vocab tiles):
 
 1. **Threshold.** Each row's ``guess`` id g (any id: the caller passes its best candidate or the
