@@ -30,7 +30,7 @@ BACKENDS = ("auto", "xla", "pallas")
 
 #: The keyword arguments of `refine` that must be static under ``jax.jit``.
 STATIC = ("num_passes", "topc", "max_num_reqs", "config", "backend", "interpret", "unroll", "full_vocab",
-          "return_stats")
+          "return_stats", "early_exit")
 
 
 def _is_concrete(x: Any) -> bool:
@@ -120,6 +120,7 @@ def refine(
     full_vocab: Any = "scan",
     return_stats: bool = False,
     certified_prepared: Any = None,
+    early_exit: bool = True,
 ) -> jax.Array:
     """Refine N draft blocks with K greedy Jacobi passes; returns the draft [N, B-1] int32.
 
@@ -142,8 +143,11 @@ def refine(
         ``interpret=True``) or ``"auto"`` (Pallas on a supported GPU, else jnp). (Mixed
         implementations, for measurement: `xpress_jax.ops.refine_with`.)
       interpret: run Pallas kernels in interpret mode (CPU tests).
-      unroll: unroll the K passes instead of a ``lax.fori_loop`` (same tokens). Default:
-        unrolled on GPUs (an XLA while loop costs several µs per iteration there), a loop elsewhere.
+      unroll: unroll the K passes instead of a loop (same tokens). Default: unrolled on GPUs (an
+        XLA while loop costs several µs per iteration there), a loop elsewhere.
+      early_exit: stop the passes once a pass leaves the block unchanged (the default; the same
+        tokens: see "Early exit" below). False always runs all K passes. A tuple of pass numbers
+        (in 1..K-1): where an unrolled refine checks (default `exit_checks`).
       full_vocab: how ``topc=0`` is computed (the same tokens either way; unused when ``topc > 0``):
         ``"scan"`` (every pass scores the whole vocabulary) or ``"certified"`` (each pass scores the
         C=512 largest base logits and proves with a bound that no other token can win; rows the bound
@@ -177,6 +181,19 @@ def refine(
     logits. NaN (in base logits or sums) counts as -inf; +inf wins; a row with no
     score above -inf follows the same tie rules (vocab id 0 in full-vocab mode).
 
+    Early exit: a pass is a function of the block alone (the hidden input, the logits and the
+    weights are fixed for the call), so once a pass returns the block it was given, every later
+    pass returns it too: the passes have reached their fixed point, and skipping them gives the
+    very tokens the K passes give. Refine checks this after each pass (one compare of the [N, B]
+    block) and runs the remaining passes only if some token of some block changed: one
+    ``lax.while_loop`` off a GPU; unrolled (on GPUs) pass 1 runs plainly and passes 2..K each under
+    a ``lax.cond``, so the whole call stays one command buffer. The K-pass loop's own tokens, bit
+    for bit, where every pass is compiled alike (the loop: one compiled body); unrolled, XLA may
+    compile pass 1 apart from the others (it fuses the hidden input's sum into it), which can
+    change a float32 sum's order, as unrolling itself can. With K >= B-1 the fixed point is the
+    sequential greedy decode. Time then depends on the data: a call costs the passes until
+    nothing changes (1 more than the last pass that changed a token), never more than K.
+
     Invalid ids: with concrete ``anchors``/``prev_ids``, ids outside [0, V) raise
     ``ValueError``. Under ``jit`` (traced ids) such a row is never read out of
     range; all its draft slots are `INVALID_TOKEN` (-1), so padded rows can be
@@ -184,13 +201,13 @@ def refine(
 
     Use under jit with ``static_argnames=xpress_jax.STATIC_ARGNAMES`` (``num_passes``,
     ``topc``, ``max_num_reqs``, ``config``, ``backend``, ``interpret``, ``unroll``, ``full_vocab``,
-    ``return_stats``); a
+    ``return_stats``, ``early_exit``); a
     `Head` argument needs nothing more (its config is static pytree aux data).
     """
     check_backend(backend, interpret)
     return _run(_select_ops(backend, interpret), params, logits, h, anchors, prev_ids, num_passes=num_passes,
                 topc=topc, max_num_reqs=max_num_reqs, config=config, unroll=unroll, full_vocab=full_vocab,
-                return_stats=return_stats, certified_prepared=certified_prepared)
+                return_stats=return_stats, certified_prepared=certified_prepared, early_exit=early_exit)
 
 
 def _platform() -> str:
@@ -230,30 +247,36 @@ def _select_ops(backend: str, interpret: bool) -> Ops:
 def refine_with(ops: Ops, params, logits, h, anchors, prev_ids=None, *, num_passes: int | None = None,
                 topc: int | None = None, max_num_reqs: int | None = None, config: HeadConfig | None = None,
                 unroll: bool | None = None, full_vocab: Any = "scan", return_stats: bool = False,
-                certified_prepared: Any = None) -> jax.Array:
+                certified_prepared: Any = None, early_exit: bool = True) -> jax.Array:
     """`refine` with an explicit `xpress_jax.ops.Ops` instead of ``backend`` (documented internal:
     benchmarks and experiments build mixed implementations with `dataclasses.replace`).
 
     Same arguments, validation, defaults and result as `refine`. Static under ``jit``: ``ops``
     (hashable), ``num_passes``, ``topc``, ``max_num_reqs``, ``config``, ``unroll``, ``full_vocab``,
-    ``return_stats``.
+    ``return_stats``, ``early_exit``.
     """
     if not isinstance(ops, Ops):
         raise TypeError(f"ops must be an xpress_jax.ops.Ops, got {type(ops).__name__}")
     return _run(ops, params, logits, h, anchors, prev_ids, num_passes=num_passes, topc=topc,
                 max_num_reqs=max_num_reqs, config=config, unroll=unroll, full_vocab=full_vocab,
-                return_stats=return_stats, certified_prepared=certified_prepared)
+                return_stats=return_stats, certified_prepared=certified_prepared, early_exit=early_exit)
 
 
 def _run(ops: Ops, params, logits, h, anchors, prev_ids=None, *, num_passes=None, topc=None, max_num_reqs=None,
-         config=None, unroll=None, full_vocab="scan", return_stats=False, certified_prepared=None):
+         config=None, unroll=None, full_vocab="scan", return_stats=False, certified_prepared=None, early_exit=True):
     """Resolve the config's defaults, validate, and run `_refine` with ``ops`` (`refine`'s body)."""
     certified = resolve_full_vocab(full_vocab)
     if not isinstance(return_stats, bool):
         raise TypeError(f"return_stats must be a bool, got {return_stats!r}")
+    if not isinstance(early_exit, (bool, tuple)) or (isinstance(early_exit, tuple) and not all(
+            isinstance(q, int) and not isinstance(q, bool) for q in early_exit)):
+        raise TypeError(f"early_exit must be a bool or a tuple of pass numbers, got {early_exit!r}")
     params, prev_ids, num_passes, topc, unroll = resolve_call(
         params, logits, h, anchors, prev_ids, num_passes=num_passes, topc=topc, max_num_reqs=max_num_reqs,
         config=config, unroll=unroll)
+    if isinstance(early_exit, tuple) and any(not 1 <= q < num_passes for q in early_exit):
+        raise ValueError(f"early_exit's pass numbers must lie in [1, num_passes-1={num_passes - 1}] (a check "
+                         f"after the last pass skips nothing), got {early_exit}")
     if return_stats and (topc or certified is None):
         raise ValueError(f"return_stats=True reports the certified or pruned mode: it needs topc=0 and "
                          f"full_vocab='certified' or 'pruned' (got topc={topc}, full_vocab={full_vocab!r})")
@@ -261,7 +284,7 @@ def _run(ops: Ops, params, logits, h, anchors, prev_ids=None, *, num_passes=None
         _check_certified_prepared(certified_prepared, params, topc, certified, full_vocab)
     return _refine(ops, params, logits, h, anchors, prev_ids, num_passes, topc, unroll,
                    certified=None if topc else certified, return_stats=return_stats,
-                   certified_prepared=certified_prepared)
+                   certified_prepared=certified_prepared, early_exit=early_exit)
 
 
 def _check_certified_prepared(prepared, params, topc, certified, full_vocab) -> None:
@@ -325,11 +348,13 @@ def resolve_call(params, logits, h, anchors, prev_ids=None, *, num_passes=None, 
 
 
 def _refine(ops: Ops, params, logits, h, anchors, prev_ids, num_passes, topc, unroll=False, vocab_size=None,
-            certified=None, return_stats=False, certified_prepared=None):
+            certified=None, return_stats=False, certified_prepared=None, early_exit=False, return_passes=False):
     """The data path. ``vocab_size``: the global V when ``logits``, ``w1`` and ``w2`` hold one
     vocabulary shard (`xpress_jax.sharded`; then ``ops`` combines across shards). ``certified``: a
     `xpress_jax.exact.Certified` runs the full-vocab passes certified (`exact.certified_passes`);
-    ``return_stats`` then also returns its `exact.CertifiedStats`."""
+    ``return_stats`` then also returns its `exact.CertifiedStats`. ``early_exit``: stop at the passes'
+    fixed point (`refine`'s "Early exit"; the scan and top-C passes). ``return_passes`` (benchmarks):
+    also return the number of passes run, an int32 scalar."""
     N, B, V = logits.shape
     V = V if vocab_size is None else vocab_size
     r = params["w1"].shape[1]
@@ -370,9 +395,61 @@ def _refine(ops: Ops, params, logits, h, anchors, prev_ids, num_passes, topc, un
 
     blk = jnp.concatenate([anchors[:, None], start.reshape(N, B - 1)], axis=1)
 
-    def one_pass(_, blk):
+    def one_pass(blk):
         lat = ops.latent(params, xh, blk, prev_ids).reshape(rows, r)
         return blk.at[:, 1:].set(pick(lat).reshape(N, B - 1))
 
-    blk = jax.lax.fori_loop(0, num_passes, one_pass, blk, unroll=unroll)
-    return jnp.where(valid[:, None], blk[:, 1:], INVALID_TOKEN)
+    if early_exit:
+        checks = exit_checks(N, num_passes, topc) if early_exit is True else early_exit
+        blk, passes = passes_to_fixed_point(one_pass, blk, num_passes, unroll, checks)
+    else:
+        blk = jax.lax.fori_loop(0, num_passes, lambda _, b: one_pass(b), blk, unroll=unroll)
+        passes = jnp.int32(num_passes)
+    out = jnp.where(valid[:, None], blk[:, 1:], INVALID_TOKEN)
+    return (out, passes) if return_passes else out
+
+
+def exit_checks(num_blocks: int, num_passes: int, topc: int) -> tuple[int, ...]:
+    """The passes after which an unrolled refine checks for its fixed point (``early_exit=True``).
+
+    A check costs ~14 µs on an H200 (a host round trip), a pass 12-40 µs at N=1 and ~45-90 µs at
+    N=16: below N=16 every other pass (2, 4, ...), from N=16 every pass from pass 2. (Pass 1 is not
+    checked: it changes some token of most calls.) Measured: benchmarks/RESULTS.md "Early exit".
+    """
+    step = 2 if num_blocks < 16 else 1
+    return tuple(range(2, num_passes, step))
+
+
+def passes_to_fixed_point(one_pass, blk: jax.Array, num_passes: int, unroll: bool, checks=None):
+    """Up to ``num_passes`` applications of ``one_pass`` to ``blk``, stopping at the first checked
+    pass that returns its input unchanged (every later pass would return it too). Returns (blk,
+    passes run, an int32 scalar).
+
+    ``unroll=False``: one ``lax.while_loop`` that checks after every pass. ``unroll=True``: the passes
+    unrolled, checked only after the passes in ``checks`` (pass numbers in 1..K-1; default: every
+    pass), each check a ``lax.cond`` holding all the passes after it. On a GPU each check costs about
+    a host round trip (XLA runs a conditional's predicate through the host: measured ~14 µs on an
+    H200), so small-N calls check only every other pass (`exit_checks`).
+    """
+    if not unroll:
+        def step(carry):
+            i, b, _ = carry
+            new = one_pass(b)
+            return i + 1, new, jnp.all(new == b)
+
+        carry = jax.lax.while_loop(lambda c: (c[0] < num_passes) & ~c[2], step,
+                                   (jnp.int32(0), blk, jnp.bool_(False)))
+        return carry[1], carry[0]
+    checks = frozenset(range(1, num_passes) if checks is None else checks)
+
+    def tail(carry, done_passes):  # the passes after ``done_passes``, checked where ``checks`` says
+        _, b = carry
+        for q in range(done_passes + 1, num_passes + 1):
+            new = one_pass(b)
+            if q in checks and q < num_passes:
+                return jax.lax.cond(jnp.all(new == b), lambda c: c, lambda c, q=q: tail(c, q), (jnp.int32(q), new))
+            b = new
+        return jnp.int32(num_passes), b
+
+    passes, blk = tail((jnp.int32(0), blk), 0)
+    return blk, passes

@@ -1,0 +1,173 @@
+"""Early exit at the passes' fixed point (`refine(..., early_exit=True)`, the default).
+
+The claim: a pass is a function of the block alone, so once a pass returns its input every later
+pass would too, and stopping there gives the K-pass tokens. The oracle here is the K-pass loop
+itself (``early_exit=False``) and refine with fewer passes (the block after each pass, from which
+the true fixed-point pass is read independently of the code under test).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import xpress_jax as xj
+from xpress_jax.ops import Ops
+from xpress_jax.refine import _refine, exit_checks, passes_to_fixed_point, resolve_call
+
+from conftest import make_head, make_inputs, sequential_greedy
+
+refine_jit = jax.jit(xj.refine, static_argnames=xj.STATIC_ARGNAMES)
+
+# Odd V and B, a rank that is not a power of two; C = 1, a middle C, C = V and full vocab.
+CFG = xj.HeadConfig(vocab_size=301, hidden_size=40, block_size=7, rank=20, mlp_hidden=24, topc=11,
+                    num_passes=6, max_num_reqs=16)
+
+
+def _passes(params, logits, h, anchors, prev, *, topc, unroll, checks=True, ops=None, k=None):
+    """The passes `_refine` ran (its benchmark-only output) and its tokens."""
+    p, q, kk, c, u = resolve_call(params, logits, h, anchors, prev, config=CFG, topc=topc, unroll=unroll,
+                                  num_passes=k)
+    out, n = jax.jit(lambda p, lg, hh, a, q: _refine(ops or Ops.xla("cpu"), p, lg, hh, a, q, kk, c, u,
+                                                     early_exit=checks, return_passes=True))(p, logits, h, anchors, q)
+    return np.asarray(out), int(n)
+
+
+def _fixed_point_pass(params, logits, h, anchors, prev, topc):
+    """Oracle: the first pass p (1..K) whose block equals the block before it, from refine with
+    num_passes = 1..K and early exit off; K+1 if none."""
+    blocks = [None]
+    for k in range(1, CFG.num_passes + 1):
+        blocks.append(np.asarray(xj.refine(params, logits, h, anchors, prev, config=CFG, topc=topc, num_passes=k,
+                                           backend="xla", early_exit=False)))
+    # The block before pass 1 is the start block: slot b's argmax of the base logits (top-C: the same).
+    start = np.asarray(jnp.argmax(jnp.where(jnp.isnan(logits[:, 1:]), -jnp.inf, logits[:, 1:]), axis=-1))
+    blocks[0] = start
+    for p in range(1, CFG.num_passes + 1):
+        if np.array_equal(blocks[p], blocks[p - 1]):
+            return p
+    return CFG.num_passes + 1
+
+
+# std: weak (the fixed point comes after 1-2 passes), medium, strong (often not within K).
+@pytest.mark.parametrize("std", [0.02, 0.25, 1.0])
+@pytest.mark.parametrize("topc", [0, pytest.param(1, marks=pytest.mark.slow), 11,
+                                  pytest.param(301, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("unroll", [False, True])
+def test_early_exit_gives_the_k_pass_tokens(std, topc, unroll):
+    params = make_head(CFG, seed=int(std * 100) + topc, std=std)
+    logits, h, anchors, prev = make_inputs(CFG, 5, seed=topc + 7)
+    want = np.asarray(xj.refine(params, logits, h, anchors, prev, config=CFG, topc=topc, backend="xla",
+                                unroll=unroll, early_exit=False))
+    got, n = _passes(params, logits, h, anchors, prev, topc=topc, unroll=unroll)
+    np.testing.assert_array_equal(got, want)
+    assert 1 <= n <= CFG.num_passes
+
+
+@pytest.mark.parametrize("topc", [0, 11])
+@pytest.mark.parametrize("std", [0.02, 0.25, 1.0])
+def test_passes_run_stop_at_the_fixed_point(std, topc):
+    """The loop stops exactly at the first pass that changed nothing; unrolled with checks, at the
+    first checked pass at or after it (or K)."""
+    params = make_head(CFG, seed=3, std=std)
+    logits, h, anchors, prev = make_inputs(CFG, 4, seed=11)
+    p_star = _fixed_point_pass(params, logits, h, anchors, prev, topc)
+    _, n_loop = _passes(params, logits, h, anchors, prev, topc=topc, unroll=False)
+    assert n_loop == min(p_star, CFG.num_passes)
+    for checks in [(2, 4), (1, 2, 3, 4, 5), (3,), ()]:
+        _, n = _passes(params, logits, h, anchors, prev, topc=topc, unroll=True, checks=checks)
+        want = min([q for q in checks if q >= p_star] + [CFG.num_passes])
+        assert n == want, (checks, p_star)
+
+
+def test_weak_head_skips_passes_and_strong_head_may_not():
+    """The point of the feature: with weak weights the fixed point comes early, so fewer than K
+    passes run (this fails if the check never fires)."""
+    params = make_head(CFG, seed=5, std=0.02)
+    logits, h, anchors, prev = make_inputs(CFG, 3, seed=2, logit_std=3.0)
+    _, n = _passes(params, logits, h, anchors, prev, topc=0, unroll=False)
+    assert n < CFG.num_passes
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("topc", [0, 11])
+def test_early_exit_pallas_interpret(topc):
+    params = make_head(CFG, seed=9, std=0.25)
+    logits, h, anchors, prev = make_inputs(CFG, 3, seed=4)
+    want = np.asarray(xj.refine(params, logits, h, anchors, prev, config=CFG, topc=topc, backend="pallas",
+                                interpret=True, early_exit=False))
+    for unroll in (False, True):
+        got, _ = _passes(params, logits, h, anchors, prev, topc=topc, unroll=unroll, ops=Ops.pallas(True))
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+def test_jacobi_exactness_with_early_exit(dtype):
+    """K >= B-1 full vocab with early exit == the sequential greedy decode."""
+    with jax.enable_x64(dtype == jnp.float64):
+        params = make_head(CFG, seed=1, dtype=dtype, std=0.5)
+        logits, h, anchors, prev = make_inputs(CFG, 4, seed=6, dtype=dtype)
+        for unroll in (False, True):
+            got = refine_jit(params, logits, h, anchors, prev, config=CFG, topc=0, num_passes=CFG.block_size - 1,
+                             backend="xla", unroll=unroll)
+            np.testing.assert_array_equal(np.asarray(got), sequential_greedy(params, logits, h, anchors, prev))
+
+
+def test_invalid_rows_and_nan_logits_with_early_exit():
+    params = make_head(CFG, seed=2, std=0.25)
+    logits, h, anchors, prev = make_inputs(CFG, 4, seed=8)
+    logits = logits.at[1, 2, :50].set(jnp.nan).at[2].set(jnp.inf)
+    anchors = anchors.at[3].set(-1)
+    f = jax.jit(lambda a, ee: xj.refine(params, logits, h, a, prev, config=CFG, topc=0, backend="xla",
+                                        early_exit=ee), static_argnums=1)
+    want, got = np.asarray(f(anchors, False)), np.asarray(f(anchors, True))
+    np.testing.assert_array_equal(got, want)
+    assert (got[3] == xj.INVALID_TOKEN).all()
+
+
+def test_exit_checks_schedule():
+    assert exit_checks(1, 6, 512) == (2, 4)
+    assert exit_checks(15, 6, 0) == (2, 4)
+    assert exit_checks(16, 6, 512) == (2, 3, 4, 5)
+    assert exit_checks(256, 1, 0) == ()
+    for n in (1, 16):
+        for k in range(1, 9):
+            assert all(1 <= q < k for q in exit_checks(n, k, 0))
+
+
+def test_passes_to_fixed_point_counts_and_stops():
+    """The loop helper on a toy map with a known fixed point: x -> min(x + 1, 3)."""
+    step = lambda b: jnp.minimum(b + 1, 3)
+    for unroll, checks in ((False, None), (True, None), (True, (2, 4))):
+        blk, n = passes_to_fixed_point(step, jnp.zeros((2, 2), jnp.int32), 6, unroll, checks)
+        assert (np.asarray(blk) == 3).all()
+        assert int(n) == (4 if checks is None else 4)  # pass 4 returns 3 unchanged
+    blk, n = passes_to_fixed_point(step, jnp.zeros((1,), jnp.int32), 3, True, (1, 2))
+    assert int(n) == 3 and int(blk[0]) == 3  # never fixed within K: all K passes
+
+
+@pytest.mark.parametrize("bad", [1, "yes", (1.0,), (True,), [2]])
+def test_early_exit_type_errors(bad):
+    params = make_head(CFG)
+    logits, h, anchors, prev = make_inputs(CFG, 1)
+    with pytest.raises(TypeError, match="early_exit"):
+        xj.refine(params, logits, h, anchors, config=CFG, backend="xla", early_exit=bad)
+
+
+@pytest.mark.parametrize("bad", [(0,), (6,), (2, 7)])
+def test_early_exit_range_errors(bad):
+    params = make_head(CFG)
+    logits, h, anchors, prev = make_inputs(CFG, 1)
+    with pytest.raises(ValueError, match="early_exit"):
+        xj.refine(params, logits, h, anchors, config=CFG, backend="xla", early_exit=bad)
+
+
+def test_early_exit_is_static_under_jit():
+    assert "early_exit" in xj.STATIC_ARGNAMES
+    params = make_head(CFG)
+    logits, h, anchors, prev = make_inputs(CFG, 2)
+    a = refine_jit(params, logits, h, anchors, config=CFG, backend="xla", early_exit=(2,))
+    b = refine_jit(params, logits, h, anchors, config=CFG, backend="xla", early_exit=False)
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
