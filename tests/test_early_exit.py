@@ -82,7 +82,7 @@ def test_passes_run_stop_at_the_fixed_point(std, topc):
         assert n == want, (checks, p_star)
 
 
-def test_weak_head_skips_passes_and_strong_head_may_not():
+def test_weak_head_skips_passes():
     """The point of the feature: with weak weights the fixed point comes early, so fewer than K
     passes run (this fails if the check never fires)."""
     params = make_head(CFG, seed=5, std=0.02)

@@ -120,7 +120,7 @@ def refine(
     full_vocab: Any = "scan",
     return_stats: bool = False,
     certified_prepared: Any = None,
-    early_exit: bool = True,
+    early_exit: bool = False,
 ) -> jax.Array:
     """Refine N draft blocks with K greedy Jacobi passes; returns the draft [N, B-1] int32.
 
@@ -145,8 +145,8 @@ def refine(
       interpret: run Pallas kernels in interpret mode (CPU tests).
       unroll: unroll the K passes instead of a loop (same tokens). Default: unrolled on GPUs (an
         XLA while loop costs several µs per iteration there), a loop elsewhere.
-      early_exit: stop the passes once a pass leaves the block unchanged (the default; the same
-        tokens: see "Early exit" below). False always runs all K passes. A tuple of pass numbers
+      early_exit: stop the passes once a pass leaves the block unchanged (True; the same
+        tokens: see "Early exit" below). Off by default until measured on a trained head: False runs all K passes. A tuple of pass numbers
         (in 1..K-1): where an unrolled refine checks (default `exit_checks`).
       full_vocab: how ``topc=0`` is computed (the same tokens either way; unused when ``topc > 0``):
         ``"scan"`` (every pass scores the whole vocabulary) or ``"certified"`` (each pass scores the
@@ -247,7 +247,7 @@ def _select_ops(backend: str, interpret: bool) -> Ops:
 def refine_with(ops: Ops, params, logits, h, anchors, prev_ids=None, *, num_passes: int | None = None,
                 topc: int | None = None, max_num_reqs: int | None = None, config: HeadConfig | None = None,
                 unroll: bool | None = None, full_vocab: Any = "scan", return_stats: bool = False,
-                certified_prepared: Any = None, early_exit: bool = True) -> jax.Array:
+                certified_prepared: Any = None, early_exit: bool = False) -> jax.Array:
     """`refine` with an explicit `xpress_jax.ops.Ops` instead of ``backend`` (documented internal:
     benchmarks and experiments build mixed implementations with `dataclasses.replace`).
 
@@ -263,7 +263,7 @@ def refine_with(ops: Ops, params, logits, h, anchors, prev_ids=None, *, num_pass
 
 
 def _run(ops: Ops, params, logits, h, anchors, prev_ids=None, *, num_passes=None, topc=None, max_num_reqs=None,
-         config=None, unroll=None, full_vocab="scan", return_stats=False, certified_prepared=None, early_exit=True):
+         config=None, unroll=None, full_vocab="scan", return_stats=False, certified_prepared=None, early_exit=False):
     """Resolve the config's defaults, validate, and run `_refine` with ``ops`` (`refine`'s body)."""
     certified = resolve_full_vocab(full_vocab)
     if not isinstance(return_stats, bool):

@@ -35,7 +35,7 @@ for spec in sys.argv[2:]:
         name, _, kk = var.partition("k")
         k = int(kk) if kk else cfg.num_passes
         ee = name != "plain"
-        if name.startswith("c"):  # c2.4: checks after passes 2 and 4
+        if name.startswith("c") and name[1:2].isdigit():  # c2.4: checks after passes 2 and 4
             ee = tuple(int(x) for x in name[1:].split(".")) if name != "c" else ()
         unroll = False if name == "while" else None
 
@@ -49,7 +49,9 @@ for spec in sys.argv[2:]:
             def all(x):
                 return jnp.all(x) & (jnp.sum(x.astype(jnp.int32)) < -1)
 
-        R.jnp = _FailJ() if name == "fail" else jnp
+        R.jnp = _FailJ() if name.startswith("fail") else jnp
+        if name.startswith("fail") and name != "fail":  # failA.B: fail with checks after A, B
+            ee = tuple(int(x) for x in name[4:].split(".")) if name != "failcmdbuf" else True
 
         def fn(p, l, h, a, k=k, ee=ee, unroll=unroll):
             return refine_with(ops, p, l, h, a, config=cfg, topc=topc, num_passes=k, unroll=unroll, early_exit=ee)
@@ -58,7 +60,7 @@ for spec in sys.argv[2:]:
         passes = int(jax.jit(lambda p, l, h, a, q: _refine(ops, p, l, h, a, q, kq, c, u, early_exit=ee,
                                                            return_passes=True)[1])(p, problem[1], problem[2],
                                                                                     problem[3], q))
-        opts = CMDBUF if name == "cmdbuf" else None
+        opts = CMDBUF if name in ("cmdbuf", "failcmdbuf") else None
         exe = jax.jit(fn).lower(*problem).compile(compiler_options=opts) if opts else jax.jit(fn).lower(*problem).compile()
         tok = np.asarray(exe(*problem))
         walls = []
