@@ -111,7 +111,7 @@ def test_jacobi_exactness_with_early_exit(dtype):
         logits, h, anchors, prev = make_inputs(CFG, 4, seed=6, dtype=dtype)
         for unroll in (False, True):
             got = refine_jit(params, logits, h, anchors, prev, config=CFG, topc=0, num_passes=CFG.block_size - 1,
-                             backend="xla", unroll=unroll)
+                             backend="xla", unroll=unroll, early_exit=True)
             np.testing.assert_array_equal(np.asarray(got), sequential_greedy(params, logits, h, anchors, prev))
 
 
