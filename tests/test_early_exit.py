@@ -128,13 +128,13 @@ def test_invalid_rows_and_nan_logits_with_early_exit():
 
 
 def test_exit_checks_schedule():
-    assert exit_checks(1, 6, 512) == (2, 4)
-    assert exit_checks(15, 6, 0) == (2, 4)
-    assert exit_checks(16, 6, 512) == (2, 3, 4, 5)
-    assert exit_checks(256, 1, 0) == ()
+    assert exit_checks(1, 6) == (2, 4)
+    assert exit_checks(15, 6) == (2, 4)
+    assert exit_checks(16, 6) == (2, 3, 4, 5)
+    assert exit_checks(256, 1) == ()
     for n in (1, 16):
         for k in range(1, 9):
-            assert all(1 <= q < k for q in exit_checks(n, k, 0))
+            assert all(1 <= q < k for q in exit_checks(n, k))
 
 
 def test_passes_to_fixed_point_counts_and_stops():

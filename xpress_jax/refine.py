@@ -120,7 +120,7 @@ def refine(
     full_vocab: Any = "scan",
     return_stats: bool = False,
     certified_prepared: Any = None,
-    early_exit: bool = False,
+    early_exit: bool | tuple = False,
 ) -> jax.Array:
     """Refine N draft blocks with K greedy Jacobi passes; returns the draft [N, B-1] int32.
 
@@ -145,9 +145,9 @@ def refine(
       interpret: run Pallas kernels in interpret mode (CPU tests).
       unroll: unroll the K passes instead of a loop (same tokens). Default: unrolled on GPUs (an
         XLA while loop costs several µs per iteration there), a loop elsewhere.
-      early_exit: stop the passes once a pass leaves the block unchanged (True; the same
-        tokens: see "Early exit" below). Off by default until measured on a trained head: False runs all K passes. A tuple of pass numbers
-        (in 1..K-1): where an unrolled refine checks (default `exit_checks`).
+      early_exit: True stops the passes once a pass leaves the block unchanged (the same tokens;
+        see "Early exit" below); a tuple of pass numbers (1..K-1) says where an unrolled refine
+        checks (True: `exit_checks`). False (the default, until a trained head is measured): all K.
       full_vocab: how ``topc=0`` is computed (the same tokens either way; unused when ``topc > 0``):
         ``"scan"`` (every pass scores the whole vocabulary) or ``"certified"`` (each pass scores the
         C=512 largest base logits and proves with a bound that no other token can win; rows the bound
@@ -181,18 +181,15 @@ def refine(
     logits. NaN (in base logits or sums) counts as -inf; +inf wins; a row with no
     score above -inf follows the same tie rules (vocab id 0 in full-vocab mode).
 
-    Early exit: a pass is a function of the block alone (the hidden input, the logits and the
-    weights are fixed for the call), so once a pass returns the block it was given, every later
-    pass returns it too: the passes have reached their fixed point, and skipping them gives the
-    very tokens the K passes give. Refine checks this after each pass (one compare of the [N, B]
-    block) and runs the remaining passes only if some token of some block changed: one
-    ``lax.while_loop`` off a GPU; unrolled (on GPUs) pass 1 runs plainly and passes 2..K each under
-    a ``lax.cond``, so the whole call stays one command buffer. The K-pass loop's own tokens, bit
-    for bit, where every pass is compiled alike (the loop: one compiled body); unrolled, XLA may
-    compile pass 1 apart from the others (it fuses the hidden input's sum into it), which can
-    change a float32 sum's order, as unrolling itself can. With K >= B-1 the fixed point is the
-    sequential greedy decode. Time then depends on the data: a call costs the passes until
-    nothing changes (1 more than the last pass that changed a token), never more than K.
+    Early exit (``early_exit=True``; off by default): a pass is a function of the block alone (the
+    hidden input, the logits and the weights are fixed for the call), so once a pass returns the
+    block it was given, every later pass returns it too, and skipping them gives the K-pass tokens.
+    Off a GPU one ``lax.while_loop`` checks after every pass; unrolled (GPUs) the check runs only
+    after the passes `exit_checks` names, each a ``lax.cond`` holding the passes after it. On an
+    H200 a check is a host round trip: a call whose fixed point never comes costs 39-92 µs more
+    than ``early_exit=False`` (benchmarks/results/2026-12-02-s10/exit.jsonl). Unrolled, XLA may
+    compile pass 1 apart from the others, which can change a float32 sum's order, as unrolling
+    itself can.
 
     Invalid ids: with concrete ``anchors``/``prev_ids``, ids outside [0, V) raise
     ``ValueError``. Under ``jit`` (traced ids) such a row is never read out of
@@ -247,7 +244,7 @@ def _select_ops(backend: str, interpret: bool) -> Ops:
 def refine_with(ops: Ops, params, logits, h, anchors, prev_ids=None, *, num_passes: int | None = None,
                 topc: int | None = None, max_num_reqs: int | None = None, config: HeadConfig | None = None,
                 unroll: bool | None = None, full_vocab: Any = "scan", return_stats: bool = False,
-                certified_prepared: Any = None, early_exit: bool = False) -> jax.Array:
+                certified_prepared: Any = None, early_exit: bool | tuple = False) -> jax.Array:
     """`refine` with an explicit `xpress_jax.ops.Ops` instead of ``backend`` (documented internal:
     benchmarks and experiments build mixed implementations with `dataclasses.replace`).
 
@@ -400,7 +397,7 @@ def _refine(ops: Ops, params, logits, h, anchors, prev_ids, num_passes, topc, un
         return blk.at[:, 1:].set(pick(lat).reshape(N, B - 1))
 
     if early_exit:
-        checks = exit_checks(N, num_passes, topc) if early_exit is True else early_exit
+        checks = exit_checks(N, num_passes) if early_exit is True else early_exit
         blk, passes = passes_to_fixed_point(one_pass, blk, num_passes, unroll, checks)
     else:
         blk = jax.lax.fori_loop(0, num_passes, lambda _, b: one_pass(b), blk, unroll=unroll)
@@ -409,12 +406,10 @@ def _refine(ops: Ops, params, logits, h, anchors, prev_ids, num_passes, topc, un
     return (out, passes) if return_passes else out
 
 
-def exit_checks(num_blocks: int, num_passes: int, topc: int) -> tuple[int, ...]:
-    """The passes after which an unrolled refine checks for its fixed point (``early_exit=True``).
-
-    A check costs ~14 µs on an H200 (a host round trip), a pass 12-40 µs at N=1 and ~45-90 µs at
-    N=16: below N=16 every other pass (2, 4, ...), from N=16 every pass from pass 2. (Pass 1 is not
-    checked: it changes some token of most calls.) Measured: benchmarks/RESULTS.md "Early exit".
+def exit_checks(num_blocks: int, num_passes: int) -> tuple[int, ...]:
+    """The passes after which an unrolled refine checks for its fixed point (``early_exit=True``):
+    below N=16 every other pass (2, 4, ...), from N=16 every pass from pass 2 (a pass costs more
+    there than a check). Pass 1 is not checked: it changes some token of most calls.
     """
     step = 2 if num_blocks < 16 else 1
     return tuple(range(2, num_passes, step))
@@ -427,9 +422,7 @@ def passes_to_fixed_point(one_pass, blk: jax.Array, num_passes: int, unroll: boo
 
     ``unroll=False``: one ``lax.while_loop`` that checks after every pass. ``unroll=True``: the passes
     unrolled, checked only after the passes in ``checks`` (pass numbers in 1..K-1; default: every
-    pass), each check a ``lax.cond`` holding all the passes after it. On a GPU each check costs about
-    a host round trip (XLA runs a conditional's predicate through the host: measured ~14 µs on an
-    H200), so small-N calls check only every other pass (`exit_checks`).
+    pass), each check a ``lax.cond`` holding all the passes after it (on a GPU a host round trip).
     """
     if not unroll:
         def step(carry):
