@@ -10,7 +10,8 @@ M refines chained inside one jit (call i's output feeds call i+1's anchors, and 
 logits and h pass through an optimization barrier with it, so nothing can be hoisted
 out of the loop and nothing is copied), divided by M; median of R repeats after a warm-up.
 Wall latency: one jitted call, host clock around dispatch + block_until_ready (and the enqueue: the call without the wait),
-median of 20 (``--walls``). Also, per N, top-C selection alone: the Pallas kernel vs lax.top_k
+median of 20 (``--walls``); and to the tokens in a numpy array, with the output on the device (then copied)
+and in pinned host memory (``RefineServer(output="host")``). Also, per N, top-C selection alone: the Pallas kernel vs lax.top_k
 (and torch.topk where torch sees a GPU). Writes bench.jsonl (each result as it is
 measured), then bench.json, bench.md (tables) and bench.png (time vs N). Off a GPU the
 default backend is xla only (``--backends pallas`` there runs the kernels in interpret mode).
@@ -122,6 +123,28 @@ def select_rows(cfg, n, reps, interpret=False, pallas=True):
             out["torch.topk"] = statistics.median(ts[1:])
     except ImportError:
         pass
+    return out
+
+
+def host_walls(single, refine_fn, args, want, walls):
+    """One call's wall time to the tokens in a numpy array, median of ``walls`` calls, two ways:
+    ``wall_np_us`` = ``single`` (device output) then ``np.asarray`` (a device-to-host copy);
+    ``wall_host_us`` = the same refine jitted with its output in pinned host memory
+    (``RefineServer(output="host")``), then ``np.asarray``. Asserts both give ``want``."""
+    dev = jax.devices()[0]
+    host = jax.jit(refine_fn, out_shardings=jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host"))
+    got = np.asarray(host(*args))
+    if not np.array_equal(got, want):
+        raise AssertionError(f"pinned-host output gave other tokens: {int(np.sum(got != want))} differ")
+    out = {}
+    for key, fn in (("wall_np_us", single), ("wall_host_us", host)):
+        np.asarray(fn(*args))  # warm
+        ts = []
+        for _ in range(walls):
+            t0 = time.perf_counter()
+            np.asarray(fn(*args))
+            ts.append(time.perf_counter() - t0)
+        out[key] = statistics.median(ts) * 1e6
     return out
 
 
@@ -307,6 +330,8 @@ def main(argv=None):
                     enqueues.append(t1 - t0)
                 row = dict(N=n, topc=topc, backend=backend, wall_us=statistics.median(walls) * 1e6,
                            enqueue_us=statistics.median(enqueues) * 1e6, walls=args.walls, compile_s=compile_s)
+                if backend not in meshes:  # the tokens on the host: device output + copy vs pinned-host output
+                    row.update(host_walls(single, refine_fn, placed, outs[backend], args.walls))
                 if cert is not None:  # the call's certification stats (one more call)
                     st = jax.jit(functools.partial(refine_fn, stats=True))(*placed)[1]
                     row.update({k: float(v) for k, v in st._asdict().items()})
@@ -351,9 +376,12 @@ def to_markdown(meta, rows, backends):
              f"r={meta['shape']['rank']} mlp={meta['shape']['mlp_hidden']}, weights std {meta.get('std', 0.02)}", "",
              "device µs = chained device time per refine; net = minus the chain loop's own cost per iteration "
              "(an empty body); wall = one call, host clock (dispatch + block_until_ready), in brackets its "
-             "enqueue (the call without the wait): wall - device is what one call costs beyond the GPU's work.", "",
-             "| mode | N | " + " | ".join(f"{b} device (net) µs | {b} wall (enqueue) µs" for b in backends) + " | agreement |",
-             "|---|---:|" + "---:|---:|" * len(backends) + "---:|"]
+             "enqueue (the call without the wait): wall - device is what one call costs beyond the GPU's work. "
+             "to numpy = one call's wall to the tokens in a numpy array, output on the device (then copied) / in "
+             "pinned host memory (RefineServer(output='host')).", "",
+             "| mode | N | " + " | ".join(f"{b} device (net) µs | {b} wall (enqueue) µs | {b} to numpy: device / host "
+                                         f"output µs" for b in backends) + " | agreement |",
+             "|---|---:|" + "---:|---:|---:|" * len(backends) + "---:|"]
     keys = sorted({(r["topc"], r["N"]) for r in rows}, key=lambda k: (-k[0], k[1]))
     for topc, n in keys:
         cells = []
@@ -364,6 +392,8 @@ def to_markdown(meta, rows, backends):
                 cells.append(f"{r['device_us']:.0f} ({r['net_us']:.0f}) | {r['wall_us']:.0f} ({r['enqueue_us']:.0f})")
             else:
                 cells.append(f"- | {r['wall_us']:.0f} ({r['enqueue_us']:.0f})" if r else "- | -")
+            cells[-1] += (f" | {r['wall_np_us']:.0f} / {r['wall_host_us']:.0f}" if r and "wall_host_us" in r
+                          else " | -")
             if r and "agree" in r:
                 agree.append(f"{b}: {r['agree']:.2%} ({r['disagree_tokens']} differ)")
             if r and "tiles_exact" in r:  # a pruned backend: its stats

@@ -20,6 +20,7 @@ def test_bench_refine_small_runs_on_cpu_and_writes_as_it_goes(tmp_path, capsys):
     assert kinds[0] == "meta" and kinds.count("refine") == 2  # top-64 and full vocab, XLA backend off a GPU
     rows = [x for x in lines if x["kind"] == "refine"]
     assert {r["backend"] for r in rows} == {"xla"} and all(r["device_us"] > 0 and r["wall_us"] > 0 for r in rows)
+    assert all(r["wall_np_us"] > 0 and r["wall_host_us"] > 0 for r in rows)  # to numpy: device / pinned-host output
     assert (tmp_path / "bench.json").exists() and "| top-64 | 1 |" in (tmp_path / "bench.md").read_text()
     assert "results stream to" in capsys.readouterr().out
 

@@ -564,7 +564,8 @@ def test_server_auto_policy():
     for std, peaked, fallback in ((0.3, False, True), (0.1, True, False)):
         params, logits, h, anchors = _problem(jnp.float32, std, n=8, cfg=cfg, peaked=peaked)
         head = xj.Head(cfg, params)
-        server = xj.RefineServer(head, buckets=(2, 8), backend="xla", full_vocab=auto, progress=False)
+        output = "host" if fallback else "device"  # both executables of a bucket put the tokens in host memory
+        server = xj.RefineServer(head, buckets=(2, 8), backend="xla", full_vocab=auto, progress=False, output=output)
         assert set(server.certified_executables) == {8} and server.exact_mode(2) == "scan"
         want = np.asarray(xj.refine(head, logits, h, anchors, backend="xla"))
         ids = anchors.astype(jnp.int32)
@@ -573,6 +574,7 @@ def test_server_auto_policy():
         with jax.no_tracing():
             for _ in range(7):
                 out = server(logits, h, ids)
+                assert out.sharding.memory_kind == ("pinned_host" if output == "host" else "device")
                 modes.append(server.exact_mode(8))  # how that call ran
                 np.testing.assert_array_equal(np.asarray(out), want)  # waits: the stats are ready next call
             np.testing.assert_array_equal(np.asarray(server(*small)), want[:2])

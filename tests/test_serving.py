@@ -237,7 +237,33 @@ def test_from_checkpoint_and_reload_from(tmp_path, head):
         np.testing.assert_array_equal(np.asarray(server(*x)), want2)
 
 
+def test_host_output_same_tokens_in_pinned_host_memory_without_trace_or_compile(server, head):
+    """output="host": every executable puts the tokens in pinned host memory; the same tokens as the
+    device-output server for every input kind and every num_valid, and serving never traces or compiles."""
+    start = len(_COMPILES)
+    host = xj.RefineServer(head, buckets=BUCKETS, output="host", progress=False)
+    assert len(_COMPILES) - start == len(BUCKETS)
+    assert host.input_shardings(5)["out"].memory_kind == "pinned_host"
+    assert server.input_shardings(5)["out"].memory_kind in (None, "device")
+    x = make_inputs(CFG, 5, seed=3)
+    placed = [jax.device_put(a, host.input_specs(5)[k].sharding) for a, k in zip(x, ("logits", "h", "anchors",
+                                                                                        "prev_ids"))]
+    for k in range(1, 6):
+        want = expected(head, x, k)
+        with serving() as compiles:
+            for xs in (x, placed, [np.asarray(a) for a in x]):
+                out = host(*xs, num_valid=k)
+                assert out.sharding.memory_kind == "pinned_host"
+                np.testing.assert_array_equal(np.asarray(out), want)
+                np.testing.assert_array_equal(np.asarray(out), np.asarray(server(*xs, num_valid=k)))
+            np.testing.assert_array_equal(host.tokens(*[np.asarray(a)[:k] for a in x]), want[:k])  # padded, bucket
+        assert compiles() == 0, k
+    assert "output='host'" in repr(host)
+
+
 def test_constructor_refuses_what_it_cannot_serve(head):
+    with pytest.raises(ValueError, match=r"output must be 'device' or 'host', got 'pinned'"):
+        xj.RefineServer(head, output="pinned")
     with pytest.raises(TypeError, match=r"RefineServer\(head\): head must be a xpress_jax.Head"):
         xj.RefineServer(head.params)
     with pytest.raises(ValueError, match=r"buckets must lie in \[1, max_num_reqs=8\]"):
@@ -315,6 +341,7 @@ assert server.head.params["w1"].sharding.is_equivalent_to(server.param_shardings
 x = make_inputs(cfg, 4, seed=2)
 want = {{h: np.asarray(xj.refine(hd, *x)) for h, hd in (("1", head), ("2", head2))}}
 names = ("logits", "h", "anchors", "prev_ids")
+host_args = lambda server, b, xs: [jax.device_put(a, server.input_specs(b)[k].sharding) for a, k in zip(xs, names)]
 placed = [jax.device_put(a, server.input_specs(4)[k].sharding) for a, k in zip(x, names)]
 host = [np.asarray(a) for a in x]
 start = len(compiles)
@@ -342,6 +369,14 @@ server.reload_from(path2)  # restored onto param_shardings
 with jax.no_tracing():
     np.testing.assert_array_equal(np.asarray(server(*placed)), want["2"])
 assert len(compiles) == start, compiles[start:]
+host = xj.RefineServer(head, buckets=(3,), mesh=mesh, progress=False, output="host")  # tokens in host memory
+args3 = host_args(host, 3, [np.asarray(a)[:3] for a in x])
+start = len(compiles)
+with jax.no_tracing():
+    out = host(*args3)
+assert len(compiles) == start, compiles[start:]
+assert out.sharding.memory_kind == "pinned_host", out.sharding
+np.testing.assert_array_equal(np.asarray(out), want["1"][:3])
 print("OK")
 """
 

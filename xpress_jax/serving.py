@@ -61,7 +61,19 @@ class RefineServer:
       sentinel rule they read nothing out of range and come back as `INVALID_TOKEN` (-1).
       Keep persistent bucket-sized input buffers and say how many rows are real.
     - ``server.tokens(...)``: the same call, the first ``num_valid`` rows as a numpy
-      array [num_valid, B-1] (a device-to-host copy; no slicing on the device).
+      array [num_valid, B-1] (no slicing on the device).
+
+    ``output``: where the executables put the tokens. ``"device"`` (the default): on the
+    devices, as refine returns them; ``tokens()`` then copies them to the host. ``"host"``: in
+    pinned host memory (``memory_kind="pinned_host"``): the last kernel writes them straight into
+    host memory, so ``tokens()`` needs no copy, and the executable's CUDA graph is not re-recorded
+    every call (XLA re-records the commands that touch a buffer whose address changed: with device
+    output, the output buffer's). For a caller that wants the tokens on the host every step. On an
+    H200 (JAX 0.11.2, serving shapes, bf16, K=6; call + ``np.asarray``) one call took 247-269 µs
+    instead of 508-600 at N=1 top-512, 430-484 instead of 689-725 at N=1 full vocabulary, and
+    476-522 instead of 727-815 at N=16 top-512 (benchmarks/RESULTS.md, "One call's wall time").
+    The same tokens either way. ``server(...)`` then returns a `jax.Array` in pinned host memory;
+    pass it to another jitted step only if that step accepts host memory (or keep ``"device"``).
 
     Inputs: jax arrays must match the bucket exactly: shape, dtype (the params' dtype for
     logits and h, int32 for the ids) and a sharding equivalent to ``input_specs(bucket)``'s
@@ -109,6 +121,7 @@ class RefineServer:
         interpret: bool = False,
         progress: bool = True,
         full_vocab: Any = "scan",
+        output: str = "device",
     ):
         if not isinstance(head, Head):
             raise TypeError(
@@ -123,6 +136,7 @@ class RefineServer:
         if mesh is not None and full_vocab != "scan":
             raise ValueError(f"full_vocab={full_vocab!r} runs on one device; with a mesh use full_vocab='scan'")
         self.full_vocab = full_vocab
+        self.output = self._check_output(output, mesh)
         config = head.config
         self.config: HeadConfig = config
         self.num_passes = config.num_passes if num_passes is None else num_passes
@@ -196,20 +210,38 @@ class RefineServer:
 
         return dict(sharded.param_shardings(mesh, model_axis, vocab_size=config.vocab_size))
 
+    @staticmethod
+    def _check_output(output: Any, mesh) -> str:
+        """``output`` is ``"device"`` or ``"host"``; ``"host"`` needs every device to have pinned host memory."""
+        if output not in ("device", "host"):
+            raise ValueError(f"RefineServer: output must be 'device' or 'host', got {output!r}")
+        if output == "host":
+            devices = jax.devices()[:1] if mesh is None else list(mesh.devices.flat)
+            for d in devices:
+                kinds = [m.kind for m in d.addressable_memories()]
+                if "pinned_host" not in kinds:
+                    raise ValueError(f"RefineServer: output='host' puts the tokens in pinned host memory, which "
+                                     f"{d} does not have (its memories: {kinds}); use output='device'")
+        return output
+
     def input_shardings(self, bucket: int) -> dict[str, jax.sharding.Sharding]:
         """Where ``bucket``'s executable takes its inputs and puts its result: ``"logits"``, ``"h"``,
         ``"ids"`` (anchors and prev_ids), ``"num_valid"`` and ``"out"``. One device: all
-        ``jax.devices()[0]``. A mesh: `xpress_jax.sharded.input_shardings` for N = bucket."""
+        ``jax.devices()[0]``. A mesh: `xpress_jax.sharded.input_shardings` for N = bucket. With
+        ``output="host"``, ``"out"`` is in pinned host memory."""
         if bucket not in self.buckets:
             raise ValueError(f"{bucket} is not a bucket; the buckets are {self.buckets}")
         if self.mesh is None:
             one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-            return {"logits": one, "h": one, "ids": one, "num_valid": one, "out": one}
-        from . import sharded
+            out = {"logits": one, "h": one, "ids": one, "num_valid": one, "out": one}
+        else:
+            from . import sharded
 
-        out = dict(sharded.input_shardings(self.mesh, self.data_axis, self.model_axis, num_blocks=bucket,
-                                           vocab_size=self.config.vocab_size))
-        out["num_valid"] = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+            out = dict(sharded.input_shardings(self.mesh, self.data_axis, self.model_axis, num_blocks=bucket,
+                                               vocab_size=self.config.vocab_size))
+            out["num_valid"] = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+        if self.output == "host":
+            out["out"] = out["out"].with_memory_kind("pinned_host")
         return out
 
     # --- compile --------------------------------------------------------------------------
@@ -273,7 +305,10 @@ class RefineServer:
             self.executables[b] = jitted.lower(*args, *self._main_extra()).compile()
             what = ""
             if self._auto is not None and b >= self._auto.min_blocks:
-                self.certified_executables[b] = jax.jit(serve_cert).lower(*args, *self._extra).compile()
+                # The stats stay where refine puts them (the policy reads one scalar of them, seldom).
+                stats_at = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+                self.certified_executables[b] = jax.jit(serve_cert, out_shardings=(out, stats_at)).lower(
+                    *args, *self._extra).compile()
                 self._auto_state[b] = dict(mode="certified", last="certified", since=0, scan_left=0, pending=None,
                                            switches=0)
                 what = " (scan and certified)"
@@ -292,7 +327,8 @@ class RefineServer:
 
     def __call__(self, logits, h, anchors, prev_ids=None, num_valid: int | None = None) -> jax.Array:
         """Refine the first ``num_valid`` blocks (default: all N); returns [bucket, B-1] int32 on
-        the devices, rows ``>= num_valid`` equal to -1. See the class docstring for the inputs."""
+        the devices (``output="host"``: in pinned host memory), rows ``>= num_valid`` equal to -1.
+        See the class docstring for the inputs."""
         args, bucket, num_valid = self._prepare(logits, h, anchors, prev_ids, num_valid)
         return self._run(bucket, args, self._num_valid(bucket, num_valid))
 
@@ -344,7 +380,8 @@ class RefineServer:
         return x
 
     def tokens(self, logits, h, anchors, prev_ids=None, num_valid: int | None = None) -> np.ndarray:
-        """``server(...)``'s valid rows on the host: numpy [num_valid, B-1] int32."""
+        """``server(...)``'s valid rows on the host: numpy [num_valid, B-1] int32 (with ``output="device"``
+        a device-to-host copy; with ``output="host"`` the tokens are there already)."""
         args, bucket, num_valid = self._prepare(logits, h, anchors, prev_ids, num_valid)
         out = self._run(bucket, args, self._num_valid(bucket, num_valid))
         return np.asarray(out)[:num_valid]
@@ -500,4 +537,5 @@ class RefineServer:
     def __repr__(self) -> str:
         where = "1 device" if self.mesh is None else f"mesh {dict(self.mesh.shape)}"
         return (f"RefineServer(buckets={self.buckets}, V={self.config.vocab_size}, B={self.config.block_size}, "
-                f"{self.dtype.name}, topc={self.topc}, K={self.num_passes}, backend={self.backend!r}, {where})")
+                f"{self.dtype.name}, topc={self.topc}, K={self.num_passes}, backend={self.backend!r}, {where}, "
+                f"output={self.output!r})")
