@@ -261,6 +261,22 @@ def test_host_output_same_tokens_in_pinned_host_memory_without_trace_or_compile(
     assert "output='host'" in repr(host)
 
 
+def test_early_exit_server_same_tokens_without_trace_or_compile(server, head):
+    """early_exit=True (and a tuple of checks): the executables stop at the passes' fixed point; the same
+    tokens as the plain server for every num_valid, no trace or compile while serving; bad values refused."""
+    x = make_inputs(CFG, 5, seed=4)
+    for ee in (True, (1,)):
+        fast = xj.RefineServer(head, buckets=(5,), early_exit=ee, progress=False)
+        with serving() as compiles:
+            for k in (1, 3, 5):
+                np.testing.assert_array_equal(np.asarray(fast(*x, num_valid=k)), np.asarray(server(*x, num_valid=k)))
+        assert compiles() == 0
+    with pytest.raises(TypeError, match="early_exit must be a bool or a tuple"):
+        xj.RefineServer(head, buckets=(2,), early_exit="yes", progress=False)
+    with pytest.raises(ValueError, match="early_exit's pass numbers must lie in"):
+        xj.RefineServer(head, buckets=(2,), early_exit=(3,), progress=False)  # K=3: a check after pass 3 skips nothing
+
+
 def test_constructor_refuses_what_it_cannot_serve(head):
     with pytest.raises(ValueError, match=r"output must be 'device' or 'host', got 'pinned'"):
         xj.RefineServer(head, output="pinned")
@@ -369,6 +385,11 @@ server.reload_from(path2)  # restored onto param_shardings
 with jax.no_tracing():
     np.testing.assert_array_equal(np.asarray(server(*placed)), want["2"])
 assert len(compiles) == start, compiles[start:]
+try:
+    xj.RefineServer(head, buckets=(3,), mesh=mesh, progress=False, early_exit=True)
+    raise SystemExit("early_exit was accepted with a mesh")
+except ValueError as e:
+    assert "early_exit=True runs on one device" in str(e), e
 host = xj.RefineServer(head, buckets=(3,), mesh=mesh, progress=False, output="host")  # tokens in host memory
 args3 = host_args(host, 3, [np.asarray(a)[:3] for a in x])
 start = len(compiles)

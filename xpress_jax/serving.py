@@ -105,6 +105,9 @@ class RefineServer:
     ``min_blocks`` (64) blocks while its bound prunes, the scan elsewhere and whenever the certified
     calls keep falling back (a per-bucket policy, see `Auto`; `exact_mode(bucket)` says how the last call
     ran; the tokens are the same).
+
+    ``early_exit``: `refine`'s option (False, True or a tuple of pass numbers; one device only): stop
+    the passes at their fixed point, the same tokens (`refine`'s "Early exit").
     """
 
     def __init__(
@@ -122,6 +125,7 @@ class RefineServer:
         progress: bool = True,
         full_vocab: Any = "scan",
         output: str = "device",
+        early_exit: bool | tuple = False,
     ):
         if not isinstance(head, Head):
             raise TypeError(
@@ -137,6 +141,9 @@ class RefineServer:
             raise ValueError(f"full_vocab={full_vocab!r} runs on one device; with a mesh use full_vocab='scan'")
         self.full_vocab = full_vocab
         self.output = self._check_output(output, mesh)
+        if mesh is not None and early_exit is not False:
+            raise ValueError(f"RefineServer: early_exit={early_exit!r} runs on one device; with a mesh leave it False")
+        self.early_exit = early_exit
         config = head.config
         self.config: HeadConfig = config
         self.num_passes = config.num_passes if num_passes is None else num_passes
@@ -251,6 +258,7 @@ class RefineServer:
                                         interpret=self.interpret)
         if self.mesh is None:
             kw["full_vocab"] = self.full_vocab if full_vocab is None else full_vocab
+            kw["early_exit"] = self.early_exit
             if return_stats:
                 kw["return_stats"] = True
         mesh = self.mesh
