@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import jax
+import pytest
 
 
 def test_bench_refine_small_runs_on_cpu_and_writes_as_it_goes(tmp_path, capsys):
@@ -46,3 +47,43 @@ def test_bench_refine_certified_backends(tmp_path):
     cert = [r for r in rows if r.get("backend") == "xla@certified-c256"]
     assert len(cert) == 1 and cert[0]["topc"] == 0 and cert[0]["agree"] == 1.0
     assert 0 <= cert[0]["rows_certified"] <= 1 and "passes_full_scan" in cert[0]
+
+
+def test_fixed_point_study_matches_refine_early_exit(tmp_path):
+    """benchmarks.fixed_point: a block's first unchanged pass, as the study finds it, is where refine's own
+    early exit (one check per pass: the loop form) stops on that block alone."""
+    import numpy as np
+
+    import xpress_jax as xj
+    from benchmarks import fixed_point
+    from xpress_jax.ops import Ops
+    from xpress_jax.refine import _refine, resolve_call
+    from xpress_jax.toy import ToyConfig, ToyTask
+
+    task = ToyTask(ToyConfig(vocab_size=16, block_size=5, hidden_size=8))
+    cfg = task.head_config(rank=8, mlp_hidden=8, topc=4, num_passes=4)
+    batch = ToyTask.sample(task.tables, jax.random.key(0), 6)
+    for std in (0.02, 1.0):  # converges at once / keeps changing
+        head = xj.init_head(cfg, jax.random.key(1), std=std)
+        for topc in (0, 4):
+            first = fixed_point.block_fixed_pass(head, batch, 4, topc)
+            x = (batch.logits[:1], batch.h[:1], batch.anchors[:1], batch.prev_ids[:1])
+            p, _, k, c, _ = resolve_call(head, *x, topc=topc, unroll=False)
+            one = jax.jit(lambda p, *x: _refine(Ops.xla(), p, *x, k, c, False, early_exit=True, return_passes=True)[1])
+            for i in range(6):
+                passes = one(p, *(a[i:i + 1] for a in (batch.logits, batch.h, batch.anchors, batch.prev_ids)))
+                assert int(passes) == min(first[i], 4), (std, topc, i)
+    runs = fixed_point.passes_run(np.array([1, 2, 3, 5, 5]), 1, 4, 200, np.random.default_rng(0))
+    assert set(runs.tolist()) <= {2, 4}  # checks after passes 2 (N < 16), none after the last
+
+
+@pytest.mark.slow
+def test_fixed_point_cli_writes_its_report(tmp_path):
+    """``python -m benchmarks.fixed_point`` trains a head (a few steps here) and writes fixed_point.json."""
+    from benchmarks import fixed_point
+
+    fixed_point.main(["--block-size", "5", "--num-passes", "3", "--steps", "4", "--blocks", "32", "--out",
+                      str(tmp_path)])
+    rep = json.loads((tmp_path / "fixed_point.json").read_text())
+    hist = rep["heads"]["trained"]["full vocab"]["block_first_fixed_pass"]
+    assert abs(sum(hist.values()) - 1) < 1e-9 and set(hist) == {"1", "2", "3", "4"}
