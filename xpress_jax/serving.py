@@ -65,10 +65,11 @@ class RefineServer:
 
     ``output``: where the executables put the tokens. ``"device"`` (the default): on the
     devices, as refine returns them; ``tokens()`` then copies them to the host. ``"host"``: in
-    pinned host memory (``memory_kind="pinned_host"``): the last kernel writes them straight into
-    host memory, so ``tokens()`` needs no copy, and the executable's CUDA graph is not re-recorded
-    every call (XLA re-records the commands that touch a buffer whose address changed: with device
-    output, the output buffer's). For a caller that wants the tokens on the host every step. On an
+    pinned host memory (``memory_kind="pinned_host"``): the executable itself puts them there, so
+    ``tokens()`` needs no copy after the call, and (as XLA's log showed on an H200) its CUDA graph is
+    no longer re-recorded every call (XLA re-records the commands that touch a buffer whose address
+    changed: with device output, the output buffer's). For a caller that wants the tokens on the host
+    every step. On an
     H200 (JAX 0.11.2, serving shapes, bf16, K=6; call + ``np.asarray``) one call took 247-269 µs
     instead of 508-600 at N=1 top-512, 430-484 instead of 689-725 at N=1 full vocabulary, and
     476-522 instead of 727-815 at N=16 top-512 (benchmarks/RESULTS.md, "One call's wall time").
