@@ -69,7 +69,8 @@ def expected(head, x, k):
 
 def test_startup_compiles_each_bucket_once_and_reports_it(started):
     server, err, compiles = started
-    assert compiles == len(BUCKETS)
+    assert server.token_table  # the default on one device: one more executable, the table's
+    assert compiles == len(BUCKETS) + 1
     assert sorted(server.executables) == sorted(server.compile_seconds) == list(BUCKETS)
     assert all(t > 0 for t in server.compile_seconds.values())
     lines = [ln for ln in err.splitlines() if "compiled in" in ln]
@@ -277,6 +278,30 @@ def test_early_exit_server_same_tokens_without_trace_or_compile(server, head):
         xj.RefineServer(head, buckets=(2,), early_exit=(3,), progress=False)  # K=3: a check after pass 3 skips nothing
 
 
+def test_token_table_server_same_tokens_and_follows_reloads(server, head):
+    """token_table (on by default, one device): the same tokens as a server without it for every num_valid,
+    before and after a reload (the table is recomputed with the weights); no trace or compile while
+    serving; bad values refused."""
+    assert server.token_table and "token_table=True" in repr(server)
+    plain = xj.RefineServer(head, buckets=(5,), token_table=False, progress=False)
+    assert plain._table is None and "token_table=False" in repr(plain)
+    x = make_inputs(CFG, 5, seed=6)
+    head2 = jax.tree.map(lambda w: w * 1.5, head)
+    for weights in (head, head2):
+        server.reload(weights)
+        plain.reload(weights)
+        want = np.asarray(xj.refine(weights, *x))  # rows are independent
+        with serving() as compiles:
+            for k in (1, 4, 5):
+                got = np.asarray(server(*x, num_valid=k))
+                np.testing.assert_array_equal(got, np.asarray(plain(*x, num_valid=k)))
+                np.testing.assert_array_equal(got[:k], want[:k])
+        assert compiles() == 0
+    np.testing.assert_array_equal(np.asarray(server._table), np.asarray(xj.token_table(head2)))
+    with pytest.raises(TypeError, match="token_table must be None, True or False"):
+        xj.RefineServer(head, buckets=(2,), token_table="yes", progress=False)
+
+
 def test_constructor_refuses_what_it_cannot_serve(head):
     with pytest.raises(ValueError, match=r"output must be 'device' or 'host', got 'pinned'"):
         xj.RefineServer(head, output="pinned")
@@ -390,6 +415,12 @@ try:
     raise SystemExit("early_exit was accepted with a mesh")
 except ValueError as e:
     assert "early_exit=True runs on one device" in str(e), e
+try:
+    xj.RefineServer(head, buckets=(3,), mesh=mesh, progress=False, token_table=True)
+    raise SystemExit("token_table=True was accepted with a mesh")
+except ValueError as e:
+    assert "token_table=True runs on one device" in str(e), e
+assert not server.token_table  # None: off with a mesh
 host = xj.RefineServer(head, buckets=(3,), mesh=mesh, progress=False, output="host")  # tokens in host memory
 args3 = host_args(host, 3, [np.asarray(a)[:3] for a in x])
 start = len(compiles)

@@ -11,7 +11,7 @@ Quickstart::
 
 from .checkpoint import load_params, save_params
 from .config import HeadConfig
-from .head import XPressHead, hidden_input, latent, round_to
+from .head import XPressHead, hidden_input, latent, round_to, token_table
 from .params import (
     HYBRID_KEY_MAP,
     Head,
@@ -49,6 +49,7 @@ __all__ = [
     "init_params",
     "latent",
     "round_to",
+    "token_table",
     "param_shapes",
     "params_from_state_dict",
     "refine",

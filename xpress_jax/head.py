@@ -23,7 +23,8 @@ import numpy as np
 from .config import HeadConfig
 from .params import HYBRID_KEY_MAP, Head, params_from_state_dict, source_shapes
 
-__all__ = ["acc_dtype", "round_to", "hidden_input", "latent", "XPressHead", "MODULE_PARAM_NAMES"]
+__all__ = ["acc_dtype", "round_to", "hidden_input", "latent", "token_table", "TOKEN_TABLE", "XPressHead",
+           "MODULE_PARAM_NAMES"]
 
 Params = Mapping[str, jax.Array]
 
@@ -93,17 +94,48 @@ def hidden_input(params: Params, h: jax.Array, *, pad_rows: int = 0) -> jax.Arra
     return round_to(_dot(hidden_cache(params, h, pad_rows=pad_rows), params["in_proj_hidden"], acc_dtype(cd)), cd)
 
 
+#: The key under which `xpress_jax.refine` hands a `token_table` to `latent` inside its params dict
+#: (internal: refine adds it after validating the user's params; a user passes ``token_table=``).
+TOKEN_TABLE = "token_table"
+
+
+def token_table(params: Params | Head) -> jax.Array:
+    """``w1 @ in_proj_token`` for every vocab id: [V, r] in the accumulation dtype (float32; float64
+    for float64 params), computed once per set of weights.
+
+    `latent` adds ``w1[prev] @ in_proj_token`` to the hidden input every pass: a gather of ``w1`` rows
+    and a small GEMM. With this table it is one gather of rows already multiplied,
+    ``table[prev]``, which XLA fuses with the add and the mixer: on an H200 three kernels fewer per
+    pass (benchmarks/RESULTS.md, "A prepared token table"). The values are the same sums of the same
+    products (bf16 x bf16 products are exact in float32; each row is summed over ``r`` in the
+    accumulation dtype, as the per-pass GEMM does), their order being the GEMM's choice either way, as
+    for any dot. Pass it as ``refine(..., token_table=...)``; `RefineServer` keeps one per set of
+    weights. Memory: V * r * 4 bytes (155.6 MB at V=151936, r=256), twice ``w1`` in bfloat16.
+    It must come from the very weights passed to refine.
+    """
+    if isinstance(params, Head):
+        params = params.params
+    acc = acc_dtype(params["w1"].dtype)
+    return _dot(params["w1"], params["in_proj_token"], acc)
+
+
 def latent(params: Params, xh: jax.Array, prev: jax.Array) -> jax.Array:
     """One pass's latents for the draft slots: [N, B, r], [N, B] int -> [N, B-1, r].
 
     ``x = xh + w1[prev] @ in_proj_token``; ``u[n,k,c] = sum_j mix[k,j,c] x[n,j,c]``
     (causal: mix is lower-triangular in (k, j)); ``lat = u + down(silu(u @ gate) * (u @ up))``.
-    ``prev`` must already be a valid index (callers clamp).
+    ``prev`` must already be a valid index (callers clamp). With ``params[TOKEN_TABLE]`` (a
+    `token_table` of these weights, added by `xpress_jax.refine`), ``w1[prev] @ in_proj_token``
+    is read from it: ``table[prev]``.
     """
     cd = params["w1"].dtype
     acc = acc_dtype(cd)
-    e = jnp.take(params["w1"], prev, axis=0, mode="clip")  # [N, B, r]
-    x = xh.astype(acc) + _dot(e, params["in_proj_token"], acc)
+    table = params.get(TOKEN_TABLE)
+    if table is not None:
+        x = xh.astype(acc) + jnp.take(table, prev, axis=0, mode="clip")  # [N, B, r]
+    else:
+        e = jnp.take(params["w1"], prev, axis=0, mode="clip")  # [N, B, r]
+        x = xh.astype(acc) + _dot(e, params["in_proj_token"], acc)
     u = jnp.einsum("kjc,njc->nkc", params["mix"].astype(acc), x, precision=precision_for(acc))[:, 1:]
     uc = round_to(u, cd)
     gate = _dot(uc, params["mlp_gate"], acc)

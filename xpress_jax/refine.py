@@ -16,7 +16,7 @@ import numpy as np
 
 from .config import HeadConfig
 from .exact import Pruned, certified_passes, pruned_passes, resolve_full_vocab
-from .head import hidden_input
+from .head import TOKEN_TABLE, hidden_input
 from .ops import Ops
 from .params import Head, check_params
 
@@ -121,6 +121,7 @@ def refine(
     return_stats: bool = False,
     certified_prepared: Any = None,
     early_exit: bool | tuple = False,
+    token_table: jax.Array | None = None,
 ) -> jax.Array:
     """Refine N draft blocks with K greedy Jacobi passes; returns the draft [N, B-1] int32.
 
@@ -166,6 +167,12 @@ def refine(
         refine computes it every call (one read of ``w2``, ~20 µs at serving shapes on an H200).
         It must come from the very weights passed: from other weights the bound may be wrong and
         so may the tokens. `RefineServer` keeps it and recomputes it on every reload.
+      token_table: `xpress_jax.token_table` (params): ``w1 @ in_proj_token`` for every vocab id, [V, r] in
+        the accumulation dtype, computed once for these weights (a traced argument, not static). Each
+        pass then gathers its rows instead of running a gather and a GEMM: the same sums (their order
+        the GEMM's choice, as for any dot), three XLA kernels fewer per pass on an H200. Costs V*r*4
+        bytes of memory. It must come from the very weights passed. The Pallas latent kernel (the plan
+        uses it above N=64) does not read it. `RefineServer` keeps one (its ``token_table`` option).
 
     No silent defaults: the config (from the `Head` or ``config=``) is the only source of
     ``num_passes`` and ``topc``. With a plain dict and no config both must be given, else
@@ -204,7 +211,8 @@ def refine(
     check_backend(backend, interpret)
     return _run(_select_ops(backend, interpret), params, logits, h, anchors, prev_ids, num_passes=num_passes,
                 topc=topc, max_num_reqs=max_num_reqs, config=config, unroll=unroll, full_vocab=full_vocab,
-                return_stats=return_stats, certified_prepared=certified_prepared, early_exit=early_exit)
+                return_stats=return_stats, certified_prepared=certified_prepared, early_exit=early_exit,
+                token_table=token_table)
 
 
 def _platform() -> str:
@@ -244,7 +252,8 @@ def _select_ops(backend: str, interpret: bool) -> Ops:
 def refine_with(ops: Ops, params, logits, h, anchors, prev_ids=None, *, num_passes: int | None = None,
                 topc: int | None = None, max_num_reqs: int | None = None, config: HeadConfig | None = None,
                 unroll: bool | None = None, full_vocab: Any = "scan", return_stats: bool = False,
-                certified_prepared: Any = None, early_exit: bool | tuple = False) -> jax.Array:
+                certified_prepared: Any = None, early_exit: bool | tuple = False,
+                token_table: jax.Array | None = None) -> jax.Array:
     """`refine` with an explicit `xpress_jax.ops.Ops` instead of ``backend`` (documented internal:
     benchmarks and experiments build mixed implementations with `dataclasses.replace`).
 
@@ -256,11 +265,13 @@ def refine_with(ops: Ops, params, logits, h, anchors, prev_ids=None, *, num_pass
         raise TypeError(f"ops must be an xpress_jax.ops.Ops, got {type(ops).__name__}")
     return _run(ops, params, logits, h, anchors, prev_ids, num_passes=num_passes, topc=topc,
                 max_num_reqs=max_num_reqs, config=config, unroll=unroll, full_vocab=full_vocab,
-                return_stats=return_stats, certified_prepared=certified_prepared, early_exit=early_exit)
+                return_stats=return_stats, certified_prepared=certified_prepared, early_exit=early_exit,
+                token_table=token_table)
 
 
 def _run(ops: Ops, params, logits, h, anchors, prev_ids=None, *, num_passes=None, topc=None, max_num_reqs=None,
-         config=None, unroll=None, full_vocab="scan", return_stats=False, certified_prepared=None, early_exit=False):
+         config=None, unroll=None, full_vocab="scan", return_stats=False, certified_prepared=None, early_exit=False,
+         token_table=None):
     """Resolve the config's defaults, validate, and run `_refine` with ``ops`` (`refine`'s body)."""
     certified = resolve_full_vocab(full_vocab)
     if not isinstance(return_stats, bool):
@@ -279,9 +290,24 @@ def _run(ops: Ops, params, logits, h, anchors, prev_ids=None, *, num_passes=None
                          f"full_vocab='certified' or 'pruned' (got topc={topc}, full_vocab={full_vocab!r})")
     if certified_prepared is not None:
         _check_certified_prepared(certified_prepared, params, topc, certified, full_vocab)
+    if token_table is not None:
+        _check_token_table(token_table, params)
+        params = {**params, TOKEN_TABLE: token_table}  # read by `head.latent`
     return _refine(ops, params, logits, h, anchors, prev_ids, num_passes, topc, unroll,
                    certified=None if topc else certified, return_stats=return_stats,
                    certified_prepared=certified_prepared, early_exit=early_exit)
+
+
+def _check_token_table(table, params) -> None:
+    """``token_table`` must be an array [V, r] in the params' accumulation dtype (`xpress_jax.token_table`)."""
+    from .head import acc_dtype
+
+    want_shape, want_dtype = tuple(params["w1"].shape), acc_dtype(params["w1"].dtype)
+    if not hasattr(table, "shape") or not hasattr(table, "dtype"):
+        raise TypeError(f"token_table must be an array (xpress_jax.token_table(params)), got {type(table).__name__}")
+    if tuple(table.shape) != want_shape or jnp.dtype(table.dtype) != want_dtype:
+        raise ValueError(f"token_table must be xpress_jax.token_table(params): shape {want_shape} (params['w1']'s) "
+                         f"and dtype {want_dtype.name}; got shape {tuple(table.shape)}, dtype {jnp.dtype(table.dtype).name}")
 
 
 def _check_certified_prepared(prepared, params, topc, certified, full_vocab) -> None:

@@ -21,6 +21,7 @@ import numpy as np
 
 from .config import HeadConfig
 from .exact import Auto, Pruned, prepare_certified, prepare_pruned, resolve_full_vocab
+from .head import token_table as token_table_of
 from .params import PARAM_NAMES, Head, check_params, param_shapes
 from .refine import BACKENDS, INVALID_TOKEN, check_backend, refine
 
@@ -109,6 +110,12 @@ class RefineServer:
 
     ``early_exit``: `refine`'s option (False, True or a tuple of pass numbers; one device only): stop
     the passes at their fixed point, the same tokens (`refine`'s "Early exit").
+
+    ``token_table``: keep `xpress_jax.token_table` of the weights (``w1 @ in_proj_token`` for every vocab
+    id, [V, r] float32: V * r * 4 bytes, 155.6 MB at serving shapes) and pass it to every call
+    (`refine`'s ``token_table``): the same sums, three XLA kernels fewer per pass. Computed at start-up
+    and at every reload, with the weights. None (the default): on for one device, off with a mesh (where
+    it is not supported); False saves the memory.
     """
 
     def __init__(
@@ -127,6 +134,7 @@ class RefineServer:
         full_vocab: Any = "scan",
         output: str = "device",
         early_exit: bool | tuple = False,
+        token_table: bool | None = None,
     ):
         if not isinstance(head, Head):
             raise TypeError(
@@ -145,6 +153,11 @@ class RefineServer:
         if mesh is not None and early_exit is not False:
             raise ValueError(f"RefineServer: early_exit={early_exit!r} runs on one device; with a mesh leave it False")
         self.early_exit = early_exit
+        if token_table not in (None, True, False):
+            raise TypeError(f"RefineServer: token_table must be None, True or False, got {token_table!r}")
+        if mesh is not None and token_table:
+            raise ValueError("RefineServer: token_table=True runs on one device; with a mesh leave it None or False")
+        self.token_table = mesh is None if token_table is None else bool(token_table)
         config = head.config
         self.config: HeadConfig = config
         self.num_passes = config.num_passes if num_passes is None else num_passes
@@ -178,6 +191,13 @@ class RefineServer:
             self._certified = any(b >= self._auto.min_blocks for b in self.buckets)
         else:
             self._certified = mesh is None and not self.topc and resolve_full_vocab(full_vocab) is not None
+        # The token table (`xpress_jax.token_table`), kept with the weights like the certified data.
+        self._table_exe = self._table_spec = self._table = None
+        if self.token_table:
+            table_inputs = {k: self._param_specs[k] for k in ("w1", "in_proj_token")}
+            self._table_exe = jax.jit(token_table_of).lower(table_inputs).compile()
+            self._table = self._table_exe({k: self._params[k] for k in table_inputs})
+            self._table_spec = jax.ShapeDtypeStruct(self._table.shape, self._table.dtype, sharding=self._table.sharding)
         self._prepare_exe = None
         self._extra: tuple = ()
         if self._certified:
@@ -266,7 +286,7 @@ class RefineServer:
         if mesh is not None:
             from . import sharded
 
-        def serve(params, logits, h, anchors, prev_ids, num_valid, *prepared):
+        def serve(params, table, logits, h, anchors, prev_ids, num_valid, *prepared):
             # Padding rows get anchor -1: refine's sentinel rule reads nothing for them, returns -1.
             pad = jnp.arange(anchors.shape[0]) >= num_valid
             anchors = jnp.where(pad, INVALID_TOKEN, anchors)
@@ -274,7 +294,7 @@ class RefineServer:
             head = Head(config, params)
             if mesh is None:
                 return refine(head, logits, h, anchors, prev_ids, certified_prepared=prepared[0] if prepared else None,
-                              **kw)
+                              token_table=table, **kw)
             return sharded.refine_sharded(head, logits, h, anchors, prev_ids, mesh=mesh, data_axis=self.data_axis,
                                           model_axis=self.model_axis, **kw)
 
@@ -309,7 +329,7 @@ class RefineServer:
             t0 = time.perf_counter()
             spec = self._specs[b] = self.input_specs(b)
             out = self.input_shardings(b)["out"]
-            args = (self._param_specs, *(spec[k] for k in _ARGS), spec["num_valid"])
+            args = (self._param_specs, self._table_spec, *(spec[k] for k in _ARGS), spec["num_valid"])
             jitted = jax.jit(serve, out_shardings=out)
             self.executables[b] = jitted.lower(*args, *self._main_extra()).compile()
             what = ""
@@ -347,7 +367,7 @@ class RefineServer:
 
     def _run(self, bucket: int, args: tuple, num_valid: jax.Array) -> jax.Array:
         if bucket not in self.certified_executables:
-            return self.executables[bucket](self._params, *args, num_valid, *self._main_extra())
+            return self.executables[bucket](self._params, self._table, *args, num_valid, *self._main_extra())
         a, st = self._auto, self._auto_state[bucket]
         pending = st["pending"]
         if pending is not None and pending.is_ready():  # never waits for the device
@@ -359,8 +379,8 @@ class RefineServer:
             st["scan_left"] -= 1
             if st["scan_left"] <= 0:
                 st.update(mode="certified", since=0)
-            return self.executables[bucket](self._params, *args, num_valid)
-        out, stats = self.certified_executables[bucket](self._params, *args, num_valid, *self._extra)
+            return self.executables[bucket](self._params, self._table, *args, num_valid)
+        out, stats = self.certified_executables[bucket](self._params, self._table, *args, num_valid, *self._extra)
         if st["since"] % a.check_every == 0:
             st["pending"] = stats.passes_full_scan
         st["since"] += 1
@@ -528,7 +548,9 @@ class RefineServer:
             params = params.params
         checked = self._checked_params(params, place_jax=False)
         extra = (self._prepare_exe(checked["w2"]),) if self._certified else ()
-        self._params, self._extra = checked, extra  # together: the bound's data always matches the weights
+        table = self._table_exe({k: checked[k] for k in ("w1", "in_proj_token")}) if self.token_table else None
+        # together: the bound's data and the token table always match the weights
+        self._params, self._extra, self._table = checked, extra, table
 
     def reload_from(self, path: str | PathLike, *, dtype: Any = None) -> None:
         """`reload` from a converted checkpoint, restored straight onto ``param_shardings``.
@@ -547,4 +569,4 @@ class RefineServer:
         where = "1 device" if self.mesh is None else f"mesh {dict(self.mesh.shape)}"
         return (f"RefineServer(buckets={self.buckets}, V={self.config.vocab_size}, B={self.config.block_size}, "
                 f"{self.dtype.name}, topc={self.topc}, K={self.num_passes}, backend={self.backend!r}, {where}, "
-                f"output={self.output!r})")
+                f"output={self.output!r}, token_table={self.token_table})")
