@@ -230,7 +230,9 @@ def main(argv=None):
                          "@loop (passes in a lax.fori_loop instead of unrolled) or @certified[-c<C>][-s<S>] (full "
                          "vocab as refine(full_vocab=Certified(candidates=C, scan_blocks=S)): same tokens; top-C rows "
                          "skip it; adds its stats to the row) or @pruned[-prev][-c<C>][-x<percent>] (full vocab as "
-                         "refine(full_vocab=Pruned(...)), likewise). Default: xla,pallas on a GPU, "
+                         "refine(full_vocab=Pruned(...)), likewise) or @table (refine with a prepared "
+                         "xj.token_table, as RefineServer keeps; '-table' after another flag adds it to that one). "
+                         "Default: xla,pallas on a GPU, "
                          "xla elsewhere (pallas off a GPU runs in interpret mode: slow)")
     ap.add_argument("--reps", type=int, default=5, help="timed repeats of each chained measurement (median)")
     ap.add_argument("--walls", type=int, default=20, help="single calls timed for the wall latency (median)")
@@ -259,7 +261,7 @@ def main(argv=None):
     interpret = not on_gpu  # Pallas-Triton compiles for CUDA GPUs only; elsewhere interpret mode
     impls = {b: bench_ops(b.partition("@")[0], interpret) for b in backends}
     meshes = {b: make_mesh(b.partition("@")[2]) for b in backends if b.partition("@")[2].startswith("mesh")}
-    certs = {b: certified_flag(b.partition("@")[2]) for b in backends}
+    certs = {b: certified_flag(b.partition("@")[2].removesuffix("-table")) for b in backends}
     if not on_gpu and any(b != "xla" for b in backends):
         print(f"# note: no GPU ({dev.platform}): Pallas kernels run in interpret mode (slow, for checking only)",
               flush=True)
@@ -289,19 +291,25 @@ def main(argv=None):
             outs = {}
             for backend in backends:
                 name, _, flag = backend.partition("@")
+                table = flag == "table" or flag.endswith("-table")  # a prepared xj.token_table, as a server keeps
+                flag = "" if flag == "table" else flag.removesuffix("-table")
                 ops, unroll = impls[backend], False if flag == "loop" else None
                 cert = certs[backend]
                 if cert is not None and topc:
                     continue  # the certified mode is a way to compute topc=0
-                placed = problem
+                # With a token table the params argument is (params, table): an argument, not a constant.
+                placed = ((problem[0], xj.token_table(problem[0])), *problem[1:]) if table else problem
                 # The bound's weight-only data, computed once as a server does (RefineServer: at
                 # start-up and reload), not inside every timed call.
                 prep = (None if cert is None else exact.prepare_pruned(problem[0]["w2"])
                         if isinstance(cert, exact.Pruned) else exact.prepare_certified(problem[0]["w2"]))
 
-                def refine_fn(p, l, h, a, ops=ops, topc=topc, unroll=unroll, cert=cert, stats=False, prep=prep):
+                def refine_fn(p, l, h, a, ops=ops, topc=topc, unroll=unroll, cert=cert, stats=False, prep=prep,
+                              table=table):
+                    p, t = p if table else (p, None)
                     return refine_with(ops, p, l, h, a, config=cfg, topc=topc, unroll=unroll,
-                                       full_vocab=cert or "scan", return_stats=stats, certified_prepared=prep)
+                                       full_vocab=cert or "scan", return_stats=stats, certified_prepared=prep,
+                                       token_table=t)
 
                 if backend in meshes:
                     from xpress_jax.sharded import input_shardings, param_shardings, refine_sharded

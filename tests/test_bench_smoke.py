@@ -49,6 +49,22 @@ def test_bench_refine_certified_backends(tmp_path):
     assert 0 <= cert[0]["rows_certified"] <= 1 and "passes_full_scan" in cert[0]
 
 
+def test_bench_refine_table_backends(tmp_path):
+    """``@table`` (and ``-table`` after another flag) times refine with a prepared token table: the same tokens
+    as the first backend, in both modes."""
+    from benchmarks import bench_refine
+
+    if jax.default_backend() != "cpu":
+        pytest.skip("the CPU smoke path")
+    bench_refine.main(["--small", "--n", "1", "--topc", "64,0", "--backends", "xla,xla@table,xla@certified-table",
+                       "--wall-only", "--walls", "1", "--no-select", "--out", str(tmp_path)])
+    rows = [json.loads(x) for x in (tmp_path / "bench.jsonl").read_text().splitlines()]
+    table = [r for r in rows if r.get("backend") == "xla@table"]
+    assert sorted(r["topc"] for r in table) == [0, 64] and all(r["agree"] == 1.0 for r in table)
+    cert = [r for r in rows if r.get("backend") == "xla@certified-table"]
+    assert len(cert) == 1 and cert[0]["topc"] == 0 and cert[0]["agree"] == 1.0 and "rows_certified" in cert[0]
+
+
 def test_fixed_point_study_matches_refine_early_exit(tmp_path):
     """benchmarks.fixed_point: a block's first unchanged pass, as the study finds it, is where refine's own
     early exit (one check per pass: the loop form) stops on that block alone."""

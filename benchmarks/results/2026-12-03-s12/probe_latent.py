@@ -15,6 +15,8 @@ rounding; each ~1.1-2.0 µs, mostly launch. Variants (same sums, up to summation
 Prediction: T+mixsum 5 latent kernels per pass instead of 8: -3 x 1.25 x 6 = ~-22 µs per refine at N=1.
 Outcome of the first run (probe_latent.py, latent.jsonl): T -3 kernels per pass; N=1 -9..-12 µs, N=16 -32.
 Second run (PROBE_V2=1): + T+mixsum+cvt, N = 64 and 256, and the latents compared bit for bit.
+Third run (PROBE_V3=1): the four first variants over N = 2..256 (top-512; full vocab at 4 and 16), to place
+the mixer's spelling and the XLA latent against the Pallas latent kernel (the plan's above N=64).
 Per case: device µs per refine (chained, min of 3 interleaved rounds), tokens differing from the
 default, and (N=1) the GPU kernels of one call from a profiler trace.
 """
@@ -80,6 +82,10 @@ def make_fn(variant, topc):
 CASES = ((1, 512), (1, 0), (4, 512), (16, 512), (16, 0))
 if V2:
     CASES = ((1, 512), (1, 0), (16, 512), (16, 0), (64, 512), (64, 0), (256, 512))
+V3 = os.environ.get("PROBE_V3")
+if V3:
+    V2 = True
+    CASES = ((2, 512), (4, 512), (8, 512), (16, 512), (32, 512), (64, 512), (128, 512), (256, 512), (4, 0), (16, 0))
 
 
 def lat_check(variant, params, T, n):
@@ -112,7 +118,7 @@ for n, topc in CASES[:int(os.environ.get("PROBE_CASES", len(CASES)))]:
                    differ=int((r["tok"] != res["default"]["tok"]).sum()))
         if V2 and VARIANTS[v] is not None:
             row["lat_check"] = lat_check(v, params, T, n)
-        if n == 1 and not SMALL:
+        if n == 1 and not SMALL and not V3:
             import trace_util
             tr = trace_util.trace(r["fn"], args, f"lat_{v}_{topc}")
             row["trace"] = tr
