@@ -15,7 +15,7 @@ rounding; each ~1.1-2.0 µs, mostly launch. Variants (same sums, up to summation
 Prediction: T+mixsum 5 latent kernels per pass instead of 8: -3 x 1.25 x 6 = ~-22 µs per refine at N=1.
 Outcome of the first run (probe_latent.py, latent.jsonl): T -3 kernels per pass; N=1 -9..-12 µs, N=16 -32.
 Second run (PROBE_V2=1): + T+mixsum+cvt, N = 64 and 256, and the latents compared bit for bit.
-Third run (PROBE_V3=1): the four first variants over N = 2..256 (top-512; full vocab at 4 and 16), to place
+Third run (PROBE_V3=1): default, T, T+mixsum and T(+mixsum)+bar (u behind an optimization barrier) over N = 1..256 (top-512; full vocab at 4 and 16), to place
 the mixer's spelling and the XLA latent against the Pallas latent kernel (the plan's above N=64).
 Per case: device µs per refine (chained, min of 3 interleaved rounds), tokens differing from the
 default, and (N=1) the GPU kernels of one call from a profiler trace.
@@ -38,7 +38,7 @@ base_ops = Ops.xla() if SMALL else Ops.pallas()
 out = open(sys.argv[1], "a")
 
 
-def make_latent(mixsum, table, cvt=False):
+def make_latent(mixsum, table, cvt=False, bar=False):
     rnd = (lambda x, dt: x.astype(dt)) if cvt else round_to
     def lat(params, xh, blk, prev_ids, T=None):
         prev = jnp.concatenate([prev_ids[:, None], blk[:, :-1]], axis=1)
@@ -54,6 +54,8 @@ def make_latent(mixsum, table, cvt=False):
             u = jnp.sum(mix[None, 1:] * x[:, None, :, :], axis=2)
         else:
             u = jnp.einsum("kjc,njc->nkc", mix, x, precision=precision_for(acc))[:, 1:]
+        if bar:  # u materialised once (else XLA recomputes the mixer inside the residual's fusion)
+            u = jax.lax.optimization_barrier(u)
         uc = rnd(u, cd)
         gate = _dot(uc, params["mlp_gate"], acc)
         up = _dot(uc, params["mlp_up"], acc)
@@ -85,7 +87,10 @@ if V2:
 V3 = os.environ.get("PROBE_V3")
 if V3:
     V2 = True
-    CASES = ((2, 512), (4, 512), (8, 512), (16, 512), (32, 512), (64, 512), (128, 512), (256, 512), (4, 0), (16, 0))
+    CASES = ((1, 512), (2, 512), (4, 512), (8, 512), (16, 512), (32, 512), (64, 512), (128, 512), (256, 512), (1, 0),
+             (16, 0))
+    VARIANTS = {"default": None, "T": (False, True), "T+mixsum": (True, True),
+                "T+bar": (False, True, False, True), "T+mixsum+bar": (True, True, False, True)}
 
 
 def lat_check(variant, params, T, n):
