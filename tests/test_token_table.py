@@ -115,3 +115,27 @@ def test_bad_tables_are_refused():
         call(table.astype(jnp.bfloat16))
     with pytest.raises(TypeError, match="token_table must be an array"):
         call([[0.0] * 20] * 301)
+
+
+@pytest.mark.parametrize("rows_n", [(1, True), (274, True), (275, False)])  # B=8: 7 rows a block; 274*7 = 1918
+def test_with_a_table_the_latent_is_xlas_up_to_the_dispatch_bound(rows_n, monkeypatch):
+    """`dispatch.TABLE_XLA_LATENT_MAX_ROWS`: with a table, the Pallas ops run XLA's latent (which reads the
+    table) up to that many draft rows, the Pallas latent kernel above it; without a table, the plan decides
+    (in interpret mode: the kernel everywhere)."""
+    from xpress_jax import dispatch, reference
+    from xpress_jax.kernels import latent as latent_kernel
+    from xpress_jax.ops import Ops
+
+    n, xla = rows_n
+    assert dispatch.TABLE_XLA_LATENT_MAX_ROWS == 1920  # at B=8: 274 blocks = 1918 rows <= 1920 < 275 blocks
+    cfg = xj.HeadConfig(vocab_size=64, hidden_size=16, block_size=8, rank=8, mlp_hidden=8, topc=4, num_passes=2)
+    params = make_head(cfg, seed=14)
+    calls = []
+    monkeypatch.setattr(latent_kernel, "latent_pass", lambda *a, **k: calls.append("kernel") or "kernel")
+    monkeypatch.setattr(reference, "latent_pass", lambda *a, **k: calls.append("xla") or "xla")
+    xh = jnp.zeros((n, 8, 8), jnp.float32)
+    blk = jnp.zeros((n, 8), jnp.int32)
+    ops = Ops.pallas(interpret=True)
+    ops.latent({**params, TOKEN_TABLE: xj.token_table(params)}, xh, blk, blk[:, 0])
+    ops.latent(params, xh, blk, blk[:, 0])
+    assert calls == ["xla" if xla else "kernel", "kernel"]

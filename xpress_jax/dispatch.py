@@ -31,7 +31,7 @@ from .kernels import full_vocab, latent, select, topc_pick
 from .kernels.common import cdiv, next_pow2
 
 __all__ = ["Row", "TABLE", "Plan", "plan", "capacity_config", "select_config", "SERVING_N", "SMS",
-           "SCAN_FAILING_MAX_ROWS"]
+           "SCAN_FAILING_MAX_ROWS", "TABLE_XLA_LATENT_MAX_ROWS"]
 
 #: The N values the serving configs were measured at (B = 16): draft rows 15 / 60 / 240 / 960 / 3840.
 SERVING_N = (1, 4, 16, 64, 256)
@@ -46,6 +46,13 @@ SMS = 132
 #: 97-98% certify (except +8 at N=16, std 0.02), and costs +103 at N=256 (30 row tiles x 132 mostly
 #: empty programs per pass) where 97.5% certify.
 SCAN_FAILING_MAX_ROWS = 960
+
+#: With a token table (`xpress_jax.token_table`) the latent is XLA's, reading the table, up to this many draft
+#: rows even where `TABLE` serves the Pallas latent kernel (which does not read the table). RESULTS.md "One
+#: call's floor, PDL, ... a prepared token table", third probe (`latent3.jsonl`, top-512, device µs per refine):
+#: N=128 (1920 rows) Pallas latent 1375.1 -> XLA latent with the table 1291.3; N=256 2302.6 -> 2302.7 (equal:
+#: the kernel stays there).
+TABLE_XLA_LATENT_MAX_ROWS = 1920
 
 _FV_LAZY = dict(prefetch_base=True, lazy=True)
 # Full-vocab pick configs (RESULTS.md "Full-vocab pick", evening: "lazy epilogue" + "whole waves";

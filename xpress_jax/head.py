@@ -110,7 +110,7 @@ def token_table(params: Params | Head) -> jax.Array:
     products (bf16 x bf16 products are exact in float32; each row is summed over ``r`` in the
     accumulation dtype, as the per-pass GEMM does), their order being the GEMM's choice either way, as
     for any dot. Pass it as ``refine(..., token_table=...)``; `RefineServer` keeps one per set of
-    weights. Memory: V * r * 4 bytes (155.6 MB at V=151936, r=256), twice ``w1`` in bfloat16.
+    weights. (The Pallas latent kernel, which the Pallas backend uses above N=128 at B=16, does not read it.) Memory: V * r * 4 bytes (155.6 MB at V=151936, r=256), twice ``w1`` in bfloat16.
     It must come from the very weights passed to refine.
     """
     if isinstance(params, Head):

@@ -85,6 +85,8 @@ from typing import Any, Callable
 import jax.numpy as jnp
 
 from . import reference as ref
+from .dispatch import TABLE_XLA_LATENT_MAX_ROWS
+from .head import TOKEN_TABLE
 
 __all__ = ["Ops", "PLATFORMS"]
 
@@ -358,6 +360,6 @@ def _pallas_latent(params, xh, blk, prev_ids, *, interpret):
     n, b = blk.shape
     v, r = params["w1"].shape
     p = _plan(n, b, v, r, 0, params["w1"].dtype, interpret)
-    if p.latent is None:
-        return ref.latent_pass(params, xh, blk, prev_ids)
+    if p.latent is None or (TOKEN_TABLE in params and n * (b - 1) <= TABLE_XLA_LATENT_MAX_ROWS):
+        return ref.latent_pass(params, xh, blk, prev_ids)  # with a token table, it reads the table
     return latent.latent_pass(params, xh, blk, prev_ids, config=p.latent, interpret=interpret)

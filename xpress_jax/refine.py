@@ -171,8 +171,10 @@ def refine(
         the accumulation dtype, computed once for these weights (a traced argument, not static). Each
         pass then gathers its rows instead of running a gather and a GEMM: the same sums (their order
         the GEMM's choice, as for any dot), three XLA kernels fewer per pass on an H200. Costs V*r*4
-        bytes of memory. It must come from the very weights passed. The Pallas latent kernel (the plan
-        uses it above N=64) does not read it. `RefineServer` keeps one (its ``token_table`` option).
+        bytes of memory. It must come from the very weights passed. With a table the Pallas backend runs
+        XLA's latent up to `dispatch.TABLE_XLA_LATENT_MAX_ROWS` draft rows (N=128 at B=16: measured faster
+        than the Pallas latent kernel there), the kernel above (it does not read the table). `RefineServer`
+        keeps one (its ``token_table`` option).
 
     No silent defaults: the config (from the `Head` or ``config=``) is the only source of
     ``num_passes`` and ``topc``. With a plain dict and no config both must be given, else
