@@ -103,3 +103,23 @@ def test_fixed_point_cli_writes_its_report(tmp_path):
     rep = json.loads((tmp_path / "fixed_point.json").read_text())
     hist = rep["heads"]["trained"]["full vocab"]["block_first_fixed_pass"]
     assert abs(sum(hist.values()) - 1) < 1e-9 and set(hist) == {"1", "2", "3", "4"}
+
+
+def test_serving_loop_small_runs_on_cpu(tmp_path):
+    """`python -m benchmarks.serving_loop --small`: every kind runs, gives the same tokens, and the marginals are
+    the steps minus the drafter-only step."""
+    from benchmarks import serving_loop
+
+    if jax.default_backend() != "cpu":
+        pytest.skip("the CPU smoke path")
+    serving_loop.main(["--small", "--n", "1", "--topc", "512,0", "--steps", "2", "--rounds", "1", "--reps", "1",
+                       "--out", str(tmp_path)])
+    rows = [json.loads(x) for x in (tmp_path / "serving_loop.jsonl").read_text().splitlines()]
+    assert [r["topc"] for r in rows] == [17, 0] and all(r["same_tokens"] and r["device_us"] > 0 for r in rows)
+    for r in rows:
+        base = min(r["steps_us"]["drafter"])
+        for k in serving_loop.KINDS[1:]:  # from the unrounded medians: within the rounding of three numbers
+            assert abs(r["marginal_us"][k] - (min(r["steps_us"][k]) - base)) <= 0.16, (k, r)
+    assert "| top-17 | 1 |" in (tmp_path / "serving_loop.md").read_text()
+    with pytest.raises(SystemExit, match="--n values must lie in"):
+        serving_loop.main(["--small", "--n", "0", "--out", str(tmp_path)])

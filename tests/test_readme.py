@@ -41,6 +41,7 @@ NOT_RUN = {
     'python -m benchmarks.agreement --out results/': "GPU only",
     'python -m benchmarks.agreement vllm --out results/': "GPU only (serving shapes, PyTorch on CUDA)",
     'python -m benchmarks.fixed_point --out results/': "trains a head for ~1 min (its checks: test_bench_smoke.py)",
+    'python -m benchmarks.serving_loop --out results/': "GPU (serving shapes; its CPU smoke run: test_bench_smoke.py)",
     'python examples/serving_step.py': "trains a head first (~10 s on 2 CPU cores); tests/test_examples.py runs "
                                        "its --smoke mode and checks its step",
 }
