@@ -4,7 +4,7 @@
 export PYTHONPATH=$PWD
 python3 -m benchmarks.bench_refine --backends pallas,pallas@table --n 128 --topc 512,0 --walls 20 \
   --no-select --reps 3 --out $OUT/bench 2>&1 | grep -v -i warn | tail -2
-python3 -m pytest -q -n 4 tests/test_token_table.py tests/test_serving.py tests/test_dispatch.py > $OUT/gpu_tests.log 2>&1
+python3 -m pytest -q -n 8 tests/test_token_table.py tests/test_serving.py tests/test_dispatch.py > $OUT/gpu_tests.log 2>&1
 tail -2 $OUT/gpu_tests.log
-python3 -m benchmarks.serving_loop --n 1,16 --steps 40 --out $OUT/loop 2>&1 | grep -v -i warn | tail -7
+python3 -m benchmarks.serving_loop --n 1,16 --topc 512 --steps 40 --rounds 2 --out $OUT/loop 2>&1 | grep -v -i warn | tail -7
 tail -3 $OUT/bench/bench.md
