@@ -106,12 +106,13 @@ def token_table(params: Params | Head) -> jax.Array:
     `latent` adds ``w1[prev] @ in_proj_token`` to the hidden input every pass: a gather of ``w1`` rows
     and a small GEMM. With this table it is one gather of rows already multiplied,
     ``table[prev]``, which XLA fuses with the add and the mixer: on an H200 three kernels fewer per
-    pass (benchmarks/RESULTS.md, "A prepared token table"). The values are the same sums of the same
-    products (bf16 x bf16 products are exact in float32; each row is summed over ``r`` in the
-    accumulation dtype, as the per-pass GEMM does), their order being the GEMM's choice either way, as
-    for any dot. Pass it as ``refine(..., token_table=...)``; `RefineServer` keeps one per set of
-    weights. (The Pallas latent kernel, which the Pallas backend uses above N=128 at B=16, does not read it.) Memory: V * r * 4 bytes (155.6 MB at V=151936, r=256), twice ``w1`` in bfloat16.
-    It must come from the very weights passed to refine.
+    pass (benchmarks/RESULTS.md, "One call's floor, PDL, refine inside a serving loop, a prepared token
+    table"). The values are the same sums of the same products (bf16 x bf16 products are exact in
+    float32; each row is summed over ``r`` in the accumulation dtype, as the per-pass GEMM does), their
+    order being the GEMM's choice either way, as for any dot. Pass it as ``refine(..., token_table=...)``;
+    `RefineServer` keeps one per set of weights. (The Pallas latent kernel, which the Pallas backend uses
+    above N=128 at B=16, does not read it.) Memory: V * r * 4 bytes (155.6 MB at V=151936, r=256), twice
+    ``w1`` in bfloat16. It must come from the very weights passed to refine.
     """
     if isinstance(params, Head):
         params = params.params
