@@ -158,13 +158,18 @@ STEPS = {"latent": ("latent",), "pick": ("topc_prepare", "topc_pick", "full_voca
 
 
 def bench_ops(name, interpret):
-    """The `Ops` a benchmark backend name stands for: ``xla``, ``pallas``, or ``xla+<step>[+<step>...]``
-    (XLA with the named steps, from `STEPS`, as Pallas kernels; built with `dataclasses.replace`)."""
+    """The `Ops` a benchmark backend name stands for: ``xla``, ``pallas``, ``pallas-xlares`` (the Pallas
+    steps with the latent's residual summed by XLA, not inside the picks: ``split_latent=False``), or
+    ``xla+<step>[+<step>...]`` (XLA with the named steps, from `STEPS`, as Pallas kernels; built with
+    `dataclasses.replace`)."""
     base, *steps = name.split("+")
     if base == "pallas" and not steps:
         return Ops.pallas(interpret)
+    if base == "pallas-xlares" and not steps:  # the residual in XLA's own kernel (before the picks added it)
+        return dataclasses.replace(Ops.pallas(interpret), name=name, split_latent=False)
     if base != "xla" or not set(steps) <= set(STEPS):
-        raise SystemExit(f"bench_refine: backend {name!r} must be xla, pallas or xla+<steps> (steps: {sorted(STEPS)})")
+        raise SystemExit(f"bench_refine: backend {name!r} must be xla, pallas, pallas-xlares or xla+<steps> "
+                         f"(steps: {sorted(STEPS)})")
     ops, kernels = Ops.xla(jax.default_backend()), Ops.pallas(interpret)
     fields = {f: getattr(kernels, f) for s in steps for f in STEPS[s]}
     return dataclasses.replace(ops, name=name, **fields) if fields else ops
@@ -223,7 +228,8 @@ def main(argv=None):
     ap.add_argument("--n", help="comma list of N (blocks per call) (default: 1,4,16,64,256; with --small: 1,4,16)")
     ap.add_argument("--topc", default="512,0", help="comma list of C (0 = full vocabulary; with --small 512 becomes 64)")
     ap.add_argument("--backends",
-                    help="comma list of xla | pallas | xla+<steps> (e.g. xla+latent+pick: XLA with those steps as "
+                    help="comma list of xla | pallas | pallas-xlares (the residual summed by XLA, not in the picks) | "
+                         "xla+<steps> (e.g. xla+latent+pick: XLA with those steps as "
                          "Pallas kernels; steps: latent, pick, select), each optionally @meshDxM (xla or pallas: "
                          "xpress_jax.sharded.refine_sharded on a D (blocks) x M (vocabulary) mesh of the first D*M "
                          "devices, inputs and weights placed as it expects) or "

@@ -120,7 +120,7 @@ def token_table(params: Params | Head) -> jax.Array:
     return _dot(params["w1"], params["in_proj_token"], acc)
 
 
-def latent(params: Params, xh: jax.Array, prev: jax.Array) -> jax.Array:
+def latent(params: Params, xh: jax.Array, prev: jax.Array, *, split: bool = False):
     """One pass's latents for the draft slots: [N, B, r], [N, B] int -> [N, B-1, r].
 
     ``x = xh + w1[prev] @ in_proj_token``; ``u[n,k,c] = sum_j mix[k,j,c] x[n,j,c]``
@@ -128,6 +128,11 @@ def latent(params: Params, xh: jax.Array, prev: jax.Array) -> jax.Array:
     ``prev`` must already be a valid index (callers clamp). With ``params[TOKEN_TABLE]`` (a
     `token_table` of these weights, added by `xpress_jax.refine`), ``w1[prev] @ in_proj_token``
     is read from it: ``table[prev]``.
+
+    ``split=True`` returns the residual's two terms before their sum, ``(u, d)`` with ``d =
+    down(...)``, both [N, B-1, r] in the accumulation dtype: the latent is ``round_to(u + d, dtype)``
+    (what the pick kernels form themselves as they load it, saving the residual's own kernel:
+    `xpress_jax.reference.LatentSum`).
     """
     cd = params["w1"].dtype
     acc = acc_dtype(cd)
@@ -142,7 +147,8 @@ def latent(params: Params, xh: jax.Array, prev: jax.Array) -> jax.Array:
     gate = _dot(uc, params["mlp_gate"], acc)
     up = _dot(uc, params["mlp_up"], acc)
     act = round_to(jax.nn.silu(gate) * up, cd)
-    return round_to(u + _dot(act, params["mlp_down"], acc), cd)
+    d = _dot(act, params["mlp_down"], acc)
+    return (u, d) if split else round_to(u + d, cd)
 
 
 def _attr_of(source: str) -> str:

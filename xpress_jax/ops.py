@@ -29,7 +29,12 @@ The steps (static shapes; ``rows`` = N * (B-1) draft rows):
   skips row tiles without an active row and reads int32 ``active`` as it is; the jnp path ignores it
   and picks every row. ``fallback`` ([rows] int32, with ``active``): inactive rows return it (every
   path).
-- ``latent(params, xh [N,B,r], blk [N,B] int32, prev_ids [N] int32) -> [N,B-1,r]``.
+- ``latent(params, xh [N,B,r], blk [N,B] int32, prev_ids [N] int32, split=False) -> [N,B-1,r]``. With
+  ``split=True`` (passed only where ``split_latent`` is true) it may return a `reference.LatentSum`
+  instead, the residual's two float32 terms, for ``topc_pick`` / ``full_vocab_pick`` to add and round
+  themselves; the Pallas steps do so wherever XLA computes the latent (one launch fewer per pass).
+  Every ``topc_pick`` and ``full_vocab_pick`` accepts either form; no other step gets a `LatentSum`.
+- ``split_latent`` (a bool, not a step): whether `xpress_jax.refine` asks ``latent`` for ``split=True``.
 - ``hidden(params, h [N,B,H]) -> xh [N,B,r]``: once per call, the pass-invariant hidden half of
   ``in_proj``. ``None``: `xpress_jax.head.hidden_input`; on GPUs (`Ops.xla("gpu")`, compiled `Ops.pallas`)
   `reference.hidden_input_gpu`, the same sums spelled so that XLA:GPU avoids two slow fusions.
@@ -114,6 +119,7 @@ class Ops:
     scan_failing: Callable[..., Any] | None = None
     hidden: Callable[..., Any] | None = None
     pruned_pick: Callable[..., Any] | None = None
+    split_latent: bool = False
 
     @staticmethod
     def xla(platform: str = "cpu") -> "Ops":
@@ -140,10 +146,10 @@ def _xla_ops(platform: str) -> Ops:
         name="xla",
         select=_xla_select,
         topc_prepare=ref.topc_gather,
-        topc_pick=ref.topc_pick,
+        topc_pick=_xla_topc_pick,
         full_vocab_prepare=same,
         full_vocab_pick=functools.partial(_xla_full_vocab_pick, direct_readout=platform == "gpu"),
-        latent=ref.latent_pass,
+        latent=_xla_latent,
         start=ref.full_vocab_start,
         full_vocab_best=functools.partial(_xla_full_vocab_best, direct_readout=platform == "gpu"),
         topc_best=ref.topc_pick_best,
@@ -174,6 +180,7 @@ def _pallas_ops(interpret: bool) -> Ops:
         # Interpret mode runs on a CPU: the plain spelling there (the GPU one is for XLA:GPU's fusions).
         hidden=None if interpret else ref.hidden_input_gpu,
         pruned_pick=functools.partial(_pallas_pruned_pick, interpret=interpret),
+        split_latent=True,
     )
 
 
@@ -187,8 +194,18 @@ def _xla_select(logits, c):
     return ref.select_candidates(ref.draft_rows(logits), c)
 
 
+def _xla_latent(params, xh, blk, prev_ids, split=False):
+    # ``split`` is a request the jnp step need not follow: its picks would only add the terms back.
+    return ref.latent_pass(params, xh, blk, prev_ids)
+
+
+def _xla_topc_pick(base_c, cand, lat, w2c):
+    return ref.topc_pick(base_c, cand, ref.latent_value(lat, base_c.dtype), w2c)
+
+
 def _xla_full_vocab_pick(logits, lat, w2, active=None, fallback=None, *, direct_readout: bool):
     # Every row is picked: XLA has nothing to skip without a conditional (the step's spec allows it).
+    lat = ref.latent_value(lat, logits.dtype)
     return with_fallback(ref.full_vocab_pick(ref.draft_rows(logits), lat, w2, direct_readout=direct_readout),
                          active, fallback)
 
@@ -249,6 +266,12 @@ def _pallas_topc(base_c, cand, lat, prepared, skip=None, *, interpret, best, tie
     from .kernels import topc_pick
 
     by_id = ties == "id"
+    lat_add = None
+    if isinstance(lat, ref.LatentSum):  # the residual's terms: the kernel adds them (topc_pick only)
+        if prepared.ndim == 3 or best or by_id:
+            lat = ref.latent_value(lat, base_c.dtype)
+        else:
+            lat, lat_add = lat
     if prepared.ndim == 3:  # float64: w2[cand], the jnp path
         if by_id:
             return _xla_candidates_best(base_c, cand, lat, prepared)
@@ -258,7 +281,7 @@ def _pallas_topc(base_c, cand, lat, prepared, skip=None, *, interpret, best, tie
     # The plan by draft rows: N = rows, B = 2 gives the same row count.
     p = _plan(rows, 2, v, r, c, base_c.dtype, interpret)
     out = topc_pick.topc_pick(base_c, cand, lat, prepared, config=p.topc, interpret=interpret, partials=best,
-                              ties=ties, skip=skip)
+                              ties=ties, skip=skip, lat_add=lat_add)
     if by_id:
         return ref.best_by_score(out[0], out[2], axis=0)
     return ref.best_by_topc_rule(*out, axis=0) if best else out
@@ -290,15 +313,23 @@ def _pallas_full_vocab(logits, lat, w2, active=None, fallback=None, *, interpret
     from .kernels import full_vocab
 
     n, b, v = logits.shape
+    lat_add = None
+    if isinstance(lat, ref.LatentSum):  # the residual's terms: the kernel adds them (the plain pick only)
+        if best or active is not None:
+            lat = ref.latent_value(lat, logits.dtype)
+        else:
+            lat, lat_add = lat
     p = _plan(n, b, v, lat.shape[1], 0, logits.dtype, interpret)
     if p.full_vocab is None:
+        if lat_add is not None:
+            lat = ref.latent_value(ref.LatentSum(lat, lat_add), logits.dtype)
         if best:
             return ref.full_vocab_best(ref.draft_rows(logits), lat, w2)
         return with_fallback(ref.full_vocab_pick(ref.draft_rows(logits), lat, w2), active, fallback)
     cfg = p.full_vocab if capacity is None else dispatch.capacity_config(p.full_vocab, v)
     out = full_vocab.full_vocab_pick(logits.reshape(n * b, v), lat, w2, config=cfg, interpret=interpret,
                                      slot_stride=b, partials=best, active=active, capacity=capacity,
-                                     fallback=fallback)
+                                     fallback=fallback, lat_add=lat_add)
     return ref.best_by_score(*out, axis=0) if best else out
 
 
@@ -354,12 +385,18 @@ def _pallas_full_vocab_capacity(n, b, v, r, dtype, limit, *, interpret):
     return limit
 
 
-def _pallas_latent(params, xh, blk, prev_ids, *, interpret):
+def _pallas_latent(params, xh, blk, prev_ids, split=False, *, interpret):
+    """The plan's latent: the Pallas kernel, or XLA's (`reference.latent_pass`) where the plan says so
+    (and with a token table up to `dispatch.TABLE_XLA_LATENT_MAX_ROWS` draft rows). ``split``: XLA's
+    latent returns its residual's terms (`reference.LatentSum`) for the pick kernels to add, except in
+    float64 (whose picks are the jnp steps)."""
     from .kernels import latent
 
     n, b = blk.shape
     v, r = params["w1"].shape
-    p = _plan(n, b, v, r, 0, params["w1"].dtype, interpret)
+    dtype = params["w1"].dtype
+    p = _plan(n, b, v, r, 0, dtype, interpret)
     if p.latent is None or (TOKEN_TABLE in params and n * (b - 1) <= TABLE_XLA_LATENT_MAX_ROWS):
-        return ref.latent_pass(params, xh, blk, prev_ids)  # with a token table, it reads the table
+        # with a token table, it reads the table
+        return ref.latent_pass(params, xh, blk, prev_ids, split=split and jnp.dtype(dtype) != jnp.float64)
     return latent.latent_pass(params, xh, blk, prev_ids, config=p.latent, interpret=interpret)

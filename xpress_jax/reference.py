@@ -11,7 +11,7 @@ full-vocab ties go to the lowest vocab id; top-C ties to the larger base logit, 
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +32,8 @@ __all__ = [
     "draft_rows",
     "full_vocab_start",
     "latent_pass",
+    "LatentSum",
+    "latent_value",
     "full_vocab_pick",
     "full_vocab_best",
     "select_candidates",
@@ -142,12 +144,40 @@ def full_vocab_start(logits: jax.Array) -> jax.Array:
     return jnp.argmax(clean(draft_rows(logits)), axis=-1).astype(jnp.int32)
 
 
-def latent_pass(params: Mapping[str, jax.Array], xh: jax.Array, blk: jax.Array, prev_ids: jax.Array) -> jax.Array:
+class LatentSum(NamedTuple):
+    """A pass's latent as the two terms of the head's residual, before their sum: ``lat =
+    round_to(u + d, dtype)`` with ``u`` the mixer's output and ``d = down(silu(gate) * up)``, both in
+    the accumulation dtype (float32 for 16-bit weights), same shape.
+
+    The Pallas pick kernels take it (``lat_add``) and form the sum as they load the latent, so the
+    residual needs no XLA kernel of its own (one launch fewer per pass where XLA computes the latent:
+    benchmarks/RESULTS.md, "The residual inside the picks"). `latent_value` gives the latent itself.
+    """
+
+    u: jax.Array
+    d: jax.Array
+
+    def reshape(self, *shape) -> "LatentSum":
+        return LatentSum(self.u.reshape(*shape), self.d.reshape(*shape))
+
+
+def latent_value(lat, dtype) -> jax.Array:
+    """The latent in ``dtype``: ``lat`` itself, or a `LatentSum`'s ``round_to(u + d, dtype)``."""
+    if isinstance(lat, LatentSum):
+        return round_to(lat.u + lat.d, dtype)
+    return lat
+
+
+def latent_pass(params: Mapping[str, jax.Array], xh: jax.Array, blk: jax.Array, prev_ids: jax.Array, *,
+                split: bool = False):
     """[N,B,r], [N,B] int32, [N] int32 -> [N, B-1, r]: the draft slots' latents for this pass.
 
     Slot 0's predecessor is ``prev_ids``, slot b's is ``blk[:, b-1]`` (`xpress_jax.head.latent`).
+    ``split=True``: a `LatentSum` (the residual's terms; the latent is their rounded sum).
     """
     prev = jnp.concatenate([prev_ids[:, None], blk[:, :-1]], axis=1)
+    if split:
+        return LatentSum(*latent(params, xh, prev, split=True))
     return latent(params, xh, prev)
 
 

@@ -421,7 +421,9 @@ def _refine(ops: Ops, params, logits, h, anchors, prev_ids, num_passes, topc, un
     blk = jnp.concatenate([anchors[:, None], start.reshape(N, B - 1)], axis=1)
 
     def one_pass(blk):
-        lat = ops.latent(params, xh, blk, prev_ids).reshape(rows, r)
+        # split_latent: the latent may come as its residual's two terms, which the pick adds (ops doc)
+        lat = (ops.latent(params, xh, blk, prev_ids, split=True) if ops.split_latent
+               else ops.latent(params, xh, blk, prev_ids)).reshape(rows, r)
         return blk.at[:, 1:].set(pick(lat).reshape(N, B - 1))
 
     if early_exit:

@@ -117,7 +117,8 @@ def _topc_kernel(
     cand_ref,  # [rows, C] int32 whole array
     lat_ref,  # [rows, r] whole array
     w_ref,  # [V, r] (w2), whole array
-    *refs,  # in order: skip_ref [k] int32 (has_skip only: element 0 nonzero = return at once); then the outputs
+    *refs,  # in order: add_ref [rows, r] float32 whole array (has_add only: the latent is
+    #   round(lat + add)); skip_ref [k] int32 (has_skip only: element 0 nonzero = return at once); then the outputs
     #   mv_ref [] block of [splits, rows_pad] float32: best score; mb_ref (same) float32: the largest
     #   base logit holding it; mi_ref (same) int32: the lowest vocab id holding both
     c: int,
@@ -128,8 +129,10 @@ def _topc_kernel(
     dtype,
     ties: str = "base",
     has_skip: bool = False,
+    has_add: bool = False,
 ):
     refs = list(refs)
+    add_ref = refs.pop(0) if has_add else None
     skip_ref = refs.pop(0) if has_skip else None
     mv_ref, mb_ref, mi_ref = refs
     n, j = pl.program_id(0), pl.program_id(1)
@@ -142,11 +145,16 @@ def _topc_kernel(
         kc = kk * k_tile + iota(k_tile)
         return kc, (kc < rank if k_tail and kk == n_k - 1 else None)
 
-    def load_x(kk):
+    def load_one(ref, kk):
         kc, km = kcols(kk)
         if km is None:
-            return lat_ref[n, pl.ds(kk * k_tile, k_tile)]
-        return plt.load(lat_ref.at[n, kc], mask=km, other=0.0)
+            return ref[n, pl.ds(kk * k_tile, k_tile)]
+        return plt.load(ref.at[n, kc], mask=km, other=0.0)
+
+    def load_x(kk):  # has_add: the residual sum, formed in float32 and rounded to the logits' dtype here
+        if has_add:
+            return (load_one(lat_ref, kk) + load_one(add_ref, kk)).astype(dtype)
+        return load_one(lat_ref, kk)
 
     def run():  # this program's split of row n: (score, base logit, id) of its best candidate
         xs = [load_x(kk).astype(jnp.float32) for kk in range(n_k)]
@@ -208,6 +216,7 @@ def topc_pick(
     partials: bool = False,
     ties: str = "base",
     skip: jax.Array | None = None,
+    lat_add: jax.Array | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array, jax.Array]:
     """[rows,C], [rows,C] int, [rows,r], [V,r] -> [rows] int32 vocab ids.
 
@@ -222,15 +231,21 @@ def topc_pick(
     `common.flag_operand`; None = the plain kernel with no extra operand): when true
     every program returns at once, reading nothing, and writes "no winner" partials (score and base
     -inf, id `BIG`): the result is then `BIG` for every row (the caller ignores it).
+    ``lat_add`` ([rows, r] float32, with ``lat`` float32 too; None = ``lat`` is the latent in the
+    logits' dtype): the latent is ``round(lat + lat_add)``, the float32 sum rounded to the logits'
+    dtype (to nearest even) as each program loads it: the head's residual ``u + down(...)`` added
+    here instead of in an XLA kernel of its own (`xpress_jax.reference.LatentSum`). The same values
+    as passing that rounded latent.
     """
-    mv, mb, mi = _partials(base_c, cand, lat, w2, interpret=interpret, config=config, ties=ties, skip=skip)
+    mv, mb, mi = _partials(base_c, cand, lat, w2, interpret=interpret, config=config, ties=ties, skip=skip,
+                           lat_add=lat_add)
     rows = base_c.shape[0]
     if partials:
         return mv[:, :rows], mb[:, :rows], mi[:, :rows]
     return combine_splits(mv, mb, mi, interpret=interpret)[:rows]
 
 
-def _partials(base_c, cand, lat, w2, *, interpret, config, ties, skip):
+def _partials(base_c, cand, lat, w2, *, interpret, config, ties, skip, lat_add=None):
     """The pick kernel's launch: each split's winner, ``(score, base, id)`` each [splits, rows_pad]
     (rows_pad = rows rounded up to 16; padding rows unwritten). Checks every argument."""
     if ties not in TIES:
@@ -243,7 +258,13 @@ def _partials(base_c, cand, lat, w2, *, interpret, config, ties, skip):
     rank = lat.shape[1]
     if w2.ndim != 2 or w2.shape[1] != rank:
         raise ValueError(f"w2 must be [V, {rank}]; got {w2.shape}")
-    if not (base_c.dtype == lat.dtype == w2.dtype):
+    if lat_add is not None:
+        if lat_add.shape != lat.shape or lat.dtype != jnp.float32 or lat_add.dtype != jnp.float32:
+            raise ValueError(f"lat_add needs lat and lat_add both float32 [rows, r]; got {lat.shape} {lat.dtype}, "
+                             f"{lat_add.shape} {lat_add.dtype}")
+        if base_c.dtype != w2.dtype:
+            raise ValueError(f"dtypes must agree: {base_c.dtype=} {w2.dtype=}")
+    elif not (base_c.dtype == lat.dtype == w2.dtype):
         raise ValueError(f"dtypes must agree: {base_c.dtype=} {lat.dtype=} {w2.dtype=}")
     dtype = jnp.dtype(base_c.dtype)
     if dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)):
@@ -255,6 +276,9 @@ def _partials(base_c, cand, lat, w2, *, interpret, config, ties, skip):
     splits = cdiv(c, cfg.c_tile * cfg.c_steps)
     operands = (base_c, cand.astype(jnp.int32), lat, w2)
     extra = {}
+    if lat_add is not None:
+        operands = (*operands, lat_add)
+        extra["has_add"] = True
     if skip is not None:
         operands = (*operands, common.flag_operand(skip, "skip"))
         extra["has_skip"] = True
