@@ -31,7 +31,7 @@ from .kernels import full_vocab, latent, select, topc_pick
 from .kernels.common import cdiv, next_pow2
 
 __all__ = ["Row", "TABLE", "Plan", "plan", "capacity_config", "select_config", "SERVING_N", "SMS",
-           "SCAN_FAILING_MAX_ROWS", "TABLE_XLA_LATENT_MAX_ROWS"]
+           "SCAN_FAILING_MAX_ROWS", "TABLE_XLA_LATENT_MAX_ROWS", "SPLIT_LATENT_MAX_ROWS"]
 
 #: The N values the serving configs were measured at (B = 16): draft rows 15 / 60 / 240 / 960 / 3840.
 SERVING_N = (1, 4, 16, 64, 256)
@@ -53,6 +53,14 @@ SCAN_FAILING_MAX_ROWS = 960
 #: N=128 (1920 rows) Pallas latent 1375.1 -> XLA latent with the table 1291.3; N=256 2302.6 -> 2302.7 (equal:
 #: the kernel stays there).
 TABLE_XLA_LATENT_MAX_ROWS = 1920
+
+#: Draft rows up to which a top-C pass hands XLA's latent to the pick kernel as its residual's two float32
+#: terms (`xpress_jax.reference.LatentSum`), which the kernel adds and rounds as it loads the latent: XLA's
+#: residual kernel is gone. Measured (RESULTS.md "The residual inside the picks", H200, top-512 with a token
+#: table, device µs per refine, XLA residual -> in the pick): N=1 100 -> 95, N=4 145 -> 143, N=16 298 -> 314,
+#: N=64 768 -> 774. Full-vocab passes never split: the fused pick loading two float32 tiles measured slower
+#: at every N (N=1 231 -> 237, N=4 290 -> 597, N=16 533 -> 563).
+SPLIT_LATENT_MAX_ROWS = 60
 
 _FV_LAZY = dict(prefetch_base=True, lazy=True)
 # Full-vocab pick configs (RESULTS.md "Full-vocab pick", evening: "lazy epilogue" + "whole waves";

@@ -30,11 +30,12 @@ The steps (static shapes; ``rows`` = N * (B-1) draft rows):
   and picks every row. ``fallback`` ([rows] int32, with ``active``): inactive rows return it (every
   path).
 - ``latent(params, xh [N,B,r], blk [N,B] int32, prev_ids [N] int32, split=False) -> [N,B-1,r]``. With
-  ``split=True`` (passed only where ``split_latent`` is true) it may return a `reference.LatentSum`
-  instead, the residual's two float32 terms, for ``topc_pick`` / ``full_vocab_pick`` to add and round
-  themselves; the Pallas steps do so wherever XLA computes the latent (one launch fewer per pass).
-  Every ``topc_pick`` and ``full_vocab_pick`` accepts either form; no other step gets a `LatentSum`.
-- ``split_latent`` (a bool, not a step): whether `xpress_jax.refine` asks ``latent`` for ``split=True``.
+  ``split=True`` it may return a `reference.LatentSum` instead, the residual's two float32 terms, for
+  ``topc_pick`` to add and round itself; the Pallas steps do so where XLA computes the latent, up to
+  `dispatch.SPLIT_LATENT_MAX_ROWS` draft rows (one launch fewer per pass). Every ``topc_pick`` and
+  ``full_vocab_pick`` accepts either form; no other step gets a `LatentSum`.
+- ``split_latent`` (a bool, not a step): whether `xpress_jax.refine` asks ``latent`` for ``split=True``
+  (in top-C passes only: the fused full-vocab pick measured slower with the terms).
 - ``hidden(params, h [N,B,H]) -> xh [N,B,r]``: once per call, the pass-invariant hidden half of
   ``in_proj``. ``None``: `xpress_jax.head.hidden_input`; on GPUs (`Ops.xla("gpu")`, compiled `Ops.pallas`)
   `reference.hidden_input_gpu`, the same sums spelled so that XLA:GPU avoids two slow fusions.
@@ -90,7 +91,7 @@ from typing import Any, Callable
 import jax.numpy as jnp
 
 from . import reference as ref
-from .dispatch import TABLE_XLA_LATENT_MAX_ROWS
+from .dispatch import SPLIT_LATENT_MAX_ROWS, TABLE_XLA_LATENT_MAX_ROWS
 from .head import TOKEN_TABLE
 
 __all__ = ["Ops", "PLATFORMS"]
@@ -388,8 +389,9 @@ def _pallas_full_vocab_capacity(n, b, v, r, dtype, limit, *, interpret):
 def _pallas_latent(params, xh, blk, prev_ids, split=False, *, interpret):
     """The plan's latent: the Pallas kernel, or XLA's (`reference.latent_pass`) where the plan says so
     (and with a token table up to `dispatch.TABLE_XLA_LATENT_MAX_ROWS` draft rows). ``split``: XLA's
-    latent returns its residual's terms (`reference.LatentSum`) for the pick kernels to add, except in
-    float64 (whose picks are the jnp steps)."""
+    latent returns its residual's terms (`reference.LatentSum`) for the top-C pick kernel to add, up to
+    `dispatch.SPLIT_LATENT_MAX_ROWS` draft rows (measured faster only there), except in float64 (whose
+    picks are the jnp steps)."""
     from .kernels import latent
 
     n, b = blk.shape
@@ -398,5 +400,6 @@ def _pallas_latent(params, xh, blk, prev_ids, split=False, *, interpret):
     p = _plan(n, b, v, r, 0, dtype, interpret)
     if p.latent is None or (TOKEN_TABLE in params and n * (b - 1) <= TABLE_XLA_LATENT_MAX_ROWS):
         # with a token table, it reads the table
-        return ref.latent_pass(params, xh, blk, prev_ids, split=split and jnp.dtype(dtype) != jnp.float64)
+        split = split and n * (b - 1) <= SPLIT_LATENT_MAX_ROWS and jnp.dtype(dtype) != jnp.float64
+        return ref.latent_pass(params, xh, blk, prev_ids, split=split)
     return latent.latent_pass(params, xh, blk, prev_ids, config=p.latent, interpret=interpret)

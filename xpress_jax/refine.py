@@ -421,8 +421,9 @@ def _refine(ops: Ops, params, logits, h, anchors, prev_ids, num_passes, topc, un
     blk = jnp.concatenate([anchors[:, None], start.reshape(N, B - 1)], axis=1)
 
     def one_pass(blk):
-        # split_latent: the latent may come as its residual's two terms, which the pick adds (ops doc)
-        lat = (ops.latent(params, xh, blk, prev_ids, split=True) if ops.split_latent
+        # split_latent: in top-C passes the latent may come as its residual's two terms, which the pick
+        # adds (ops module doc; the full-vocab pick measured slower with them)
+        lat = (ops.latent(params, xh, blk, prev_ids, split=True) if ops.split_latent and topc
                else ops.latent(params, xh, blk, prev_ids)).reshape(rows, r)
         return blk.at[:, 1:].set(pick(lat).reshape(N, B - 1))
 
