@@ -1,10 +1,11 @@
-"""The residual inside the picks (`xpress_jax.reference.LatentSum`, the kernels' ``lat_add``).
+"""The residual inside the top-C pick (`xpress_jax.reference.LatentSum`, the kernel's ``lat_add``).
 
-Where XLA computes a pass's latent, the Pallas backend hands the picks the residual's two float32
-terms ``(u, d)`` and the kernels form ``round(u + d)`` as they load the latent, instead of an XLA
-kernel doing it. The claim: the same latent, so the same tokens. Checked:
+Where XLA computes a top-C pass's latent (up to `dispatch.SPLIT_LATENT_MAX_ROWS` draft rows), the
+Pallas backend hands the pick the residual's two float32 terms ``(u, d)`` and the kernel forms
+``round(u + d)`` as it loads the latent, instead of an XLA kernel doing it. The claim: the same latent,
+so the same tokens. Checked:
 
-- each pick kernel with ``lat_add`` against the same kernel given ``round_to(u + d)`` (bit for bit:
+- the pick kernel with ``lat_add`` against the same kernel given ``round_to(u + d)`` (bit for bit:
   after the load both run the same code on the same values), on random inputs where dropping ``d``
   changes the tokens (so the test would see a kernel that ignored it);
 - the rounding itself at halfway points and float16 subnormals, where a truncating, flushing or
@@ -14,7 +15,7 @@ kernel doing it. The claim: the same latent, so the same tokens. Checked:
   the fused pick measured slower with it);
 - the Pallas steps split exactly up to `dispatch.SPLIT_LATENT_MAX_ROWS` draft rows.
 
-`TestLatentSum` runs the kernels compiled (GPU only); `TestLatentSumInterpret` runs the same tests in
+`TestLatentSum` runs the kernel compiled (GPU only); `TestLatentSumInterpret` runs the same tests in
 interpret mode on the CPU.
 """
 
@@ -31,7 +32,6 @@ import xpress_jax as xj
 from xpress_jax import reference as R
 from xpress_jax.head import round_to
 from xpress_jax.kernels import common
-from xpress_jax.kernels import full_vocab as fv
 from xpress_jax.kernels import topc_pick as tp
 from xpress_jax.ops import Ops
 from xpress_jax.refine import refine_with
@@ -84,24 +84,6 @@ class TestLatentSum:
         if c > 1:  # the inputs see d: without it the tokens change
             assert (np.asarray(tp.topc_pick(base_c, cand, round_to(u, dtype), w2, **kw)) != want).any()
 
-    @pytest.mark.parametrize("dtype", DTYPES)
-    @pytest.mark.parametrize("n,b,vocab,rank,config", [
-        (1, 16, 1000, 32, None),
-        (5, 7, 301, 20, fv.FullVocabConfig(row_tile=16, v_tile=32, v_steps=3, k_tile=16, hold_lat=False)),
-        (3, 6, 4099, 40, None),
-    ])
-    def test_full_vocab_pick_adds_the_terms(self, n, b, vocab, rank, config, dtype):
-        rows = n * (b - 1)
-        kb, kw_ = jax.random.split(jax.random.key(rows))
-        logits = (jax.random.normal(kb, (n * b, vocab), jnp.float32) * 0.1).astype(dtype)
-        w2 = jax.random.normal(kw_, (vocab, rank), jnp.float32).astype(dtype)
-        u, d = _terms(rows, rank, seed=rows)
-        kw = dict(interpret=self.INTERPRET, config=config, slot_stride=b)
-        want = np.asarray(fv.full_vocab_pick(logits, round_to(u + d, dtype), w2, **kw))
-        got = np.asarray(fv.full_vocab_pick(logits, u, w2, lat_add=d, **kw))
-        np.testing.assert_array_equal(got, want)
-        assert (np.asarray(fv.full_vocab_pick(logits, round_to(u, dtype), w2, **kw)) != want).any()
-
     @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
     def test_the_rounding_is_to_nearest_even(self, dtype):
         """Zero base logits and ``w2[v] = e_v - e_15``: id v scores ``lat[v] - lat[15]``, exact in
@@ -142,9 +124,6 @@ class TestLatentSum:
         assert (unrounded[:3] == 1).all()  # without the rounding the other id wins (the test can fail)
         got = tp.topc_pick(base, cand, u, w2, lat_add=d, interpret=self.INTERPRET)
         np.testing.assert_array_equal(np.asarray(got), want_ids)
-        logits = jnp.zeros((4 * 2, rank), dtype)  # slot_stride 2: one draft row per block
-        got = fv.full_vocab_pick(logits, u, w2, lat_add=d, slot_stride=2, interpret=self.INTERPRET)
-        np.testing.assert_array_equal(np.asarray(got), want_ids)
 
     def test_lat_add_is_checked(self):
         base_c, cand, w2 = _topc_inputs(6, 301, 11, 20, jnp.bfloat16, seed=0)
@@ -153,12 +132,6 @@ class TestLatentSum:
             tp.topc_pick(base_c, cand, u.astype(jnp.bfloat16), w2, lat_add=d, interpret=self.INTERPRET)
         with pytest.raises(ValueError, match="lat_add"):
             tp.topc_pick(base_c, cand, u, w2, lat_add=d[:, :4], interpret=self.INTERPRET)
-        logits = jnp.zeros((12, 301), jnp.bfloat16)
-        with pytest.raises(ValueError, match="lat_add"):
-            fv.full_vocab_pick(logits, u, w2, lat_add=d.astype(jnp.bfloat16), slot_stride=2, interpret=self.INTERPRET)
-        with pytest.raises(ValueError, match="lat_add"):
-            fv.full_vocab_pick(logits, u, w2, lat_add=d, slot_stride=2, active=jnp.ones(6, bool),
-                               interpret=self.INTERPRET)
 
 
 class TestLatentSumInterpret(TestLatentSum):

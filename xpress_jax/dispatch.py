@@ -56,7 +56,7 @@ TABLE_XLA_LATENT_MAX_ROWS = 1920
 
 #: Draft rows up to which a top-C pass hands XLA's latent to the pick kernel as its residual's two float32
 #: terms (`xpress_jax.reference.LatentSum`), which the kernel adds and rounds as it loads the latent: XLA's
-#: residual kernel is gone. Measured (RESULTS.md "The residual inside the picks", H200, top-512 with a token
+#: residual kernel is gone. Measured (RESULTS.md "The residual inside the top-C pick", H200, top-512 with a token
 #: table, device µs per refine, XLA residual -> in the pick): N=1 100 -> 95, N=4 145 -> 143, N=16 298 -> 314,
 #: N=64 768 -> 774. Full-vocab passes never split: the fused pick loading two float32 tiles measured slower
 #: at every N (N=1 231 -> 237, N=4 290 -> 597, N=16 533 -> 563).

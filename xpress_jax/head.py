@@ -131,7 +131,7 @@ def latent(params: Params, xh: jax.Array, prev: jax.Array, *, split: bool = Fals
 
     ``split=True`` returns the residual's two terms before their sum, ``(u, d)`` with ``d =
     down(...)``, both [N, B-1, r] in the accumulation dtype: the latent is ``round_to(u + d, dtype)``
-    (what the pick kernels form themselves as they load it, saving the residual's own kernel:
+    (what the top-C pick kernel forms itself as it loads it, saving the residual's own kernel:
     `xpress_jax.reference.LatentSum`).
     """
     cd = params["w1"].dtype

@@ -314,23 +314,18 @@ def _pallas_full_vocab(logits, lat, w2, active=None, fallback=None, *, interpret
     from .kernels import full_vocab
 
     n, b, v = logits.shape
-    lat_add = None
-    if isinstance(lat, ref.LatentSum):  # the residual's terms: the kernel adds them (the plain pick only)
-        if best or active is not None:
-            lat = ref.latent_value(lat, logits.dtype)
-        else:
-            lat, lat_add = lat
+    # The residual's terms: summed and rounded by XLA (the fused pick loading them measured slower:
+    # `dispatch.SPLIT_LATENT_MAX_ROWS`; refine does not split full-vocab passes).
+    lat = ref.latent_value(lat, logits.dtype)
     p = _plan(n, b, v, lat.shape[1], 0, logits.dtype, interpret)
     if p.full_vocab is None:
-        if lat_add is not None:
-            lat = ref.latent_value(ref.LatentSum(lat, lat_add), logits.dtype)
         if best:
             return ref.full_vocab_best(ref.draft_rows(logits), lat, w2)
         return with_fallback(ref.full_vocab_pick(ref.draft_rows(logits), lat, w2), active, fallback)
     cfg = p.full_vocab if capacity is None else dispatch.capacity_config(p.full_vocab, v)
     out = full_vocab.full_vocab_pick(logits.reshape(n * b, v), lat, w2, config=cfg, interpret=interpret,
                                      slot_stride=b, partials=best, active=active, capacity=capacity,
-                                     fallback=fallback, lat_add=lat_add)
+                                     fallback=fallback)
     return ref.best_by_score(*out, axis=0) if best else out
 
 

@@ -149,9 +149,10 @@ class LatentSum(NamedTuple):
     round_to(u + d, dtype)`` with ``u`` the mixer's output and ``d = down(silu(gate) * up)``, both in
     the accumulation dtype (float32 for 16-bit weights), same shape.
 
-    The Pallas pick kernels take it (``lat_add``) and form the sum as they load the latent, so the
-    residual needs no XLA kernel of its own (one launch fewer per pass where XLA computes the latent:
-    benchmarks/RESULTS.md, "The residual inside the picks"). `latent_value` gives the latent itself.
+    The Pallas top-C pick kernel takes it (``lat_add``) and forms the sum as it loads the latent, so the
+    residual needs no XLA kernel of its own (one launch fewer per pass where XLA computes the latent, up
+    to `xpress_jax.dispatch.SPLIT_LATENT_MAX_ROWS` draft rows: benchmarks/RESULTS.md, "The residual
+    inside the top-C pick"). `latent_value` gives the latent itself (what every other step reads).
     """
 
     u: jax.Array

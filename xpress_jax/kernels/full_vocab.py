@@ -209,8 +209,7 @@ def _fused_kernel(
     base_ref,  # [rows, V] whole array
     lat_ref,  # [rows, r] whole array
     w2_ref,  # [V, r] whole array
-    *refs,  # in order: add_ref [rows, r] float32 whole array (has_add only: the latent is round(lat + add));
-    #   map_ref [rows] int32 whole array (row_map only): the base row of each kernel row;
+    *refs,  # in order: map_ref [rows] int32 whole array (row_map only): the base row of each kernel row;
     #   active_ref [rows] int32 whole array (has_active only); mv_ref [row_tile] block of
     #   [parts, rows_pad] float32; mi_ref [row_tile] block of [parts, rows_pad] int32
     rows: int,
@@ -230,10 +229,8 @@ def _fused_kernel(
     row_map: bool = False,
     lat_map: bool = False,
     v_steps_full: int = 0,
-    has_add: bool = False,
 ):
     refs = list(refs)
-    add_ref = refs.pop(0) if has_add else None
     map_ref = refs.pop(0) if row_map else None
     active_ref = refs.pop(0) if has_active else None
     mv_ref, mi_ref = refs[-2:]
@@ -262,21 +259,16 @@ def _fused_kernel(
     def v_start(t):  # first column of this part's vocab tile t
         return (j * v_steps + t) * v_tile
 
-    def load_one(ref, k0):
+    def load_lat(k0):
         if lat_map:  # kernel row q reads lat row map[q] too (`scan_failing`: packed rows, nothing copied)
             kc = k0 + iota(k_tile)
             msk = lat_mask & (kc < rank)[None, :] if k_tail else lat_mask
-            return plt.load(ref.at[lat_rows[:, None], kc[None, :]], mask=msk, other=0.0)
+            return plt.load(lat_ref.at[lat_rows[:, None], kc[None, :]], mask=msk, other=0.0)
         if k_tail:
             kc = k0 + iota(k_tile)
             idx = ((r0 + iota(row_tile))[:, None], kc[None, :])
-            return plt.load(ref.at[idx], mask=lat_mask & (kc < rank)[None, :], other=0.0)
-        return plt.load(ref.at[pl.ds(r0, row_tile), pl.ds(k0, k_tile)], mask=lat_mask, other=0.0)
-
-    def load_lat(k0):  # has_add: the residual sum, formed in float32 and rounded to the logits' dtype here
-        if has_add:
-            return (load_one(lat_ref, k0) + load_one(add_ref, k0)).astype(dtype)
-        return load_one(lat_ref, k0)
+            return plt.load(lat_ref.at[idx], mask=lat_mask & (kc < rank)[None, :], other=0.0)
+        return plt.load(lat_ref.at[pl.ds(r0, row_tile), pl.ds(k0, k_tile)], mask=lat_mask, other=0.0)
 
     def dot_chunk(acc, v0, k0, x=None):  # acc + lat[:, k0:k0+k_tile] @ w2[v0:v0+v_tile, k0:...].T
         x = load_lat(k0) if x is None else x  # [row_tile, k_tile]
@@ -545,8 +537,7 @@ def _fused_launch(operands, cfg: FullVocabConfig, *, rows: int, vocab: int, rank
                   interpret: bool, parts: int | None = None, **switches):
     """One launch of `_fused_kernel` over ``rows`` kernel rows with ``cfg``: the [parts, rows_pad] float32
     best values and int32 ids (``parts`` default: one per ``cfg.v_steps`` vocabulary tiles).
-    ``switches``: the kernel's operand switches (``has_add``, ``has_active``, ``row_map``, ``lat_map``,
-    ``v_steps_full``)."""
+    ``switches``: the kernel's operand switches (``has_active``, ``row_map``, ``lat_map``, ``v_steps_full``)."""
     parts = cdiv(vocab, cfg.v_tile * cfg.v_steps) if parts is None else parts
     row_tiles = cdiv(rows, cfg.row_tile)
     out_spec = pl.BlockSpec((None, cfg.row_tile), lambda i, j: (j, i))
@@ -581,7 +572,6 @@ def full_vocab_pick(
     active: jax.Array | None = None,
     capacity: int | None = None,
     fallback: jax.Array | None = None,
-    lat_add: jax.Array | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """[rows,V], [rows,r], [V,r] -> [rows] int32: argmax_v float(dtype(base + dtype(lat @ w2.T))).
 
@@ -611,21 +601,8 @@ def full_vocab_pick(
     vocabulary split).
     ``fallback`` ([rows] int, with ``active``, without ``capacity`` and ``partials``): inactive rows
     return ``fallback`` (the combine launch writes it: no extra select after the pick).
-    ``lat_add`` ([rows, r] float32, with ``lat`` float32 too, without ``active``; None = ``lat`` is the
-    latent in the logits' dtype): the latent is ``round(lat + lat_add)``, the float32 sum rounded to the
-    logits' dtype (to nearest even) as each program loads its tile: the head's residual ``u +
-    down(...)`` added here instead of in an XLA kernel of its own (`xpress_jax.reference.LatentSum`).
-    The same values as passing that rounded latent.
     """
-    if lat_add is not None:
-        if active is not None:
-            raise ValueError("lat_add cannot be combined with active (pass the rounded latent)")
-        if lat_add.shape != lat.shape or lat.dtype != jnp.float32 or lat_add.dtype != jnp.float32:
-            raise ValueError(f"lat_add needs lat and lat_add both float32 [rows, r]; got {lat.shape} {lat.dtype}, "
-                             f"{lat_add.shape} {lat_add.dtype}")
-    # The shape and dtype checks see the latent as the kernel does (lat_add: in the logits' dtype).
-    lat_seen = lat if lat_add is None else jax.ShapeDtypeStruct(lat.shape, base.dtype)
-    dtype = _check_inputs(base, lat_seen, w2, slot_stride, "full-vocab pick kernel")
+    dtype = _check_inputs(base, lat, w2, slot_stride, "full-vocab pick kernel")
     vocab = base.shape[1]
     rows, rank = lat.shape
     if active is not None and (active.shape != (rows,) or not (active.dtype == jnp.bool_
@@ -646,9 +623,6 @@ def full_vocab_pick(
     row_tiles = cdiv(cap, cfg.row_tile)
     operands = (base, lat, w2)
     extra = {}
-    if lat_add is not None:
-        operands = (*operands, lat_add)
-        extra["has_add"] = True
     pos = None  # packed: original row q's result is packed row pos[q]
     if active is not None:
         act = active  # int32 (nonzero: active) goes to the kernel as it is: no XLA op in between
