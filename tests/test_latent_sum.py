@@ -205,3 +205,20 @@ def test_pallas_steps_split_up_to_the_dispatch_bound():
         blk = jnp.zeros((n, cfg.block_size), jnp.int32)
         assert isinstance(ops.latent(params, xh, blk, blk[:, 0], split=True), R.LatentSum) == want
         assert not isinstance(ops.latent(params, xh, blk, blk[:, 0]), R.LatentSum)
+
+
+@pytest.mark.parametrize("rows", [15, 60])
+def test_lat_add_lowers_for_an_h200(rows):
+    """The kernel with ``lat_add`` builds for an H200 at serving shapes (on a CPU: Triton lowering), with
+    one more operand than the plain kernel."""
+    import functools
+
+    V, C, r, dt = 151936, 512, 256, jnp.bfloat16
+    S = jax.ShapeDtypeStruct
+    cfg = tp.default_config(rows, C, r, dt)
+    f = functools.partial(tp.topc_pick, config=cfg)
+    hlo = common.lower_triton(lambda b, c, u, w, d: f(b, c, u, w, lat_add=d), S((rows, C), dt), S((rows, C), jnp.int32),
+                              S((rows, r), jnp.float32), S((V, r), dt), S((rows, r), jnp.float32)).as_text()
+    call = "__gpu$xla.gpu.triton"
+    line = next(ln for ln in hlo.splitlines() if call in ln and 'name = "xpress_topc_pick"' in ln)
+    assert len(line.split(call + "(")[1].split(")")[0].split(",")) == 5
