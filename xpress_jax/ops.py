@@ -32,8 +32,8 @@ The steps (static shapes; ``rows`` = N * (B-1) draft rows):
 - ``latent(params, xh [N,B,r], blk [N,B] int32, prev_ids [N] int32, split=False) -> [N,B-1,r]``. With
   ``split=True`` it may return a `reference.LatentSum` instead, the residual's two float32 terms, for
   ``topc_pick`` to add and round itself; the Pallas steps do so where XLA computes the latent, up to
-  `dispatch.SPLIT_LATENT_MAX_ROWS` draft rows (one launch fewer per pass). Every ``topc_pick`` and
-  ``full_vocab_pick`` accepts either form; no other step gets a `LatentSum`.
+  `dispatch.SPLIT_LATENT_MAX_ROWS` draft rows (one launch fewer per pass). Every ``topc_pick`` accepts
+  either form; no other step gets a `LatentSum`.
 - ``split_latent`` (a bool, not a step): whether `xpress_jax.refine` asks ``latent`` for ``split=True``
   (in top-C passes only: the fused full-vocab pick measured slower with the terms).
 - ``hidden(params, h [N,B,H]) -> xh [N,B,r]``: once per call, the pass-invariant hidden half of
@@ -206,7 +206,6 @@ def _xla_topc_pick(base_c, cand, lat, w2c):
 
 def _xla_full_vocab_pick(logits, lat, w2, active=None, fallback=None, *, direct_readout: bool):
     # Every row is picked: XLA has nothing to skip without a conditional (the step's spec allows it).
-    lat = ref.latent_value(lat, logits.dtype)
     return with_fallback(ref.full_vocab_pick(ref.draft_rows(logits), lat, w2, direct_readout=direct_readout),
                          active, fallback)
 
@@ -268,11 +267,8 @@ def _pallas_topc(base_c, cand, lat, prepared, skip=None, *, interpret, best, tie
 
     by_id = ties == "id"
     lat_add = None
-    if isinstance(lat, ref.LatentSum):  # the residual's terms: the kernel adds them (topc_pick only)
-        if prepared.ndim == 3 or best or by_id:
-            lat = ref.latent_value(lat, base_c.dtype)
-        else:
-            lat, lat_add = lat
+    if isinstance(lat, ref.LatentSum):  # the residual's terms: the kernel adds them, the jnp path here
+        lat, lat_add = (ref.latent_value(lat, base_c.dtype), None) if prepared.ndim == 3 else lat
     if prepared.ndim == 3:  # float64: w2[cand], the jnp path
         if by_id:
             return _xla_candidates_best(base_c, cand, lat, prepared)
@@ -314,9 +310,6 @@ def _pallas_full_vocab(logits, lat, w2, active=None, fallback=None, *, interpret
     from .kernels import full_vocab
 
     n, b, v = logits.shape
-    # The residual's terms: summed and rounded by XLA (the fused pick loading them measured slower:
-    # `dispatch.SPLIT_LATENT_MAX_ROWS`; refine does not split full-vocab passes).
-    lat = ref.latent_value(lat, logits.dtype)
     p = _plan(n, b, v, lat.shape[1], 0, logits.dtype, interpret)
     if p.full_vocab is None:
         if best:
