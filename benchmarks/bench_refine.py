@@ -159,9 +159,7 @@ STEPS = {"latent": ("latent",), "pick": ("topc_prepare", "topc_pick", "full_voca
 
 def bench_ops(name, interpret):
     """The `Ops` a benchmark backend name stands for: ``xla``, ``pallas``, ``pallas-xlares`` (the Pallas
-    steps with the latent's residual summed by XLA, not inside the picks: ``split_latent=False``),
-    ``pallas-combine`` (the Pallas steps with the top-C pick's separate combine launch:
-    ``topc_counter=False``), or
+    steps with the latent's residual summed by XLA, not inside the picks: ``split_latent=False``), or
     ``xla+<step>[+<step>...]`` (XLA with the named steps, from `STEPS`, as Pallas kernels; built with
     `dataclasses.replace`)."""
     base, *steps = name.split("+")
@@ -169,11 +167,8 @@ def bench_ops(name, interpret):
         return Ops.pallas(interpret)
     if base == "pallas-xlares" and not steps:  # the residual in XLA's own kernel (before the picks added it)
         return dataclasses.replace(Ops.pallas(interpret), name=name, split_latent=False)
-    if base == "pallas-combine" and not steps:  # the top-C pick's splits combined by a second launch
-        return dataclasses.replace(Ops.pallas(interpret), name=name, topc_counter=False)
     if base != "xla" or not set(steps) <= set(STEPS):
-        raise SystemExit(f"bench_refine: backend {name!r} must be xla, pallas, pallas-xlares, pallas-combine or "
-                         f"xla+<steps> "
+        raise SystemExit(f"bench_refine: backend {name!r} must be xla, pallas, pallas-xlares or xla+<steps> "
                          f"(steps: {sorted(STEPS)})")
     ops, kernels = Ops.xla(jax.default_backend()), Ops.pallas(interpret)
     fields = {f: getattr(kernels, f) for s in steps for f in STEPS[s]}
@@ -234,7 +229,6 @@ def main(argv=None):
     ap.add_argument("--topc", default="512,0", help="comma list of C (0 = full vocabulary; with --small 512 becomes 64)")
     ap.add_argument("--backends",
                     help="comma list of xla | pallas | pallas-xlares (the residual summed by XLA, not in the picks) | "
-                         "pallas-combine (the top-C pick's combine as its own launch) | "
                          "xla+<steps> (e.g. xla+latent+pick: XLA with those steps as "
                          "Pallas kernels; steps: latent, pick, select), each optionally @meshDxM (xla or pallas: "
                          "xpress_jax.sharded.refine_sharded on a D (blocks) x M (vocabulary) mesh of the first D*M "

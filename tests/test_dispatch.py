@@ -117,9 +117,8 @@ def test_ops_are_typed_and_cached():
     fields = {f.name for f in dataclasses.fields(Ops)}
     assert fields == {"name", "select", "topc_prepare", "topc_pick", "full_vocab_prepare", "full_vocab_pick", "latent", "start",
                       "full_vocab_best", "topc_best", "candidates_best", "full_vocab_capacity", "certify",
-                      "scan_failing", "hidden", "pruned_pick", "split_latent", "topc_counter"}
+                      "scan_failing", "hidden", "pruned_pick", "split_latent"}
     assert Ops.pallas().split_latent and Ops.pallas(True).split_latent and not Ops.xla().split_latent
-    assert Ops.pallas().topc_counter and Ops.pallas(True).topc_counter and not Ops.xla().topc_counter
     with pytest.raises(dataclasses.FrozenInstanceError):
         Ops.xla().name = "x"  # type: ignore[misc]
     with pytest.raises(ValueError, match="platform"):

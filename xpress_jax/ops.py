@@ -34,11 +34,6 @@ The steps (static shapes; ``rows`` = N * (B-1) draft rows):
   ``topc_pick`` to add and round itself; the Pallas steps do so where XLA computes the latent, up to
   `dispatch.SPLIT_LATENT_MAX_ROWS` draft rows (one launch fewer per pass). Every ``topc_pick`` accepts
   either form; no other step gets a `LatentSum`.
-- ``topc_counter`` (a bool, not a step): whether `xpress_jax.refine` threads counters through its top-C
-  passes: it then calls ``topc_pick(..., counter=state)``, which returns ``(ids, state)``, starting from
-  ``jnp.zeros((rows,), int32)``. The Pallas steps pick in one launch with them
-  (`kernels.topc_pick.topc_pick`'s ``counter``: the last program of a row combines its splits, so no
-  combine launch runs) and return them zeros again; their jnp path returns them untouched.
 - ``split_latent`` (a bool, not a step): whether `xpress_jax.refine` asks ``latent`` for ``split=True``
   (in top-C passes only: the fused full-vocab pick measured slower with the terms).
 - ``hidden(params, h [N,B,H]) -> xh [N,B,r]``: once per call, the pass-invariant hidden half of
@@ -126,7 +121,6 @@ class Ops:
     hidden: Callable[..., Any] | None = None
     pruned_pick: Callable[..., Any] | None = None
     split_latent: bool = False
-    topc_counter: bool = False
 
     @staticmethod
     def xla(platform: str = "cpu") -> "Ops":
@@ -188,7 +182,6 @@ def _pallas_ops(interpret: bool) -> Ops:
         hidden=None if interpret else ref.hidden_input_gpu,
         pruned_pick=functools.partial(_pallas_pruned_pick, interpret=interpret),
         split_latent=True,
-        topc_counter=True,
     )
 
 
@@ -265,16 +258,11 @@ def _pallas_topc_prepare(w2, cand):
     return ref.topc_gather(w2, cand) if jnp.dtype(w2.dtype) == jnp.float64 else w2
 
 
-def _pallas_topc(base_c, cand, lat, prepared, skip=None, *, interpret, best, ties="base", counter=None):
-    """`topc_pick` (``best=False``: ids, the combine kernel; with a ``counter``, ``(ids, counter)``
-    from one launch) or `topc_best` (``best=True``: the splits' (score, base, id) winners from the
-    kernel, combined by the same rule in XLA), or, with ``ties="id"``, `candidates_best` (the splits'
-    (score, id) winners by the full-vocab rule). ``skip``: the kernel's skip flag (the jnp path ignores it)."""
-    if counter is not None:
-        if best or ties != "base" or skip is not None:
-            raise ValueError("_pallas_topc: a counter only with the plain top-C pick")
-        if prepared.ndim == 3:  # float64: the jnp path, counters untouched
-            return _pallas_topc(base_c, cand, lat, prepared, interpret=interpret, best=False), counter
+def _pallas_topc(base_c, cand, lat, prepared, skip=None, *, interpret, best, ties="base"):
+    """`topc_pick` (``best=False``: ids, the combine kernel) or `topc_best` (``best=True``: the
+    splits' (score, base, id) winners from the kernel, combined by the same rule in XLA), or, with
+    ``ties="id"``, `candidates_best` (the splits' (score, id) winners by the full-vocab rule). ``skip``:
+    the kernel's skip flag (the jnp path ignores it)."""
     from .kernels import topc_pick
 
     by_id = ties == "id"
@@ -290,9 +278,7 @@ def _pallas_topc(base_c, cand, lat, prepared, skip=None, *, interpret, best, tie
     # The plan by draft rows: N = rows, B = 2 gives the same row count.
     p = _plan(rows, 2, v, r, c, base_c.dtype, interpret)
     out = topc_pick.topc_pick(base_c, cand, lat, prepared, config=p.topc, interpret=interpret, partials=best,
-                              ties=ties, skip=skip, lat_add=lat_add, counter=counter)
-    if counter is not None:
-        return out
+                              ties=ties, skip=skip, lat_add=lat_add)
     if by_id:
         return ref.best_by_score(out[0], out[2], axis=0)
     return ref.best_by_topc_rule(*out, axis=0) if best else out

@@ -404,42 +404,34 @@ def _refine(ops: Ops, params, logits, h, anchors, prev_ids, num_passes, topc, un
         out = jnp.where(valid[:, None], blk[:, 1:], INVALID_TOKEN)
         return (out, stats) if return_stats else out
 
-    state = None  # what the picks thread from pass to pass (the counted top-C pick's counters)
     if topc:
         cand, base_c, start = ops.select(logits, topc)
         prepared = ops.topc_prepare(params["w2"], cand)  # once per call
-        if ops.topc_counter:
-            state = jnp.zeros((rows,), jnp.int32)
 
-        def pick(lat, state):
-            if state is None:
-                return ops.topc_pick(base_c, cand, lat, prepared), None
-            return ops.topc_pick(base_c, cand, lat, prepared, counter=state)
+        def pick(lat):
+            return ops.topc_pick(base_c, cand, lat, prepared)
 
     else:
         start = ops.start(logits)
         prepared = ops.full_vocab_prepare(params["w2"])  # once per call
 
-        def pick(lat, state):
-            return ops.full_vocab_pick(logits, lat, prepared), state
+        def pick(lat):
+            return ops.full_vocab_pick(logits, lat, prepared)
 
     blk = jnp.concatenate([anchors[:, None], start.reshape(N, B - 1)], axis=1)
 
-    def one_pass(carry):
-        blk, state = carry
+    def one_pass(blk):
         # split_latent: in top-C passes the latent may come as its residual's two terms, which the pick
         # adds (ops module doc; the full-vocab pick measured slower with them)
         lat = (ops.latent(params, xh, blk, prev_ids, split=True) if ops.split_latent and topc
                else ops.latent(params, xh, blk, prev_ids)).reshape(rows, r)
-        tok, state = pick(lat, state)
-        return blk.at[:, 1:].set(tok.reshape(N, B - 1)), state
+        return blk.at[:, 1:].set(pick(lat).reshape(N, B - 1))
 
     if early_exit:
         checks = exit_checks(N, num_passes) if early_exit is True else early_exit
-        (blk, _), passes = passes_to_fixed_point(one_pass, (blk, state), num_passes, unroll, checks,
-                                                 same=lambda a, b: jnp.all(a[0] == b[0]))
+        blk, passes = passes_to_fixed_point(one_pass, blk, num_passes, unroll, checks)
     else:
-        blk, _ = jax.lax.fori_loop(0, num_passes, lambda _, c: one_pass(c), (blk, state), unroll=unroll)
+        blk = jax.lax.fori_loop(0, num_passes, lambda _, b: one_pass(b), blk, unroll=unroll)
         passes = jnp.int32(num_passes)
     out = jnp.where(valid[:, None], blk[:, 1:], INVALID_TOKEN)
     return (out, passes) if return_passes else out
@@ -454,24 +446,20 @@ def exit_checks(num_blocks: int, num_passes: int) -> tuple[int, ...]:
     return tuple(range(2, num_passes, step))
 
 
-def passes_to_fixed_point(one_pass, blk: Any, num_passes: int, unroll: bool, checks=None, same=None):
+def passes_to_fixed_point(one_pass, blk: jax.Array, num_passes: int, unroll: bool, checks=None):
     """Up to ``num_passes`` applications of ``one_pass`` to ``blk``, stopping at the first checked
     pass that returns its input unchanged (every later pass would return it too). Returns (blk,
-    passes run, an int32 scalar). ``same(new, old)`` (a bool scalar; default ``jnp.all(new == old)``)
-    decides "unchanged" where ``blk`` is a pytree (refine's carry: the block and the picks' state).
+    passes run, an int32 scalar).
 
     ``unroll=False``: one ``lax.while_loop`` that checks after every pass. ``unroll=True``: the passes
     unrolled, checked only after the passes in ``checks`` (pass numbers in 1..K-1; default: every
     pass), each check a ``lax.cond`` holding all the passes after it (on a GPU a host round trip).
     """
-    if same is None:
-        def same(new, old):
-            return jnp.all(new == old)
     if not unroll:
         def step(carry):
             i, b, _ = carry
             new = one_pass(b)
-            return i + 1, new, same(new, b)
+            return i + 1, new, jnp.all(new == b)
 
         carry = jax.lax.while_loop(lambda c: (c[0] < num_passes) & ~c[2], step,
                                    (jnp.int32(0), blk, jnp.bool_(False)))
@@ -483,7 +471,7 @@ def passes_to_fixed_point(one_pass, blk: Any, num_passes: int, unroll: bool, che
         for q in range(done_passes + 1, num_passes + 1):
             new = one_pass(b)
             if q in checks and q < num_passes:
-                return jax.lax.cond(same(new, b), lambda c: c, lambda c, q=q: tail(c, q), (jnp.int32(q), new))
+                return jax.lax.cond(jnp.all(new == b), lambda c: c, lambda c, q=q: tail(c, q), (jnp.int32(q), new))
             b = new
         return jnp.int32(num_passes), b
 

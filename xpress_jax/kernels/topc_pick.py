@@ -45,7 +45,7 @@ from jax.experimental.pallas import triton as plt
 from . import common
 from .common import BIG, cdiv, iota, k_chunk, next_pow2, score
 
-__all__ = ["TopCConfig", "TIES", "default_config", "topc_pick", "new_counter", "combine_splits", "certify", "CERTIFY_SINGLE_ROWS"]
+__all__ = ["TopCConfig", "TIES", "default_config", "topc_pick", "combine_splits", "certify", "CERTIFY_SINGLE_ROWS"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,17 +130,11 @@ def _topc_kernel(
     ties: str = "base",
     has_skip: bool = False,
     has_add: bool = False,
-    counted: int = 0,
-    barrier: bool = False,
 ):
     refs = list(refs)
     add_ref = refs.pop(0) if has_add else None
     skip_ref = refs.pop(0) if has_skip else None
-    if counted:
-        refs.pop(0)  # the counters' input; the kernel uses the aliased output ref (the same memory)
-        mv_ref, mb_ref, mi_ref, ids_ref, cnt_ref = refs
-    else:
-        mv_ref, mb_ref, mi_ref = refs
+    mv_ref, mb_ref, mi_ref = refs
     n, j = pl.program_id(0), pl.program_id(1)
     n_k = cdiv(rank, k_tile)
     # A rank k_tile does not divide ends in a masked tail chunk (zeros on both operands add nothing),
@@ -193,15 +187,9 @@ def _topc_kernel(
         return best, bbase, bidx
 
     def write(best, bbase, bidx):
-        if not counted:
-            mv_ref[...] = best
-            mb_ref[...] = bbase
-            mi_ref[...] = bidx
-            return
-        mv_ref[n, j] = best
-        mb_ref[n, j] = bbase
-        mi_ref[n, j] = bidx
-        _combine_if_last(mv_ref, mb_ref, mi_ref, ids_ref, cnt_ref, n, splits=counted, barrier=barrier)
+        mv_ref[...] = best
+        mb_ref[...] = bbase
+        mi_ref[...] = bidx
 
     if not has_skip:
         write(*run())
@@ -211,33 +199,6 @@ def _topc_kernel(
         go = skip_ref[0] == 0
         pl.when(go)(lambda: write(*run()))
         pl.when(jnp.logical_not(go))(lambda: write(jnp.float32(-jnp.inf), jnp.float32(-jnp.inf), jnp.int32(BIG)))
-
-
-def _combine_if_last(mv_ref, mb_ref, mi_ref, ids_ref, cnt_ref, n, *, splits: int, barrier: bool):
-    """The counted pick's end of program (n, j), after it stored its partial at [n, j]: count the
-    arrival on row n's counter; the program that arrives last (``splits - 1`` arrivals before it) reads
-    the row's ``splits`` partials, writes the winner to ``ids[n]`` and sets the counter back to 0.
-
-    Why the last arrival sees every partial: each program's stores come before its counter increment,
-    a CTA barrier orders the stores of all its threads before the one thread's increment, and the
-    increment is an acquire-release atomic at GPU scope (Pallas-Triton's ``atomic_rmw``), so the last
-    incrementer's acquire reads after every earlier release; its loads are volatile (``ld.volatile``,
-    not served from a possibly stale L1 line: this SM may have read the line for another row). Interpret mode runs the programs one after another."""
-    if barrier:
-        plt.debug_barrier()
-    old = plt.atomic_add(cnt_ref, (n,), jnp.int32(1))
-
-    @pl.when(old == splits - 1)
-    def _():
-        sp = iota(next_pow2(splits))
-        ok = sp < splits
-        v = plt.load(mv_ref.at[n, sp], mask=ok, other=-jnp.inf, volatile=barrier)
-        b = plt.load(mb_ref.at[n, sp], mask=ok, other=-jnp.inf, volatile=barrier)
-        ix = plt.load(mi_ref.at[n, sp], mask=ok, other=BIG, volatile=barrier)
-        v, b, ix = jnp.where(ok, v, -jnp.inf), jnp.where(ok, b, -jnp.inf), jnp.where(ok, ix, BIG)
-        _, _, k = _best3(v, b, ix, axis=0)
-        ids_ref[n] = k
-        cnt_ref[n] = jnp.int32(0)
 
 
 TIES = ("base", "id")
@@ -256,8 +217,7 @@ def topc_pick(
     ties: str = "base",
     skip: jax.Array | None = None,
     lat_add: jax.Array | None = None,
-    counter: jax.Array | None = None,
-) -> jax.Array | tuple[jax.Array, ...]:
+) -> jax.Array | tuple[jax.Array, jax.Array, jax.Array]:
     """[rows,C], [rows,C] int, [rows,r], [V,r] -> [rows] int32 vocab ids.
 
     The kernel gathers the candidates' rows of ``w2``. Candidate ids must lie in [0, V).
@@ -276,41 +236,18 @@ def topc_pick(
     dtype (to nearest even) as each program loads it: the head's residual ``u + down(...)`` added
     here instead of in an XLA kernel of its own (`xpress_jax.reference.LatentSum`). The same values
     as passing that rounded latent.
-    ``counter`` ([rows] int32, all zeros; None = the plain pick): pick in **one launch** and return
-    ``(ids, counter)``, the counter zeros again (thread it to the next call: `new_counter` makes the
-    first). With more than one split per row, each program counts its arrival on its row's counter
-    and the last to arrive combines the row's splits (`_combine_if_last`), so no combine launch runs;
-    with one split the counter is not touched. The same ids as without. A counter that is not all
-    zeros gives wrong ids. Not with ``partials``.
     """
-    rows = base_c.shape[0]
-    if counter is not None:
-        if partials:
-            raise ValueError("topc_pick: counter and partials=True do not go together")
-        if jnp.shape(counter) != (rows,) or jnp.dtype(counter.dtype) != jnp.dtype(jnp.int32):
-            raise ValueError(f"topc_pick: counter must be int32 [{rows}] (new_counter), got "
-                             f"{jnp.dtype(counter.dtype).name} {jnp.shape(counter)}")
-        out = _partials(base_c, cand, lat, w2, interpret=interpret, config=config, ties=ties, skip=skip,
-                        lat_add=lat_add, counter=counter)
-        if len(out) == 2:
-            return out
-        return combine_splits(*out, interpret=interpret)[:rows], counter
     mv, mb, mi = _partials(base_c, cand, lat, w2, interpret=interpret, config=config, ties=ties, skip=skip,
                            lat_add=lat_add)
+    rows = base_c.shape[0]
     if partials:
         return mv[:, :rows], mb[:, :rows], mi[:, :rows]
     return combine_splits(mv, mb, mi, interpret=interpret)[:rows]
 
 
-def new_counter(rows: int) -> jax.Array:
-    """The zeros a counted `topc_pick` starts from ([rows] int32); each counted pick returns it zeros again."""
-    return jnp.zeros((rows,), jnp.int32)
-
-
-def _partials(base_c, cand, lat, w2, *, interpret, config, ties, skip, lat_add=None, counter=None):
+def _partials(base_c, cand, lat, w2, *, interpret, config, ties, skip, lat_add=None):
     """The pick kernel's launch: each split's winner, ``(score, base, id)`` each [splits, rows_pad]
-    (rows_pad = rows rounded up to 16; padding rows unwritten). Checks every argument. With a
-    ``counter`` and more than one split: the counted launch, ``(ids [rows], counter)``."""
+    (rows_pad = rows rounded up to 16; padding rows unwritten). Checks every argument."""
     if ties not in TIES:
         raise ValueError(f"ties must be one of {TIES}, got {ties!r}")
     if base_c.ndim != 2 or cand.shape != base_c.shape or lat.ndim != 2 or lat.shape[0] != base_c.shape[0]:
@@ -345,9 +282,6 @@ def _partials(base_c, cand, lat, w2, *, interpret, config, ties, skip, lat_add=N
     if skip is not None:
         operands = (*operands, common.flag_operand(skip, "skip"))
         extra["has_skip"] = True
-    if counter is not None and splits > 1:
-        return _counted_launch(operands, extra, rows, splits, interpret=interpret, cfg=cfg, c=c, rank=rank,
-                               k_tile=k_tile, dtype=dtype, ties=ties, counter=counter)
     kernel = functools.partial(
         _topc_kernel, c=c, rank=rank, c_tile=cfg.c_tile, c_steps=cfg.c_steps, k_tile=k_tile, dtype=dtype, ties=ties,
         **extra
@@ -370,35 +304,6 @@ def _partials(base_c, cand, lat, w2, *, interpret, config, ties, skip, lat_add=N
         ),
     )(*operands)
     return mv, mb, mi
-
-
-def _counted_launch(operands, extra, rows, splits, *, interpret, cfg, c, rank, k_tile, dtype, ties, counter):
-    """The counted pick: one launch, grid (rows, splits), the last program of each row combining
-    (`_combine_if_last`). The partials [rows, splits] are scratch outputs; the counter is aliased."""
-    kernel = functools.partial(
-        _topc_kernel, c=c, rank=rank, c_tile=cfg.c_tile, c_steps=cfg.c_steps, k_tile=k_tile, dtype=dtype, ties=ties,
-        counted=splits, barrier=not interpret, **extra
-    )
-    part = (rows, splits)
-    _, _, _, ids, cnt = common.pallas_call(
-        kernel,
-        name="xpress_topc_pick_counted",
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-        interpret=interpret,
-        grid=(rows, splits),
-        in_specs=[pl.no_block_spec] * (len(operands) + 1),
-        out_specs=(pl.no_block_spec,) * 5,
-        out_shape=(
-            jax.ShapeDtypeStruct(part, jnp.float32),
-            jax.ShapeDtypeStruct(part, jnp.float32),
-            jax.ShapeDtypeStruct(part, jnp.int32),
-            jax.ShapeDtypeStruct((rows,), jnp.int32),
-            jax.ShapeDtypeStruct((rows,), jnp.int32),
-        ),
-        input_output_aliases={len(operands): 4},
-    )(*operands, counter)
-    return ids, cnt
 
 
 def _combine_kernel(mv_ref, mb_ref, mi_ref, o_ref, *, splits: int, row_tile: int, split_tile: int):
