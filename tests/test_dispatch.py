@@ -40,17 +40,19 @@ def test_table_is_ordered_and_ends_unbounded():
 # What serves today at the serving shapes (B=16, V=151936, r=256, C=512, bf16), written out by hand
 # from benchmarks/RESULTS.md: a change to the table must change this test on purpose.
 _LAZY = dict(prefetch_base=True, lazy=True)
+_TC_SMALL = (32, 1, 128, 4)  # top-C pick (c_tile, c_steps, k_tile, num_warps), num_stages 2
+_TC_ONE = (128, 1, 64, 8)
 SERVED = {
     1: dict(fv=dict(row_tile=16, v_tile=128, v_steps=3, k_tile=64, num_warps=4, num_stages=4, hold_lat=False,
-                    flat=True, **_LAZY), latent=None, select=dict(block=16), topc_steps=1),
+                    flat=True, **_LAZY), latent=None, select=dict(block=16), topc=_TC_SMALL),
     4: dict(fv=dict(row_tile=64, v_tile=64, v_steps=6, k_tile=64, num_warps=4, num_stages=4, hold_lat=False,
-                    flat=True, **_LAZY), latent=None, select=dict(block=16), topc_steps=1),
+                    flat=True, **_LAZY), latent=None, select=dict(block=16), topc=_TC_ONE),
     16: dict(fv=dict(row_tile=128, v_tile=64, v_steps=36, k_tile=0, num_warps=8, num_stages=3, hold_lat=True, **_LAZY),
-             latent=None, select=dict(block=16), topc_steps=1),
+             latent=None, select=dict(block=16), topc=_TC_ONE),
     64: dict(fv=dict(row_tile=128, v_tile=64, v_steps=12, k_tile=0, num_warps=8, num_stages=3, hold_lat=True, **_LAZY),
-             latent=None, select=dict(block=16), topc_steps=4),
+             latent=None, select=dict(block=16), topc=_TC_ONE),
     256: dict(fv=dict(row_tile=128, v_tile=64, v_steps=108, k_tile=0, num_warps=8, num_stages=3, hold_lat=True,
-                      **_LAZY), latent=("fused", 2), select=dict(block=16), topc_steps=4),
+                      **_LAZY), latent=("fused", 2), select=dict(block=16), topc=(128, 4, 64, 8)),
 }
 
 
@@ -65,8 +67,21 @@ def test_serving_configs_are_pinned(n):
     else:
         variant, bpp = want["latent"]
         assert (p.latent.variant, p.latent.blocks_per_program) == (variant, bpp)
-    assert p.topc == topc_pick.TopCConfig(c_tile=128, c_steps=want["topc_steps"], k_tile=64, num_warps=8,
+    c_tile, c_steps, k_tile, warps = want["topc"]
+    assert p.topc == topc_pick.TopCConfig(c_tile=c_tile, c_steps=c_steps, k_tile=k_tile, num_warps=warps,
                                           num_stages=2)
+
+
+def test_topc_config_bounds():
+    """The top-C pick's configs change exactly at `TOPC_SMALL_TILE_MAX_ROWS` and `TOPC_ONE_STEP_MAX_ROWS`
+    draft rows; below the second bound every program holds one candidate tile, at any C."""
+    small, one = dispatch.TOPC_SMALL_TILE_MAX_ROWS, dispatch.TOPC_ONE_STEP_MAX_ROWS
+    tc = {rows: dispatch.plan(rows, 2, V, R, C, jnp.bfloat16).topc for rows in (1, small, small + 1, one, one + 1)}
+    assert tc[1] == tc[small] and tc[1].c_tile == 32 and tc[small + 1].c_tile == 128
+    assert tc[small + 1] == tc[one] and tc[one + 1].c_steps > 1
+    for rows in (1, small, small + 1, one):
+        for c in (1, 33, 512, 4096):
+            assert dispatch.plan(rows, 2, V, R, c, jnp.bfloat16).topc.c_steps == 1
 
 
 def test_plan_is_in_draft_rows_for_any_block_size():

@@ -62,6 +62,11 @@ TABLE_XLA_LATENT_MAX_ROWS = 1920
 #: at every N (N=1 231 -> 237, N=4 290 -> 597, N=16 533 -> 563).
 SPLIT_LATENT_MAX_ROWS = 60
 
+#: Draft rows up to which the top-C pick takes 32-candidate tiles (N=2 at B=16; `_topc_config`).
+TOPC_SMALL_TILE_MAX_ROWS = 30
+#: Draft rows up to which the top-C pick runs one candidate tile per program (N=64 at B=16; `_topc_config`).
+TOPC_ONE_STEP_MAX_ROWS = 960
+
 _FV_LAZY = dict(prefetch_base=True, lazy=True)
 # Full-vocab pick configs (RESULTS.md "Full-vocab pick", evening: "lazy epilogue" + "whole waves";
 # one pass at N = 1 / 4 / 16 / 64 / 256: 31.8 / 40.5 / 71.2 / 263.0 / 873.2 µs incl. ~17-24 µs loop).
@@ -140,10 +145,17 @@ def select_config(row: Row, c: int) -> dict:
 
 
 def _topc_config(rows: int, c: int, rank: int, dtype: Any) -> topc_pick.TopCConfig:
-    """Top-C pick (all rows): 128-candidate tiles, 64-wide rank chunks, 8 warps, and half the kernel
-    heuristic's candidate steps per program (so more splits at small N). RESULTS.md "Top-C pick"
-    (24.1 µs at N=16, 213 at N=256: at the floor) and "Log" row "11-30 pm top-C pick as one program
-    per row" (one split per row was slower at N <= 16: the split grid stays)."""
+    """Top-C pick (all rows): one candidate tile per program (``c_steps=1``, so ``splits = cdiv(C,
+    c_tile)`` programs per row); 32-candidate tiles, 128-wide rank chunks and 4 warps up to
+    `TOPC_SMALL_TILE_MAX_ROWS` draft rows, 128-candidate tiles, 64-wide chunks and 8 warps above.
+    Measured inside refine (RESULTS.md "Top-C pick configs inside refine", fourteenth session): against
+    the earlier 128-candidate tiles with ``c_steps`` = half the kernel heuristic's (2-4 steps from N=32),
+    -4 to -5 µs per refine at N = 1-2, within noise at N = 4-16, -61 at N=32 and -112 at N=64. Up to
+    `TOPC_ONE_STEP_MAX_ROWS` draft rows; above, the earlier config (measured at the floor at N=256)."""
+    if rows <= TOPC_SMALL_TILE_MAX_ROWS:
+        return topc_pick.TopCConfig(c_tile=32, c_steps=1, k_tile=128, num_warps=4, num_stages=2)
+    if rows <= TOPC_ONE_STEP_MAX_ROWS:
+        return topc_pick.TopCConfig(c_tile=128, c_steps=1, k_tile=64, num_warps=8, num_stages=2)
     d = topc_pick.default_config(rows, c, rank, dtype)
     return dataclasses.replace(d, c_tile=128, c_steps=max(1, d.c_steps // 2), k_tile=64, num_warps=8)
 
