@@ -52,7 +52,7 @@ SERVED = {
     64: dict(fv=dict(row_tile=128, v_tile=64, v_steps=12, k_tile=0, num_warps=8, num_stages=3, hold_lat=True, **_LAZY),
              latent=None, select=dict(block=16), topc=_TC_ONE),
     256: dict(fv=dict(row_tile=128, v_tile=64, v_steps=108, k_tile=0, num_warps=8, num_stages=3, hold_lat=True,
-                      **_LAZY), latent=("fused", 2), select=dict(block=16), topc=(128, 4, 64, 8)),
+                      **_LAZY), latent=("fused", 2), select=dict(block=16), topc=_TC_ONE),
 }
 
 
@@ -73,13 +73,12 @@ def test_serving_configs_are_pinned(n):
 
 
 def test_topc_config_bounds():
-    """The top-C pick's configs change exactly at `TOPC_SMALL_TILE_MAX_ROWS` and `TOPC_ONE_STEP_MAX_ROWS`
-    draft rows; below the second bound every program holds one candidate tile, at any C."""
-    small, one = dispatch.TOPC_SMALL_TILE_MAX_ROWS, dispatch.TOPC_ONE_STEP_MAX_ROWS
-    tc = {rows: dispatch.plan(rows, 2, V, R, C, jnp.bfloat16).topc for rows in (1, small, small + 1, one, one + 1)}
-    assert tc[1] == tc[small] and tc[1].c_tile == 32 and tc[small + 1].c_tile == 128
-    assert tc[small + 1] == tc[one] and tc[one + 1].c_steps > 1
-    for rows in (1, small, small + 1, one):
+    """The top-C pick's config changes exactly at `TOPC_SMALL_TILE_MAX_ROWS` draft rows, and every program holds
+    one candidate tile at any row count and any C."""
+    small = dispatch.TOPC_SMALL_TILE_MAX_ROWS
+    tc = {rows: dispatch.plan(rows, 2, V, R, C, jnp.bfloat16).topc for rows in (1, small, small + 1, 3840)}
+    assert tc[1] == tc[small] and tc[1].c_tile == 32 and tc[small + 1].c_tile == 128 and tc[small + 1] == tc[3840]
+    for rows in (1, small, small + 1, 960, 3841):
         for c in (1, 33, 512, 4096):
             assert dispatch.plan(rows, 2, V, R, c, jnp.bfloat16).topc.c_steps == 1
 

@@ -64,8 +64,6 @@ SPLIT_LATENT_MAX_ROWS = 60
 
 #: Draft rows up to which the top-C pick takes 32-candidate tiles (N=2 at B=16; `_topc_config`).
 TOPC_SMALL_TILE_MAX_ROWS = 30
-#: Draft rows up to which the top-C pick runs one candidate tile per program (N=64 at B=16; `_topc_config`).
-TOPC_ONE_STEP_MAX_ROWS = 960
 
 _FV_LAZY = dict(prefetch_base=True, lazy=True)
 # Full-vocab pick configs (RESULTS.md "Full-vocab pick", evening: "lazy epilogue" + "whole waves";
@@ -150,14 +148,11 @@ def _topc_config(rows: int, c: int, rank: int, dtype: Any) -> topc_pick.TopCConf
     `TOPC_SMALL_TILE_MAX_ROWS` draft rows, 128-candidate tiles, 64-wide chunks and 8 warps above.
     Measured inside refine (RESULTS.md "Top-C pick configs inside refine", fourteenth session): against
     the earlier 128-candidate tiles with ``c_steps`` = half the kernel heuristic's (2-4 steps from N=32),
-    -4 to -5 µs per refine at N = 1-2, within noise at N = 4-16, -61 at N=32 and -112 at N=64. Up to
-    `TOPC_ONE_STEP_MAX_ROWS` draft rows; above, the earlier config (measured at the floor at N=256)."""
+    -4 to -5 µs per refine at N = 1-2, within noise at N = 4-16, then -50 (N=32), -112 (N=64),
+    -187 (N=128) and -400 (N=256)."""
     if rows <= TOPC_SMALL_TILE_MAX_ROWS:
         return topc_pick.TopCConfig(c_tile=32, c_steps=1, k_tile=128, num_warps=4, num_stages=2)
-    if rows <= TOPC_ONE_STEP_MAX_ROWS:
-        return topc_pick.TopCConfig(c_tile=128, c_steps=1, k_tile=64, num_warps=8, num_stages=2)
-    d = topc_pick.default_config(rows, c, rank, dtype)
-    return dataclasses.replace(d, c_tile=128, c_steps=max(1, d.c_steps // 2), k_tile=64, num_warps=8)
+    return topc_pick.TopCConfig(c_tile=128, c_steps=1, k_tile=64, num_warps=8, num_stages=2)
 
 
 @dataclasses.dataclass(frozen=True)
