@@ -6,19 +6,16 @@ Pallas steps with the full-vocab pick given one fixed `FullVocabConfig` (flat, l
 served); chained device time per refine with a token table (3 interleaved rounds) and the tokens
 against the served config. A config the kernel refuses is reported and skipped. Writes JSON lines to argv[1].
 """
-import dataclasses, json, sys
+import dataclasses, os, sys
 
 import jax
-import numpy as np
 
-import xpress_jax as xj
-from benchmarks.bench_refine import SERVING, chained, chain_length, make_problem, time_device
-from xpress_jax import dispatch
-from xpress_jax.kernels import full_vocab as fvk
-from xpress_jax.ops import Ops
-from xpress_jax.refine import refine_with
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import CFG as cfg, time_variants  # noqa: E402
+from xpress_jax import dispatch  # noqa: E402
+from xpress_jax.kernels import full_vocab as fvk  # noqa: E402
+from xpress_jax.ops import Ops  # noqa: E402
 
-cfg = xj.HeadConfig(**SERVING)
 P = Ops.pallas()
 out = open(sys.argv[1], "w")
 # (row_tile, v_tile, v_steps, k_tile, num_warps, num_stages)
@@ -43,24 +40,6 @@ def with_config(c):
 
 
 for n in (1, 4):
-    params, logits, h, anchors = make_problem(cfg, n, std=0.02)
-    T = jax.jit(xj.token_table)(params)
-    args = ((params, T), logits, h, anchors)
-    m = chain_length(n, 0, "pallas")
-    served = dispatch.plan(n, cfg.block_size, cfg.vocab_size, cfg.rank, 0, params["w2"].dtype).full_vocab
-    res = {}
-    for v, ops in {"served": P, **{str(c): with_config(c) for c in VARIANTS[n]}}.items():
-        def fn(pt, l, hh, a, ops=ops):
-            return refine_with(ops, pt[0], l, hh, a, config=cfg, topc=0, token_table=pt[1])
-        try:
-            res[v] = dict(tok=np.asarray(jax.jit(fn)(*args)), chain=chained(cfg, m, refine_fn=fn), dev=[])
-        except Exception as e:  # a config the kernel refuses at these shapes
-            print(f"N={n} {v} refused: {type(e).__name__}: {str(e)[:120]}", flush=True)
-    for _ in range(3):
-        for v, r in res.items():
-            r["dev"].append(time_device(r["chain"], args, 5) / m * 1e6)
-    for v, r in sorted(res.items(), key=lambda kv: min(kv[1]["dev"])):
-        row = dict(N=n, variant=v, served_config=str(served), device_us=[round(x, 1) for x in r["dev"]],
-                   differ=int((r["tok"] != res["served"]["tok"]).sum()))
-        out.write(json.dumps(row) + "\n"); out.flush()
-        print(f"N={n:3d} {v:26s} dev {min(r['dev']):7.1f} differ {row['differ']}", flush=True)
+    served = dispatch.plan(n, cfg.block_size, cfg.vocab_size, cfg.rank, 0, jax.numpy.bfloat16).full_vocab
+    variants = {"served": P, **{str(c): with_config(c) for c in VARIANTS[n]}}
+    time_variants(n, 0, variants, 3, out, dict(served_config=str(served)))

@@ -9,19 +9,16 @@ argv[2]: the N list; argv[3]: "sweep1" (the first run: SMALL below N=16, LARGE f
 (the second run: the first run's winners at every N, 5 rounds) or "sweep3" (the third run, after the
 dispatch change: one-step configs and the earlier served one, "old", from N=32 up, 5 rounds).
 """
-import dataclasses, json, sys
+import dataclasses, os, sys
 
 import jax
-import numpy as np
 
-import xpress_jax as xj
-from benchmarks.bench_refine import SERVING, chained, chain_length, make_problem, time_device
-from xpress_jax import dispatch, reference as ref
-from xpress_jax.kernels import topc_pick as tp
-from xpress_jax.ops import Ops
-from xpress_jax.refine import refine_with
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import CFG as cfg, time_variants  # noqa: E402
+from xpress_jax import dispatch, reference as ref  # noqa: E402
+from xpress_jax.kernels import topc_pick as tp  # noqa: E402
+from xpress_jax.ops import Ops  # noqa: E402
 
-cfg = xj.HeadConfig(**SERVING)
 P = Ops.pallas()
 out = open(sys.argv[1], "w")
 NS = [int(x) for x in sys.argv[2].split(",")] if len(sys.argv) > 2 else [1, 4, 16]
@@ -52,26 +49,11 @@ def with_config(c):
 
 
 for n in NS:
-    params, logits, h, anchors = make_problem(cfg, n, std=0.02)
-    T = jax.jit(xj.token_table)(params)
-    args = ((params, T), logits, h, anchors)
-    m = chain_length(n, 512, "pallas")
-    served = dispatch.plan(n, cfg.block_size, cfg.vocab_size, cfg.rank, 512, params["w2"].dtype).topc
+    w2_dtype = jax.numpy.bfloat16
+    served = dispatch.plan(n, cfg.block_size, cfg.vocab_size, cfg.rank, 512, w2_dtype).topc
     cands = {"sweep2": SWEEP2, "sweep3": SWEEP3}.get(SWEEP, SMALL if n < 16 else LARGE)
     variants = {"served": P, **{str(c): with_config(c) for c in cands}}
     if SWEEP == "sweep3":  # the config served before this session, spelled out
-        d = tp.default_config(n * (cfg.block_size - 1), 512, cfg.rank, params["w2"].dtype)
+        d = tp.default_config(n * (cfg.block_size - 1), 512, cfg.rank, w2_dtype)
         variants["old"] = with_config((128, max(1, d.c_steps // 2), 64, 8, 2))
-    res = {}
-    for v, ops in variants.items():
-        def fn(pt, l, hh, a, ops=ops):
-            return refine_with(ops, pt[0], l, hh, a, config=cfg, topc=512, token_table=pt[1])
-        res[v] = dict(tok=np.asarray(jax.jit(fn)(*args)), chain=chained(cfg, m, refine_fn=fn), dev=[])
-    for _ in range(ROUNDS):
-        for v, r in res.items():
-            r["dev"].append(time_device(r["chain"], args, 5) / m * 1e6)
-    for v, r in sorted(res.items(), key=lambda kv: min(kv[1]["dev"])):
-        row = dict(N=n, variant=v, served_config=str(served), device_us=[round(x, 1) for x in r["dev"]],
-                   differ=int((r["tok"] != res["served"]["tok"]).sum()))
-        out.write(json.dumps(row) + "\n"); out.flush()
-        print(f"N={n:3d} {v:24s} dev {min(r['dev']):7.1f} differ {row['differ']}", flush=True)
+    time_variants(n, 512, variants, ROUNDS, out, dict(served_config=str(served)), width=24)

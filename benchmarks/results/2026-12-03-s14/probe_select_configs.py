@@ -8,19 +8,16 @@ device time per refine with a token table, top-512 (3 interleaved rounds), and t
 selection (every config gives the same candidate sets, so 0 must differ). A config the kernel refuses is
 reported and skipped. Writes JSON lines to argv[1]; argv[2]: the N list (default 1,16,64,256).
 """
-import dataclasses, json, sys
+import dataclasses, os, sys
 
 import jax
-import numpy as np
 
-import xpress_jax as xj
-from benchmarks.bench_refine import SERVING, chained, chain_length, make_problem, time_device
-from xpress_jax import dispatch
-from xpress_jax.kernels import select
-from xpress_jax.ops import Ops
-from xpress_jax.refine import refine_with
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import CFG as cfg, time_variants  # noqa: E402
+from xpress_jax import dispatch  # noqa: E402
+from xpress_jax.kernels import select  # noqa: E402
+from xpress_jax.ops import Ops  # noqa: E402
 
-cfg = xj.HeadConfig(**SERVING)
 P = Ops.pallas()
 out = open(sys.argv[1], "w")
 NS = [int(x) for x in sys.argv[2].split(",")] if len(sys.argv) > 2 else [1, 16, 64, 256]
@@ -40,24 +37,6 @@ def with_select(over):
 
 
 for n in NS:
-    params, logits, h, anchors = make_problem(cfg, n, std=0.02)
-    T = jax.jit(xj.token_table)(params)
-    args = ((params, T), logits, h, anchors)
-    m = chain_length(n, 512, "pallas")
-    served = dispatch.plan(n, cfg.block_size, cfg.vocab_size, cfg.rank, 512, params["w2"].dtype).select
-    res = {}
-    for v, ops in {"served": P, **{str(o): with_select(o) for o in VARIANTS}}.items():
-        def fn(pt, l, hh, a, ops=ops):
-            return refine_with(ops, pt[0], l, hh, a, config=cfg, topc=512, token_table=pt[1])
-        try:
-            res[v] = dict(tok=np.asarray(jax.jit(fn)(*args)), chain=chained(cfg, m, refine_fn=fn), dev=[])
-        except Exception as e:  # a config the kernel refuses at these shapes
-            print(f"N={n} {v} refused: {type(e).__name__}: {str(e)[:120]}", flush=True)
-    for _ in range(3):
-        for v, r in res.items():
-            r["dev"].append(time_device(r["chain"], args, 5) / m * 1e6)
-    for v, r in sorted(res.items(), key=lambda kv: min(kv[1]["dev"])):
-        row = dict(N=n, variant=v, served_select=str(served), device_us=[round(x, 1) for x in r["dev"]],
-                   differ=int((r["tok"] != res["served"]["tok"]).sum()))
-        out.write(json.dumps(row) + "\n"); out.flush()
-        print(f"N={n:3d} {v:28s} dev {min(r['dev']):7.1f} differ {row['differ']}", flush=True)
+    served = dispatch.plan(n, cfg.block_size, cfg.vocab_size, cfg.rank, 512, jax.numpy.bfloat16).select
+    variants = {"served": P, **{str(o): with_select(o) for o in VARIANTS}}
+    time_variants(n, 512, variants, 3, out, dict(served_select=str(served)), width=28)
