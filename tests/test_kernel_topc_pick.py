@@ -22,6 +22,7 @@ import pytest
 
 from conftest import near_tie_rows, pick_inputs
 
+from xpress_jax import dispatch
 from xpress_jax import reference as R
 from xpress_jax.kernels import common
 from xpress_jax.kernels import topc_pick as tp
@@ -80,6 +81,23 @@ class TestTopCPick:
         np.testing.assert_array_equal(got[~near], ref[~near])
         args = _inputs(rows, vocab, c, rank, dtype, seed=rows, dyadic=True)
         np.testing.assert_array_equal(np.asarray(self.pick(*args, config)), _reference(*args))
+
+    @pytest.mark.parametrize("rows", [dispatch.TOPC_SMALL_TILE_MAX_ROWS, dispatch.TOPC_SMALL_TILE_MAX_ROWS + 1])
+    def test_served_configs_at_their_boundary(self, rows):
+        """The configs refine serves (`dispatch.plan`) on either side of `TOPC_SMALL_TILE_MAX_ROWS`, at C = 1, a C
+        that is not a multiple of the tile, and C = V, with a rank that needs a masked tail chunk: the ids of
+        the jnp oracle on every row that is not a near tie, and on every row of dyadic inputs."""
+        vocab, rank, dtype = 300, 20, jnp.bfloat16
+        for c in (1, 33, vocab):
+            cfg = dispatch.plan(rows, 2, vocab, rank, c, dtype).topc
+            assert cfg.c_steps == 1
+            args = _inputs(rows, vocab, c, rank, dtype, seed=rows + c)
+            ref = _reference(*args)
+            got = np.asarray(self.pick(*args, cfg))
+            near = near_tie_rows(args[0], args[2], args[3], ref, cand=args[1])
+            np.testing.assert_array_equal(got[~near], ref[~near])
+            dy = _inputs(rows, vocab, c, rank, dtype, seed=rows + c, dyadic=True)
+            np.testing.assert_array_equal(np.asarray(self.pick(*dy, cfg)), _reference(*dy))
 
     @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
     def test_ties_and_nonfinite(self, dtype):
