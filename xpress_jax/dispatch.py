@@ -142,9 +142,9 @@ def select_config(row: Row, c: int) -> dict:
     return sel
 
 
-def _topc_config(rows: int, c: int, rank: int, dtype: Any) -> topc_pick.TopCConfig:
-    """Top-C pick (all rows): one candidate tile per program (``c_steps=1``, so ``splits = cdiv(C,
-    c_tile)`` programs per row); 32-candidate tiles, 128-wide rank chunks and 4 warps up to
+def _topc_config(rows: int) -> topc_pick.TopCConfig:
+    """Top-C pick (all rows, any C, rank and dtype): one candidate tile per program (``c_steps=1``, so
+    ``splits = cdiv(C, c_tile)`` programs per row); 32-candidate tiles, 128-wide rank chunks and 4 warps up to
     `TOPC_SMALL_TILE_MAX_ROWS` draft rows, 128-candidate tiles, 64-wide chunks and 8 warps above.
     Measured inside refine (RESULTS.md "Top-C pick configs inside refine", fourteenth session): against
     the earlier 128-candidate tiles with ``c_steps`` = half the kernel heuristic's (2-4 steps from N=32),
@@ -211,7 +211,7 @@ def plan(n: int, b: int, v: int, r: int, c: int, dtype: Any, *, kernels_everywhe
     fv.check_shape(rows, v, r, dtype)
     tc = None
     if c:
-        tc = _topc_config(rows, c, r, dtype)
+        tc = _topc_config(rows)
         tc.check_shape(rows, c, r, dtype)
     return Plan(select=sel, latent=lat, full_vocab=fv, topc=tc, row=row)
 
