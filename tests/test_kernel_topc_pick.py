@@ -222,16 +222,17 @@ class TestTopCPickInterpret(TestTopCPick):
 class TestTopCLowering:
     """The kernel lowers to Triton for an H200 at serving shapes."""
 
-    @pytest.mark.parametrize("rows", [15, 3840])
+    @pytest.mark.parametrize("rows", [15, 60, 3840])
     def test_lowers_at_serving_shapes(self, rows):
+        """The kernel heuristic's config and the one refine serves (`dispatch.plan`) both build."""
         V, C, r, dt = 151936, 512, 256, jnp.bfloat16
         S = jax.ShapeDtypeStruct
         args = (S((rows, C), dt), S((rows, C), jnp.int32), S((rows, r), dt), S((V, r), dt))
-        cfg = tp.default_config(rows, C, r, dt)
-        splits = -(-C // (cfg.c_tile * cfg.c_steps))
-        hlo = common.lower_triton(functools.partial(tp.topc_pick, config=cfg), *args).as_text()
-        assert hlo.count(TRITON_CALL) == (1 if splits == 1 else 2)
-        assert "xpress_topc_pick" in hlo
+        for cfg in (tp.default_config(rows, C, r, dt), dispatch.plan(rows, 2, V, r, C, dt).topc):
+            splits = -(-C // (cfg.c_tile * cfg.c_steps))
+            hlo = common.lower_triton(functools.partial(tp.topc_pick, config=cfg), *args).as_text()
+            assert hlo.count(TRITON_CALL) == (1 if splits == 1 else 2)
+            assert "xpress_topc_pick" in hlo
         # A single split is one launch; several add the combine kernel.
         one = tp.TopCConfig(c_tile=64, c_steps=8, k_tile=128)
         hlo = common.lower_triton(functools.partial(tp.topc_pick, config=one), *args).as_text()
