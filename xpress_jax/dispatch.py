@@ -31,7 +31,7 @@ from .kernels import full_vocab, latent, select, topc_pick
 from .kernels.common import cdiv, next_pow2
 
 __all__ = ["Row", "TABLE", "Plan", "plan", "capacity_config", "select_config", "SERVING_N", "SMS",
-           "SCAN_FAILING_MAX_ROWS", "TABLE_XLA_LATENT_MAX_ROWS", "SPLIT_LATENT_MAX_ROWS"]
+           "SCAN_FAILING_MAX_ROWS", "FULL_VOCAB_ALTERNATE_MAX_ROWS", "TABLE_XLA_LATENT_MAX_ROWS", "SPLIT_LATENT_MAX_ROWS"]
 
 #: The N values the serving configs were measured at (B = 16): draft rows 15 / 60 / 240 / 960 / 3840.
 SERVING_N = (1, 4, 16, 64, 256)
@@ -61,6 +61,14 @@ TABLE_XLA_LATENT_MAX_ROWS = 1920
 #: N=64 768 -> 774. Full-vocab passes never split: the fused pick loading two float32 tiles measured slower
 #: at every N (N=1 231 -> 237, N=4 290 -> 597, N=16 533 -> 563).
 SPLIT_LATENT_MAX_ROWS = 60
+
+#: Draft rows up to which an unrolled full-vocab refine alternates the pick's vocabulary order (`Ops`'s
+#: ``full_vocab_pick_reversed``: pass 2, 4, ... visit each part's tiles from the highest ids down, so a pass
+#: starts on the w2 rows still in L2 from the pass before). None: at every row count. RESULTS.md "The full-vocab
+#: pick alternating its order" (fifteenth session; device µs per refine, ascending -> alternating): N=1 230.3 ->
+#: 207.8, N=2 301.4 -> 300.0, N=4 290.6 -> 277.7; slower above (N=8 512.3 -> 534.7, N=16 536.2 -> 543.0, N=64
+#: 1775.1 -> 1839.4), where the pick is bound by its epilogue, not by HBM.
+FULL_VOCAB_ALTERNATE_MAX_ROWS = 60
 
 #: Draft rows up to which the top-C pick takes 32-candidate tiles (N=2 at B=16; `_topc_config`).
 TOPC_SMALL_TILE_MAX_ROWS = 30

@@ -29,6 +29,11 @@ The steps (static shapes; ``rows`` = N * (B-1) draft rows):
   skips row tiles without an active row and reads int32 ``active`` as it is; the jnp path ignores it
   and picks every row. ``fallback`` ([rows] int32, with ``active``): inactive rows return it (every
   path).
+- ``full_vocab_pick_reversed``: ``None``, or ``full_vocab_pick`` with the same arguments and the same
+  tokens, reading ``w2`` in another order: each program visits its vocabulary tiles from the highest ids
+  down. An unrolled full-vocab refine alternates the two (passes 2, 4, ... reversed), so that a pass
+  starts on the ``w2`` rows the pass before it read last, which may still be in the GPU's L2 cache. The
+  Pallas steps give it up to `dispatch.FULL_VOCAB_ALTERNATE_MAX_ROWS` draft rows.
 - ``latent(params, xh [N,B,r], blk [N,B] int32, prev_ids [N] int32, split=False) -> [N,B-1,r]``. With
   ``split=True`` it may return a `reference.LatentSum` instead, the residual's two float32 terms, for
   ``topc_pick`` to add and round itself; the Pallas steps do so where XLA computes the latent, up to
@@ -121,6 +126,7 @@ class Ops:
     hidden: Callable[..., Any] | None = None
     pruned_pick: Callable[..., Any] | None = None
     split_latent: bool = False
+    full_vocab_pick_reversed: Callable[..., Any] | None = None
 
     @staticmethod
     def xla(platform: str = "cpu") -> "Ops":
@@ -182,6 +188,7 @@ def _pallas_ops(interpret: bool) -> Ops:
         hidden=None if interpret else ref.hidden_input_gpu,
         pruned_pick=functools.partial(_pallas_pruned_pick, interpret=interpret),
         split_latent=True,
+        full_vocab_pick_reversed=functools.partial(_pallas_full_vocab, interpret=interpret, best=False, reverse=True),
     )
 
 
@@ -299,13 +306,15 @@ def _pallas_certify(base_c, cand, lat, prepared, tau, max_norm, mex, valid, fall
                              interpret=interpret, config=p.topc)
 
 
-def _pallas_full_vocab(logits, lat, w2, active=None, fallback=None, *, interpret, best, capacity=None):
+def _pallas_full_vocab(logits, lat, w2, active=None, fallback=None, *, interpret, best, capacity=None, reverse=False):
     """`full_vocab_pick` (``best=False``: ids, the combine kernel) or `full_vocab_best` (``best=True``:
     the parts' (score, id) winners from the kernel, combined by the same rule in XLA). ``active``:
     the kernel's active rows, unpacked (row tiles without one return at once); with ``capacity`` (not
     part of the step's contract: `_pallas_scan_failing`'s two-launch scan only) the first ``capacity``
     active rows packed into a launch of their own (the plan's config with `dispatch.capacity_config`'s
-    ``v_steps``: the same scores). The jnp path ignores both."""
+    ``v_steps``: the same scores). The jnp path ignores both. ``reverse``: each program visits its vocab tiles
+    from the highest ids down (`full_vocab.full_vocab_pick`; same tokens), up to
+    `dispatch.FULL_VOCAB_ALTERNATE_MAX_ROWS` draft rows (above, ascending as always)."""
     from . import dispatch
     from .kernels import full_vocab
 
@@ -316,9 +325,10 @@ def _pallas_full_vocab(logits, lat, w2, active=None, fallback=None, *, interpret
             return ref.full_vocab_best(ref.draft_rows(logits), lat, w2)
         return with_fallback(ref.full_vocab_pick(ref.draft_rows(logits), lat, w2), active, fallback)
     cfg = p.full_vocab if capacity is None else dispatch.capacity_config(p.full_vocab, v)
+    cap = dispatch.FULL_VOCAB_ALTERNATE_MAX_ROWS
     out = full_vocab.full_vocab_pick(logits.reshape(n * b, v), lat, w2, config=cfg, interpret=interpret,
                                      slot_stride=b, partials=best, active=active, capacity=capacity,
-                                     fallback=fallback)
+                                     fallback=fallback, reverse=reverse and (cap is None or lat.shape[0] <= cap))
     return ref.best_by_score(*out, axis=0) if best else out
 
 

@@ -415,21 +415,29 @@ def _refine(ops: Ops, params, logits, h, anchors, prev_ids, num_passes, topc, un
         start = ops.start(logits)
         prepared = ops.full_vocab_prepare(params["w2"])  # once per call
 
-        def pick(lat):
+        def pick(lat, q=0):
+            # Unrolled, passes 2, 4, ... may read w2 in the other order (Ops.full_vocab_pick_reversed: the
+            # same tokens; each pass then starts on the rows the pass before read last).
+            if q % 2 and ops.full_vocab_pick_reversed is not None:
+                return ops.full_vocab_pick_reversed(logits, lat, prepared)
             return ops.full_vocab_pick(logits, lat, prepared)
 
     blk = jnp.concatenate([anchors[:, None], start.reshape(N, B - 1)], axis=1)
 
-    def one_pass(blk):
+    def one_pass(blk, q=0):  # q: the 0-based pass number where it is static (unrolled), else 0
         # split_latent: in top-C passes the latent may come as its residual's two terms, which the pick
         # adds (ops module doc; the full-vocab pick measured slower with them)
         lat = (ops.latent(params, xh, blk, prev_ids, split=True) if ops.split_latent and topc
                else ops.latent(params, xh, blk, prev_ids)).reshape(rows, r)
-        return blk.at[:, 1:].set(pick(lat).reshape(N, B - 1))
+        return blk.at[:, 1:].set(pick(lat, q).reshape(N, B - 1))
 
     if early_exit:
         checks = exit_checks(N, num_passes) if early_exit is True else early_exit
         blk, passes = passes_to_fixed_point(one_pass, blk, num_passes, unroll, checks)
+    elif unroll and not topc and ops.full_vocab_pick_reversed is not None:
+        for q in range(num_passes):  # the pass number static: the pick's order alternates
+            blk = one_pass(blk, q)
+        passes = jnp.int32(num_passes)
     else:
         blk = jax.lax.fori_loop(0, num_passes, lambda _, b: one_pass(b), blk, unroll=unroll)
         passes = jnp.int32(num_passes)
@@ -453,7 +461,8 @@ def passes_to_fixed_point(one_pass, blk: jax.Array, num_passes: int, unroll: boo
 
     ``unroll=False``: one ``lax.while_loop`` that checks after every pass. ``unroll=True``: the passes
     unrolled, checked only after the passes in ``checks`` (pass numbers in 1..K-1; default: every
-    pass), each check a ``lax.cond`` holding all the passes after it (on a GPU a host round trip).
+    pass), each check a ``lax.cond`` holding all the passes after it (on a GPU a host round trip);
+    there ``one_pass`` gets the 0-based pass number too, ``one_pass(blk, q)`` (a Python int).
     """
     if not unroll:
         def step(carry):
@@ -469,7 +478,7 @@ def passes_to_fixed_point(one_pass, blk: jax.Array, num_passes: int, unroll: boo
     def tail(carry, done_passes):  # the passes after ``done_passes``, checked where ``checks`` says
         _, b = carry
         for q in range(done_passes + 1, num_passes + 1):
-            new = one_pass(b)
+            new = one_pass(b, q - 1)
             if q in checks and q < num_passes:
                 return jax.lax.cond(jnp.all(new == b), lambda c: c, lambda c, q=q: tail(c, q), (jnp.int32(q), new))
             b = new

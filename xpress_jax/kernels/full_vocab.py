@@ -229,6 +229,7 @@ def _fused_kernel(
     row_map: bool = False,
     lat_map: bool = False,
     v_steps_full: int = 0,
+    reverse: bool = False,
 ):
     refs = list(refs)
     map_ref = refs.pop(0) if row_map else None
@@ -258,6 +259,9 @@ def _fused_kernel(
 
     def v_start(t):  # first column of this part's vocab tile t
         return (j * v_steps + t) * v_tile
+
+    def visit(t):  # the part's t-th visited vocab tile: ascending, or descending with ``reverse``
+        return v_steps - 1 - t if reverse else t
 
     def load_lat(k0):
         if lat_map:  # kernel row q reads lat row map[q] too (`scan_failing`: packed rows, nothing copied)
@@ -294,8 +298,8 @@ def _fused_kernel(
             idx = _base_index(r0, row_tile, v0, v_tile, rows, slot_stride)
         return plt.load(base_ref.at[idx], mask=mask, other=-jnp.inf if lazy else 0.0)
 
-    def next_base(t):  # tile t + 1 of this part, or nothing after the last one
-        return load_base(v_start(t + 1), (t + 1) < v_steps)
+    def next_base(t):  # the tile visited after visit t, or nothing after the last one
+        return load_base(v_start(visit(t + 1)), (t + 1) < v_steps)
 
     def epilogue_eager(acc, b, v0, best, bidx):  # round, add base, keep each row's best
         cols = v0 + iota(v_tile)
@@ -310,7 +314,11 @@ def _fused_kernel(
     def epilogue_lazy(acc, b, v0, best, bidx):  # elementwise: each (row, lane) keeps its best
         # Past-V columns: b = -inf (masked load) and acc = 0 -> s = -inf never beats best.
         s = (b.astype(jnp.float32) + acc.astype(dtype).astype(jnp.float32)).astype(dtype).astype(jnp.float32)
-        better = s > best
+        if reverse:  # tiles visited from the highest ids down: the last equal score seen has the lowest id
+            s = jnp.where(s == s, s, -jnp.inf)  # NaN ranks as -inf (ascending order gets this from `>`)
+            better = s >= best
+        else:
+            better = s > best
         return jnp.where(better, s, best), jnp.where(better, v0 + lanes, bidx)
 
     def part():  # this program's part: each row's best (score, lowest id) over its vocab tiles
@@ -322,7 +330,7 @@ def _fused_kernel(
             epilogue = epilogue_eager
             init = (jnp.full((row_tile,), -jnp.inf, jnp.float32), jnp.full((row_tile,), BIG, jnp.int32))
         # The carried base tile (prefetch_base) or an unused stand-in.
-        b0 = load_base(v_start(0)) if prefetch_base else jnp.zeros((), jnp.int32)
+        b0 = load_base(v_start(visit(0))) if prefetch_base else jnp.zeros((), jnp.int32)
 
         if flat:
             # t -> (vocab tile t // n_k, rank chunk t % n_k): a shift and a mask when n_k is a power of two.
@@ -334,7 +342,7 @@ def _fused_kernel(
                     vt, kk = t >> shift, t & (n_k - 1)
                 else:
                     vt, kk = jax.lax.div(t, jnp.int32(n_k)), jax.lax.rem(t, jnp.int32(n_k))
-                v0 = v_start(vt)
+                v0 = v_start(visit(vt))
                 acc = dot_chunk(acc, v0, kk * k_tile)
 
                 def finish(ops):
@@ -353,7 +361,7 @@ def _fused_kernel(
 
             def step(t, carry):
                 best, bidx, b = carry
-                v0 = v_start(t)
+                v0 = v_start(visit(t))
                 b_next = next_base(t) if prefetch_base else b  # issued before the dots
                 acc = zeros
                 if hold_lat:
@@ -534,7 +542,7 @@ def _check_inputs(base, lat, w2, slot_stride: int, who: str):
 
 
 def _fused_launch(operands, cfg: FullVocabConfig, *, rows: int, vocab: int, rank: int, dtype, slot_stride: int,
-                  interpret: bool, parts: int | None = None, **switches):
+                  interpret: bool, parts: int | None = None, reverse: bool = False, **switches):
     """One launch of `_fused_kernel` over ``rows`` kernel rows with ``cfg``: the [parts, rows_pad] float32
     best values and int32 ids (``parts`` default: one per ``cfg.v_steps`` vocabulary tiles).
     ``switches``: the kernel's operand switches (``has_active``, ``row_map``, ``lat_map``, ``v_steps_full``)."""
@@ -544,7 +552,7 @@ def _fused_launch(operands, cfg: FullVocabConfig, *, rows: int, vocab: int, rank
     kernel = functools.partial(_fused_kernel, rank=rank, k_tile=k_chunk(cfg.k_tile, rank, MIN_DOT), hold_lat=cfg.hold_lat,
                                flat=cfg.flat, prefetch_base=cfg.prefetch_base, lazy=cfg.lazy, rows=rows, vocab=vocab,
                                row_tile=cfg.row_tile, v_tile=cfg.v_tile, v_steps=cfg.v_steps, dtype=dtype,
-                               slot_stride=slot_stride, **switches)
+                               slot_stride=slot_stride, reverse=reverse, **switches)
     shape = (parts, row_tiles * cfg.row_tile)
     return common.pallas_call(
         kernel,
@@ -559,7 +567,7 @@ def _fused_launch(operands, cfg: FullVocabConfig, *, rows: int, vocab: int, rank
     )(*operands)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "config", "slot_stride", "partials", "capacity"))
+@functools.partial(jax.jit, static_argnames=("interpret", "config", "slot_stride", "partials", "capacity", "reverse"))
 def full_vocab_pick(
     base: jax.Array,
     lat: jax.Array,
@@ -572,6 +580,7 @@ def full_vocab_pick(
     active: jax.Array | None = None,
     capacity: int | None = None,
     fallback: jax.Array | None = None,
+    reverse: bool = False,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """[rows,V], [rows,r], [V,r] -> [rows] int32: argmax_v float(dtype(base + dtype(lat @ w2.T))).
 
@@ -634,7 +643,7 @@ def full_vocab_pick(
         operands = (*operands, act if act.dtype == jnp.int32 else (act != 0).astype(jnp.int32))
         extra["has_active"] = True
     mv, mi = _fused_launch(operands, cfg, rows=cap, vocab=vocab, rank=rank, dtype=dtype, slot_stride=slot_stride,
-                           interpret=interpret, **extra)
+                           interpret=interpret, reverse=reverse, **extra)
     if partials:
         mv, mi = mv[:, :cap], mi[:, :cap]
         if pos is None:
