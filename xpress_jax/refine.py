@@ -408,7 +408,7 @@ def _refine(ops: Ops, params, logits, h, anchors, prev_ids, num_passes, topc, un
         cand, base_c, start = ops.select(logits, topc)
         prepared = ops.topc_prepare(params["w2"], cand)  # once per call
 
-        def pick(lat):
+        def pick(lat, q=0):  # q: the pass number (the full-vocab pick's order; unused here)
             return ops.topc_pick(base_c, cand, lat, prepared)
 
     else:
