@@ -44,15 +44,15 @@ _TC_SMALL = (32, 1, 128, 4)  # top-C pick (c_tile, c_steps, k_tile, num_warps), 
 _TC_ONE = (128, 1, 64, 8)
 SERVED = {
     1: dict(fv=dict(row_tile=16, v_tile=128, v_steps=3, k_tile=64, num_warps=4, num_stages=4, hold_lat=False,
-                    flat=True, **_LAZY), latent=None, select=dict(block=16), topc=_TC_SMALL),
+                    flat=True, **_LAZY), latent=None, select=dict(block=16, finish_warps=8), topc=_TC_SMALL),
     4: dict(fv=dict(row_tile=64, v_tile=64, v_steps=6, k_tile=64, num_warps=4, num_stages=4, hold_lat=False,
-                    flat=True, **_LAZY), latent=None, select=dict(block=16), topc=_TC_ONE),
+                    flat=True, **_LAZY), latent=None, select=dict(block=16, finish_warps=8), topc=_TC_ONE),
     16: dict(fv=dict(row_tile=128, v_tile=64, v_steps=36, k_tile=0, num_warps=8, num_stages=3, hold_lat=True, **_LAZY),
-             latent=None, select=dict(block=16), topc=_TC_ONE),
+             latent=None, select=dict(block=16, finish_warps=8), topc=_TC_ONE),
     64: dict(fv=dict(row_tile=128, v_tile=64, v_steps=12, k_tile=0, num_warps=8, num_stages=3, hold_lat=True, **_LAZY),
-             latent=None, select=dict(block=16), topc=_TC_ONE),
+             latent=None, select=dict(block=16, finish_warps=8), topc=_TC_ONE),
     256: dict(fv=dict(row_tile=128, v_tile=64, v_steps=108, k_tile=0, num_warps=8, num_stages=3, hold_lat=True,
-                      **_LAZY), latent=("fused", 2), select=dict(block=16), topc=_TC_ONE),
+                      **_LAZY), latent=("fused", 2), select=dict(block=16, finish_warps=8), topc=_TC_ONE),
 }
 
 
@@ -131,7 +131,8 @@ def test_ops_are_typed_and_cached():
     fields = {f.name for f in dataclasses.fields(Ops)}
     assert fields == {"name", "select", "topc_prepare", "topc_pick", "full_vocab_prepare", "full_vocab_pick", "latent", "start",
                       "full_vocab_best", "topc_best", "candidates_best", "full_vocab_capacity", "certify",
-                      "scan_failing", "hidden", "pruned_pick", "split_latent"}
+                      "scan_failing", "hidden", "pruned_pick", "split_latent", "full_vocab_pick_reversed"}
+    assert Ops.xla().full_vocab_pick_reversed is None and Ops.pallas(True).full_vocab_pick_reversed is not None
     assert Ops.pallas().split_latent and Ops.pallas(True).split_latent and not Ops.xla().split_latent
     with pytest.raises(dataclasses.FrozenInstanceError):
         Ops.xla().name = "x"  # type: ignore[misc]
@@ -157,6 +158,46 @@ def test_xla_gpu_spelling_gives_the_same_tokens(n, topc):
     np.testing.assert_array_equal(np.asarray(refine_with(Ops.xla("gpu"), head, *x)), np.asarray(a))
     assert Ops.xla("gpu").hidden is xref.hidden_input_gpu and Ops.xla("cpu").hidden is None
     assert Ops.pallas(False).hidden is xref.hidden_input_gpu and Ops.pallas(True).hidden is None
+
+
+@pytest.mark.interpret_refine
+@pytest.mark.parametrize("early_exit", [False, (2,)], ids=["plain", "early-exit"])
+def test_full_vocab_passes_alternate_the_pick_order(monkeypatch, early_exit):
+    """An unrolled full-vocab refine reads w2 in the other order on passes 2, 4, ... (`Ops.full_vocab_pick_reversed`)
+    up to `dispatch.FULL_VOCAB_ALTERNATE_MAX_ROWS` draft rows, ascending above, in a loop (``unroll=False``) and
+    without the step; the tokens are those of the ascending order on every pass, bit for bit."""
+    cfg = xj.HeadConfig(vocab_size=1001, hidden_size=16, block_size=5, rank=24, mlp_hidden=32, topc=0)
+    head = xj.Head(cfg, make_head(cfg, dtype=jnp.bfloat16))
+    x = make_inputs(cfg, 2, dtype=jnp.bfloat16, logit_std=0.5)  # 8 draft rows
+    assert dispatch.plan(2, 5, 1001, 24, 0, jnp.bfloat16, kernels_everywhere=True).full_vocab.v_steps > 1
+    seen, orig = [], full_vocab.full_vocab_pick
+
+    def spy(*a, **kw):
+        seen.append(kw.get("reverse", False))
+        return orig(*a, **kw)
+
+    monkeypatch.setattr(full_vocab, "full_vocab_pick", spy)
+    P = Ops.pallas(True)
+    def orders(ops, unroll=True):
+        seen.clear()
+        tok = np.asarray(refine_with(ops, head, *x, num_passes=5, unroll=unroll, early_exit=early_exit))
+        return tok, list(seen)
+
+    asc, o = orders(dataclasses.replace(P, full_vocab_pick_reversed=None))  # may trace one pass in a loop
+    assert o and not any(o)
+    tok, o = orders(P)
+    assert o == [False, True, False, True, False]
+    np.testing.assert_array_equal(tok, asc)
+    tok, o = orders(P, unroll=False)  # one traced pass in a loop: the pass number is not static
+    assert not any(o)
+    np.testing.assert_array_equal(tok, asc)
+    monkeypatch.setattr(dispatch, "FULL_VOCAB_ALTERNATE_MAX_ROWS", 8)
+    assert orders(P)[1] == [False, True, False, True, False]
+    monkeypatch.setattr(dispatch, "FULL_VOCAB_ALTERNATE_MAX_ROWS", 7)  # above the bound: ascending
+    tok, o = orders(P)
+    assert o and not any(o)
+    np.testing.assert_array_equal(tok, asc)
+    assert len(set(map(tuple, asc))) > 1
 
 
 @pytest.mark.parametrize("n", [1, 2, 8])

@@ -66,8 +66,8 @@ class TestFullVocabPick:
         if not self.INTERPRET and not common.gpu_supported():
             pytest.skip("needs a CUDA GPU; TestFullVocabPickInterpret runs these tests on CPU")
 
-    def pick(self, base, lat, w2, config=None):
-        return fv.full_vocab_pick(base, lat, w2, interpret=self.INTERPRET, config=config)
+    def pick(self, base, lat, w2, config=None, **kw):
+        return fv.full_vocab_pick(base, lat, w2, interpret=self.INTERPRET, config=config, **kw)
 
     @pytest.mark.parametrize("shape,dtype", SHAPE_DTYPES)
     def test_matches_reference(self, shape, dtype):
@@ -85,9 +85,28 @@ class TestFullVocabPick:
         ref = np.asarray(R.full_vocab_pick(base, lat, w2))
         np.testing.assert_array_equal(np.asarray(self.pick(base, lat, w2, config)), ref)
 
+    @pytest.mark.parametrize("shape,dtype", SHAPE_DTYPES)
+    def test_reverse_order_is_the_same_pick(self, shape, dtype):
+        """``reverse=True`` (each program visits its vocab tiles from the highest ids down; refine alternates it
+        between passes) computes every (row, id) score as the ascending order does: the same ids on random and
+        dyadic (tie-rich) inputs, and the same per-part winners, score and id, bit for bit."""
+        rows, vocab, rank, config = shape
+        for dyadic in (False, True):
+            base, lat, w2 = pick_inputs(rows, vocab, rank, dtype, seed=3 * rows + vocab, dyadic=dyadic)
+            want = np.asarray(self.pick(base, lat, w2, config))
+            np.testing.assert_array_equal(np.asarray(self.pick(base, lat, w2, config, reverse=True)), want)
+            if dyadic:  # exact dots: the oracle's ids too
+                np.testing.assert_array_equal(want, np.asarray(R.full_vocab_pick(base, lat, w2)))
+        fwd = self.pick(base, lat, w2, config, partials=True)
+        rev = self.pick(base, lat, w2, config, partials=True, reverse=True)
+        assert fwd[0].shape[0] > 1, "the config must split the vocabulary into parts"
+        for a, b in zip(fwd, rev):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+    @pytest.mark.parametrize("reverse", [False, True], ids=["ascending", "reverse"])
     @pytest.mark.parametrize("lazy", [False, True], ids=["fused", "fused-lazy"])
     @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
-    def test_ties_and_nonfinite(self, dtype, lazy):
+    def test_ties_and_nonfinite(self, dtype, lazy, reverse):
         # rows = 5 blocks of B=6; V=1000 is not a multiple of the 128-wide tile;
         # 2 tiles per part -> parts [0,256) [256,512) [512,768) [768,1000).
         rows, vocab, rank = 25, 1000, 16
@@ -118,7 +137,7 @@ class TestFullVocabPick:
             expect[r] = int(np.argmax(base[r]))
         base, lat, w2 = (jnp.asarray(a).astype(dtype) for a in (base, lat, w2))
         ref = np.asarray(R.full_vocab_pick(base, lat, w2))
-        got = np.asarray(self.pick(base, lat, w2, cfg))
+        got = np.asarray(self.pick(base, lat, w2, cfg, reverse=reverse))
         want = np.array([expect[r] for r in range(rows)])
         np.testing.assert_array_equal(ref, want)  # the oracle obeys the rules as stated
         np.testing.assert_array_equal(got, want)
@@ -337,7 +356,9 @@ class TestFullVocabLowering:
                 jax.ShapeDtypeStruct((V, r), jnp.bfloat16))
         f = functools.partial(fv.full_vocab_pick, config=cfg, slot_stride=B)
         assert common.lower_triton(f, *args).as_text().count(TRITON_CALL) == 2
-
+        if lazy and n * (B - 1) <= (dispatch.FULL_VOCAB_ALTERNATE_MAX_ROWS or rows):  # what refine alternates
+            f = functools.partial(fv.full_vocab_pick, config=cfg, slot_stride=B, reverse=True)
+            assert common.lower_triton(f, *args).as_text().count(TRITON_CALL) == 2
 
 
     @pytest.mark.parametrize("n", [1, 16, 256])

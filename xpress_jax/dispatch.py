@@ -31,7 +31,7 @@ from .kernels import full_vocab, latent, select, topc_pick
 from .kernels.common import cdiv, next_pow2
 
 __all__ = ["Row", "TABLE", "Plan", "plan", "capacity_config", "select_config", "SERVING_N", "SMS",
-           "SCAN_FAILING_MAX_ROWS", "FULL_VOCAB_ALTERNATE_MAX_ROWS", "TABLE_XLA_LATENT_MAX_ROWS", "SPLIT_LATENT_MAX_ROWS"]
+           "SCAN_FAILING_MAX_ROWS", "FULL_VOCAB_ALTERNATE_MAX_ROWS", "SELECT_FINISH_WARPS", "TABLE_XLA_LATENT_MAX_ROWS", "SPLIT_LATENT_MAX_ROWS"]
 
 #: The N values the serving configs were measured at (B = 16): draft rows 15 / 60 / 240 / 960 / 3840.
 SERVING_N = (1, 4, 16, 64, 256)
@@ -69,6 +69,12 @@ SPLIT_LATENT_MAX_ROWS = 60
 #: 207.8, N=2 301.4 -> 300.0, N=4 290.6 -> 277.7; slower above (N=8 512.3 -> 534.7, N=16 536.2 -> 543.0, N=64
 #: 1775.1 -> 1839.4), where the pick is bound by its epilogue, not by HBM.
 FULL_VOCAB_ALTERNATE_MAX_ROWS = 60
+
+#: Warps of the selection's finish kernel up to C = 512 (the kernel's default, 16, above). RESULTS.md "Selection
+#: configs inside refine" (fifteenth session; top-512 with a token table, device µs per refine, 16 -> 8 warps):
+#: N=1 88.5 -> 87.5, N=16 297.4 -> 294.6, N=64 651.7 -> 639.9, N=256 1890.1 -> 1849.7; the fastest of 15
+#: selection variants at each of these N, the same candidates.
+SELECT_FINISH_WARPS = 8
 
 #: Draft rows up to which the top-C pick takes 32-candidate tiles (N=2 at B=16; `_topc_config`).
 TOPC_SMALL_TILE_MAX_ROWS = 30
@@ -141,12 +147,14 @@ def select_config(row: Row, c: int) -> dict:
     µs). Here cap = next_pow2(2C) and groups = next_pow2(4C) (both at most 16384), with 16-element
     blocks, 8 above C = 2048 (so that there are more blocks than groups at V = 151936): C=1024 33 /
     94 / 938, C=2048 54 / 139 / 1339, C=4096 88 / 197 / 2144 µs, the same candidates (RESULTS.md
-    "Selection above C=512"). Every config is exact for any input; these only decide the speed.
+    "Selection above C=512"). Up to C = 512 the finish runs `SELECT_FINISH_WARPS` warps. Every config is
+    exact for any input; these only decide the speed.
     """
     sel = {} if row.select_block == select.SelectConfig().block else dict(block=row.select_block)
+    sel["finish_warps"] = SELECT_FINISH_WARPS
     if c > 512:
         sel = dict(cap=min(next_pow2(2 * c), 16384), groups=min(next_pow2(4 * c), 16384),
-                   block=min(row.select_block, 16) if c <= 2048 else 8)
+                   block=min(row.select_block, 16) if c <= 2048 else 8)  # the kernel's finish_warps (16)
     return sel
 
 
