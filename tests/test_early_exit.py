@@ -146,6 +146,10 @@ def test_passes_to_fixed_point_counts_and_stops():
         assert int(n) == (4 if checks is None else 4)  # pass 4 returns 3 unchanged
     blk, n = passes_to_fixed_point(step, jnp.zeros((1,), jnp.int32), 3, True, (1, 2))
     assert int(n) == 3 and int(blk[0]) == 3  # never fixed within K: all K passes
+    seen = []  # numbered=True, unrolled: each pass gets its 0-based number (refine's pick order alternates on it)
+    blk, n = passes_to_fixed_point(lambda b, q: seen.append(q) or step(b), jnp.zeros((2, 2), jnp.int32), 6, True,
+                                   (2, 4), numbered=True)
+    assert seen == [0, 1, 2, 3, 4, 5] and int(n) == 4 and (np.asarray(blk) == 3).all()
 
 
 @pytest.mark.parametrize("bad", [1, "yes", (1.0,), (True,), [2]])

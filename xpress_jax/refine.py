@@ -433,7 +433,7 @@ def _refine(ops: Ops, params, logits, h, anchors, prev_ids, num_passes, topc, un
 
     if early_exit:
         checks = exit_checks(N, num_passes) if early_exit is True else early_exit
-        blk, passes = passes_to_fixed_point(one_pass, blk, num_passes, unroll, checks)
+        blk, passes = passes_to_fixed_point(one_pass, blk, num_passes, unroll, checks, numbered=True)
     elif unroll and not topc and ops.full_vocab_pick_reversed is not None:
         for q in range(num_passes):  # the pass number static: the pick's order alternates
             blk = one_pass(blk, q)
@@ -454,7 +454,7 @@ def exit_checks(num_blocks: int, num_passes: int) -> tuple[int, ...]:
     return tuple(range(2, num_passes, step))
 
 
-def passes_to_fixed_point(one_pass, blk: jax.Array, num_passes: int, unroll: bool, checks=None):
+def passes_to_fixed_point(one_pass, blk: jax.Array, num_passes: int, unroll: bool, checks=None, numbered: bool = False):
     """Up to ``num_passes`` applications of ``one_pass`` to ``blk``, stopping at the first checked
     pass that returns its input unchanged (every later pass would return it too). Returns (blk,
     passes run, an int32 scalar).
@@ -462,7 +462,8 @@ def passes_to_fixed_point(one_pass, blk: jax.Array, num_passes: int, unroll: boo
     ``unroll=False``: one ``lax.while_loop`` that checks after every pass. ``unroll=True``: the passes
     unrolled, checked only after the passes in ``checks`` (pass numbers in 1..K-1; default: every
     pass), each check a ``lax.cond`` holding all the passes after it (on a GPU a host round trip);
-    there ``one_pass`` gets the 0-based pass number too, ``one_pass(blk, q)`` (a Python int).
+    there, with ``numbered=True``, ``one_pass`` gets the 0-based pass number too, ``one_pass(blk, q)`` (a
+    Python int).
     """
     if not unroll:
         def step(carry):
@@ -478,7 +479,7 @@ def passes_to_fixed_point(one_pass, blk: jax.Array, num_passes: int, unroll: boo
     def tail(carry, done_passes):  # the passes after ``done_passes``, checked where ``checks`` says
         _, b = carry
         for q in range(done_passes + 1, num_passes + 1):
-            new = one_pass(b, q - 1)
+            new = one_pass(b, q - 1) if numbered else one_pass(b)
             if q in checks and q < num_passes:
                 return jax.lax.cond(jnp.all(new == b), lambda c: c, lambda c, q=q: tail(c, q), (jnp.int32(q), new))
             b = new
