@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import pathlib
 
 import jax
@@ -131,8 +132,8 @@ def test_ops_are_typed_and_cached():
     fields = {f.name for f in dataclasses.fields(Ops)}
     assert fields == {"name", "select", "topc_prepare", "topc_pick", "full_vocab_prepare", "full_vocab_pick", "latent", "start",
                       "full_vocab_best", "topc_best", "candidates_best", "full_vocab_capacity", "certify",
-                      "scan_failing", "hidden", "pruned_pick", "split_latent", "full_vocab_pick_reversed"}
-    assert Ops.xla().full_vocab_pick_reversed is None and Ops.pallas(True).full_vocab_pick_reversed is not None
+                      "scan_failing", "hidden", "pruned_pick", "split_latent", "full_vocab_pass_pick"}
+    assert Ops.xla().pass_pick() is None and Ops.pallas(True).pass_pick() is not None
     assert Ops.pallas().split_latent and Ops.pallas(True).split_latent and not Ops.xla().split_latent
     with pytest.raises(dataclasses.FrozenInstanceError):
         Ops.xla().name = "x"  # type: ignore[misc]
@@ -162,10 +163,12 @@ def test_xla_gpu_spelling_gives_the_same_tokens(n, topc):
 
 @pytest.mark.interpret_refine
 @pytest.mark.parametrize("early_exit", [False, (2,)], ids=["plain", "early-exit"])
-def test_full_vocab_passes_alternate_the_pick_order(monkeypatch, early_exit):
-    """An unrolled full-vocab refine reads w2 in the other order on passes 2, 4, ... (`Ops.full_vocab_pick_reversed`)
-    up to `dispatch.FULL_VOCAB_ALTERNATE_MAX_ROWS` draft rows, ascending above, in a loop (``unroll=False``) and
-    without the step; the tokens are those of the ascending order on every pass, bit for bit."""
+def test_full_vocab_pass_pick(monkeypatch, early_exit):
+    """An unrolled full-vocab refine runs `Ops.full_vocab_pass_pick` for every pass: pass q (0-based) picks only
+    the draft slots from min(q, B-1) on (interpret mode skips wherever it can; at B=5, K=6 the last two passes
+    pick nothing) and reads w2 in descending order on odd q up to `dispatch.FULL_VOCAB_ALTERNATE_MAX_ROWS` draft
+    rows. The tokens are those of the plain pick of every row on every pass, bit for bit; a loop
+    (``unroll=False``) and an `Ops` whose ``full_vocab_pick`` was replaced alone run the plain pick."""
     cfg = xj.HeadConfig(vocab_size=1001, hidden_size=16, block_size=5, rank=24, mlp_hidden=32, topc=0)
     head = xj.Head(cfg, make_head(cfg, dtype=jnp.bfloat16))
     x = make_inputs(cfg, 2, dtype=jnp.bfloat16, logit_std=0.5)  # 8 draft rows
@@ -173,31 +176,67 @@ def test_full_vocab_passes_alternate_the_pick_order(monkeypatch, early_exit):
     seen, orig = [], full_vocab.full_vocab_pick
 
     def spy(*a, **kw):
-        seen.append(kw.get("reverse", False))
+        ids = kw.get("row_ids")
+        seen.append((kw.get("reverse", False), None if ids is None else np.asarray(ids).tolist()))
         return orig(*a, **kw)
 
     monkeypatch.setattr(full_vocab, "full_vocab_pick", spy)
     P = Ops.pallas(True)
-    def orders(ops, unroll=True):
+
+    def orders(ops, unroll=True, passes=6):
         seen.clear()
-        tok = np.asarray(refine_with(ops, head, *x, num_passes=5, unroll=unroll, early_exit=early_exit))
+        tok = np.asarray(refine_with(ops, head, *x, num_passes=passes, unroll=unroll, early_exit=early_exit))
         return tok, list(seen)
 
-    asc, o = orders(dataclasses.replace(P, full_vocab_pick_reversed=None))  # may trace one pass in a loop
-    assert o and not any(o)
-    tok, o = orders(P)
-    assert o == [False, True, False, True, False]
-    np.testing.assert_array_equal(tok, asc)
+    plain = dataclasses.replace(P, full_vocab_pass_pick=None)
+    assert plain.pass_pick() is None and P.pass_pick() is P.full_vocab_pass_pick
+    for passes in (3, 6):
+        want, o = orders(plain, passes=passes)  # may trace one pass in a loop
+        assert o and not any(r or i for r, i in o)
+        tok, o = orders(P, passes=passes)
+        # draft rows of block m are 4m..4m+3; pass q picks slots q.. of both blocks
+        ids = [None, [1, 2, 3, 5, 6, 7], [2, 3, 6, 7], [3, 7]]
+        assert o == [(q % 2 == 1, ids[q]) for q in range(min(passes, 4))]
+        np.testing.assert_array_equal(tok, want)
+        assert len(set(map(tuple, want))) > 1
     tok, o = orders(P, unroll=False)  # one traced pass in a loop: the pass number is not static
-    assert not any(o)
-    np.testing.assert_array_equal(tok, asc)
-    monkeypatch.setattr(dispatch, "FULL_VOCAB_ALTERNATE_MAX_ROWS", 8)
-    assert orders(P)[1] == [False, True, False, True, False]
+    assert o and not any(r or i for r, i in o)
+    np.testing.assert_array_equal(tok, want)
+    swapped = dataclasses.replace(P, full_vocab_pick=functools.partial(P.full_vocab_pick))
+    assert swapped.pass_pick() is None
+    tok, o = orders(swapped)
+    assert o and not any(r or i for r, i in o)
+    np.testing.assert_array_equal(tok, want)
     monkeypatch.setattr(dispatch, "FULL_VOCAB_ALTERNATE_MAX_ROWS", 7)  # above the bound: ascending
     tok, o = orders(P)
-    assert o and not any(o)
-    np.testing.assert_array_equal(tok, asc)
-    assert len(set(map(tuple, asc))) > 1
+    assert [r for r, _ in o] == [False] * 4
+    np.testing.assert_array_equal(tok, want)
+
+
+def test_pass_pick_rows():
+    """`dispatch.pass_pick_rows`: pass q never skips a slot that may still change (s <= min(q, B-1)), never
+    skips at q=0, skips everything once every draft slot is final, and (compiled) only from
+    `SKIP_FINAL_SLOTS_MIN_ROWS` draft rows where the pick then runs fewer row tiles."""
+    for n, b, tile in ((1, 16, 16), (16, 16, 128), (64, 16, 128), (3, 7, 16), (256, 16, 128)):
+        for q in range(0, 20):
+            s_all = dispatch.pass_pick_rows(n, b, q, tile, everywhere=True)
+            assert s_all == min(q, b - 1)
+            s = dispatch.pass_pick_rows(n, b, q, tile)
+            assert s in (0, s_all) and (q > 0 or s == 0)
+            if q >= b - 1:
+                assert s == b - 1
+            elif dispatch.SKIP_FINAL_SLOTS_MIN_ROWS is None:
+                assert s == 0
+    old = dispatch.SKIP_FINAL_SLOTS_MIN_ROWS
+    try:
+        dispatch.SKIP_FINAL_SLOTS_MIN_ROWS = 1
+        assert dispatch.pass_pick_rows(64, 16, 5, 128) == 5  # 960 -> 640 rows: 8 -> 5 row tiles
+        assert dispatch.pass_pick_rows(16, 16, 5, 128) == 0  # 240 -> 160 rows: 2 row tiles either way
+        assert dispatch.pass_pick_rows(1, 16, 5, 16) == 0
+        dispatch.SKIP_FINAL_SLOTS_MIN_ROWS = 961
+        assert dispatch.pass_pick_rows(64, 16, 5, 128) == 0
+    finally:
+        dispatch.SKIP_FINAL_SLOTS_MIN_ROWS = old
 
 
 @pytest.mark.parametrize("n", [1, 2, 8])

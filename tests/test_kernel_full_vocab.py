@@ -103,6 +103,38 @@ class TestFullVocabPick:
         for a, b in zip(fwd, rev):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
+    @pytest.mark.parametrize("stride", [0, 6], ids=["rows", "slot-stride"])
+    @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+    def test_row_ids(self, dtype, stride):
+        """``row_ids`` picks only the listed rows (any order, repeats allowed), each the id (and with ``partials``
+        the per-part winners) the all-rows pick gives it with the same config, in either vocabulary order;
+        bad ids are refused."""
+        rows, vocab, rank = 25, 1337, 40  # 5 blocks of B=6; a rank tail (k_tile 16)
+        cfg = fv.FullVocabConfig(row_tile=16, v_tile=128, v_steps=3, k_tile=16, hold_lat=False, flat=True,
+                                 prefetch_base=True, lazy=True)
+        base, lat, w2 = pick_inputs(rows, vocab, rank, dtype, seed=11)
+        kw = dict(slot_stride=stride)
+        if stride:  # the whole logits [N*B, V]: draft row q reads row (q // 5) * 6 + 1 + q % 5
+            full = jnp.zeros((rows // (stride - 1) * stride, vocab), base.dtype)
+            src = np.array([(q // (stride - 1)) * stride + 1 + q % (stride - 1) for q in range(rows)])
+            base = full.at[src].set(base).at[::stride].set(100)  # slot 0 rows would win everything
+        want = np.asarray(self.pick(base, lat, w2, cfg, **kw))
+        parts_all = self.pick(base, lat, w2, cfg, partials=True, **kw)
+        ids = np.random.default_rng(5).choice(rows, 19).astype(np.int32)  # 19 > 16: two row tiles, repeats
+        ids[:3] = [rows - 1, 0, rows - 1]
+        for reverse in (False, True):
+            got = np.asarray(self.pick(base, lat, w2, cfg, row_ids=jnp.asarray(ids), reverse=reverse, **kw))
+            np.testing.assert_array_equal(got, want[ids])
+            mv, mi = self.pick(base, lat, w2, cfg, row_ids=jnp.asarray(ids), partials=True, reverse=reverse, **kw)
+            np.testing.assert_array_equal(np.asarray(mv), np.asarray(parts_all[0])[:, ids])
+            np.testing.assert_array_equal(np.asarray(mi), np.asarray(parts_all[1])[:, ids])
+        assert len(set(want[ids].tolist())) > 1
+        for bad in (jnp.asarray(ids, jnp.float32), jnp.zeros((0,), jnp.int32), jnp.asarray(ids)[None]):
+            with pytest.raises(ValueError, match="row_ids"):
+                self.pick(base, lat, w2, cfg, row_ids=bad, **kw)
+        with pytest.raises(ValueError, match="row_ids"):
+            self.pick(base, lat, w2, cfg, row_ids=jnp.asarray(ids), active=jnp.ones((rows,), bool), **kw)
+
     @pytest.mark.parametrize("reverse", [False, True], ids=["ascending", "reverse"])
     @pytest.mark.parametrize("lazy", [False, True], ids=["fused", "fused-lazy"])
     @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
@@ -359,6 +391,11 @@ class TestFullVocabLowering:
         if lazy and n * (B - 1) <= (dispatch.FULL_VOCAB_ALTERNATE_MAX_ROWS or rows):  # what refine alternates
             f = functools.partial(fv.full_vocab_pick, config=cfg, slot_stride=B, reverse=True)
             assert common.lower_triton(f, *args).as_text().count(TRITON_CALL) == 2
+        if lazy:  # a pass that skips the final slots: 2/3 of the rows through row_ids
+            ids = jax.ShapeDtypeStruct((rows * 2 // 3,), jnp.int32)
+            f = lambda b_, l_, w_, i_: fv.full_vocab_pick(b_, l_, w_, config=cfg, slot_stride=B, row_ids=i_)
+            hlo = common.lower_triton(f, *args, ids).as_text()
+            assert hlo.count(TRITON_CALL) == 2 and _triton_operands(hlo, "xpress_full_vocab_fused") == 4
 
 
     @pytest.mark.parametrize("n", [1, 16, 256])

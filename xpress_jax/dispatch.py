@@ -31,7 +31,8 @@ from .kernels import full_vocab, latent, select, topc_pick
 from .kernels.common import cdiv, next_pow2
 
 __all__ = ["Row", "TABLE", "Plan", "plan", "capacity_config", "select_config", "SERVING_N", "SMS",
-           "SCAN_FAILING_MAX_ROWS", "FULL_VOCAB_ALTERNATE_MAX_ROWS", "SELECT_FINISH_WARPS", "TABLE_XLA_LATENT_MAX_ROWS", "SPLIT_LATENT_MAX_ROWS"]
+           "SCAN_FAILING_MAX_ROWS", "FULL_VOCAB_ALTERNATE_MAX_ROWS", "SELECT_FINISH_WARPS",
+           "SKIP_FINAL_SLOTS_MIN_ROWS", "pass_pick_rows", "TABLE_XLA_LATENT_MAX_ROWS", "SPLIT_LATENT_MAX_ROWS"]
 
 #: The N values the serving configs were measured at (B = 16): draft rows 15 / 60 / 240 / 960 / 3840.
 SERVING_N = (1, 4, 16, 64, 256)
@@ -63,12 +64,16 @@ TABLE_XLA_LATENT_MAX_ROWS = 1920
 SPLIT_LATENT_MAX_ROWS = 60
 
 #: Draft rows up to which an unrolled full-vocab refine alternates the pick's vocabulary order (`Ops`'s
-#: ``full_vocab_pick_reversed``: pass 2, 4, ... visit each part's tiles from the highest ids down, so a pass
+#: ``full_vocab_pass_pick``: pass 2, 4, ... visit each part's tiles from the highest ids down, so a pass
 #: starts on the w2 rows still in L2 from the pass before). None: at every row count. RESULTS.md "The full-vocab
 #: pick alternating its order" (fifteenth session; device µs per refine, ascending -> alternating): N=1 230.3 ->
 #: 207.8, N=2 301.4 -> 300.0, N=4 290.6 -> 277.7; slower above (N=8 512.3 -> 534.7, N=16 536.2 -> 543.0, N=64
 #: 1775.1 -> 1839.4), where the pick is bound by its epilogue, not by HBM.
 FULL_VOCAB_ALTERNATE_MAX_ROWS = 60
+
+#: Draft rows from which an unrolled full-vocab refine skips the draft slots that are final (`pass_pick_rows`);
+#: None: never (compiled). Not measured yet: the probe is benchmarks/results/2026-12-03-s15/probe_skip.py.
+SKIP_FINAL_SLOTS_MIN_ROWS: int | None = None
 
 #: Warps of the selection's finish kernel up to C = 512 (the kernel's default, 16, above). RESULTS.md "Selection
 #: configs inside refine" (fifteenth session; top-512 with a token table, device µs per refine, 16 -> 8 warps):
@@ -230,6 +235,22 @@ def plan(n: int, b: int, v: int, r: int, c: int, dtype: Any, *, kernels_everywhe
         tc = _topc_config(rows)
         tc.check_shape(rows, c, r, dtype)
     return Plan(select=sel, latent=lat, full_vocab=fv, topc=tc, row=row)
+
+
+def pass_pick_rows(n: int, b: int, q: int, row_tile: int, *, everywhere: bool = False) -> int:
+    """The first draft slot that pass ``q`` (0-based) of a full-vocab refine picks, ``s``: the slots before it
+    keep their tokens. Draft slot j (block slot j + 1) reads only the slots before it, so it is final after
+    pass j + 1 and passes ``q > j`` would give it the same token bit for bit (SEMANTICS "One call"): ``s`` is
+    at most ``min(q, B-1)`` (``B-1``: nothing left to pick). Skipping pays only where the pick runs fewer row
+    tiles of ``row_tile`` rows, from `SKIP_FINAL_SLOTS_MIN_ROWS` draft rows; ``everywhere`` (interpret mode,
+    the tests) skips whenever it can."""
+    s = min(q, b - 1)
+    if s in (0, b - 1) or everywhere:
+        return s
+    rows = n * (b - 1)
+    if SKIP_FINAL_SLOTS_MIN_ROWS is None or rows < SKIP_FINAL_SLOTS_MIN_ROWS:
+        return 0
+    return s if cdiv(n * (b - 1 - s), row_tile) < cdiv(rows, row_tile) else 0
 
 
 def capacity_config(cfg: full_vocab.FullVocabConfig, vocab: int) -> full_vocab.FullVocabConfig:

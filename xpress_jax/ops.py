@@ -29,11 +29,16 @@ The steps (static shapes; ``rows`` = N * (B-1) draft rows):
   skips row tiles without an active row and reads int32 ``active`` as it is; the jnp path ignores it
   and picks every row. ``fallback`` ([rows] int32, with ``active``): inactive rows return it (every
   path).
-- ``full_vocab_pick_reversed``: ``None``, or ``full_vocab_pick`` with the same arguments and the same
-  tokens, reading ``w2`` in another order: each program visits its vocabulary tiles from the highest ids
-  down. An unrolled full-vocab refine alternates the two (passes 2, 4, ... reversed), so that a pass
-  starts on the ``w2`` rows the pass before it read last, which may still be in the GPU's L2 cache. The
-  Pallas steps give it up to `dispatch.FULL_VOCAB_ALTERNATE_MAX_ROWS` draft rows.
+- ``full_vocab_pass_pick``: ``None``, or a `PassPick`: ``full_vocab_pick`` told which pass it serves.
+  ``run(logits, lat, prepared, q) -> (tokens [N*(B-1-s)] int32, s)``, ``q`` the 0-based pass number (a
+  Python int, known where the passes are unrolled): the tokens of draft slots ``s..B-2`` of every block
+  for some ``0 <= s <= min(q, B-1)`` of its choosing, each the token ``full_vocab_pick`` gives it. The
+  draft slots before ``q`` are final after pass ``q`` (SEMANTICS: slot b reads slots < b only), so their
+  rows may be skipped; the order in which ``w2`` is read may change too. An unrolled full-vocab refine
+  calls it for every pass (``q = 0`` computes every row) and keeps the skipped slots' tokens, but only
+  while ``PassPick.pick is full_vocab_pick``: replacing ``full_vocab_pick`` alone turns it off.
+  The Pallas steps skip rows where that saves row tiles of the pick (`dispatch.pass_pick_rows`) and read
+  ``w2`` in the other order on passes 2, 4, ... up to `dispatch.FULL_VOCAB_ALTERNATE_MAX_ROWS` draft rows.
 - ``latent(params, xh [N,B,r], blk [N,B] int32, prev_ids [N] int32, split=False) -> [N,B-1,r]``. With
   ``split=True`` it may return a `reference.LatentSum` instead, the residual's two float32 terms, for
   ``topc_pick`` to add and round itself; the Pallas steps do so where XLA computes the latent, up to
@@ -94,15 +99,25 @@ import functools
 from typing import Any, Callable
 
 import jax.numpy as jnp
+import numpy as np
 
 from . import reference as ref
 from .dispatch import SPLIT_LATENT_MAX_ROWS, TABLE_XLA_LATENT_MAX_ROWS
 from .head import TOKEN_TABLE
 
-__all__ = ["Ops", "PLATFORMS"]
+__all__ = ["Ops", "PassPick", "PLATFORMS"]
 
 #: Platforms `Ops.xla` accepts ("gpu" selects the GPU spelling of the readout; same values).
 PLATFORMS = ("cpu", "gpu", "tpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class PassPick:
+    """`Ops.full_vocab_pass_pick` (module doc): ``run(logits, lat, prepared, q) -> (tokens, s)``, used only
+    together with the ``full_vocab_pick`` it was built for, ``pick``."""
+
+    pick: Callable[..., Any]
+    run: Callable[..., Any]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,7 +141,12 @@ class Ops:
     hidden: Callable[..., Any] | None = None
     pruned_pick: Callable[..., Any] | None = None
     split_latent: bool = False
-    full_vocab_pick_reversed: Callable[..., Any] | None = None
+    full_vocab_pass_pick: PassPick | None = None
+
+    def pass_pick(self) -> PassPick | None:
+        """``full_vocab_pass_pick`` where it belongs to this ``full_vocab_pick``, else None."""
+        pp = self.full_vocab_pass_pick
+        return pp if pp is not None and pp.pick is self.full_vocab_pick else None
 
     @staticmethod
     def xla(platform: str = "cpu") -> "Ops":
@@ -169,13 +189,14 @@ def _xla_ops(platform: str) -> Ops:
 
 @functools.lru_cache(maxsize=None)
 def _pallas_ops(interpret: bool) -> Ops:
+    pick = functools.partial(_pallas_full_vocab, interpret=interpret, best=False)
     return Ops(
         name="pallas-interpret" if interpret else "pallas",
         select=functools.partial(_pallas_select, interpret=interpret),
         topc_prepare=_pallas_topc_prepare,
         topc_pick=functools.partial(_pallas_topc, interpret=interpret, best=False),
         full_vocab_prepare=same,
-        full_vocab_pick=functools.partial(_pallas_full_vocab, interpret=interpret, best=False),
+        full_vocab_pick=pick,
         latent=functools.partial(_pallas_latent, interpret=interpret),
         start=ref.full_vocab_start,
         full_vocab_best=functools.partial(_pallas_full_vocab, interpret=interpret, best=True),
@@ -188,7 +209,7 @@ def _pallas_ops(interpret: bool) -> Ops:
         hidden=None if interpret else ref.hidden_input_gpu,
         pruned_pick=functools.partial(_pallas_pruned_pick, interpret=interpret),
         split_latent=True,
-        full_vocab_pick_reversed=functools.partial(_pallas_full_vocab, interpret=interpret, best=False, reverse=True),
+        full_vocab_pass_pick=PassPick(pick, functools.partial(_pallas_pass_pick, interpret=interpret)),
     )
 
 
@@ -306,15 +327,13 @@ def _pallas_certify(base_c, cand, lat, prepared, tau, max_norm, mex, valid, fall
                              interpret=interpret, config=p.topc)
 
 
-def _pallas_full_vocab(logits, lat, w2, active=None, fallback=None, *, interpret, best, capacity=None, reverse=False):
+def _pallas_full_vocab(logits, lat, w2, active=None, fallback=None, *, interpret, best, capacity=None):
     """`full_vocab_pick` (``best=False``: ids, the combine kernel) or `full_vocab_best` (``best=True``:
     the parts' (score, id) winners from the kernel, combined by the same rule in XLA). ``active``:
     the kernel's active rows, unpacked (row tiles without one return at once); with ``capacity`` (not
     part of the step's contract: `_pallas_scan_failing`'s two-launch scan only) the first ``capacity``
     active rows packed into a launch of their own (the plan's config with `dispatch.capacity_config`'s
-    ``v_steps``: the same scores). The jnp path ignores both. ``reverse``: each program visits its vocab tiles
-    from the highest ids down (`full_vocab.full_vocab_pick`; same tokens), up to
-    `dispatch.FULL_VOCAB_ALTERNATE_MAX_ROWS` draft rows (above, ascending as always)."""
+    ``v_steps``: the same scores). The jnp path ignores both."""
     from . import dispatch
     from .kernels import full_vocab
 
@@ -325,11 +344,39 @@ def _pallas_full_vocab(logits, lat, w2, active=None, fallback=None, *, interpret
             return ref.full_vocab_best(ref.draft_rows(logits), lat, w2)
         return with_fallback(ref.full_vocab_pick(ref.draft_rows(logits), lat, w2), active, fallback)
     cfg = p.full_vocab if capacity is None else dispatch.capacity_config(p.full_vocab, v)
-    cap = dispatch.FULL_VOCAB_ALTERNATE_MAX_ROWS
     out = full_vocab.full_vocab_pick(logits.reshape(n * b, v), lat, w2, config=cfg, interpret=interpret,
                                      slot_stride=b, partials=best, active=active, capacity=capacity,
-                                     fallback=fallback, reverse=reverse and (cap is None or lat.shape[0] <= cap))
+                                     fallback=fallback)
     return ref.best_by_score(*out, axis=0) if best else out
+
+
+def _pallas_pass_pick(logits, lat, w2, q, *, interpret, skip=None):
+    """`Ops.full_vocab_pass_pick`'s ``run``: pass ``q``'s full-vocab pick. The rows of draft slots ``s..``
+    (``s`` from `dispatch.pass_pick_rows`) through the kernel's ``row_ids``, in the plan's all-rows config
+    (so each row's token is the one the all-rows pick gives it, bit for bit), ``w2`` read in descending
+    order on odd ``q`` up to `dispatch.FULL_VOCAB_ALTERNATE_MAX_ROWS` draft rows. ``skip`` (benchmarks): True
+    skips the final slots wherever it can, False never (None: `dispatch.pass_pick_rows`' rule)."""
+    from . import dispatch
+    from .kernels import full_vocab
+
+    n, b, v = logits.shape
+    rows = n * (b - 1)
+    p = _plan(n, b, v, lat.shape[1], 0, logits.dtype, interpret)
+    if p.full_vocab is None:
+        return _pallas_full_vocab(logits, lat, w2, interpret=interpret, best=False), 0
+    s = dispatch.pass_pick_rows(n, b, q, p.full_vocab.row_tile, everywhere=interpret if skip is None else skip)
+    if skip is False and s < b - 1:
+        s = 0
+    if s == b - 1:  # every draft slot is final: nothing to pick
+        return jnp.zeros((0,), jnp.int32), s
+    cap = dispatch.FULL_VOCAB_ALTERNATE_MAX_ROWS
+    reverse = q % 2 == 1 and (cap is None or rows <= cap)
+    ids = None
+    if s:  # draft row m*(B-1) + j of slot j >= s, block by block (static)
+        ids = (np.arange(n)[:, None] * (b - 1) + np.arange(s, b - 1)[None, :]).reshape(-1).astype(np.int32)
+    tok = full_vocab.full_vocab_pick(logits.reshape(n * b, v), lat, w2, config=p.full_vocab, interpret=interpret,
+                                     slot_stride=b, reverse=reverse, row_ids=ids)
+    return tok, s
 
 
 def _pallas_pruned_pick(logits, lat, w2, prepared, guess, fallen, *, interpret):

@@ -408,33 +408,36 @@ def _refine(ops: Ops, params, logits, h, anchors, prev_ids, num_passes, topc, un
         cand, base_c, start = ops.select(logits, topc)
         prepared = ops.topc_prepare(params["w2"], cand)  # once per call
 
-        def pick(lat, q=0):  # q: the pass number (the full-vocab pick's order; unused here)
-            return ops.topc_pick(base_c, cand, lat, prepared)
+        def pick(lat, q=0):  # q: the pass number (the full-vocab pass pick's; unused here)
+            return ops.topc_pick(base_c, cand, lat, prepared), 0
 
     else:
         start = ops.start(logits)
         prepared = ops.full_vocab_prepare(params["w2"])  # once per call
 
+        pass_pick = ops.pass_pick()
+
         def pick(lat, q=0):
-            # Unrolled, passes 2, 4, ... may read w2 in the other order (Ops.full_vocab_pick_reversed: the
-            # same tokens; each pass then starts on the rows the pass before read last).
-            if q % 2 and ops.full_vocab_pick_reversed is not None:
-                return ops.full_vocab_pick_reversed(logits, lat, prepared)
-            return ops.full_vocab_pick(logits, lat, prepared)
+            # Unrolled (q static), Ops.full_vocab_pass_pick may skip the draft slots before s (final since
+            # pass s) and read w2 in another order: the same tokens.
+            if pass_pick is not None:
+                return pass_pick.run(logits, lat, prepared, q)
+            return ops.full_vocab_pick(logits, lat, prepared), 0
 
     blk = jnp.concatenate([anchors[:, None], start.reshape(N, B - 1)], axis=1)
 
-    def one_pass(blk, q=0):  # q: the 0-based pass number where it is static (unrolled), else 0
+    def one_pass(blk, q=0):  # q: the 0-based pass number where it is static (unrolled), else 0 (every row)
         # split_latent: in top-C passes the latent may come as its residual's two terms, which the pick
         # adds (ops module doc; the full-vocab pick measured slower with them)
         lat = (ops.latent(params, xh, blk, prev_ids, split=True) if ops.split_latent and topc
                else ops.latent(params, xh, blk, prev_ids)).reshape(rows, r)
-        return blk.at[:, 1:].set(pick(lat, q).reshape(N, B - 1))
+        tok, s = pick(lat, q)  # the tokens of draft slots s.. (the slots before s are final)
+        return blk.at[:, 1 + s:].set(tok.reshape(N, B - 1 - s)) if s < B - 1 else blk
 
     if early_exit:
         checks = exit_checks(N, num_passes) if early_exit is True else early_exit
         blk, passes = passes_to_fixed_point(one_pass, blk, num_passes, unroll, checks, numbered=True)
-    elif unroll and not topc and ops.full_vocab_pick_reversed is not None:
+    elif unroll and not topc and ops.pass_pick() is not None:
         for q in range(num_passes):  # the pass number static: the pick's order alternates
             blk = one_pass(blk, q)
         passes = jnp.int32(num_passes)

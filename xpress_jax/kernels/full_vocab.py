@@ -581,6 +581,7 @@ def full_vocab_pick(
     capacity: int | None = None,
     fallback: jax.Array | None = None,
     reverse: bool = False,
+    row_ids: jax.Array | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """[rows,V], [rows,r], [V,r] -> [rows] int32: argmax_v float(dtype(base + dtype(lat @ w2.T))).
 
@@ -610,6 +611,17 @@ def full_vocab_pick(
     vocabulary split).
     ``fallback`` ([rows] int, with ``active``, without ``capacity`` and ``partials``): inactive rows
     return ``fallback`` (the combine launch writes it: no extra select after the pick).
+    ``reverse`` (static): each program visits its vocabulary tiles from the highest ids down (ascending
+    otherwise). The same scores and the same winners, part by part: every (row, id) score is computed by
+    the same operations, and the running best keeps the lowest id on equal scores in either order
+    (descending: ``>=`` on scores with NaN read as -inf; ascending: ``>``). `xpress_jax.refine` alternates
+    the order between passes so that a pass starts on the ``w2`` rows its predecessor read last.
+    ``row_ids`` ([M] int32, M >= 1, each in [0, rows); without ``active``): pick only these rows, in this
+    order: returns [M] (``partials``: [parts, M]), row ``row_ids[i]``'s result at i. The kernel reads each
+    row's latent and base row through the ids (nothing is copied) and runs ``ceil(M / row_tile)`` row
+    tiles. With the same ``config`` a row's result is the one it gets without ``row_ids``, bit for bit
+    (the rows a row shares a tile with change no operation on its own row; `xpress_jax.refine` skips the
+    draft slots that are final this way).
     """
     dtype = _check_inputs(base, lat, w2, slot_stride, "full-vocab pick kernel")
     vocab = base.shape[1]
@@ -626,6 +638,19 @@ def full_vocab_pick(
                                  or not jnp.issubdtype(fallback.dtype, jnp.integer)):
         raise ValueError(f"fallback must be [rows={rows}] int, with active and without capacity or partials; "
                          f"got {fallback.shape} {fallback.dtype}")
+    if row_ids is not None:
+        if active is not None or row_ids.ndim != 1 or row_ids.shape[0] < 1 or row_ids.dtype != jnp.int32:
+            raise ValueError(f"row_ids must be [M >= 1] int32 (without active); got {row_ids.shape} {row_ids.dtype}"
+                             f"{' with active' if active is not None else ''}")
+        cfg = config or default_config(rows, vocab, rank, dtype)
+        cap = row_ids.shape[0]
+        cfg.check_shape(cap, vocab, rank, dtype)
+        mv, mi = _fused_launch((base, lat, w2, row_ids), cfg, rows=cap, vocab=vocab, rank=rank, dtype=dtype,
+                               slot_stride=slot_stride, interpret=interpret, reverse=reverse, row_map=True,
+                               lat_map=True)
+        if partials:
+            return mv[:, :cap], mi[:, :cap]
+        return combine_partials(mv, mi, interpret=interpret)[:cap]
     cap = rows if capacity is None else min(capacity, rows)  # the rows the kernel runs on
     cfg = config or default_config(cap, vocab, rank, dtype)
     cfg.check_shape(cap, vocab, rank, dtype)
