@@ -68,15 +68,17 @@ SPLIT_LATENT_MAX_ROWS = 60
 #: starts on the w2 rows still in L2 from the pass before). None: at every row count. RESULTS.md "The full-vocab
 #: pick alternating its order" (fifteenth session; device µs per refine, ascending -> alternating): N=1 230.3 ->
 #: 207.8, N=2 301.4 -> 300.0, N=4 290.6 -> 277.7; slower above (N=8 512.3 -> 534.7, N=16 536.2 -> 543.0, N=64
-#: 1775.1 -> 1839.4), where the pick is bound by its epilogue, not by HBM.
+#: 1775.1 -> 1839.4; the pick is not bound by HBM there, and the slowdown was not looked into).
 FULL_VOCAB_ALTERNATE_MAX_ROWS = 60
 
 #: Draft rows from which an unrolled full-vocab refine skips the draft slots that are final (`pass_pick_rows`);
-#: None: never (compiled). Not measured yet: the probe is benchmarks/results/2026-12-03-s15/probe_skip.py.
+#: None: never (compiled). Not measured yet: the probe is benchmarks/results/2026-12-03-s15/probe_skip.py (RESULTS.md,
+#: fifteenth session, part 4).
 SKIP_FINAL_SLOTS_MIN_ROWS: int | None = None
 
-#: Warps of the selection's finish kernel up to C = 512 (the kernel's default, 16, above). RESULTS.md "Selection
-#: configs inside refine" (fifteenth session; top-512 with a token table, device µs per refine, 16 -> 8 warps):
+#: Warps of the selection's finish kernel up to C = 512 (the kernel's default, 16, above). RESULTS.md "The full-vocab
+#: pick alternating its order; the selection's finish warps; ..." part 3 (fifteenth session; top-512 with a token
+#: table, device µs per refine, 16 -> 8 warps):
 #: N=1 88.5 -> 87.5, N=16 297.4 -> 294.6, N=64 651.7 -> 639.9, N=256 1890.1 -> 1849.7; the fastest of 15
 #: selection variants at each of these N, the same candidates.
 SELECT_FINISH_WARPS = 8
