@@ -7,6 +7,8 @@ the next pass) a smaller share of w2. Each variant: the served Pallas steps, the
 given one fixed `FullVocabConfig` (flat, lazy, base prefetch, as served); "ascending" = served configs, one order.
 Chained device time per refine with a token table (3 interleaved rounds), tokens against served.
 Also N=2, which ran slower than N=4 in `probe_alternate.py` (300 vs 278 µs). Writes JSON lines to argv[1].
+(Ran on commit 75507c1, where the step was the field `Ops.full_vocab_pick_reversed`; since replaced by
+`Ops.full_vocab_pass_pick`, so this script no longer runs as it is: a record.)
 """
 import dataclasses, os, sys
 

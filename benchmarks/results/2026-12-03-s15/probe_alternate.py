@@ -10,6 +10,8 @@ Variants: "served" (the Pallas steps as shipped: alternating) and "ascending" (`
 chained device time per refine with a token table (`harness.time_variants`, 3 interleaved rounds), tokens
 against served; then one call's kernels of each at N=1 and N=4 (profiler trace). argv[1]: JSON lines out;
 argv[2]: the N list (default 1,2,4,8,16,64).
+(Ran on commit 75507c1, where the step was the field `Ops.full_vocab_pick_reversed`; since replaced by
+`Ops.full_vocab_pass_pick`, so this script no longer runs as it is: a record.)
 """
 import dataclasses, json, os, sys
 
