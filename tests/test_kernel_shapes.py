@@ -393,6 +393,11 @@ def test_jacobi_exactness_full_vocab_pallas_bf16(rank):
     # after pass K, slots 1..K are final
     out = np.asarray(refine_jit(params, logits, h, a, p, num_passes=2, topc=0, backend="pallas", interpret=True))
     np.testing.assert_array_equal(out[:, :2], seq[:, :2])
+    # Unrolled, pass q picks only draft slots q.. (interpret mode skips the final slots wherever it can; passes
+    # q >= B-1 pick nothing) and reads w2 in descending order on odd q: the same tokens as the loop.
+    for k, want in ((2, out), (B - 1, seq), (B + 1, seq)):
+        got = refine_jit(params, logits, h, a, p, num_passes=k, topc=0, backend="pallas", interpret=True, unroll=True)
+        np.testing.assert_array_equal(np.asarray(got), want)
 
 
 # ---------------------------------------------------------------------------- compiled refine (GPU)
