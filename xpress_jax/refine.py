@@ -145,7 +145,9 @@ def refine(
         implementations, for measurement: `xpress_jax.ops.refine_with`.)
       interpret: run Pallas kernels in interpret mode (CPU tests).
       unroll: unroll the K passes instead of a loop (same tokens). Default: unrolled on GPUs (an
-        XLA while loop costs several µs per iteration there), a loop elsewhere.
+        XLA while loop costs several µs per iteration there), a loop elsewhere. Unrolled, each full-vocab
+        pass knows its number, so the Pallas steps alternate the order in which they read ``w2`` and may
+        skip the draft slots already final (`xpress_jax.ops`, ``full_vocab_pass_pick``; the same tokens).
       early_exit: True stops the passes once a pass leaves the block unchanged (the same tokens;
         see "Early exit" below); a tuple of pass numbers (1..K-1) says where an unrolled refine
         checks (True: `exit_checks`). False (the default, until a trained head is measured): all K.
