@@ -132,8 +132,10 @@ def test_ops_are_typed_and_cached():
     fields = {f.name for f in dataclasses.fields(Ops)}
     assert fields == {"name", "select", "topc_prepare", "topc_pick", "full_vocab_prepare", "full_vocab_pick", "latent", "start",
                       "full_vocab_best", "topc_best", "candidates_best", "full_vocab_capacity", "certify",
-                      "scan_failing", "hidden", "pruned_pick", "split_latent", "full_vocab_pass_pick"}
-    assert Ops.xla().pass_pick() is None and Ops.pallas(True).pass_pick() is not None
+                      "scan_failing", "hidden", "pruned_pick", "split_latent", "full_vocab_pass_pick",
+                      "topc_pass_pick"}
+    for topc in (False, True):
+        assert Ops.xla().pass_pick(topc) is None and Ops.pallas(True).pass_pick(topc) is not None
     assert Ops.pallas().split_latent and Ops.pallas(True).split_latent and not Ops.xla().split_latent
     with pytest.raises(dataclasses.FrozenInstanceError):
         Ops.xla().name = "x"  # type: ignore[misc]
@@ -213,30 +215,67 @@ def test_full_vocab_pass_pick(monkeypatch, early_exit):
     np.testing.assert_array_equal(tok, want)
 
 
+@pytest.mark.interpret_refine
+@pytest.mark.parametrize("early_exit", [False, (2,)], ids=["plain", "early-exit"])
+def test_topc_pass_pick(monkeypatch, early_exit):
+    """The same for top-C passes (`Ops.topc_pass_pick`): pass q's top-C pick runs only draft slots min(q, B-1)..
+    (interpret mode), the residual's terms included, with the tokens of the plain pick of every row."""
+    from xpress_jax.kernels import topc_pick as tpk
+
+    cfg = xj.HeadConfig(vocab_size=1001, hidden_size=16, block_size=5, rank=24, mlp_hidden=32, topc=7)
+    head = xj.Head(cfg, make_head(cfg, dtype=jnp.bfloat16))
+    x = make_inputs(cfg, 2, dtype=jnp.bfloat16, logit_std=0.5)  # 8 draft rows
+    seen, orig = [], tpk.topc_pick
+
+    def spy(*a, **kw):
+        ids = kw.get("row_ids")
+        seen.append(None if ids is None else np.asarray(ids).tolist())
+        return orig(*a, **kw)
+
+    monkeypatch.setattr(tpk, "topc_pick", spy)
+    P = Ops.pallas(True)
+
+    def run(ops, unroll=True, passes=6):
+        seen.clear()
+        return np.asarray(refine_with(ops, head, *x, num_passes=passes, unroll=unroll, early_exit=early_exit))
+
+    plain = dataclasses.replace(P, topc_pass_pick=None)
+    assert plain.pass_pick(topc=True) is None and P.pass_pick(topc=True) is P.topc_pass_pick
+    want = run(plain)
+    assert seen and not any(seen)
+    tok = run(P)
+    assert seen == [None, [1, 2, 3, 5, 6, 7], [2, 3, 6, 7], [3, 7]]
+    np.testing.assert_array_equal(tok, want)
+    np.testing.assert_array_equal(run(P, unroll=False), want)
+    assert seen and not any(seen)
+    swapped = dataclasses.replace(P, topc_pick=functools.partial(P.topc_pick))
+    np.testing.assert_array_equal(run(swapped), want)
+    assert swapped.pass_pick(topc=True) is None and seen and not any(seen)
+    assert len(set(map(tuple, want))) > 1
+
+
 def test_pass_pick_rows():
     """`dispatch.pass_pick_rows`: pass q never skips a slot that may still change (s <= min(q, B-1)), never
-    skips at q=0, skips everything once every draft slot is final, and (compiled) only from
-    `SKIP_FINAL_SLOTS_MIN_ROWS` draft rows where the pick then runs fewer row tiles."""
-    for n, b, tile in ((1, 16, 16), (16, 16, 128), (64, 16, 128), (3, 7, 16), (256, 16, 128)):
+    skips at q=0, skips everything once every draft slot is final, and (compiled) only from ``min_rows`` draft
+    rows where the pick then runs fewer row tiles (row_tile 1: the top-C pick)."""
+    for n, b, tile in ((1, 16, 16), (16, 16, 128), (64, 16, 128), (3, 7, 16), (256, 16, 128), (4, 16, 1)):
         for q in range(0, 20):
-            s_all = dispatch.pass_pick_rows(n, b, q, tile, everywhere=True)
+            s_all = dispatch.pass_pick_rows(n, b, q, tile, min_rows=None, everywhere=True)
             assert s_all == min(q, b - 1)
-            s = dispatch.pass_pick_rows(n, b, q, tile)
-            assert s in (0, s_all) and (q > 0 or s == 0)
-            if q >= b - 1:
-                assert s == b - 1
-            elif dispatch.SKIP_FINAL_SLOTS_MIN_ROWS is None:
-                assert s == 0
-    old = dispatch.SKIP_FINAL_SLOTS_MIN_ROWS
-    try:
-        dispatch.SKIP_FINAL_SLOTS_MIN_ROWS = 1
-        assert dispatch.pass_pick_rows(64, 16, 5, 128) == 5  # 960 -> 640 rows: 8 -> 5 row tiles
-        assert dispatch.pass_pick_rows(16, 16, 5, 128) == 0  # 240 -> 160 rows: 2 row tiles either way
-        assert dispatch.pass_pick_rows(1, 16, 5, 16) == 0
-        dispatch.SKIP_FINAL_SLOTS_MIN_ROWS = 961
-        assert dispatch.pass_pick_rows(64, 16, 5, 128) == 0
-    finally:
-        dispatch.SKIP_FINAL_SLOTS_MIN_ROWS = old
+            for min_rows in (None, 1, 10 ** 6):
+                s = dispatch.pass_pick_rows(n, b, q, tile, min_rows=min_rows)
+                assert s in (0, s_all) and (q > 0 or s == 0)
+                if q >= b - 1:
+                    assert s == b - 1
+                elif min_rows in (None, 10 ** 6):
+                    assert s == 0
+    assert dispatch.pass_pick_rows(64, 16, 5, 128, min_rows=1) == 5  # 960 -> 640 rows: 8 -> 5 row tiles
+    assert dispatch.pass_pick_rows(16, 16, 5, 128, min_rows=1) == 0  # 240 -> 160 rows: 2 row tiles either way
+    assert dispatch.pass_pick_rows(1, 16, 5, 16, min_rows=1) == 0
+    assert dispatch.pass_pick_rows(1, 16, 5, 1, min_rows=1) == 5  # one program per row (top-C)
+    assert dispatch.pass_pick_rows(64, 16, 5, 128, min_rows=961) == 0
+    # what compiled serving does today: no skipping until measured
+    assert dispatch.SKIP_FINAL_SLOTS_MIN_ROWS is None and dispatch.TOPC_SKIP_FINAL_SLOTS_MIN_ROWS is None
 
 
 @pytest.mark.parametrize("n", [1, 2, 8])

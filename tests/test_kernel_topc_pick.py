@@ -200,6 +200,38 @@ class TestTopCPick:
         with pytest.raises(ValueError, match="skip"):
             tp.topc_pick(base_c, cand, lat, w2, interpret=self.INTERPRET, skip=jnp.zeros(2, bool))
 
+    @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+    def test_row_ids(self, dtype):
+        """``row_ids`` picks only the listed rows (any order, repeats allowed), each the id (and with ``partials``
+        the per-split winners) the all-rows pick gives it with the same config: both tie rules, with the
+        residual's terms (``lat_add``) and with ``skip``; bad ids are refused."""
+        rows = 25
+        base_c, cand, lat, w2 = _inputs(rows, 900, 70, 40, dtype, seed=21)
+        ids = np.random.default_rng(3).choice(rows, 11).astype(np.int32)
+        ids[:3] = [rows - 1, 0, rows - 1]
+        rid = jnp.asarray(ids)
+        lat32 = lat.astype(jnp.float32)
+        add = jnp.asarray(np.random.default_rng(4).standard_normal(lat.shape).astype(np.float32) * 0.05)
+        for cfg in (tp.TopCConfig(c_tile=16, c_steps=2, k_tile=16), tp.TopCConfig(c_tile=128, c_steps=1)):
+            kw = dict(interpret=self.INTERPRET, config=cfg)
+            for ties in ("base", "id"):
+                want = np.asarray(tp.topc_pick(base_c, cand, lat, w2, ties=ties, **kw))
+                np.testing.assert_array_equal(np.asarray(tp.topc_pick(base_c, cand, lat, w2, ties=ties, row_ids=rid,
+                                                                      **kw)), want[ids])
+                parts = tp.topc_pick(base_c, cand, lat, w2, ties=ties, partials=True, **kw)
+                got = tp.topc_pick(base_c, cand, lat, w2, ties=ties, partials=True, row_ids=rid, **kw)
+                for a, b in zip(got, parts):
+                    np.testing.assert_array_equal(np.asarray(a), np.asarray(b)[:, ids])
+            want = np.asarray(tp.topc_pick(base_c, cand, lat32, w2, lat_add=add, **kw))
+            got = tp.topc_pick(base_c, cand, lat32, w2, lat_add=add, row_ids=rid, **kw)
+            np.testing.assert_array_equal(np.asarray(got), want[ids])
+            got = tp.topc_pick(base_c, cand, lat, w2, row_ids=rid, skip=jnp.bool_(True), **kw)
+            assert (np.asarray(got) == common.BIG).all() and got.shape == (len(ids),)
+        assert len(set(want[ids].tolist())) > 1
+        for bad in (jnp.asarray(ids, jnp.float32), jnp.zeros((0,), jnp.int32), rid[None]):
+            with pytest.raises(ValueError, match="row_ids"):
+                tp.topc_pick(base_c, cand, lat, w2, interpret=self.INTERPRET, row_ids=bad)
+
     def test_float64_is_refused(self):
         """The kernel refuses float64 (TypeError naming the dtype); refine routes it to the reference."""
         with jax.enable_x64(True):
@@ -237,6 +269,11 @@ class TestTopCLowering:
         one = tp.TopCConfig(c_tile=64, c_steps=8, k_tile=128)
         hlo = common.lower_triton(functools.partial(tp.topc_pick, config=one), *args).as_text()
         assert hlo.count(TRITON_CALL) == 1
+        # A pass that skips the final slots: the served config over 2/3 of the rows through row_ids.
+        cfg = dispatch.plan(rows, 2, V, r, C, dt).topc
+        f = lambda b_, c_, l_, w_, i_: tp.topc_pick(b_, c_, l_, w_, config=cfg, row_ids=i_)
+        hlo = common.lower_triton(f, *args, S((max(1, rows * 2 // 3),), jnp.int32)).as_text()
+        assert "xpress_topc_pick" in hlo
 
     @pytest.mark.parametrize("rows", [15, 3840])
     def test_skip_lowers(self, rows):

@@ -32,7 +32,7 @@ from .kernels.common import cdiv, next_pow2
 
 __all__ = ["Row", "TABLE", "Plan", "plan", "capacity_config", "select_config", "SERVING_N", "SMS",
            "SCAN_FAILING_MAX_ROWS", "FULL_VOCAB_ALTERNATE_MAX_ROWS", "SELECT_FINISH_WARPS",
-           "SKIP_FINAL_SLOTS_MIN_ROWS", "pass_pick_rows", "TABLE_XLA_LATENT_MAX_ROWS", "SPLIT_LATENT_MAX_ROWS"]
+           "SKIP_FINAL_SLOTS_MIN_ROWS", "TOPC_SKIP_FINAL_SLOTS_MIN_ROWS", "pass_pick_rows", "TABLE_XLA_LATENT_MAX_ROWS", "SPLIT_LATENT_MAX_ROWS"]
 
 #: The N values the serving configs were measured at (B = 16): draft rows 15 / 60 / 240 / 960 / 3840.
 SERVING_N = (1, 4, 16, 64, 256)
@@ -75,6 +75,10 @@ FULL_VOCAB_ALTERNATE_MAX_ROWS = 60
 #: None: never (compiled). Not measured yet: the probe is benchmarks/results/2026-12-03-s15/probe_skip.py (RESULTS.md,
 #: fifteenth session, part 4).
 SKIP_FINAL_SLOTS_MIN_ROWS: int | None = None
+
+#: The same for the top-C pick (one program per row and split, so every skipped row is programs fewer). None: never
+#: (compiled); not measured yet (the same probe).
+TOPC_SKIP_FINAL_SLOTS_MIN_ROWS: int | None = None
 
 #: Warps of the selection's finish kernel up to C = 512 (the kernel's default, 16, above). RESULTS.md "The full-vocab
 #: pick alternating its order; the selection's finish warps; ..." part 3 (fifteenth session; top-512 with a token
@@ -239,18 +243,19 @@ def plan(n: int, b: int, v: int, r: int, c: int, dtype: Any, *, kernels_everywhe
     return Plan(select=sel, latent=lat, full_vocab=fv, topc=tc, row=row)
 
 
-def pass_pick_rows(n: int, b: int, q: int, row_tile: int, *, everywhere: bool = False) -> int:
-    """The first draft slot that pass ``q`` (0-based) of a full-vocab refine picks, ``s``: the slots before it
-    keep their tokens. Draft slot j (block slot j + 1) reads only the slots before it, so it is final after
-    pass j + 1 and passes ``q > j`` would give it the same token bit for bit (SEMANTICS "One call"): ``s`` is
-    at most ``min(q, B-1)`` (``B-1``: nothing left to pick). Skipping pays only where the pick runs fewer row
-    tiles of ``row_tile`` rows, from `SKIP_FINAL_SLOTS_MIN_ROWS` draft rows; ``everywhere`` (interpret mode,
-    the tests) skips whenever it can."""
+def pass_pick_rows(n: int, b: int, q: int, row_tile: int, *, min_rows: int | None, everywhere: bool = False) -> int:
+    """The first draft slot that pass ``q`` (0-based) of a refine picks, ``s``: the slots before it keep their
+    tokens. Draft slot j (block slot j + 1) reads only the slots before it, so it is final after pass j + 1
+    and passes ``q > j`` would give it the same token bit for bit (SEMANTICS "One call"): ``s`` is at most
+    ``min(q, B-1)`` (``B-1``: nothing left to pick). Skipping pays only where the pick runs fewer row tiles of
+    ``row_tile`` rows (the top-C pick: 1), from ``min_rows`` draft rows (`SKIP_FINAL_SLOTS_MIN_ROWS`,
+    `TOPC_SKIP_FINAL_SLOTS_MIN_ROWS`; None: never); ``everywhere`` (interpret mode, the tests) skips whenever
+    it can."""
     s = min(q, b - 1)
     if s in (0, b - 1) or everywhere:
         return s
     rows = n * (b - 1)
-    if SKIP_FINAL_SLOTS_MIN_ROWS is None or rows < SKIP_FINAL_SLOTS_MIN_ROWS:
+    if min_rows is None or rows < min_rows:
         return 0
     return s if cdiv(n * (b - 1 - s), row_tile) < cdiv(rows, row_tile) else 0
 

@@ -39,6 +39,9 @@ The steps (static shapes; ``rows`` = N * (B-1) draft rows):
   while ``PassPick.pick is full_vocab_pick``: replacing ``full_vocab_pick`` alone turns it off.
   The Pallas steps skip rows where that saves row tiles of the pick (`dispatch.pass_pick_rows`) and read
   ``w2`` in the other order on passes 2, 4, ... up to `dispatch.FULL_VOCAB_ALTERNATE_MAX_ROWS` draft rows.
+- ``topc_pass_pick``: the same for ``topc_pick``: ``None`` or a `PassPick` whose ``run(base_c, cand, lat,
+  prepared, q, n) -> (tokens [N*(B-1-s)] int32, s)`` (``n`` = N blocks: B-1 = rows // N); used only while
+  ``PassPick.pick is topc_pick``. The Pallas steps skip from `dispatch.TOPC_SKIP_FINAL_SLOTS_MIN_ROWS` rows.
 - ``latent(params, xh [N,B,r], blk [N,B] int32, prev_ids [N] int32, split=False) -> [N,B-1,r]``. With
   ``split=True`` it may return a `reference.LatentSum` instead, the residual's two float32 terms, for
   ``topc_pick`` to add and round itself; the Pallas steps do so where XLA computes the latent, up to
@@ -113,8 +116,8 @@ PLATFORMS = ("cpu", "gpu", "tpu")
 
 @dataclasses.dataclass(frozen=True)
 class PassPick:
-    """`Ops.full_vocab_pass_pick` (module doc): ``run(logits, lat, prepared, q) -> (tokens, s)``, used only
-    together with the ``full_vocab_pick`` it was built for, ``pick``."""
+    """`Ops.full_vocab_pass_pick` and `Ops.topc_pass_pick` (module doc): ``run(..., q) -> (tokens, s)``, used
+    only together with the pick it was built for, ``pick``."""
 
     pick: Callable[..., Any]
     run: Callable[..., Any]
@@ -142,11 +145,13 @@ class Ops:
     pruned_pick: Callable[..., Any] | None = None
     split_latent: bool = False
     full_vocab_pass_pick: PassPick | None = None
+    topc_pass_pick: PassPick | None = None
 
-    def pass_pick(self) -> PassPick | None:
-        """``full_vocab_pass_pick`` where it belongs to this ``full_vocab_pick``, else None."""
-        pp = self.full_vocab_pass_pick
-        return pp if pp is not None and pp.pick is self.full_vocab_pick else None
+    def pass_pick(self, topc: bool = False) -> PassPick | None:
+        """``topc_pass_pick`` (``topc``) or ``full_vocab_pass_pick`` where it belongs to this `Ops`' own
+        ``topc_pick`` / ``full_vocab_pick``, else None."""
+        pp, pick = ((self.topc_pass_pick, self.topc_pick) if topc else (self.full_vocab_pass_pick, self.full_vocab_pick))
+        return pp if pp is not None and pp.pick is pick else None
 
     @staticmethod
     def xla(platform: str = "cpu") -> "Ops":
@@ -190,11 +195,12 @@ def _xla_ops(platform: str) -> Ops:
 @functools.lru_cache(maxsize=None)
 def _pallas_ops(interpret: bool) -> Ops:
     pick = functools.partial(_pallas_full_vocab, interpret=interpret, best=False)
+    tpick = functools.partial(_pallas_topc, interpret=interpret, best=False)
     return Ops(
         name="pallas-interpret" if interpret else "pallas",
         select=functools.partial(_pallas_select, interpret=interpret),
         topc_prepare=_pallas_topc_prepare,
-        topc_pick=functools.partial(_pallas_topc, interpret=interpret, best=False),
+        topc_pick=tpick,
         full_vocab_prepare=same,
         full_vocab_pick=pick,
         latent=functools.partial(_pallas_latent, interpret=interpret),
@@ -210,6 +216,7 @@ def _pallas_ops(interpret: bool) -> Ops:
         pruned_pick=functools.partial(_pallas_pruned_pick, interpret=interpret),
         split_latent=True,
         full_vocab_pass_pick=PassPick(pick, functools.partial(_pallas_pass_pick, interpret=interpret)),
+        topc_pass_pick=PassPick(tpick, functools.partial(_pallas_topc_pass_pick, interpret=interpret)),
     )
 
 
@@ -364,7 +371,8 @@ def _pallas_pass_pick(logits, lat, w2, q, *, interpret, skip=None):
     p = _plan(n, b, v, lat.shape[1], 0, logits.dtype, interpret)
     if p.full_vocab is None:
         return _pallas_full_vocab(logits, lat, w2, interpret=interpret, best=False), 0
-    s = dispatch.pass_pick_rows(n, b, q, p.full_vocab.row_tile, everywhere=interpret if skip is None else skip)
+    s = dispatch.pass_pick_rows(n, b, q, p.full_vocab.row_tile, min_rows=dispatch.SKIP_FINAL_SLOTS_MIN_ROWS,
+                                everywhere=interpret if skip is None else skip)
     if skip is False and s < b - 1:
         s = 0
     if s == b - 1:  # every draft slot is final: nothing to pick
@@ -373,9 +381,42 @@ def _pallas_pass_pick(logits, lat, w2, q, *, interpret, skip=None):
     reverse = q % 2 == 1 and (cap is None or rows <= cap)
     ids = None
     if s:  # draft row m*(B-1) + j of slot j >= s, block by block (static)
-        ids = (np.arange(n)[:, None] * (b - 1) + np.arange(s, b - 1)[None, :]).reshape(-1).astype(np.int32)
+        ids = _slot_rows(n, b, s)
     tok = full_vocab.full_vocab_pick(logits.reshape(n * b, v), lat, w2, config=p.full_vocab, interpret=interpret,
                                      slot_stride=b, reverse=reverse, row_ids=ids)
+    return tok, s
+
+
+def _slot_rows(n: int, b: int, s: int) -> np.ndarray:
+    """The draft rows of slots s..B-2 of every block, block by block ([N*(B-1-s)] int32; static)."""
+    return (np.arange(n)[:, None] * (b - 1) + np.arange(s, b - 1)[None, :]).reshape(-1).astype(np.int32)
+
+
+def _pallas_topc_pass_pick(base_c, cand, lat, prepared, q, n, *, interpret, skip=None):
+    """`Ops.topc_pass_pick`'s ``run``: pass ``q``'s top-C pick of draft slots ``s..`` (``s`` from
+    `dispatch.pass_pick_rows`, one program per row) through the kernel's ``row_ids``, in the plan's
+    all-rows config: each row's token is the one the all-rows pick gives it, bit for bit. ``skip`` as in
+    `_pallas_pass_pick`."""
+    from . import dispatch
+    from .kernels import topc_pick
+
+    rows, c = base_c.shape
+    b = rows // n + 1
+    s = dispatch.pass_pick_rows(n, b, q, 1, min_rows=dispatch.TOPC_SKIP_FINAL_SLOTS_MIN_ROWS,
+                                everywhere=interpret if skip is None else skip)
+    if skip is False and s < b - 1:
+        s = 0
+    if s == b - 1:  # every draft slot is final: nothing to pick
+        return jnp.zeros((0,), jnp.int32), s
+    if s == 0 or prepared.ndim == 3:  # every row, or float64 (the jnp path picks every row)
+        return _pallas_topc(base_c, cand, lat, prepared, interpret=interpret, best=False), 0
+    lat_add = None
+    if isinstance(lat, ref.LatentSum):  # the residual's terms: the kernel adds them
+        lat, lat_add = lat
+    v, r = prepared.shape
+    p = _plan(rows, 2, v, r, c, base_c.dtype, interpret)
+    tok = topc_pick.topc_pick(base_c, cand, lat, prepared, config=p.topc, interpret=interpret, lat_add=lat_add,
+                              row_ids=_slot_rows(n, b, s))
     return tok, s
 
 

@@ -147,7 +147,8 @@ def refine(
       unroll: unroll the K passes instead of a loop (same tokens). Default: unrolled on GPUs (an
         XLA while loop costs several µs per iteration there), a loop elsewhere. Unrolled, each full-vocab
         pass knows its number, so the Pallas steps alternate the order in which they read ``w2`` and may
-        skip the draft slots already final (`xpress_jax.ops`, ``full_vocab_pass_pick``; the same tokens).
+        skip the draft slots already final (`xpress_jax.ops`, ``full_vocab_pass_pick`` and
+        ``topc_pass_pick``; the same tokens).
       early_exit: True stops the passes once a pass leaves the block unchanged (the same tokens;
         see "Early exit" below); a tuple of pass numbers (1..K-1) says where an unrolled refine
         checks (True: `exit_checks`). False (the default, until a trained head is measured): all K.
@@ -410,7 +411,11 @@ def _refine(ops: Ops, params, logits, h, anchors, prev_ids, num_passes, topc, un
         cand, base_c, start = ops.select(logits, topc)
         prepared = ops.topc_prepare(params["w2"], cand)  # once per call
 
-        def pick(lat, q=0):  # q: the pass number (the full-vocab pass pick's; unused here)
+        pass_pick = ops.pass_pick(topc=True)
+
+        def pick(lat, q=0):  # Ops.topc_pass_pick, as the full-vocab one below
+            if pass_pick is not None:
+                return pass_pick.run(base_c, cand, lat, prepared, q, N)
             return ops.topc_pick(base_c, cand, lat, prepared), 0
 
     else:
@@ -439,7 +444,7 @@ def _refine(ops: Ops, params, logits, h, anchors, prev_ids, num_passes, topc, un
     if early_exit:
         checks = exit_checks(N, num_passes) if early_exit is True else early_exit
         blk, passes = passes_to_fixed_point(one_pass, blk, num_passes, unroll, checks, numbered=True)
-    elif unroll and not topc and ops.pass_pick() is not None:
+    elif unroll and ops.pass_pick(topc=bool(topc)) is not None:
         for q in range(num_passes):  # the pass number static: the pick's order alternates
             blk = one_pass(blk, q)
         passes = jnp.int32(num_passes)

@@ -118,7 +118,8 @@ def _topc_kernel(
     lat_ref,  # [rows, r] whole array
     w_ref,  # [V, r] (w2), whole array
     *refs,  # in order: add_ref [rows, r] float32 whole array (has_add only: the latent is
-    #   round(lat + add)); skip_ref [k] int32 (has_skip only: element 0 nonzero = return at once); then the outputs
+    #   round(lat + add)); rows_ref [M] int32 (has_rows only: program n picks row rows_ref[n]); skip_ref [k]
+    #   int32 (has_skip only: element 0 nonzero = return at once); then the outputs
     #   mv_ref [] block of [splits, rows_pad] float32: best score; mb_ref (same) float32: the largest
     #   base logit holding it; mi_ref (same) int32: the lowest vocab id holding both
     c: int,
@@ -130,12 +131,16 @@ def _topc_kernel(
     ties: str = "base",
     has_skip: bool = False,
     has_add: bool = False,
+    has_rows: bool = False,
 ):
     refs = list(refs)
     add_ref = refs.pop(0) if has_add else None
+    rows_ref = refs.pop(0) if has_rows else None
     skip_ref = refs.pop(0) if has_skip else None
     mv_ref, mb_ref, mi_ref = refs
     n, j = pl.program_id(0), pl.program_id(1)
+    if has_rows:  # program n picks input row rows_ref[n] (its output stays at column n)
+        n = rows_ref[n]
     n_k = cdiv(rank, k_tile)
     # A rank k_tile does not divide ends in a masked tail chunk (zeros on both operands add nothing),
     # loaded with index arrays: never a static slice past the end (JAX >= 0.12 refuses one).
@@ -217,6 +222,7 @@ def topc_pick(
     ties: str = "base",
     skip: jax.Array | None = None,
     lat_add: jax.Array | None = None,
+    row_ids: jax.Array | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array, jax.Array]:
     """[rows,C], [rows,C] int, [rows,r], [V,r] -> [rows] int32 vocab ids.
 
@@ -236,16 +242,20 @@ def topc_pick(
     dtype (to nearest even) as each program loads it: the head's residual ``u + down(...)`` added
     here instead of in an XLA kernel of its own (`xpress_jax.reference.LatentSum`). The same values
     as passing that rounded latent.
+    ``row_ids`` ([M] int32, M >= 1, each in [0, rows)): pick only these rows, in this order: returns [M]
+    (``partials``: each [splits, M]), row ``row_ids[i]``'s result at i, computed as without ``row_ids``
+    (one program per listed row and split; the same operations on the same row). `xpress_jax.refine`
+    skips the draft slots that are final this way.
     """
     mv, mb, mi = _partials(base_c, cand, lat, w2, interpret=interpret, config=config, ties=ties, skip=skip,
-                           lat_add=lat_add)
-    rows = base_c.shape[0]
+                           lat_add=lat_add, row_ids=row_ids)
+    rows = base_c.shape[0] if row_ids is None else row_ids.shape[0]
     if partials:
         return mv[:, :rows], mb[:, :rows], mi[:, :rows]
     return combine_splits(mv, mb, mi, interpret=interpret)[:rows]
 
 
-def _partials(base_c, cand, lat, w2, *, interpret, config, ties, skip, lat_add=None):
+def _partials(base_c, cand, lat, w2, *, interpret, config, ties, skip, lat_add=None, row_ids=None):
     """The pick kernel's launch: each split's winner, ``(score, base, id)`` each [splits, rows_pad]
     (rows_pad = rows rounded up to 16; padding rows unwritten). Checks every argument."""
     if ties not in TIES:
@@ -272,6 +282,10 @@ def _partials(base_c, cand, lat, w2, *, interpret, config, ties, skip, lat_add=N
                         "xpress_jax routes float64 to xpress_jax.reference.topc_pick")
     cfg = config or default_config(rows, c, rank, dtype)
     cfg.check_shape(rows, c, rank, dtype)
+    if row_ids is not None:
+        if row_ids.ndim != 1 or row_ids.shape[0] < 1 or row_ids.dtype != jnp.int32:
+            raise ValueError(f"row_ids must be [M >= 1] int32; got {row_ids.shape} {row_ids.dtype}")
+        rows = row_ids.shape[0]  # the programs (and output columns) from here on
     k_tile = k_chunk(cfg.k_tile, rank)
     splits = cdiv(c, cfg.c_tile * cfg.c_steps)
     operands = (base_c, cand.astype(jnp.int32), lat, w2)
@@ -279,6 +293,9 @@ def _partials(base_c, cand, lat, w2, *, interpret, config, ties, skip, lat_add=N
     if lat_add is not None:
         operands = (*operands, lat_add)
         extra["has_add"] = True
+    if row_ids is not None:
+        operands = (*operands, row_ids)
+        extra["has_rows"] = True
     if skip is not None:
         operands = (*operands, common.flag_operand(skip, "skip"))
         extra["has_skip"] = True
