@@ -445,7 +445,10 @@ def _refine(ops: Ops, params, logits, h, anchors, prev_ids, num_passes, topc, un
         checks = exit_checks(N, num_passes) if early_exit is True else early_exit
         blk, passes = passes_to_fixed_point(one_pass, blk, num_passes, unroll, checks, numbered=True)
     elif unroll and ops.pass_pick(topc=bool(topc)) is not None:
-        for q in range(num_passes):  # the pass number static: the pick's order alternates
+        # The pass number static, for the pass pick. Steps without one keep fori_loop(unroll=True): on a CPU its
+        # compiled HLO differs from this loop's for XLA's full-vocab steps (one convert per pass), so they stay
+        # in the form they were measured in.
+        for q in range(num_passes):
             blk = one_pass(blk, q)
         passes = jnp.int32(num_passes)
     else:

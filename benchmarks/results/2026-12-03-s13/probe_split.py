@@ -5,7 +5,7 @@ For each case, refine with the token table through `refine_with`, the Pallas ste
 min) and one call's GPU kernels from a profiler trace (count, span, and the summed time per kernel
 name). Writes one JSON line per (case, variant) to argv[1].
 """
-import collections, dataclasses, glob, gzip, json, os, sys
+import dataclasses, json, os, sys
 
 import jax
 import jax.numpy as jnp
@@ -16,40 +16,14 @@ from benchmarks.bench_refine import SERVING, chained, chain_length, make_problem
 from xpress_jax.ops import Ops
 from xpress_jax.refine import refine_with
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "2026-12-03-s14"))
+from harness import kernel_trace  # noqa: E402  (the trace helper this probe first wrote out; moved there unchanged)
+
 cfg = xj.HeadConfig(**SERVING)
 P = Ops.pallas()
 VARIANTS = {"xlares": dataclasses.replace(P, name="xlares", split_latent=False), "split": P}
 CASES = [(1, 512), (16, 512), (1, 0), (4, 0), (16, 0)]
 out = open(sys.argv[1], "w")
-
-
-def trace(fn, args, tag):
-    f = jax.jit(fn)
-    for _ in range(5):
-        f(*args).block_until_ready()
-    d = f"/tmp/tr13_{tag}"
-    with jax.profiler.trace(d, create_perfetto_trace=True):
-        for _ in range(9):
-            f(*args).block_until_ready()
-    path = glob.glob(f"{d}/**/perfetto_trace.json.gz", recursive=True)[0]
-    dd = json.load(gzip.open(path)); ev = dd["traceEvents"] if isinstance(dd, dict) else dd
-    pname = {e["pid"]: e["args"]["name"] for e in ev if e.get("ph") == "M" and e.get("name") == "process_name"}
-    X = [e for e in ev if e.get("ph") == "X"]
-    gpu = sorted([e for e in X if "gpu" in pname.get(e["pid"], "").lower()], key=lambda e: e["ts"])
-    # one call = the kernels between two gaps > 30 µs; take the middle call
-    calls, cur = [], [gpu[0]]
-    for a, b in zip(gpu, gpu[1:]):
-        if b["ts"] - (a["ts"] + a["dur"]) > 30:
-            calls.append(cur); cur = []
-        cur.append(b)
-    calls.append(cur)
-    ks = calls[len(calls) // 2]
-    by = collections.defaultdict(lambda: [0, 0.0])
-    for e in ks:
-        by[e["name"][:40]][0] += 1; by[e["name"][:40]][1] += e["dur"]
-    top = sorted(by.items(), key=lambda kv: -kv[1][1])[:14]
-    return dict(n=len(ks), span=round(ks[-1]["ts"] + ks[-1]["dur"] - ks[0]["ts"], 1), calls=len(calls),
-                busy=round(sum(e["dur"] for e in ks), 1), top=[(k, c, round(t, 1)) for k, (c, t) in top])
 
 
 for n, topc in CASES:
@@ -66,7 +40,7 @@ for n, topc in CASES:
         for v, r in res.items():
             r["dev"].append(time_device(r["chain"], args, 5) / m * 1e6)
     for v, r in res.items():
-        tr = trace(r["fn"], args, f"{v}_{n}_{topc}")
+        tr = kernel_trace(r["fn"], args, f"tr13_{v}_{n}_{topc}")
         row = dict(N=n, topc=topc, variant=v, device_us=[round(x, 1) for x in r["dev"]],
                    differ=int((r["tok"] != res["xlares"]["tok"]).sum()), trace=tr)
         out.write(json.dumps(row) + "\n"); out.flush()

@@ -10,8 +10,8 @@ Variants, full vocab: "served" (the Pallas steps as shipped: `dispatch.SKIP_FINA
 skipping), "skip" (skips wherever it can). Top-512: "served", "skip" (the top-C pick's `row_ids`, one program
 per row and split: ~-17% of the picks' programs; at N=256 the pick reads ~1 GB per pass, ~213 µs: predicted
 ~-200 µs of ~1870), and "fori" (no `topc_pass_pick`: the passes in `lax.fori_loop(unroll=True)` as before
-this session, against the shipped Python loop; predicted equal: on a CPU both lower to the same straight-line
-HLO). Chained device µs per refine with a token table (`harness.time_variants`, 3 interleaved rounds), tokens
+this session, against the shipped Python loop; predicted equal: on a CPU the XLA steps' top-C refine compiles to
+the same HLO op counts in both forms). Chained device µs per refine with a token table (`harness.time_variants`, 3 interleaved rounds), tokens
 against served (0 must differ). argv[1]: JSON lines out; argv[2]: N list (default 16,64,128,256).
 """
 import dataclasses, functools, os, sys
