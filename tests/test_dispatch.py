@@ -254,6 +254,41 @@ def test_topc_pass_pick(monkeypatch, early_exit):
     assert len(set(map(tuple, want))) > 1
 
 
+@pytest.mark.skipif(jax.default_backend() == "cpu", reason="compiled kernels (interpret mode: the tests above)")
+@pytest.mark.parametrize("topc", [0, 7])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_pass_pick_compiled(monkeypatch, topc, dtype):
+    """Compiled (GPU): with skipping on from one draft row, an unrolled refine's passes run the pick on fewer
+    rows (``row_ids``) by the served rule (`dispatch.pass_pick_rows`: full vocab only where a row tile is
+    saved), and the tokens are the plain pick's of every row on every pass, bit for bit, and the loop's."""
+    from xpress_jax.kernels import topc_pick as tpk
+
+    jax.clear_caches()  # traces from other tests at these shapes would hide the spy
+    cfg = xj.HeadConfig(vocab_size=1001, hidden_size=16, block_size=5, rank=24, mlp_hidden=32, topc=topc)
+    head = xj.Head(cfg, make_head(cfg, dtype=dtype))
+    x = make_inputs(cfg, 64, dtype=dtype, logit_std=0.5)  # 256 draft rows
+    mod, name = (tpk, "topc_pick") if topc else (full_vocab, "full_vocab_pick")
+    seen, orig = [], getattr(mod, name)
+
+    def spy(*a, **kw):
+        seen.append(kw.get("row_ids") is not None)
+        return orig(*a, **kw)
+
+    monkeypatch.setattr(mod, name, spy)
+    monkeypatch.setattr(dispatch, "SKIP_FINAL_SLOTS_MIN_ROWS", 1)
+    monkeypatch.setattr(dispatch, "TOPC_SKIP_FINAL_SLOTS_MIN_ROWS", 1)
+    P = Ops.pallas(False)
+    plain = dataclasses.replace(P, full_vocab_pass_pick=None, topc_pass_pick=None)
+    want = np.asarray(refine_with(plain, head, *x, num_passes=6, unroll=True))
+    assert seen and not any(seen)
+    seen.clear()
+    tok = np.asarray(refine_with(P, head, *x, num_passes=6, unroll=True))
+    assert any(seen), "no pass skipped a row"
+    np.testing.assert_array_equal(tok, want)
+    np.testing.assert_array_equal(np.asarray(refine_with(P, head, *x, num_passes=6, unroll=False)), want)
+    assert len(set(map(tuple, want))) > 1
+
+
 def test_pass_pick_rows():
     """`dispatch.pass_pick_rows`: pass q never skips a slot that may still change (s <= min(q, B-1)), never
     skips at q=0, skips everything once every draft slot is final, and (compiled) only from ``min_rows`` draft
@@ -274,8 +309,10 @@ def test_pass_pick_rows():
     assert dispatch.pass_pick_rows(1, 16, 5, 16, min_rows=1) == 0
     assert dispatch.pass_pick_rows(1, 16, 5, 1, min_rows=1) == 5  # one program per row (top-C)
     assert dispatch.pass_pick_rows(64, 16, 5, 128, min_rows=961) == 0
-    # what compiled serving does today: no skipping until measured
-    assert dispatch.SKIP_FINAL_SLOTS_MIN_ROWS is None and dispatch.TOPC_SKIP_FINAL_SLOTS_MIN_ROWS is None
+    # what compiled serving does (measured: dispatch's comments): skipping from N=16 at B=16, in both modes
+    for m in (dispatch.SKIP_FINAL_SLOTS_MIN_ROWS, dispatch.TOPC_SKIP_FINAL_SLOTS_MIN_ROWS):
+        assert dispatch.pass_pick_rows(16, 16, 3, 1, min_rows=m) == 3
+        assert dispatch.pass_pick_rows(8, 16, 3, 1, min_rows=m) == 0
 
 
 @pytest.mark.parametrize("n", [1, 2, 8])

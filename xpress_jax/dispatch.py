@@ -72,13 +72,18 @@ SPLIT_LATENT_MAX_ROWS = 60
 FULL_VOCAB_ALTERNATE_MAX_ROWS = 60
 
 #: Draft rows from which an unrolled full-vocab refine skips the draft slots that are final (`pass_pick_rows`);
-#: None: never (compiled). Not measured yet: the probe is benchmarks/results/2026-12-03-s15/probe_skip.py (RESULTS.md,
-#: fifteenth session, part 4).
-SKIP_FINAL_SLOTS_MIN_ROWS: int | None = None
+#: None: never. RESULTS.md "Passes that skip the final draft slots" (sixteenth session; probe_skip.py, device µs
+#: per refine with a token table, all rows -> skipping, 0 tokens differ): N=1 208.0 -> 210.2, N=2 277.9 -> 290.5,
+#: N=4 277.9 -> 277.6, N=8 511.8 -> 511.1, N=16 535.3 -> 533.5, N=64 1771.2 -> 1569.9, N=128 3440.4 -> 2985.6,
+#: N=256 5899.8 -> 5320.5 (the probe skipped wherever it could; at N=2 that cost 12 µs with no row tile fewer).
+#: From 240 draft rows (N=16 at B=16), and a pass skips only where its pick then runs fewer row tiles: with the
+#: served row tiles, from N=32 at K=6.
+SKIP_FINAL_SLOTS_MIN_ROWS: int | None = 240
 
-#: The same for the top-C pick (one program per row and split, so every skipped row is programs fewer). None: never
-#: (compiled); not measured yet (the same probe).
-TOPC_SKIP_FINAL_SLOTS_MIN_ROWS: int | None = None
+#: The same for the top-C pick (one program per row and split, so every skipped row is programs fewer). The same
+#: probe, top-512: N=1 87.1 -> 86.6, N=2 140.7 -> 144.1, N=4 141.0 -> 149.1, N=8 210.7 -> 210.3, N=16 295.1 ->
+#: 288.2, N=64 633.7 -> 625.5, N=128 1037.6 -> 1025.9, N=256 1854.4 -> 1773.6: from N=16 as well.
+TOPC_SKIP_FINAL_SLOTS_MIN_ROWS: int | None = 240
 
 #: Warps of the selection's finish kernel up to C = 512 (the kernel's default, 16, above). RESULTS.md "The full-vocab
 #: pick alternating its order; the selection's finish warps; ..." part 3 (fifteenth session; top-512 with a token
