@@ -4,7 +4,7 @@ Every kernel is reached the way `refine` reaches it: `Ops.pallas(...)` and the c
 `dispatch.plan` picks, at ranks that are not
 powers of two (24, 40, 48, 96, 192, and an odd 37), odd vocabularies, small and odd block
 sizes (B = 2, 3, 7), C = 1 and C = V, and row counts on both sides of every dispatch
-boundary of `dispatch.TABLE` (draft rows: the full-vocab configs at 15/60/240/960, the latent's
+boundary of `dispatch.TABLE` (draft rows: the full-vocab configs at 15/30/60/240/960, the latent's
 XLA (split in interpret mode) / fused switch, the selection's 240-row switch). Kernel == jnp reference on fresh random inputs:
 token ids exactly, except rows where another float32 summation order could flip a near tie
 (`conftest.near_tie_rows`); "dyadic" inputs (exact dot products in any order, many real ties)
@@ -81,10 +81,11 @@ LAT_XLA_ROWS = _latent_limits("xla")  # 960 (N = 64 at B = 16); above it the fus
 # table says XLA, so the split kernel is still what the tests below exercise up to LAT_XLA_ROWS.
 
 
-# (N, B) with N*(B-1) draft rows on both sides of every full-vocab table boundary (15/60/240/960),
+# (N, B) with N*(B-1) draft rows on both sides of every full-vocab table boundary (15/30/60/240/960),
 # small and odd B among them; the slow ones are the hundreds-of-rows sides.
 FV_BOUNDARY = [
     pytest.param(5, 4, id="rows15-B4"), pytest.param(8, 3, id="rows16-B3"),
+    pytest.param(10, 4, id="rows30-B4"), pytest.param(31, 2, id="rows31-B2"),
     pytest.param(10, 7, id="rows60-B7"), pytest.param(61, 2, id="rows61-B2"),
     pytest.param(40, 7, id="rows240-B7", marks=slow), pytest.param(241, 2, id="rows241-B2", marks=slow),
     pytest.param(160, 7, id="rows960-B7", marks=slow), pytest.param(31, 32, id="rows961-B32", marks=slow),

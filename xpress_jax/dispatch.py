@@ -100,6 +100,11 @@ _FV_LAZY = dict(prefetch_base=True, lazy=True)
 # one pass at N = 1 / 4 / 16 / 64 / 256: 31.8 / 40.5 / 71.2 / 263.0 / 873.2 µs incl. ~17-24 µs loop).
 _FV_15 = dict(row_tile=16, v_tile=128, v_steps=3, k_tile=64, num_warps=4, num_stages=4, hold_lat=False, flat=True,
               **_FV_LAZY)
+# N=2 (30 draft rows): RESULTS.md "Small N: the full-vocab config at N=2" (sixteenth session): 272.5 against 282.0 µs per
+# refine for _FV_60 (and 273.3 against 283.9 in the fifteenth session's run); at N=3 (45 rows) two 32-row tiles lose
+# (391.6 against 309.6).
+_FV_30 = dict(row_tile=32, v_tile=64, v_steps=6, k_tile=64, num_warps=4, num_stages=4, hold_lat=False, flat=True,
+              **_FV_LAZY)
 _FV_60 = dict(row_tile=64, v_tile=64, v_steps=6, k_tile=64, num_warps=4, num_stages=4, hold_lat=False, flat=True,
               **_FV_LAZY)
 _FV_240 = dict(row_tile=128, v_tile=64, v_steps=36, k_tile=0, num_warps=8, num_stages=3, hold_lat=True, **_FV_LAZY)
@@ -132,7 +137,10 @@ TABLE: tuple[Row, ...] = (
     Row(15, _FV_15, "xla", 16,  # N = 1
         "Full-vocab pick N=1 (31.8 µs); Latent pass N=1 (XLA ~0 vs split 1.9 µs); Small-N latency 2026-12-02: "
         "selection bs16 23.6 vs bs32 28.6 µs, refine top-512 113.3 vs 114.1"),
-    Row(60, _FV_60, "xla", 16,  # N = 2..4
+    Row(30, _FV_30, "xla", 16,  # N = 2
+        "Full-vocab config at N=2 inside refine, sixteenth session (32-row tiles 272.5 vs 64-row 282.0 µs per "
+        "refine); the rest as N = 2..4 below"),
+    Row(60, _FV_60, "xla", 16,  # N = 3..4
         "Full-vocab pick N=4 (40.5 µs); Latent pass N=4 (XLA 0.8 vs split 3.5 µs); Small-N latency 2026-12-02: "
         "selection bs16 33.2 vs bs32 38.6 µs at N=4, refine top-512 135.1 vs 140.4 (N=2), 159.4 vs 165.3 (N=4)"),
     Row(239, _FV_240, "xla", 16,  # N = 5..15: between the measured points N=4 and N=16
