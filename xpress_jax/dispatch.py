@@ -100,9 +100,9 @@ _FV_LAZY = dict(prefetch_base=True, lazy=True)
 # one pass at N = 1 / 4 / 16 / 64 / 256: 31.8 / 40.5 / 71.2 / 263.0 / 873.2 µs incl. ~17-24 µs loop).
 _FV_15 = dict(row_tile=16, v_tile=128, v_steps=3, k_tile=64, num_warps=4, num_stages=4, hold_lat=False, flat=True,
               **_FV_LAZY)
-# N=2 (30 draft rows): RESULTS.md "Small N: the full-vocab config at N=2" (sixteenth session): 272.5 against 282.0 µs per
-# refine for _FV_60 (and 273.3 against 283.9 in the fifteenth session's run); at N=3 (45 rows) two 32-row tiles lose
-# (391.6 against 309.6).
+# N=2 (30 draft rows): RESULTS.md "Passes that skip the final draft slots; N=2's full-vocab config; ..." part 3
+# (sixteenth session): 272.5 against 282.0 µs per refine for _FV_60 (and 273.3 against 283.9 in the fifteenth
+# session's run); at N=3 (45 rows) two 32-row tiles lose (391.6 against 309.6).
 _FV_30 = dict(row_tile=32, v_tile=64, v_steps=6, k_tile=64, num_warps=4, num_stages=4, hold_lat=False, flat=True,
               **_FV_LAZY)
 _FV_60 = dict(row_tile=64, v_tile=64, v_steps=6, k_tile=64, num_warps=4, num_stages=4, hold_lat=False, flat=True,

@@ -37,7 +37,8 @@ The steps (static shapes; ``rows`` = N * (B-1) draft rows):
   rows may be skipped; the order in which ``w2`` is read may change too. An unrolled full-vocab refine
   calls it for every pass (``q = 0`` computes every row) and keeps the skipped slots' tokens, but only
   while ``PassPick.pick is full_vocab_pick``: replacing ``full_vocab_pick`` alone turns it off.
-  The Pallas steps skip rows where that saves row tiles of the pick (`dispatch.pass_pick_rows`) and read
+  The Pallas steps skip rows from `dispatch.SKIP_FINAL_SLOTS_MIN_ROWS` draft rows where that saves row tiles
+  of the pick (`dispatch.pass_pick_rows`) and read
   ``w2`` in the other order on passes 2, 4, ... up to `dispatch.FULL_VOCAB_ALTERNATE_MAX_ROWS` draft rows.
 - ``topc_pass_pick``: the same for ``topc_pick``: ``None`` or a `PassPick` whose ``run(base_c, cand, lat,
   prepared, q, n) -> (tokens [N*(B-1-s)] int32, s)`` (``n`` = N blocks: B-1 = rows // N); used only while
