@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np

@@ -18,10 +18,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
-import sys
 import time
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable
 
 __all__ = ["DemoOptions", "TINY", "run_demo", "format_table"]
 
@@ -130,7 +129,7 @@ def run_demo(opts: DemoOptions, say: Callable[[str], None] = print,
                      warmup_steps=min(100, opts.steps // 10), param_dtype=opts.param_dtype, seed=opts.seed,
                      checkpoint_every=opts.checkpoint_every)
     V, B = toy_cfg.vocab_size, toy_cfg.block_size
-    say(f"xpress demo: train an XPress refiner head on the embedded task, export it, convert it, refine")
+    say("xpress demo: train an XPress refiner head on the embedded task, export it, convert it, refine")
     say(f"task  : target = 2nd-order Markov chain over V={V} tokens; drafter = each of the B-1={B - 1} draft "
         f"slots predicted independently (its exact k-step marginal); seed {opts.seed}")
     say(f"head  : H={toy_cfg.hidden_size} r={opts.rank} M={opts.mlp_hidden} B={B}, {opts.param_dtype} params; "

@@ -255,7 +255,7 @@ import numpy as np
 
 from . import reference as ref
 from .reference import SLACK, bound_beta as _beta, bound_upper as _upper, certify_rows
-from .head import acc_dtype, round_to
+from .head import acc_dtype
 from .ops import Ops
 
 __all__ = ["SLACK", "certify_rows", "lowest_missing", "FULL_VOCAB", "Auto", "Certified", "CertifiedStats", "CertifiedPrepared", "PrunedPrepared", "prepare_pruned", "Pruned", "PrunedStats", "pruned_passes", "resolve_full_vocab", "prepare_certified",

@@ -23,7 +23,7 @@ from .config import HeadConfig
 from .exact import Auto, Pruned, prepare_certified, prepare_pruned, resolve_full_vocab
 from .head import token_table as token_table_of
 from .params import PARAM_NAMES, Head, check_params, param_shapes
-from .refine import BACKENDS, INVALID_TOKEN, check_backend, refine
+from .refine import INVALID_TOKEN, check_backend, refine
 
 __all__ = ["RefineServer", "default_buckets"]
 
