@@ -15,6 +15,8 @@ and in pinned host memory (``RefineServer(output="host")``). Also, per N, top-C 
 (and torch.topk where torch sees a GPU). Writes bench.jsonl (each result as it is
 measured), then bench.json, bench.md (tables) and bench.png (time vs N). Off a GPU the
 default backend is xla only (``--backends pallas`` there runs the kernels in interpret mode).
+The refines compile with `xpress_jax.compiler_options()` as `RefineServer` does (``--xla-options off``:
+XLA's defaults; ``both``: each backend both ways, compared).
 """
 
 from __future__ import annotations
@@ -51,12 +53,13 @@ def make_problem(cfg, n, seed=0, dtype=jnp.bfloat16, std=0.02):
     return params, logits, h, anchors
 
 
-def chained(cfg, m, empty=False, refine_fn=None, **kw):
+def chained(cfg, m, empty=False, refine_fn=None, compiler_options=None, **kw):
     """jit(M refines in a fori_loop), each depending on the previous one's output.
 
     ``empty=True`` replaces refine by a trivial op: the loop's own cost per iteration
     (on GPUs an XLA while loop costs ~15 µs per iteration), reported as loop_us.
     ``refine_fn(params, logits, h, anchors)``: what to chain instead of ``xj.refine(..., **kw)``.
+    ``compiler_options``: XLA's, for the jit (`xpress_jax.compiler_options`; None: XLA's defaults).
     """
 
     def run(params, logits, h, anchors):
@@ -78,7 +81,7 @@ def chained(cfg, m, empty=False, refine_fn=None, **kw):
 
         return jax.lax.fori_loop(0, m, body, (logits, h, anchors, jnp.int32(0)))[3]
 
-    return jax.jit(run)
+    return jax.jit(run, compiler_options=compiler_options or None)
 
 
 def select_rows(cfg, n, reps, interpret=False, pallas=True):
@@ -126,13 +129,14 @@ def select_rows(cfg, n, reps, interpret=False, pallas=True):
     return out
 
 
-def host_walls(single, refine_fn, args, want, walls):
+def host_walls(single, refine_fn, args, want, walls, compiler_options=None):
     """One call's wall time to the tokens in a numpy array, median of ``walls`` calls, two ways:
     ``wall_np_us`` = ``single`` (device output) then ``np.asarray`` (a device-to-host copy);
     ``wall_host_us`` = the same refine jitted with its output in pinned host memory
     (``RefineServer(output="host")``), then ``np.asarray``. Asserts both give ``want``."""
     dev = jax.devices()[0]
-    host = jax.jit(refine_fn, out_shardings=jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host"))
+    host = jax.jit(refine_fn, out_shardings=jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host"),
+                   compiler_options=compiler_options or None)
     got = np.asarray(host(*args))
     if not np.array_equal(got, want):
         raise AssertionError(f"pinned-host output gave other tokens: {int(np.sum(got != want))} differ")
@@ -150,6 +154,15 @@ def host_walls(single, refine_fn, args, want, walls):
 
 def time_device(fn, args, reps):
     return time_jitted(fn, args, reps)[1]
+
+
+#: The suffix of a backend run with XLA's default compile options (``--xla-options both``).
+DEFAULT_XLA = "/xla-default"
+
+
+def spec_of(backend: str) -> str:
+    """A backend's name and flag (``pallas@table``) without the `DEFAULT_XLA` suffix."""
+    return backend.removesuffix(DEFAULT_XLA)
 
 
 #: Kernel steps a benchmark backend name can add to XLA ("xla+latent+pick"): `Ops` fields per step.
@@ -240,6 +253,11 @@ def main(argv=None):
                          "xj.token_table, as RefineServer keeps; '-table' after another flag adds it to that one). "
                          "Default: xla,pallas on a GPU, "
                          "xla elsewhere (pallas off a GPU runs in interpret mode: slow)")
+    ap.add_argument("--xla-options", choices=("on", "off", "both"), default="on",
+                    help="XLA compile options for the refines: on = xpress_jax.compiler_options() (what RefineServer "
+                         "uses; on a GPU the CUDA graph's kernels overlap where they can), off = XLA's defaults, "
+                         "both = each backend twice, the second as '<backend>/xla-default' (same tokens, compared). "
+                         "Mesh backends always take XLA's defaults, as RefineServer does")
     ap.add_argument("--reps", type=int, default=5, help="timed repeats of each chained measurement (median)")
     ap.add_argument("--walls", type=int, default=20, help="single calls timed for the wall latency (median)")
     ap.add_argument("--wall-only", action="store_true",
@@ -264,16 +282,20 @@ def main(argv=None):
     dev = jax.devices()[0]
     on_gpu = dev.platform == "gpu"
     backends = (args.backends or ("xla,pallas" if on_gpu else "xla")).split(",")
+    if args.xla_options == "both":
+        backends = [x for b in backends for x in (b, b + DEFAULT_XLA)]
     interpret = not on_gpu  # Pallas-Triton compiles for CUDA GPUs only; elsewhere interpret mode
-    impls = {b: bench_ops(b.partition("@")[0], interpret) for b in backends}
-    meshes = {b: make_mesh(b.partition("@")[2]) for b in backends if b.partition("@")[2].startswith("mesh")}
-    certs = {b: certified_flag(b.partition("@")[2].removesuffix("-table")) for b in backends}
+    impls = {b: bench_ops(spec_of(b).partition("@")[0], interpret) for b in backends}
+    meshes = {b: make_mesh(spec_of(b).partition("@")[2]) for b in backends
+              if spec_of(b).partition("@")[2].startswith("mesh")}
+    certs = {b: certified_flag(spec_of(b).partition("@")[2].removesuffix("-table")) for b in backends}
     if not on_gpu and any(b != "xla" for b in backends):
         print(f"# note: no GPU ({dev.platform}): Pallas kernels run in interpret mode (slow, for checking only)",
               flush=True)
     meta = dict(date=time.strftime("%Y-%m-%d"), device=dev.device_kind, platform=dev.platform,
                 jax=jax.__version__, shape=shape, K=cfg.num_passes, dtype="bfloat16", wall_only=args.wall_only,
-                std=args.std, xla_flags=os.environ.get("XLA_FLAGS", ""))
+                std=args.std, xla_flags=os.environ.get("XLA_FLAGS", ""), xla_options=args.xla_options,
+                compiler_options=xj.compiler_options())
     os.makedirs(args.out, exist_ok=True)
     stream = open(os.path.join(args.out, "bench.jsonl"), "w")
 
@@ -296,7 +318,9 @@ def main(argv=None):
         for topc in topcs:
             outs = {}
             for backend in backends:
-                name, _, flag = backend.partition("@")
+                name, _, flag = spec_of(backend).partition("@")
+                opts = ({} if args.xla_options == "off" or backend.endswith(DEFAULT_XLA) or backend in meshes
+                        else xj.compiler_options())
                 table = flag == "table" or flag.endswith("-table")  # a prepared xj.token_table, as a server keeps
                 flag = "" if flag == "table" else flag.removesuffix("-table")
                 ops, unroll = impls[backend], False if flag == "loop" else None
@@ -330,7 +354,7 @@ def main(argv=None):
                         return refine_sharded(p, l, h, a, mesh=mesh, config=cfg, topc=topc, backend=name,
                                               interpret=interpret and name == "pallas")
 
-                single = jax.jit(refine_fn)
+                single = jax.jit(refine_fn, compiler_options=opts or None)
                 t0 = time.perf_counter()
                 outs[backend] = np.asarray(single(*placed).block_until_ready())
                 compile_s = time.perf_counter() - t0
@@ -343,15 +367,16 @@ def main(argv=None):
                     walls.append(time.perf_counter() - t0)
                     enqueues.append(t1 - t0)
                 row = dict(N=n, topc=topc, backend=backend, wall_us=statistics.median(walls) * 1e6,
-                           enqueue_us=statistics.median(enqueues) * 1e6, walls=args.walls, compile_s=compile_s)
+                           enqueue_us=statistics.median(enqueues) * 1e6, walls=args.walls, compile_s=compile_s,
+                           compiler_options=opts)
                 if backend not in meshes:  # the tokens on the host: device output + copy vs pinned-host output
-                    row.update(host_walls(single, refine_fn, placed, outs[backend], args.walls))
+                    row.update(host_walls(single, refine_fn, placed, outs[backend], args.walls, opts))
                 if cert is not None:  # the call's certification stats (one more call)
                     st = jax.jit(functools.partial(refine_fn, stats=True))(*placed)[1]
                     row.update({k: float(v) for k, v in st._asdict().items()})
                 if not args.wall_only:
                     m = chain_length(n, topc, backend) if not args.small else 3
-                    t = time_device(chained(cfg, m, refine_fn=refine_fn), placed, args.reps)
+                    t = time_device(chained(cfg, m, refine_fn=refine_fn, compiler_options=opts), placed, args.reps)
                     row.update(device_us=t / m * 1e6, loop_us=loop_us, net_us=t / m * 1e6 - loop_us, chain=m)
                 first = next(iter(outs))  # the first backend run at this topc
                 if backend != first:
@@ -387,7 +412,9 @@ def main(argv=None):
 def to_markdown(meta, rows, backends):
     lines = [f"Device: {meta['device']}, JAX {meta['jax']}, {meta['date']}, K={meta['K']}, bf16, "
              f"V={meta['shape']['vocab_size']} H={meta['shape']['hidden_size']} B={meta['shape']['block_size']} "
-             f"r={meta['shape']['rank']} mlp={meta['shape']['mlp_hidden']}, weights std {meta.get('std', 0.02)}", "",
+             f"r={meta['shape']['rank']} mlp={meta['shape']['mlp_hidden']}, weights std {meta.get('std', 0.02)}, "
+             f"XLA compile options {meta.get('compiler_options', {}) or 'none'} ({meta.get('xla_options', 'off')}; "
+             f"'{DEFAULT_XLA}' = XLA's defaults)", "",
              "device µs = chained device time per refine; net = minus the chain loop's own cost per iteration "
              "(an empty body); wall = one call, host clock (dispatch + block_until_ready), in brackets its "
              "enqueue (the call without the wait): wall - device is what one call costs beyond the GPU's work. "

@@ -5,11 +5,13 @@ Quickstart::
     import jax, jax.numpy as jnp, xpress_jax as xj
     cfg = xj.HeadConfig(vocab_size=V, hidden_size=H, block_size=16)
     head = xj.init_head(cfg, jax.random.key(0), dtype=jnp.bfloat16)   # or xj.load_params(path)
-    refine = jax.jit(xj.refine, static_argnames=xj.STATIC_ARGNAMES)
+    refine = jax.jit(xj.refine, static_argnames=xj.STATIC_ARGNAMES,
+                     compiler_options=xj.compiler_options())  # {} off a GPU; see xpress_jax.compile_options
     draft = refine(head, logits, h, anchors)   # [N, B-1] int32; C and K from head.config
 """
 
 from .checkpoint import load_params, save_params
+from .compile_options import GPU_COMPILER_OPTIONS, compiler_options
 from .config import HeadConfig
 from .head import XPressHead, hidden_input, latent, round_to, token_table
 from .params import (
@@ -39,6 +41,8 @@ __all__ = [
     "PARAM_NAMES",
     "STATIC_ARGNAMES",
     "BACKENDS",
+    "GPU_COMPILER_OPTIONS",
+    "compiler_options",
     "RefineServer",
     "default_buckets",
     "INVALID_TOKEN",
