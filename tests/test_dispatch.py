@@ -289,6 +289,70 @@ def test_pass_pick_compiled(monkeypatch, topc, dtype):
     assert len(set(map(tuple, want))) > 1
 
 
+def _start_logits(n, b, v, dtype, seed):
+    """[n, b, v] logits whose draft rows hold every kind of argmax case: NaN and -inf rows, ties at the top
+    (the lowest id wins), -0.0 against +0.0, a maximum at the last id, flat rows."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, b, v))
+    rows = x.reshape(n * b, v)
+    k = len(rows)
+    rows[1 % k, : v // 2] = np.nan                      # NaN read as -inf
+    rows[2 % k, :] = -np.inf                            # all -inf: id 0
+    rows[3 % k, :] = 0.0
+    rows[3 % k, 1::2] = -0.0                            # -0.0 == +0.0: id 0
+    rows[4 % k, [v // 3, v - 1]] = 50.0                 # a tie at the top: the lower id
+    rows[5 % k, v - 1] = 60.0                           # the last id
+    rows[6 % k, :] = 1.25                               # flat
+    rows[7 % k] = np.round(rows[7 % k] * 2) / 2         # many ties below the top
+    return jnp.asarray(x, dtype)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("n,b,v", [(3, 5, 301), (2, 4, 7), (1, 16, 4099), (5, 3, 1)])
+def test_full_vocab_start_through_the_selection(monkeypatch, n, b, v, dtype):
+    """From `dispatch.FULL_VOCAB_START_SELECT_MIN_ROWS` draft rows a Pallas full-vocab refine starts with the
+    selection's argmax output (c=1): equal to `reference.full_vocab_start` on every kind of row (NaN, -inf,
+    ties, -0.0, V=1, odd V and B), interpreted on a CPU, compiled on a GPU; below the bound XLA's argmax."""
+    interpret = jax.default_backend() == "cpu"
+    P = Ops.pallas(interpret)
+    logits = _start_logits(n, b, v, dtype, seed=n * v)
+    want = np.asarray(xref.full_vocab_start(logits))
+    seen, orig = [], select.select_candidates
+
+    def spy(*a, **kw):
+        seen.append(a[1])
+        return orig(*a, **kw)
+
+    monkeypatch.setattr(select, "select_candidates", spy)
+    monkeypatch.setattr(dispatch, "FULL_VOCAB_START_SELECT_MIN_ROWS", n * (b - 1) + 1)
+    np.testing.assert_array_equal(np.asarray(P.start(logits)), want)
+    assert seen == []  # below the bound: XLA's argmax
+    monkeypatch.setattr(dispatch, "FULL_VOCAB_START_SELECT_MIN_ROWS", n * (b - 1))
+    got = np.asarray(P.start(logits))
+    assert seen == [1], "the selection did not run"
+    np.testing.assert_array_equal(got, want)
+
+
+def test_full_vocab_refine_starting_through_the_selection(monkeypatch):
+    """A full-vocab refine that starts through the selection gives the tokens of one that starts with XLA's
+    argmax, bit for bit (compiled on a GPU; on a CPU, interpreted, also the XLA backend's)."""
+    cfg = xj.HeadConfig(vocab_size=301, hidden_size=16, block_size=5, rank=24, mlp_hidden=32, topc=0)
+    head = xj.Head(cfg, make_head(cfg, dtype=jnp.bfloat16))
+    x = make_inputs(cfg, 3, dtype=jnp.bfloat16, logit_std=0.5)
+    P = Ops.pallas(jax.default_backend() == "cpu")
+    seen, orig = [], select.select_candidates
+    monkeypatch.setattr(select, "select_candidates", lambda *a, **kw: seen.append(a[1]) or orig(*a, **kw))
+    monkeypatch.setattr(dispatch, "FULL_VOCAB_START_SELECT_MIN_ROWS", 10 ** 9)
+    want = np.asarray(refine_with(P, head, *x, num_passes=2))
+    assert seen == []
+    monkeypatch.setattr(dispatch, "FULL_VOCAB_START_SELECT_MIN_ROWS", 1)
+    np.testing.assert_array_equal(np.asarray(refine_with(P, head, *x, num_passes=2)), want)
+    assert seen == [1]
+    assert len(set(map(tuple, want))) > 1
+    if jax.default_backend() == "cpu":
+        np.testing.assert_array_equal(np.asarray(refine_with(Ops.xla("cpu"), head, *x, num_passes=2)), want)
+
+
 def test_pass_pick_rows():
     """`dispatch.pass_pick_rows`: pass q never skips a slot that may still change (s <= min(q, B-1)), never
     skips at q=0, skips everything once every draft slot is final, and (compiled) only from ``min_rows`` draft

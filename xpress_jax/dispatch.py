@@ -31,7 +31,7 @@ from .kernels import full_vocab, latent, select, topc_pick
 from .kernels.common import cdiv, next_pow2
 
 __all__ = ["Row", "TABLE", "Plan", "plan", "capacity_config", "select_config", "SERVING_N", "SMS",
-           "SCAN_FAILING_MAX_ROWS", "FULL_VOCAB_ALTERNATE_MAX_ROWS", "SELECT_FINISH_WARPS",
+           "SCAN_FAILING_MAX_ROWS", "FULL_VOCAB_ALTERNATE_MAX_ROWS", "FULL_VOCAB_START_SELECT_MIN_ROWS", "SELECT_FINISH_WARPS",
            "SKIP_FINAL_SLOTS_MIN_ROWS", "TOPC_SKIP_FINAL_SLOTS_MIN_ROWS", "pass_pick_rows", "TABLE_XLA_LATENT_MAX_ROWS", "SPLIT_LATENT_MAX_ROWS"]
 
 #: The N values the serving configs were measured at (B = 16): draft rows 15 / 60 / 240 / 960 / 3840.
@@ -54,6 +54,15 @@ SCAN_FAILING_MAX_ROWS = 960
 #: N=128 (1920 rows) Pallas latent 1375.1 -> XLA latent with the table 1291.3; N=256 2302.6 -> 2302.7 (equal:
 #: the kernel stays there).
 TABLE_XLA_LATENT_MAX_ROWS = 1920
+
+#: From this many draft rows a full-vocab refine starts (each draft slot's argmax of its base logits) with the
+#: Pallas selection's argmax output (c=1: the same rule, NaN as -inf and the lowest id among equal values)
+#: instead of XLA's argmax fusion, which reads the [rows, V] logits at ~2.2 TB/s (523.7 µs of a full-vocab call
+#: at N=256, 126.6 at N=64). RESULTS.md "XLA's command-buffer scheduling mode; the full-vocab start through the
+#: selection" (eighteenth session; device µs per refine, served -> the selection, min of 5 rounds, with
+#: `compiler_options()`): N=32 952.7 -> 939.3, N=64 1565.1 -> 1537.2, N=128 2985.3 -> 2895.4, N=256 5289.6 ->
+#: 5159.6; N=16 536.3 -> 537.8 and N=1 207.6 -> 210.1 (XLA's defaults), so not below N=32 at B=16.
+FULL_VOCAB_START_SELECT_MIN_ROWS = 480
 
 #: Draft rows up to which a top-C pass hands XLA's latent to the pick kernel as its residual's two float32
 #: terms (`xpress_jax.reference.LatentSum`), which the kernel adds and rounds as it loads the latent: XLA's

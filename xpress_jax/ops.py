@@ -54,7 +54,8 @@ The steps (static shapes; ``rows`` = N * (B-1) draft rows):
   ``in_proj``. ``None``: `xpress_jax.head.hidden_input`; on GPUs (`Ops.xla("gpu")`, compiled `Ops.pallas`)
   `reference.hidden_input_gpu`, the same sums spelled so that XLA:GPU avoids two slow fusions.
 - ``start(logits [N,B,V]) -> [rows] int32``: the full-vocab argmax of the base logits (where a
-  full-vocab refine starts).
+  full-vocab refine starts). The Pallas steps use the selection's argmax output from
+  `dispatch.FULL_VOCAB_START_SELECT_MIN_ROWS` draft rows.
 - ``full_vocab_best(logits, lat, prepared) -> (score [rows] f32, id [rows] int32)`` and
   ``topc_best(base_c, cand, lat, prepared) -> (score, base, id)``: the picks with the winner's
   values, for callers that combine winners across devices (`xpress_jax.sharded`).
@@ -205,7 +206,7 @@ def _pallas_ops(interpret: bool) -> Ops:
         full_vocab_prepare=same,
         full_vocab_pick=pick,
         latent=functools.partial(_pallas_latent, interpret=interpret),
-        start=ref.full_vocab_start,
+        start=functools.partial(_pallas_start, interpret=interpret),
         full_vocab_best=functools.partial(_pallas_full_vocab, interpret=interpret, best=True),
         topc_best=functools.partial(_pallas_topc, interpret=interpret, best=True),
         candidates_best=functools.partial(_pallas_topc, interpret=interpret, best=True, ties="id"),
@@ -287,6 +288,18 @@ def _pallas_select(logits, c, *, interpret):
     # The draft rows of the whole logits, read in place (slot_stride): no logits[:, 1:] copy
     # (RESULTS.md "Top-C selection", evening: N=256 3856 -> 3145 µs per refine).
     return select.select_candidates(logits.reshape(n * b, v), c, slot_stride=b, interpret=interpret, **p.select)
+
+
+def _pallas_start(logits, *, interpret):
+    """`Ops.start`: from `dispatch.FULL_VOCAB_START_SELECT_MIN_ROWS` draft rows the selection's argmax output
+    (``c=1``; its rule is `reference.full_vocab_start`'s: NaN as -inf, the lowest id among equal values, -0.0
+    equal to +0.0), below it XLA's argmax (`reference.full_vocab_start`), which is faster there."""
+    from . import dispatch
+
+    n, b, _ = logits.shape
+    if n * (b - 1) < dispatch.FULL_VOCAB_START_SELECT_MIN_ROWS:
+        return ref.full_vocab_start(logits)
+    return _pallas_select(logits, 1, interpret=interpret)[2]
 
 
 def _pallas_topc_prepare(w2, cand):
