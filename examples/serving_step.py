@@ -172,9 +172,10 @@ def _draft_step(head, tables, state: State, *, num_passes: int, topc: int, reque
 
 
 #: ``draft_step(head, tables, state, *, num_passes, topc, request_tokens) -> (State, StepOut)``.
-#: The head and the tables are read, not donated (every step uses them); the state is consumed.
+#: The head and the tables are read, not donated (every step uses them); the state is consumed. refine's XLA
+#: options go to this, the outer jit (`xj.compiler_options()`: {} off a GPU).
 draft_step = jax.jit(_draft_step, static_argnames=("num_passes", "topc", "request_tokens"),
-                     donate_argnames="state")
+                     donate_argnames="state", compiler_options=xj.compiler_options())
 
 
 # ----------------------------------------------------------------------------------- the loop
