@@ -19,7 +19,7 @@ case "$1" in
   bench) timeout 580 python3 -m benchmarks.bench_refine --backends pallas@table --xla-options both \
            --n 1,4,16,64,256 --topc 512,0 --walls 50 --no-select --out $OUT 2>&1 | grep -v -i warn | tail -14 ;;
   start) timeout 560 python3 $S16/probe_start.py $OUT/start.jsonl 2>&1 | grep -v -i warn | tail -30 ;;
-  walls3|start2|bench2) ;;
+  walls3|start2|bench2|mixer) ;;
   *) echo "usage: gpu.sh tests_a|tests_b|bench|start|walls3" >&2; exit 2 ;;
 esac
 # Added: walls = probe_server_walls.py, then start, then test_serving + test_compile_options again (after a fix).
@@ -35,4 +35,7 @@ fi
 if [ "$1" = bench2 ]; then  # the shipped code after the full-vocab start change: what the README quotes
   timeout 400 python3 -m benchmarks.bench_refine --backends pallas@table,pallas --n 1,4,16,64,128,256 --topc 512,0 \
     --walls 50 --no-select --out $OUT 2>&1 | grep -v -i warn | tail -16
+fi
+if [ "$1" = mixer ]; then  # the sixteenth session's mixer barrier probe, again under the shipped scheduling mode
+  XLA_FLAGS=$CONC timeout 300 python3 $S16/probe_mixer.py $OUT/mixer.jsonl 2>&1 | grep -v -i warn | tail -14
 fi
