@@ -81,7 +81,7 @@ def chained(cfg, m, empty=False, refine_fn=None, compiler_options=None, **kw):
 
         return jax.lax.fori_loop(0, m, body, (logits, h, anchors, jnp.int32(0)))[3]
 
-    return jax.jit(run, compiler_options=compiler_options or None)
+    return jax.jit(run, compiler_options=compiler_options)
 
 
 def select_rows(cfg, n, reps, interpret=False, pallas=True):
@@ -136,7 +136,7 @@ def host_walls(single, refine_fn, args, want, walls, compiler_options=None):
     (``RefineServer(output="host")``), then ``np.asarray``. Asserts both give ``want``."""
     dev = jax.devices()[0]
     host = jax.jit(refine_fn, out_shardings=jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host"),
-                   compiler_options=compiler_options or None)
+                   compiler_options=compiler_options)
     got = np.asarray(host(*args))
     if not np.array_equal(got, want):
         raise AssertionError(f"pinned-host output gave other tokens: {int(np.sum(got != want))} differ")
@@ -354,7 +354,7 @@ def main(argv=None):
                         return refine_sharded(p, l, h, a, mesh=mesh, config=cfg, topc=topc, backend=name,
                                               interpret=interpret and name == "pallas")
 
-                single = jax.jit(refine_fn, compiler_options=opts or None)
+                single = jax.jit(refine_fn, compiler_options=opts)
                 t0 = time.perf_counter()
                 outs[backend] = np.asarray(single(*placed).block_until_ready())
                 compile_s = time.perf_counter() - t0

@@ -209,7 +209,7 @@ class RefineServer:
         self._table_exe = self._table_spec = self._table = None
         if self.token_table:
             table_inputs = {k: self._param_specs[k] for k in ("w1", "in_proj_token")}
-            self._table_exe = jax.jit(token_table_of).lower(table_inputs).compile(compiler_options=self._xla())
+            self._table_exe = jax.jit(token_table_of).lower(table_inputs).compile(compiler_options=self.compiler_options)
             self._table = self._table_exe({k: self._params[k] for k in table_inputs})
             self._table_spec = jax.ShapeDtypeStruct(self._table.shape, self._table.dtype, sharding=self._table.sharding)
         self._prepare_exe = None
@@ -217,7 +217,7 @@ class RefineServer:
         if self._certified:
             pruned = auto is None and isinstance(resolve_full_vocab(full_vocab), Pruned)  # "auto" runs certified
             prep = prepare_pruned if pruned else prepare_certified
-            self._prepare_exe = jax.jit(prep).lower(self._param_specs["w2"]).compile(compiler_options=self._xla())
+            self._prepare_exe = jax.jit(prep).lower(self._param_specs["w2"]).compile(compiler_options=self.compiler_options)
             self._extra = (self._prepare_exe(self._params["w2"]),)
         self.executables: dict[int, Any] = {}  # bucket -> jax.stages.Compiled
         # full_vocab="auto": the certified executables (returning their stats) of the buckets >= min_blocks,
@@ -240,10 +240,6 @@ class RefineServer:
         config, _ = read_checkpoint_info(path)
         head = load_params(path, dtype=dtype, sharding=cls._param_shardings(mesh, model_axis, config))
         return cls(head, mesh=mesh, model_axis=model_axis, **kwargs)
-
-    def _xla(self) -> dict[str, Any] | None:
-        """``Lowered.compile``'s compiler_options: the server's, or None when it has none."""
-        return dict(self.compiler_options) or None
 
     # --- placement ------------------------------------------------------------------------
 
@@ -349,13 +345,13 @@ class RefineServer:
             out = self.input_shardings(b)["out"]
             args = (self._param_specs, self._table_spec, *(spec[k] for k in _ARGS), spec["num_valid"])
             jitted = jax.jit(serve, out_shardings=out)
-            self.executables[b] = jitted.lower(*args, *self._main_extra()).compile(compiler_options=self._xla())
+            self.executables[b] = jitted.lower(*args, *self._main_extra()).compile(compiler_options=self.compiler_options)
             what = ""
             if self._auto is not None and b >= self._auto.min_blocks:
                 # The stats stay where refine puts them (the policy reads one scalar of them, seldom).
                 stats_at = jax.sharding.SingleDeviceSharding(jax.devices()[0])
                 self.certified_executables[b] = jax.jit(serve_cert, out_shardings=(out, stats_at)).lower(
-                    *args, *self._extra).compile(compiler_options=self._xla())
+                    *args, *self._extra).compile(compiler_options=self.compiler_options)
                 self._auto_state[b] = dict(mode="certified", last="certified", since=0, scan_left=0, pending=None,
                                            switches=0)
                 what = " (scan and certified)"
