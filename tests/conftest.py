@@ -97,7 +97,21 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(f"worker crashed, test run again ({n}x): {nodeid}", yellow=True)
 
 
+#: Node ids that get the `slow` marker for their run time (tests/slow_list.txt says how they were chosen).
+SLOW_LIST = os.path.join(os.path.dirname(__file__), "slow_list.txt")
+
+
+def slow_list() -> set[str]:
+    with open(SLOW_LIST) as f:
+        return {line.strip() for line in f if line.strip() and not line.startswith("#")}
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest's own `-m` selection reads the markers
 def pytest_collection_modifyitems(config, items):
+    listed = slow_list()
+    for item in items:
+        if item.nodeid in listed:
+            item.add_marker(pytest.mark.slow)
     if os.environ.get("XPRESS_SLOW") == "1" or "slow" in (config.getoption("markexpr", "") or ""):
         return
     skip = pytest.mark.skip(reason="slow sweep: run with `-m slow` or XPRESS_SLOW=1")

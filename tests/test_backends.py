@@ -26,6 +26,7 @@ slow = pytest.mark.slow
 
 # n x topc x dtype: each interpret-mode refine compiles every kernel (seconds); the default run keeps
 # the four cases where every pair of values meets once, the other four are `slow`.
+# (tests/slow_list.txt moves more of these cases to `slow` for their run time.)
 @pytest.mark.interpret_refine
 @pytest.mark.parametrize("n,topc,dtype", [
     pytest.param(1, 0, _F32, id="1-0-float32"), pytest.param(3, 0, _BF, id="3-0-bfloat16"),

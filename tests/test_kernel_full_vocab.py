@@ -47,7 +47,8 @@ SHAPES = [
 
 
 def _shape_dtypes():
-    """Every shape (config path) once in the default run, dtypes alternating; the rest `slow`."""
+    """Every shape (config path) once in the default run, dtypes alternating; the rest `slow` (and
+    tests/slow_list.txt moves more of these cases to `slow` for their run time)."""
     out = []
     for i, shape in enumerate(SHAPES):
         for j, dt in enumerate(DTYPES):

@@ -119,7 +119,8 @@ def _assert_matches_oracle(got, base, c):
 slow = pytest.mark.slow
 #: (dtype, segments) cross products: the default run keeps two corners, bf16 with several
 #: segments per row (separate bound kernel) and f32 with one (stats and bound fused), so both dtypes
-#: and both stats layouts run in every test that sweeps them; the other two corners are `slow`.
+#: and both stats layouts run in every test that sweeps them; the other two corners are `slow`
+#: (tests/slow_list.txt moves more of these cases to `slow` for their run time).
 DTYPE_SEGMENTS = [
     pytest.param(BF16, None, id="bfloat16-None"), pytest.param(F32, 1, id="float32-1"),
     pytest.param(BF16, 1, id="bfloat16-1", marks=slow), pytest.param(F32, None, id="float32-None", marks=slow),
