@@ -115,7 +115,9 @@ class TestLatentKernel:
     def run(self, params, xh, blk, prev, **cfg):
         return latent.latent_pass(params, xh, blk, prev, interpret=self.INTERPRET, **cfg)
 
-    @pytest.mark.parametrize("case,dtype", [  # every case once in the default run, dtypes alternating (tests/slow_list.txt moves more of these cases to `slow` for their run time)
+    # every case once in the default run, dtypes alternating
+    # (tests/slow_list.txt moves more of these cases to `slow` for their run time)
+    @pytest.mark.parametrize("case,dtype", [
         pytest.param(case, dt, id=f"{case}-{name}", marks=() if (i + j) % 2 else pytest.mark.slow)
         for i, case in enumerate(CASES) for j, (dt, name) in enumerate(((jnp.float32, "f32"), (jnp.bfloat16, "bf16")))])
     def test_matches_reference(self, case, dtype):

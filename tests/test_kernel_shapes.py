@@ -12,8 +12,8 @@ demand exact equality on every row.
 
 Cost: small V and H wherever the property does not need a big one; the expensive sides of
 boundaries (hundreds of rows) are marked `slow` (conftest: `-m slow` or XPRESS_SLOW=1), each
-awkward case keeps a fast representative in the default run (tests/slow_list.txt moves more of these cases to `slow` for their run time,
-keeping one case of each parametrized test fast).
+awkward case keeps a fast representative in the default run (tests/slow_list.txt moves more of
+these cases to `slow` for their run time, keeping one case of each parametrized test fast).
 """
 
 from __future__ import annotations

@@ -65,7 +65,9 @@ class TestTopCPick:
     def pick(self, base_c, cand, lat, w2, config=None):
         return tp.topc_pick(base_c, cand, lat, w2, interpret=self.INTERPRET, config=config)
 
-    @pytest.mark.parametrize("shape,dtype", [  # each shape once in the default run, dtypes alternating (tests/slow_list.txt moves more of these cases to `slow` for their run time)
+    # each shape once in the default run, dtypes alternating
+    # (tests/slow_list.txt moves more of these cases to `slow` for their run time)
+    @pytest.mark.parametrize("shape,dtype", [
         pytest.param(sh, dt, id=f"rows{sh[0]}-V{sh[1]}-C{sh[2]}-r{sh[3]}-{jnp.dtype(dt).name}",
                      marks=pytest.mark.slow if (i + j) % 2 else ())
         for i, sh in enumerate(SHAPES) for j, dt in enumerate(DTYPES)])

@@ -89,10 +89,11 @@ def test_jnp_rule_equals_sorted_first_position(dtype_name, rows, vocab, rank, c)
 
 
 @pytest.mark.interpret
+# (tests/slow_list.txt moves more of these cases to `slow` for their run time.)
 @pytest.mark.parametrize("rows,vocab,rank,c,dtype_name", [
     pytest.param(*case, dt, id="-".join(map(str, case + (dt,))),
                  marks=pytest.mark.slow if (i + j) % 2 else ()) for i, case in enumerate(CASES)
-    for j, dt in enumerate(DTYPES)])  # default run: each case once, dtypes alternating; the rest `slow` (tests/slow_list.txt moves more of these cases to `slow` for their run time)
+    for j, dt in enumerate(DTYPES)])  # default run: each case once, dtypes alternating; the rest `slow`
 def test_kernels_equal_sorted_first_position(dtype_name, rows, vocab, rank, c):
     """Selection kernel + top-C pick kernel with the configs serving uses (interpret mode)."""
     base, lat, w2, want, old = _case(dtype_name, rows, vocab, rank, c, seed=rows + c)
