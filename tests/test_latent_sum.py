@@ -188,6 +188,32 @@ def test_pallas_steps_split_up_to_the_dispatch_bound():
         assert not isinstance(ops.latent(params, xh, blk, blk[:, 0]), R.LatentSum)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
+def test_mixer_barrier_same_latent_up_to_the_dispatch_bound(dtype):
+    """`head.latent(barrier=True)` (the mixer's output behind an optimization barrier) is the latent bit for
+    bit, jitted, split or not; the compiled Pallas steps use it for an unsplit latent up to
+    `dispatch.MIXER_BARRIER_MAX_ROWS` draft rows and not one block above (the barrier is in the HLO)."""
+    from xpress_jax import dispatch
+
+    cfg = dataclasses.replace(CFG, block_size=16)
+    params = make_head(cfg, seed=31, dtype=dtype, std=0.5)
+    n_in = dispatch.MIXER_BARRIER_MAX_ROWS // (cfg.block_size - 1)
+    assert n_in >= 1
+    for n in (n_in, n_in + 1):
+        _, h, _, _ = make_inputs(cfg, n, seed=32, dtype=dtype)
+        xh = xj.head.hidden_input(params, h)
+        blk = jax.random.randint(jax.random.key(33), (n, cfg.block_size), 0, cfg.vocab_size, jnp.int32)
+        for split in (False, True):
+            f = jax.jit(lambda x, b, barrier, split=split: R.latent_pass(params, x, b, b[:, 0], split=split,
+                                                                          barrier=barrier), static_argnums=2)
+            assert "opt-barrier" in f.lower(xh, blk, True).as_text("hlo")
+            assert "opt-barrier" not in f.lower(xh, blk, False).as_text("hlo")
+            for a, b in zip(jax.tree.leaves(f(xh, blk, True)), jax.tree.leaves(f(xh, blk, False))):
+                np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+        served = jax.jit(lambda x, b: Ops.pallas().latent(params, x, b, b[:, 0])).lower(xh, blk).as_text("hlo")
+        assert ("opt-barrier" in served) == (n == n_in), n
+
+
 @pytest.mark.parametrize("rows", [15, 60])
 def test_lat_add_lowers_for_an_h200(rows):
     """The kernel with ``lat_add`` builds for an H200 at serving shapes (on a CPU: Triton lowering), with

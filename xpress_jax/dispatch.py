@@ -80,6 +80,27 @@ SPLIT_LATENT_MAX_ROWS = 60
 #: 1775.1 -> 1839.4; the pick is not bound by HBM there, and the slowdown was not looked into).
 FULL_VOCAB_ALTERNATE_MAX_ROWS = 60
 
+#: Draft rows up to which XLA's latent, where it is not split (full-vocab passes), puts the mixer's output and its
+#: rounding behind one `lax.optimization_barrier` (`xpress_jax.head.latent`'s ``barrier``): XLA:GPU otherwise emits
+#: the gather + mixer twice per pass, once for the gate/up GEMM and once more inside the residual's fusion. The
+#: same values. Measured (full vocab with a token table, device µs per refine, served -> barrier, 0 tokens differ):
+#: N=1 208.6 -> 203.0 (RESULTS.md sixteenth session), 207.7 -> 201.4 (twenty-first, under the CONCURRENT
+#: scheduling mode); slower from N=4: 277.4 -> 282.1, N=16 532.4 -> 537.8, top-512 N=16 287.3 -> 292.5.
+MIXER_BARRIER_MAX_ROWS: int | None = 15
+
+#: Draft rows up to which an unrolled full-vocab refine's picks give their ``w2`` loads L2 hints
+#: (`full_vocab.KEEP_POLICIES` ``FULL_VOCAB_KEEP``: the tiles a pass reads last, which the next pass reads first,
+#: marked to stay). None: never (not measured yet).
+FULL_VOCAB_KEEP_MAX_ROWS: int | None = None
+FULL_VOCAB_KEEP = "last"
+
+
+def full_vocab_keep(rows: int) -> str | None:
+    """The L2 hint policy of an unrolled full-vocab refine's pick over ``rows`` draft rows (or None)."""
+    cap = FULL_VOCAB_KEEP_MAX_ROWS
+    return FULL_VOCAB_KEEP if cap is not None and rows <= cap else None
+
+
 #: Draft rows from which an unrolled full-vocab refine skips the draft slots that are final (`pass_pick_rows`);
 #: None: never. RESULTS.md "Passes that skip the final draft slots" (sixteenth session; probe_skip.py, device µs
 #: per refine with a token table, all rows -> skipping, 0 tokens differ): N=1 208.0 -> 210.2, N=2 277.9 -> 290.5,

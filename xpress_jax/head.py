@@ -120,7 +120,7 @@ def token_table(params: Params | Head) -> jax.Array:
     return _dot(params["w1"], params["in_proj_token"], acc)
 
 
-def latent(params: Params, xh: jax.Array, prev: jax.Array, *, split: bool = False):
+def latent(params: Params, xh: jax.Array, prev: jax.Array, *, split: bool = False, barrier: bool = False):
     """One pass's latents for the draft slots: [N, B, r], [N, B] int -> [N, B-1, r].
 
     ``x = xh + w1[prev] @ in_proj_token``; ``u[n,k,c] = sum_j mix[k,j,c] x[n,j,c]``
@@ -133,6 +133,10 @@ def latent(params: Params, xh: jax.Array, prev: jax.Array, *, split: bool = Fals
     down(...)``, both [N, B-1, r] in the accumulation dtype: the latent is ``round_to(u + d, dtype)``
     (what the top-C pick kernel forms itself as it loads it, saving the residual's own kernel:
     `xpress_jax.reference.LatentSum`).
+
+    ``barrier=True`` puts ``u`` and its rounding behind one ``lax.optimization_barrier``: the same
+    values (the barrier is the identity), but XLA:GPU then computes the gather and the mixer once, where
+    it otherwise recomputes them inside the residual's fusion (`xpress_jax.dispatch.MIXER_BARRIER_MAX_ROWS`).
     """
     cd = params["w1"].dtype
     acc = acc_dtype(cd)
@@ -144,6 +148,8 @@ def latent(params: Params, xh: jax.Array, prev: jax.Array, *, split: bool = Fals
         x = xh.astype(acc) + _dot(e, params["in_proj_token"], acc)
     u = jnp.einsum("kjc,njc->nkc", params["mix"].astype(acc), x, precision=precision_for(acc))[:, 1:]
     uc = round_to(u, cd)
+    if barrier:
+        u, uc = jax.lax.optimization_barrier((u, uc))
     gate = _dot(uc, params["mlp_gate"], acc)
     up = _dot(uc, params["mlp_up"], acc)
     act = round_to(jax.nn.silu(gate) * up, cd)

@@ -371,12 +371,13 @@ def _pallas_full_vocab(logits, lat, w2, active=None, fallback=None, *, interpret
     return ref.best_by_score(*out, axis=0) if best else out
 
 
-def _pallas_pass_pick(logits, lat, w2, q, *, interpret, skip=None):
+def _pallas_pass_pick(logits, lat, w2, q, *, interpret, skip=None, keep="served"):
     """`Ops.full_vocab_pass_pick`'s ``run``: pass ``q``'s full-vocab pick. The rows of draft slots ``s..``
     (``s`` from `dispatch.pass_pick_rows`) through the kernel's ``row_ids``, in the plan's all-rows config
     (so each row's token is the one the all-rows pick gives it, bit for bit), ``w2`` read in descending
     order on odd ``q`` up to `dispatch.FULL_VOCAB_ALTERNATE_MAX_ROWS` draft rows. ``skip`` (benchmarks): True
-    skips the final slots wherever it can, False never (None: `dispatch.pass_pick_rows`' rule)."""
+    skips the final slots wherever it can, False never (None: `dispatch.pass_pick_rows`' rule). ``keep``
+    (benchmarks): the kernel's L2 hints (`full_vocab.KEEP_POLICIES`; "served": `dispatch.full_vocab_keep`)."""
     from . import dispatch
     from .kernels import full_vocab
 
@@ -396,8 +397,10 @@ def _pallas_pass_pick(logits, lat, w2, q, *, interpret, skip=None):
     ids = None
     if s:  # draft row m*(B-1) + j of slot j >= s, block by block (static)
         ids = _slot_rows(n, b, s)
+    if keep == "served":
+        keep = dispatch.full_vocab_keep(rows)
     tok = full_vocab.full_vocab_pick(logits.reshape(n * b, v), lat, w2, config=p.full_vocab, interpret=interpret,
-                                     slot_stride=b, reverse=reverse, row_ids=ids)
+                                     slot_stride=b, reverse=reverse, row_ids=ids, keep=keep)
     return tok, s
 
 
@@ -491,7 +494,9 @@ def _pallas_latent(params, xh, blk, prev_ids, split=False, *, interpret):
     (and with a token table up to `dispatch.TABLE_XLA_LATENT_MAX_ROWS` draft rows). ``split``: XLA's
     latent returns its residual's terms (`reference.LatentSum`) for the top-C pick kernel to add, up to
     `dispatch.SPLIT_LATENT_MAX_ROWS` draft rows (measured faster only there), except in float64 (whose
-    picks are the jnp steps)."""
+    picks are the jnp steps). An XLA latent that is not split puts its mixer behind an optimization
+    barrier up to `dispatch.MIXER_BARRIER_MAX_ROWS` draft rows (the same values)."""
+    from . import dispatch
     from .kernels import latent
 
     n, b = blk.shape
@@ -501,5 +506,6 @@ def _pallas_latent(params, xh, blk, prev_ids, split=False, *, interpret):
     if p.latent is None or (TOKEN_TABLE in params and n * (b - 1) <= TABLE_XLA_LATENT_MAX_ROWS):
         # with a token table, it reads the table
         split = split and n * (b - 1) <= SPLIT_LATENT_MAX_ROWS and jnp.dtype(dtype) != jnp.float64
-        return ref.latent_pass(params, xh, blk, prev_ids, split=split)
+        barrier = not split and n * (b - 1) <= (dispatch.MIXER_BARRIER_MAX_ROWS or 0)
+        return ref.latent_pass(params, xh, blk, prev_ids, split=split, barrier=barrier)
     return latent.latent_pass(params, xh, blk, prev_ids, config=p.latent, interpret=interpret)
