@@ -104,6 +104,25 @@ class TestFullVocabPick:
         for a, b in zip(fwd, rev):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
+    @pytest.mark.parametrize("keep", [k for k in fv.KEEP_POLICIES if k is not None])
+    @pytest.mark.parametrize("shape", [SHAPES[2], SHAPES[3], SHAPES[5]], ids=["flat", "one-tile", "flat-lazy"])
+    def test_l2_hints_are_the_same_pick(self, shape, keep):
+        """``keep`` (L2 eviction hints on the w2 loads; the loop split where the policy changes: the part's last
+        visited tile apart) gives the ids and per-part winners of the plain pick, in both orders, on random and
+        dyadic (tie-rich) inputs; with ``row_ids`` too. Configs: a flat loop of 3 tiles per part, one tile per
+        part (an empty first segment), a lazy flat loop."""
+        rows, vocab, rank, config = shape
+        for i, dyadic in enumerate((False, True)):
+            base, lat, w2 = pick_inputs(rows, vocab, rank, DTYPES[i], seed=7 * rows + vocab, dyadic=dyadic)
+            for reverse in (False, True):
+                want = self.pick(base, lat, w2, config, partials=True, reverse=reverse)
+                got = self.pick(base, lat, w2, config, partials=True, reverse=reverse, keep=keep)
+                for a, b in zip(got, want):
+                    np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"{keep} reverse={reverse}")
+            ids = jnp.asarray(np.arange(rows)[::-3].astype(np.int32))
+            np.testing.assert_array_equal(np.asarray(self.pick(base, lat, w2, config, row_ids=ids, keep=keep)),
+                                          np.asarray(self.pick(base, lat, w2, config))[np.asarray(ids)])
+
     @pytest.mark.parametrize("stride", [0, 6], ids=["rows", "slot-stride"])
     @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
     def test_row_ids(self, dtype, stride):
@@ -392,6 +411,10 @@ class TestFullVocabLowering:
         if lazy and n * (B - 1) <= (dispatch.FULL_VOCAB_ALTERNATE_MAX_ROWS or rows):  # what refine alternates
             f = functools.partial(fv.full_vocab_pick, config=cfg, slot_stride=B, reverse=True)
             assert common.lower_triton(f, *args).as_text().count(TRITON_CALL) == 2
+        if lazy and n <= 4:  # the L2 hints (`KEEP_POLICIES`) where refine may serve them
+            for keep in fv.KEEP_POLICIES:
+                f = functools.partial(fv.full_vocab_pick, config=cfg, slot_stride=B, reverse=n == 1, keep=keep)
+                assert common.lower_triton(f, *args).as_text().count(TRITON_CALL) == 2
         if lazy:  # a pass that skips the final slots: 2/3 of the rows through row_ids
             ids = jax.ShapeDtypeStruct((rows * 2 // 3,), jnp.int32)
             f = lambda b_, l_, w_, i_: fv.full_vocab_pick(b_, l_, w_, config=cfg, slot_stride=B, row_ids=i_)

@@ -205,6 +205,26 @@ def _base_index(r0, row_tile: int, v0, v_tile: int, rows: int, slot_stride: int)
     return (src[:, None], (v0 + iota(v_tile))[None, :])
 
 
+#: ``keep`` (the fused pick's L2 hint for its ``w2`` loads) -> (policy of the part's last visited tile,
+#: policy of the others). "last": keep the rows a pass reads last in L2, where the next pass, visiting
+#: in the other order, reads them first (`xpress_jax.refine` alternates the order at small N).
+KEEP_POLICIES = {
+    None: (None, None),
+    "last": ("evict_last", "evict_first"),
+    "last_only": ("evict_last", None),
+    "first": ("evict_first", "evict_first"),
+    "split": ("evict_normal", None),  # the loop split alone (no hint): a control
+}
+
+
+def _keep_segments(keep, v_steps):
+    """[(first visit, end visit, eviction policy)] for ``keep`` (`KEEP_POLICIES`) over ``v_steps`` visits."""
+    last, rest = KEEP_POLICIES[keep]
+    if last == rest or isinstance(v_steps, jax.Array):
+        return [(0, v_steps, rest)]
+    return [(0, v_steps - 1, rest), (v_steps - 1, v_steps, last)]
+
+
 def _fused_kernel(
     base_ref,  # [rows, V] whole array
     lat_ref,  # [rows, r] whole array
@@ -230,6 +250,7 @@ def _fused_kernel(
     lat_map: bool = False,
     v_steps_full: int = 0,
     reverse: bool = False,
+    keep: str | None = None,
 ):
     refs = list(refs)
     map_ref = refs.pop(0) if row_map else None
@@ -274,15 +295,16 @@ def _fused_kernel(
             return plt.load(lat_ref.at[idx], mask=lat_mask & (kc < rank)[None, :], other=0.0)
         return plt.load(lat_ref.at[pl.ds(r0, row_tile), pl.ds(k0, k_tile)], mask=lat_mask, other=0.0)
 
-    def dot_chunk(acc, v0, k0, x=None):  # acc + lat[:, k0:k0+k_tile] @ w2[v0:v0+v_tile, k0:...].T
+    def dot_chunk(acc, v0, k0, x=None, evict=None):  # acc + lat[:, k0:k0+k_tile] @ w2[v0:v0+v_tile, k0:...].T
         x = load_lat(k0) if x is None else x  # [row_tile, k_tile]
         w_mask = jnp.broadcast_to(((v0 + iota(v_tile)) < vocab)[:, None], (v_tile, k_tile))
         if k_tail:
             kc = k0 + iota(k_tile)
             idx = ((v0 + iota(v_tile))[:, None], kc[None, :])
-            w = plt.load(w2_ref.at[idx], mask=w_mask & (kc < rank)[None, :], other=0.0)
-        else:
-            w = plt.load(w2_ref.at[pl.ds(v0, v_tile), pl.ds(k0, k_tile)], mask=w_mask, other=0.0)  # [v_tile, k_tile]
+            w = plt.load(w2_ref.at[idx], mask=w_mask & (kc < rank)[None, :], other=0.0, eviction_policy=evict)
+        else:  # [v_tile, k_tile]
+            w = plt.load(w2_ref.at[pl.ds(v0, v_tile), pl.ds(k0, k_tile)], mask=w_mask, other=0.0,
+                         eviction_policy=evict)
         return acc + jax.lax.dot_general(
             x, w, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
         )
@@ -336,14 +358,14 @@ def _fused_kernel(
             # t -> (vocab tile t // n_k, rank chunk t % n_k): a shift and a mask when n_k is a power of two.
             shift = n_k.bit_length() - 1
 
-            def flat_step(t, carry):
+            def flat_step(t, carry, evict=None):
                 acc, best, bidx, b = carry
                 if n_k & (n_k - 1) == 0:
                     vt, kk = t >> shift, t & (n_k - 1)
                 else:
                     vt, kk = jax.lax.div(t, jnp.int32(n_k)), jax.lax.rem(t, jnp.int32(n_k))
                 v0 = v_start(visit(vt))
-                acc = dot_chunk(acc, v0, kk * k_tile)
+                acc = dot_chunk(acc, v0, kk * k_tile, evict=evict)
 
                 def finish(ops):
                     acc, best, bidx, b = ops
@@ -354,27 +376,33 @@ def _fused_kernel(
                     return finish((acc, best, bidx, b))
                 return jax.lax.cond(kk == n_k - 1, finish, lambda ops: ops, (acc, best, bidx, b))
 
-            _, best, bidx, _ = jax.lax.fori_loop(0, v_steps * n_k, flat_step, (zeros, *init, b0))
+            carry = (zeros, *init, b0)
+            for lo, hi, evict in _keep_segments(keep, v_steps):  # the visits that share one eviction policy
+                carry = jax.lax.fori_loop(lo * n_k, hi * n_k, functools.partial(flat_step, evict=evict), carry)
+            _, best, bidx, _ = carry
         else:
             # hold_lat: the latent tile is loop-invariant, load it once (n_k chunks of [row_tile, k_tile]).
             held = [load_lat(kk * k_tile) for kk in range(n_k)] if hold_lat else None
 
-            def step(t, carry):
+            def step(t, carry, evict=None):
                 best, bidx, b = carry
                 v0 = v_start(visit(t))
                 b_next = next_base(t) if prefetch_base else b  # issued before the dots
                 acc = zeros
                 if hold_lat:
                     for kk in range(n_k):
-                        acc = dot_chunk(acc, v0, kk * k_tile, held[kk])
+                        acc = dot_chunk(acc, v0, kk * k_tile, held[kk], evict=evict)
                 elif n_k == 1:
-                    acc = dot_chunk(acc, v0, 0)
+                    acc = dot_chunk(acc, v0, 0, evict=evict)
                 else:
-                    acc = jax.lax.fori_loop(0, n_k, lambda kk, a: dot_chunk(a, v0, kk * k_tile), acc)
+                    acc = jax.lax.fori_loop(0, n_k, lambda kk, a: dot_chunk(a, v0, kk * k_tile, evict=evict), acc)
                 best, bidx = epilogue(acc, b if prefetch_base else load_base(v0), v0, best, bidx)
                 return best, bidx, b_next
 
-            best, bidx, _ = jax.lax.fori_loop(0, v_steps, step, (*init, b0))
+            carry = (*init, b0)
+            for lo, hi, evict in _keep_segments(keep, v_steps):
+                carry = jax.lax.fori_loop(lo, hi, functools.partial(step, evict=evict), carry)
+            best, bidx, _ = carry
         if lazy:  # one reduction over the lanes per part
             best, bidx = common.best(best, bidx, axis=1)
         return best, bidx
@@ -457,7 +485,8 @@ def _combine_row_tile(rows_pad: int) -> int:
 
 
 def combine_partials(mv: jax.Array, mi: jax.Array, *, interpret: bool = False, active: jax.Array | None = None,
-                     fallback: jax.Array | None = None, pos: jax.Array | None = None) -> jax.Array:
+                     fallback: jax.Array | None = None, pos: jax.Array | None = None, row_tile: int | None = None,
+                     num_warps: int | None = None) -> jax.Array:
     """[parts, rows_pad] float32 best values + int32 ids -> [rows_pad] int32.
 
     The largest value wins, the lowest id among equal values (so "earliest vocab
@@ -468,6 +497,8 @@ def combine_partials(mv: jax.Array, mi: jax.Array, *, interpret: bool = False, a
     ``pos`` ([rows] int32 in [0, rows_pad), with ``active`` and ``fallback``): row q combines the
     partials of column ``pos[q]`` (`scan_failing`: the kernel ran on the rows in packed order); the
     output has one entry per row (``[rows_pad]`` rounded up to the combine's tile, the tail unspecified).
+    ``row_tile`` / ``num_warps`` (benchmarks): rows per program (a power of two dividing ``rows_pad``) and its
+    warps; None: `_combine_row_tile` and 4 or 8 by the tile's size.
     """
     parts, rows_pad = mv.shape
     extra, operands = {}, (mv, mi)
@@ -493,14 +524,16 @@ def combine_partials(mv: jax.Array, mi: jax.Array, *, interpret: bool = False, a
         raise ValueError("combine_partials: pos needs active and fallback")
     if parts == 1:
         return mi[0]
-    row_tile = _combine_row_tile(rows_pad)
+    row_tile = _combine_row_tile(rows_pad) if row_tile is None else row_tile
+    if row_tile < 1 or row_tile & (row_tile - 1) or rows_pad % row_tile:
+        raise ValueError(f"combine_partials: row_tile={row_tile} must be a power of two dividing rows_pad={rows_pad}")
     # Up to 16K partials per load: few sequential steps even for ~2K parts (N=1, 64-wide tiles).
     part_tile = min(next_pow2(parts), max(1, 16384 // row_tile))
     kernel = functools.partial(_combine_kernel, parts=parts, row_tile=row_tile, part_tile=part_tile, **extra)
     return common.pallas_call(
         kernel,
         name="xpress_pick_combine",
-        num_warps=8 if part_tile * row_tile >= 8192 else 4,
+        num_warps=num_warps or (8 if part_tile * row_tile >= 8192 else 4),
         num_stages=1,
         interpret=interpret,
         grid=(rows_pad // row_tile,),
@@ -567,7 +600,8 @@ def _fused_launch(operands, cfg: FullVocabConfig, *, rows: int, vocab: int, rank
     )(*operands)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "config", "slot_stride", "partials", "capacity", "reverse"))
+@functools.partial(jax.jit, static_argnames=("interpret", "config", "slot_stride", "partials", "capacity", "reverse",
+                                             "keep"))
 def full_vocab_pick(
     base: jax.Array,
     lat: jax.Array,
@@ -582,6 +616,7 @@ def full_vocab_pick(
     fallback: jax.Array | None = None,
     reverse: bool = False,
     row_ids: jax.Array | None = None,
+    keep: str | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """[rows,V], [rows,r], [V,r] -> [rows] int32: argmax_v float(dtype(base + dtype(lat @ w2.T))).
 
@@ -616,6 +651,8 @@ def full_vocab_pick(
     the same operations, and the running best keeps the lowest id on equal scores in either order
     (descending: ``>=`` on scores with NaN read as -inf; ascending: ``>``). `xpress_jax.refine` alternates
     the order between passes so that a pass starts on the ``w2`` rows its predecessor read last.
+    ``keep`` (static, a key of `KEEP_POLICIES`): L2 eviction hints on the ``w2`` loads, by the part's
+    visit order (None: none). Hints only: the same operations on the same values, the same result.
     ``row_ids`` ([M] int32, M >= 1, each in [0, rows); without ``active``): pick only these rows, in this
     order: returns [M] (``partials``: [parts, M]), row ``row_ids[i]``'s result at i. The kernel reads each
     row's latent and base row through the ids (nothing is copied) and runs ``ceil(M / row_tile)`` row
@@ -647,7 +684,7 @@ def full_vocab_pick(
         cfg.check_shape(cap, vocab, rank, dtype)
         mv, mi = _fused_launch((base, lat, w2, row_ids), cfg, rows=cap, vocab=vocab, rank=rank, dtype=dtype,
                                slot_stride=slot_stride, interpret=interpret, reverse=reverse, row_map=True,
-                               lat_map=True)
+                               lat_map=True, keep=keep)
         if partials:
             return mv[:, :cap], mi[:, :cap]
         return combine_partials(mv, mi, interpret=interpret)[:cap]
@@ -668,7 +705,7 @@ def full_vocab_pick(
         operands = (*operands, act if act.dtype == jnp.int32 else (act != 0).astype(jnp.int32))
         extra["has_active"] = True
     mv, mi = _fused_launch(operands, cfg, rows=cap, vocab=vocab, rank=rank, dtype=dtype, slot_stride=slot_stride,
-                           interpret=interpret, reverse=reverse, **extra)
+                           interpret=interpret, reverse=reverse, keep=keep, **extra)
     if partials:
         mv, mi = mv[:, :cap], mi[:, :cap]
         if pos is None:
