@@ -234,6 +234,27 @@ class TestTopCPick:
             with pytest.raises(ValueError, match="row_ids"):
                 tp.topc_pick(base_c, cand, lat, w2, interpret=self.INTERPRET, row_ids=bad)
 
+    def test_l2_hints_are_the_same_pick(self):
+        """``keep`` (L2 eviction hints on the w2 gathers; splits ``j < hot`` one policy, the rest another, a whole
+        program per branch) gives the per-split winners of the plain pick, with a rank tail chunk, with ``skip``
+        and ``row_ids``; a bad ``keep`` is refused."""
+        base_c, cand, lat, w2 = _inputs(21, 700, 90, 40, jnp.bfloat16, seed=31)
+        cfg = tp.TopCConfig(c_tile=16, c_steps=2, k_tile=16)  # 3 splits; rank 40 = 2 chunks + a tail
+        kw = dict(interpret=self.INTERPRET, config=cfg)
+        want = tp.topc_pick(base_c, cand, lat, w2, partials=True, **kw)
+        ids = np.asarray(tp.topc_pick(base_c, cand, lat, w2, **kw))
+        rid = jnp.asarray([20, 3, 3, 0], jnp.int32)
+        for keep in ((1, "evict_last", "evict_first"), (2, "evict_last", None), (0, None, "evict_normal"),
+                     (3, "evict_first", "evict_first")):
+            got = tp.topc_pick(base_c, cand, lat, w2, partials=True, keep=keep, **kw)
+            for a, b in zip(got, want):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=str(keep))
+            got = tp.topc_pick(base_c, cand, lat, w2, keep=keep, row_ids=rid, skip=jnp.bool_(False), **kw)
+            np.testing.assert_array_equal(np.asarray(got), ids[np.asarray(rid)])
+        for bad in ((1, "evict_later", None), (True, None, None), (1, None)):
+            with pytest.raises(ValueError, match="keep"):
+                tp.topc_pick(base_c, cand, lat, w2, keep=bad, **kw)
+
     def test_float64_is_refused(self):
         """The kernel refuses float64 (TypeError naming the dtype); refine routes it to the reference."""
         with jax.enable_x64(True):
@@ -276,6 +297,20 @@ class TestTopCLowering:
         f = lambda b_, c_, l_, w_, i_: tp.topc_pick(b_, c_, l_, w_, config=cfg, row_ids=i_)
         hlo = common.lower_triton(f, *args, S((max(1, rows * 2 // 3),), jnp.int32)).as_text()
         assert "xpress_topc_pick" in hlo
+
+    @pytest.mark.parametrize("rows", [240, 960])
+    def test_l2_hints_lower(self, rows):
+        """With ``keep`` the served config still builds for an H200 (both branches, evict_last and evict_first
+        gathers), also with ``row_ids`` and ``skip``."""
+        V, C, r, dt = 151936, 512, 256, jnp.bfloat16
+        S = jax.ShapeDtypeStruct
+        args = (S((rows, C), dt), S((rows, C), jnp.int32), S((rows, r), dt), S((V, r), dt))
+        cfg = dispatch.plan(rows, 2, V, r, C, dt).topc
+        keep = (1, "evict_last", "evict_first")
+        hlo = common.lower_triton(functools.partial(tp.topc_pick, config=cfg, keep=keep), *args).as_text()
+        assert "xpress_topc_pick" in hlo
+        f = lambda b_, c_, l_, w_, i_, s_: tp.topc_pick(b_, c_, l_, w_, config=cfg, keep=keep, row_ids=i_, skip=s_)
+        assert "xpress_topc_pick" in common.lower_triton(f, *args, S((rows // 2,), jnp.int32), S((), jnp.bool_)).as_text()
 
     @pytest.mark.parametrize("rows", [15, 3840])
     def test_skip_lowers(self, rows):

@@ -132,6 +132,7 @@ def _topc_kernel(
     has_skip: bool = False,
     has_add: bool = False,
     has_rows: bool = False,
+    keep: tuple | None = None,
 ):
     refs = list(refs)
     add_ref = refs.pop(0) if has_add else None
@@ -161,7 +162,7 @@ def _topc_kernel(
             return (load_one(lat_ref, kk) + load_one(add_ref, kk)).astype(dtype)
         return load_one(lat_ref, kk)
 
-    def run():  # this program's split of row n: (score, base logit, id) of its best candidate
+    def run(evict=None):  # this program's split of row n: (score, base logit, id) of its best candidate
         xs = [load_x(kk).astype(jnp.float32) for kk in range(n_k)]
 
         def step(t, carry):
@@ -176,9 +177,11 @@ def _topc_kernel(
                 kc, km = kcols(kk)
                 if km is not None:  # [c_tile, k_tile] row gather, rank tail masked
                     w = plt.load(w_ref.at[ids[:, None], kc[None, :]], mask=jnp.broadcast_to(km[None, :], (c_tile, k_tile)),
-                                 other=0.0)
-                else:
+                                 other=0.0, eviction_policy=evict)
+                elif evict is None:
                     w = w_ref[ids, pl.ds(k0, k_tile)]  # [c_tile, k_tile] row gather (masked lanes read row 0)
+                else:  # the same row gather, as index arrays (the form interpret mode's load takes with a hint)
+                    w = plt.load(w_ref.at[ids[:, None], kc[None, :]], eviction_policy=evict)
                 acc = acc + jnp.sum(w.astype(jnp.float32) * xs[kk][None, :], axis=1)
             s = jnp.where(ok, score(b, acc.astype(dtype), dtype), -jnp.inf)
             bf = b.astype(jnp.float32)
@@ -196,20 +199,31 @@ def _topc_kernel(
         mb_ref[...] = bbase
         mi_ref[...] = bidx
 
+    def run_write():
+        if keep is None:
+            write(*run())
+            return
+        # keep = (hot splits, their L2 policy, the others'): splits j < hot gather with one eviction hint,
+        # the rest with the other (each branch a whole program: the hint is static per load).
+        hot_splits, hot, rest = keep
+        is_hot = j < hot_splits
+        pl.when(is_hot)(lambda: write(*run(hot)))
+        pl.when(jnp.logical_not(is_hot))(lambda: write(*run(rest)))
+
     if not has_skip:
-        write(*run())
+        run_write()
     else:
         # skip: read nothing and write the "no winner" triple (it loses every comparison in the
         # combine). Both branches store (a cond returning these constants does not lower to Triton).
         go = skip_ref[0] == 0
-        pl.when(go)(lambda: write(*run()))
+        pl.when(go)(run_write)
         pl.when(jnp.logical_not(go))(lambda: write(jnp.float32(-jnp.inf), jnp.float32(-jnp.inf), jnp.int32(BIG)))
 
 
 TIES = ("base", "id")
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "config", "partials", "ties"))
+@functools.partial(jax.jit, static_argnames=("interpret", "config", "partials", "ties", "keep"))
 def topc_pick(
     base_c: jax.Array,
     cand: jax.Array,
@@ -223,6 +237,7 @@ def topc_pick(
     skip: jax.Array | None = None,
     lat_add: jax.Array | None = None,
     row_ids: jax.Array | None = None,
+    keep: tuple | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array, jax.Array]:
     """[rows,C], [rows,C] int, [rows,r], [V,r] -> [rows] int32 vocab ids.
 
@@ -246,16 +261,19 @@ def topc_pick(
     (``partials``: each [splits, M]), row ``row_ids[i]``'s result at i, computed as without ``row_ids``
     (one program per listed row and split; the same operations on the same row). `xpress_jax.refine`
     skips the draft slots that are final this way.
+    ``keep`` (static; None: no hints): ``(hot, hot_policy, rest_policy)``, L2 eviction hints on the ``w2``
+    gathers (``"evict_first"``, ``"evict_last"``, ``"evict_normal"`` or None): splits ``j < hot`` of every
+    row gather with ``hot_policy``, the others with ``rest_policy``. Hints only: the same result.
     """
     mv, mb, mi = _partials(base_c, cand, lat, w2, interpret=interpret, config=config, ties=ties, skip=skip,
-                           lat_add=lat_add, row_ids=row_ids)
+                           lat_add=lat_add, row_ids=row_ids, keep=keep)
     rows = base_c.shape[0] if row_ids is None else row_ids.shape[0]
     if partials:
         return mv[:, :rows], mb[:, :rows], mi[:, :rows]
     return combine_splits(mv, mb, mi, interpret=interpret)[:rows]
 
 
-def _partials(base_c, cand, lat, w2, *, interpret, config, ties, skip, lat_add=None, row_ids=None):
+def _partials(base_c, cand, lat, w2, *, interpret, config, ties, skip, lat_add=None, row_ids=None, keep=None):
     """The pick kernel's launch: each split's winner, ``(score, base, id)`` each [splits, rows_pad]
     (rows_pad = rows rounded up to 16; padding rows unwritten). Checks every argument."""
     if ties not in TIES:
@@ -299,6 +317,12 @@ def _partials(base_c, cand, lat, w2, *, interpret, config, ties, skip, lat_add=N
     if skip is not None:
         operands = (*operands, common.flag_operand(skip, "skip"))
         extra["has_skip"] = True
+    if keep is not None:
+        policies = (None, "evict_first", "evict_last", "evict_normal")
+        if (not isinstance(keep, tuple) or len(keep) != 3 or isinstance(keep[0], bool) or not isinstance(keep[0], int)
+                or keep[1] not in policies or keep[2] not in policies):
+            raise ValueError(f"keep must be (hot splits: int, policy, policy) with policies from {policies}; got {keep!r}")
+        extra["keep"] = keep
     kernel = functools.partial(
         _topc_kernel, c=c, rank=rank, c_tile=cfg.c_tile, c_steps=cfg.c_steps, k_tile=k_tile, dtype=dtype, ties=ties,
         **extra
