@@ -2,11 +2,7 @@
 kernel's L2 hints), `with_config` (one fixed flat config), `barrier_latent` (session 16's "barrier_u_uc")."""
 import dataclasses, functools
 
-import jax
-import jax.numpy as jnp
-from jax import lax
-
-from xpress_jax import head as H, ops as O
+from xpress_jax import ops as O
 from xpress_jax import reference as ref
 from xpress_jax.kernels import full_vocab as fvk
 
@@ -31,17 +27,8 @@ def with_config(c, keep):
     return dataclasses.replace(P, name=f"{c} keep={keep}", full_vocab_pass_pick=O.PassPick(P.full_vocab_pick, run))
 
 
-def barrier_latent(params, xh, blk, prev_ids, split=False):  # session 16's "barrier_u_uc" (probe_mixer.py)
-    prev = jnp.concatenate([prev_ids[:, None], blk[:, :-1]], axis=1)
-    cd = params["w1"].dtype
-    acc = H.acc_dtype(cd)
-    x = xh.astype(acc) + jnp.take(params[H.TOKEN_TABLE], prev, axis=0, mode="clip")
-    u = jnp.einsum("kjc,njc->nkc", params["mix"].astype(acc), x, precision=H.precision_for(acc))[:, 1:]
-    u, uc = lax.optimization_barrier((u, H.round_to(u, cd)))
-    gate = H._dot(uc, params["mlp_gate"], acc)
-    up = H._dot(uc, params["mlp_up"], acc)
-    act = H.round_to(jax.nn.silu(gate) * up, cd)
-    d = H._dot(act, params["mlp_down"], acc)
-    if split and blk.shape[0] * (blk.shape[1] - 1) <= 60:
-        return ref.LatentSum(u, d)
-    return H.round_to(u + d, cd)
+def barrier_latent(params, xh, blk, prev_ids, split=False):
+    """Session 16's "barrier_u_uc" (`probe_mixer.py`): XLA's latent with the mixer behind an optimization barrier.
+    (`probe_keep.py` ran a copy of that function; it is now `head.latent(..., barrier=True)`, the same ops.)"""
+    split = split and blk.shape[0] * (blk.shape[1] - 1) <= 60
+    return ref.latent_pass(params, xh, blk, prev_ids, split=split, barrier=True)
