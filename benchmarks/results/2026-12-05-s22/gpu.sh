@@ -1,5 +1,5 @@
 #!/bin/bash
-# Session 22's device calls: bash benchmarks/results/2026-12-05-s22/gpu.sh keep2bench|tests|bench
+# Session 22's device calls: bash benchmarks/results/2026-12-05-s22/gpu.sh keep2bench|tests|bench|cert
 export PYTHONPATH=$PWD
 S21=benchmarks/results/2026-12-05-s21
 CONC="--xla_gpu_command_buffer_scheduling_mode=CONCURRENT"
@@ -18,5 +18,11 @@ case "$1" in
            tests/test_refine.py tests/test_backends.py > $OUT/gpu_tests.log 2>&1
          tail -3 $OUT/gpu_tests.log; grep -E "^(FAILED|ERROR)" $OUT/gpu_tests.log | head -20 ;;
   bench) bench ;;
-  *) echo "usage: gpu.sh keep2bench|tests|bench" >&2; exit 2 ;;
+  cert) for std in 0.06 0.01; do  # issue 14: the certified mode against the scan and top-512, today's code
+          left=$((585 - (SECONDS - T0))); [ $left -gt 60 ] || break
+          timeout $left python3 -m benchmarks.bench_refine --backends pallas@table,pallas@certified-table \
+            --n 1,16,64,256 --topc 512,0 --std $std --walls 5 --no-select --out $OUT/cert_std$std 2>&1 \
+            | grep -v -i warn | tail -14
+        done ;;
+  *) echo "usage: gpu.sh keep2bench|tests|bench|cert" >&2; exit 2 ;;
 esac
