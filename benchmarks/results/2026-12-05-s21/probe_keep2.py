@@ -25,9 +25,6 @@ from xpress_jax import reference as ref  # noqa: E402
 from xpress_jax.kernels import full_vocab as fvk  # noqa: E402
 from xpress_jax.kernels import topc_pick as tpk  # noqa: E402
 
-out = open(sys.argv[1], "w")
-
-
 def topc_keep(keep):
     """The served top-C pass pick (`ops._pallas_topc_pass_pick`), every pass through `topc_pick` with ``keep``."""
     def run(base_c, cand, lat, prepared, q, n):
@@ -51,14 +48,6 @@ L, F, NORM = "evict_last", "evict_first", None
 TOPC = {"path (no hints)": topc_keep(None), "hot1": topc_keep((1, L, F)), "hot2": topc_keep((2, L, F)),
         "hot1 rest normal": topc_keep((1, L, NORM)), "all first": topc_keep((0, L, F)),
         "index form, no hint": topc_keep((0, L, "evict_normal"))}
-for n in (16, 64):
-    time_variants(n, 512, {"served": P, **TOPC}, 3, out)
-
-
-for n in (16, 64):  # (8, 32, 128 too, first; cut for device time after failed starts)
-    served = dispatch.plan(n, CFG.block_size, CFG.vocab_size, CFG.rank, 0, jnp.bfloat16).full_vocab
-    variants = {k: with_keep(k) for k in ("split", "last", "last_only", "first")}
-    time_variants(n, 0, {"served": P, **variants}, 3, out, dict(served_config=str(served)))
 
 
 def with_combine(row_tile, warps):
@@ -76,4 +65,12 @@ def with_combine(row_tile, warps):
 
 V1 = {"barrier": dataclasses.replace(P, latent=barrier_latent),
       **{f"barrier+combine {t}x{w}": with_combine(t, w) for t, w in ((16, 4), (4, 4), (1, 1))}}
-time_variants(1, 0, {"served": P, **V1}, 3, out)
+if __name__ == "__main__":  # (session 23: behind this guard, so that probe_keep3.py can import the variants)
+    out = open(sys.argv[1], "w")
+    for n in (16, 64):
+        time_variants(n, 512, {"served": P, **TOPC}, 3, out)
+    for n in (16, 64):  # (8, 32, 128 too, first; cut for device time after failed starts)
+        served = dispatch.plan(n, CFG.block_size, CFG.vocab_size, CFG.rank, 0, jnp.bfloat16).full_vocab
+        variants = {k: with_keep(k) for k in ("split", "last", "last_only", "first")}
+        time_variants(n, 0, {"served": P, **variants}, 3, out, dict(served_config=str(served)))
+    time_variants(1, 0, {"served": P, **V1}, 3, out)
