@@ -289,6 +289,59 @@ def test_pass_pick_compiled(monkeypatch, topc, dtype):
     assert len(set(map(tuple, want))) > 1
 
 
+def test_served_keeps_follow_the_measurements():
+    """The picks' served ``keep``: the full-vocab loop split exactly in the table's configs that hold the latent
+    (not in the flat ones, where it measured slower); the top-C hot splits at the serving shapes exactly at N=16
+    (measured faster there; slower at N = 4, 8, 32, 64), half of the row's splits hot."""
+    for row in dispatch.TABLE:
+        cfg = full_vocab.FullVocabConfig(**row.full_vocab)
+        assert dispatch.full_vocab_keep(cfg) == ("split" if cfg.hold_lat else None)
+    assert dispatch.full_vocab_keep(dispatch.plan(4, B, V, R, 0, jnp.bfloat16).full_vocab) is None
+    assert dispatch.full_vocab_keep(dispatch.plan(8, B, V, R, 0, jnp.bfloat16).full_vocab) == "split"
+    hinted = [n for n in range(1, 257) if dispatch.topc_keep(n * (B - 1), C, R, 2, 4)]
+    assert 16 in hinted and not {4, 8, 32, 64} & set(hinted) and hinted == list(range(hinted[0], hinted[-1] + 1))
+    assert dispatch.topc_keep(16 * (B - 1), C, R, 2, 4) == (2, "evict_last", "evict_first")
+    assert dispatch.topc_keep(16 * (B - 1), C, R, 2, 1) is None  # one split: nothing to split in two
+    assert dispatch.topc_keep(16 * (B - 1), C, R, 4, 4) is None  # float32: twice the bytes, out of the window
+
+
+@pytest.mark.parametrize("topc", [0, 300])  # C=300: three 128-candidate splits per row, one hot
+def test_served_keeps_are_the_same_tokens(monkeypatch, topc):
+    """With the served ``keep`` forced on (the top-C window open at any size; the full-vocab shapes in a config
+    that holds the latent), an unrolled refine's passes hand the pick its hints, and the tokens are those of the
+    same refine with no hints, bit for bit (interpreted on a CPU; compiled on a GPU)."""
+    jax.clear_caches()  # traces from other tests at these shapes would hide the spy
+    interpret = jax.default_backend() == "cpu"
+    cfg = xj.HeadConfig(vocab_size=611, hidden_size=16, block_size=5, rank=40, mlp_hidden=32, topc=topc)
+    head = xj.Head(cfg, make_head(cfg, dtype=jnp.bfloat16))
+    n = 16  # 64 draft rows
+    x = make_inputs(cfg, n, dtype=jnp.bfloat16, logit_std=0.5)
+    if not topc:
+        assert dispatch.plan(n, 5, 611, 40, 0, jnp.bfloat16).full_vocab.hold_lat
+    mod, name = (topc_pick, "topc_pick") if topc else (full_vocab, "full_vocab_pick")
+    seen, orig = [], getattr(mod, name)
+
+    def spy(*a, **kw):
+        seen.append(kw.get("keep"))
+        return orig(*a, **kw)
+
+    monkeypatch.setattr(mod, name, spy)
+    monkeypatch.setattr(dispatch, "TOPC_KEEP_GATHER_BYTES", (0, 1 << 40))
+    P = Ops.pallas(interpret)
+    tok = np.asarray(refine_with(P, head, *x, num_passes=6, unroll=True))
+    splits = -(-topc // dispatch.plan(n * 4, 2, 611, 40, topc, jnp.bfloat16).topc.c_tile) if topc else 0
+    want_keep = (splits // 2, "evict_last", "evict_first") if topc else "split"
+    assert not topc or splits == 3
+    assert seen and all(k == want_keep for k in seen), (seen, want_keep)
+    seen.clear()
+    monkeypatch.setattr(dispatch, "TOPC_KEEP_GATHER_BYTES", None)
+    monkeypatch.setattr(dispatch, "FULL_VOCAB_KEEP", None)
+    want = np.asarray(refine_with(P, head, *x, num_passes=6, unroll=True))
+    assert seen and not any(seen)
+    np.testing.assert_array_equal(tok, want)
+    assert len(set(map(tuple, want))) > 1
+
+
 def _start_logits(n, b, v, dtype, seed):
     """[n, b, v] logits whose draft rows hold every kind of argmax case: NaN and -inf rows, ties at the top
     (the lowest id wins), -0.0 against +0.0, a maximum at the last id, flat rows."""

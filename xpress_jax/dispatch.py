@@ -88,17 +88,38 @@ FULL_VOCAB_ALTERNATE_MAX_ROWS = 60
 #: scheduling mode); slower from N=4: 277.4 -> 282.1, N=16 532.4 -> 537.8, top-512 N=16 287.3 -> 292.5.
 MIXER_BARRIER_MAX_ROWS: int | None = 15
 
-#: Draft rows up to which an unrolled full-vocab refine's picks give their ``w2`` loads L2 hints
-#: (`full_vocab.KEEP_POLICIES` ``FULL_VOCAB_KEEP``: the tiles a pass reads last, which the next pass reads first,
-#: marked to stay). None: never (not measured yet).
-FULL_VOCAB_KEEP_MAX_ROWS: int | None = None
-FULL_VOCAB_KEEP = "last"
+#: The full-vocab pick's ``keep`` (`full_vocab.KEEP_POLICIES`) where its config holds the latent (``hold_lat``: the
+#: `TABLE` rows from N=5 at B=16): "split", the tile loop split before its last tile, with no L2 hint. Measured as
+#: the control of the L2 hints, it does what the hints did (RESULTS.md "The full-vocab loop split; the top-C pick's
+#: hot splits", twenty-third session, H100; device µs per refine with a token table, served -> split, 0 tokens
+#: differ): N=8 540.3 -> 506.2, N=16 584.2 -> 550.6 and 579.1 -> 545.2, N=64 1598.1 -> 1578.4, N=128 2962.9 ->
+#: 2870.1, N=256 5203.7 -> 5149.4 ("last", the hint, on an H200 in the twenty-first: N=16 531.1 -> 500.8). Slower in
+#: the flat configs (N <= 4): N=4 323.5 -> 391.0 (the second pipeline prologue); there it is None.
+FULL_VOCAB_KEEP = "split"
 
 
-def full_vocab_keep(rows: int) -> str | None:
-    """The L2 hint policy of an unrolled full-vocab refine's pick over ``rows`` draft rows (or None)."""
-    cap = FULL_VOCAB_KEEP_MAX_ROWS
-    return FULL_VOCAB_KEEP if cap is not None and rows <= cap else None
+def full_vocab_keep(config) -> str | None:
+    """The ``keep`` of the full-vocab pick in ``config`` (a `full_vocab.FullVocabConfig`): `FULL_VOCAB_KEEP` where
+    it holds the latent, else None."""
+    return FULL_VOCAB_KEEP if config.hold_lat else None
+
+
+#: The top-C pick's L2 hints (`topc_pick.topc_pick`'s ``keep``): the first half of each row's splits gather their
+#: ``w2`` rows with evict_last (they stay in L2 for the next pass, which gathers the same rows), the rest with
+#: evict_first, where one pass's gather (draft rows x C x rank x itemsize) is in ``TOPC_KEEP_GATHER_BYTES``
+#: ``(lo, hi]``: more than L2 holds (50 MB on an H100 or H200) and its hot half not. RESULTS.md "The full-vocab loop
+#: split; the top-C pick's hot splits" (twenty-third session, H100, top-512, device µs per refine with a token table,
+#: served -> two hot splits of four, 0 tokens differ): N=16 (60 MiB) 284.4 -> 274.9 and 280.8 -> 268.6; slower at
+#: N=4 (15 MiB) 135.5 -> 149.1, N=8 (30 MiB) 201.3 -> 209.6, N=32 (120 MiB) 433.5 -> 458.2, N=64 665.0 -> 705.1.
+TOPC_KEEP_GATHER_BYTES: tuple[int, int] | None = (48 << 20, 96 << 20)
+
+
+def topc_keep(rows: int, c: int, rank: int, itemsize: int, splits: int) -> tuple | None:
+    """The top-C pick's ``keep`` for ``rows`` draft rows of ``c`` candidates (``splits`` programs per row), or None."""
+    window = TOPC_KEEP_GATHER_BYTES
+    if window is None or splits < 2 or not window[0] < rows * c * rank * itemsize <= window[1]:
+        return None
+    return (splits // 2, "evict_last", "evict_first")
 
 
 #: Draft rows from which an unrolled full-vocab refine skips the draft slots that are final (`pass_pick_rows`);

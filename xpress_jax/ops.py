@@ -377,7 +377,7 @@ def _pallas_pass_pick(logits, lat, w2, q, *, interpret, skip=None, keep="served"
     (so each row's token is the one the all-rows pick gives it, bit for bit), ``w2`` read in descending
     order on odd ``q`` up to `dispatch.FULL_VOCAB_ALTERNATE_MAX_ROWS` draft rows. ``skip`` (benchmarks): True
     skips the final slots wherever it can, False never (None: `dispatch.pass_pick_rows`' rule). ``keep``
-    (benchmarks): the kernel's L2 hints (`full_vocab.KEEP_POLICIES`; "served": `dispatch.full_vocab_keep`)."""
+    (benchmarks): the kernel's ``keep`` (`full_vocab.KEEP_POLICIES`; "served": `dispatch.full_vocab_keep`)."""
     from . import dispatch
     from .kernels import full_vocab
 
@@ -398,7 +398,7 @@ def _pallas_pass_pick(logits, lat, w2, q, *, interpret, skip=None, keep="served"
     if s:  # draft row m*(B-1) + j of slot j >= s, block by block (static)
         ids = _slot_rows(n, b, s)
     if keep == "served":
-        keep = dispatch.full_vocab_keep(rows)
+        keep = dispatch.full_vocab_keep(p.full_vocab)
     tok = full_vocab.full_vocab_pick(logits.reshape(n * b, v), lat, w2, config=p.full_vocab, interpret=interpret,
                                      slot_stride=b, reverse=reverse, row_ids=ids, keep=keep)
     return tok, s
@@ -409,11 +409,12 @@ def _slot_rows(n: int, b: int, s: int) -> np.ndarray:
     return (np.arange(n)[:, None] * (b - 1) + np.arange(s, b - 1)[None, :]).reshape(-1).astype(np.int32)
 
 
-def _pallas_topc_pass_pick(base_c, cand, lat, prepared, q, n, *, interpret, skip=None):
+def _pallas_topc_pass_pick(base_c, cand, lat, prepared, q, n, *, interpret, skip=None, keep="served"):
     """`Ops.topc_pass_pick`'s ``run``: pass ``q``'s top-C pick of draft slots ``s..`` (``s`` from
     `dispatch.pass_pick_rows`, one program per row) through the kernel's ``row_ids``, in the plan's
     all-rows config: each row's token is the one the all-rows pick gives it, bit for bit. ``skip`` as in
-    `_pallas_pass_pick`."""
+    `_pallas_pass_pick`; ``keep`` (benchmarks): the kernel's L2 hints (``(hot splits, policy, policy)`` or None;
+    "served": `dispatch.topc_keep` of all the draft rows, the same in every pass)."""
     from . import dispatch
     from .kernels import topc_pick
 
@@ -425,15 +426,20 @@ def _pallas_topc_pass_pick(base_c, cand, lat, prepared, q, n, *, interpret, skip
         s = 0
     if s == b - 1:  # every draft slot is final: nothing to pick
         return jnp.zeros((0,), jnp.int32), s
-    if s == 0 or prepared.ndim == 3:  # every row, or float64 (the jnp path picks every row)
+    if prepared.ndim == 3:  # float64: the jnp path picks every row
+        return _pallas_topc(base_c, cand, lat, prepared, interpret=interpret, best=False), 0
+    v, r = prepared.shape
+    p = _plan(rows, 2, v, r, c, base_c.dtype, interpret)
+    if keep == "served":
+        splits = -(-c // (p.topc.c_tile * p.topc.c_steps))
+        keep = dispatch.topc_keep(rows, c, r, jnp.dtype(prepared.dtype).itemsize, splits)
+    if s == 0 and keep is None:  # every row
         return _pallas_topc(base_c, cand, lat, prepared, interpret=interpret, best=False), 0
     lat_add = None
     if isinstance(lat, ref.LatentSum):  # the residual's terms: the kernel adds them
         lat, lat_add = lat
-    v, r = prepared.shape
-    p = _plan(rows, 2, v, r, c, base_c.dtype, interpret)
     tok = topc_pick.topc_pick(base_c, cand, lat, prepared, config=p.topc, interpret=interpret, lat_add=lat_add,
-                              row_ids=_slot_rows(n, b, s))
+                              row_ids=_slot_rows(n, b, s) if s else None, keep=keep)
     return tok, s
 
 

@@ -213,7 +213,7 @@ KEEP_POLICIES = {
     "last": ("evict_last", "evict_first"),
     "last_only": ("evict_last", None),
     "first": ("evict_first", "evict_first"),
-    "split": ("evict_normal", None),  # the loop split alone (no hint): a control
+    "split": ("evict_normal", None),  # the loop split alone, no hint: served where the config holds the latent
 }
 
 
