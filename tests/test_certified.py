@@ -106,6 +106,47 @@ def test_tokens_equal_scan_pallas_interpret(dtype, regime):
     _check_regime(stats, regime)
 
 
+@pytest.mark.interpret
+@pytest.mark.interpret_refine
+@pytest.mark.parametrize("path", ["pick", "one-launch", "two-launch"])
+@pytest.mark.parametrize("regime", ["row_scan", "fallback"])
+def test_unrolled_passes_skip_final_slots(regime, path, monkeypatch):
+    """Unrolled, each certified pass knows its number (`dispatch.CERTIFIED_PASS_NUMBERS`): its final draft slots
+    are neither decided nor scanned and its full-vocab picks take the pass pick's order (odd passes descending)
+    and L2 hint. Paths: "pick" (one row tile holds every row: one pick of the active rows), "one-launch" (the
+    packed scan, `kernels.full_vocab.scan_failing`, whose packing leaves the final slots out even in a full
+    pass), "two-launch" (above `dispatch.SCAN_FAILING_MAX_ROWS`, patched to 0: the all-rows launch reads the
+    other slots through ``row_ids``); the packed paths are forced by a ``full_vocab_capacity`` that always
+    packs (the test shapes fit one row tile). B=6, K=6: passes 2-5 skip slots, pass 6 (every slot final) runs
+    nothing. Tokens equal the Pallas scan's and the loop's (which knows no pass number)."""
+    cfg = dataclasses.replace(CFG, num_passes=6)
+    x, cert = _regime(jnp.bfloat16, regime, n=4)
+    cert = dataclasses.replace(cert, scan_blocks=2)
+    ops = Ops.pallas(True)
+    if path != "pick":
+        ops = dataclasses.replace(ops, full_vocab_capacity=lambda n, b, v, r, dtype, limit: limit or None)
+    if path == "two-launch":
+        monkeypatch.setattr(dispatch, "SCAN_FAILING_MAX_ROWS", 0)
+
+    def run(o, unroll, full_vocab="scan"):
+        f = jax.jit(lambda *a: refine_with(o, *a, config=cfg, topc=0, unroll=unroll, full_vocab=full_vocab,
+                                           return_stats=full_vocab != "scan"))
+        return f(*x)
+
+    want = np.asarray(run(Ops.pallas(True), False))
+    got, stats = run(ops, True, cert)
+    np.testing.assert_array_equal(np.asarray(got), want)
+    loop, loop_stats = run(ops, False, cert)
+    np.testing.assert_array_equal(np.asarray(loop), want)
+    st, lst = ({k: float(v) for k, v in t._asdict().items()} for t in (stats, loop_stats))
+    if regime == "fallback":  # passes 1-5 fall back (pass 6 runs nothing and counts as certified)
+        assert st["passes_full_scan"] == pytest.approx(5 / 6) and st["passes_certified"] == pytest.approx(1 / 6), st
+        assert lst["passes_full_scan"] == 1.0, lst
+    else:
+        assert 0.5 < st["rows_certified"] < 1.0 and st["passes_row_scan"] > 0 and st["passes_full_scan"] == 0, st
+    assert (want != np.asarray(ref.full_vocab_start(x[1])).reshape(want.shape)).mean() > 0.1  # refinement acts
+
+
 @pytest.mark.parametrize("backend", ["xla", pytest.param("pallas", marks=pytest.mark.interpret_refine)])
 def test_float64(backend):
     """float64 (the jnp path on either backend: the kernels refuse it): tokens equal the scan where most rows

@@ -152,8 +152,21 @@ class TestFullVocabPick:
         for bad in (jnp.asarray(ids, jnp.float32), jnp.zeros((0,), jnp.int32), jnp.asarray(ids)[None]):
             with pytest.raises(ValueError, match="row_ids"):
                 self.pick(base, lat, w2, cfg, row_ids=bad, **kw)
-        with pytest.raises(ValueError, match="row_ids"):
+        # active with row_ids is by position (the certified mode's fallback scan): inactive positions' row
+        # tiles read nothing and report "no winner"; active ones their row's partials, bit for bit
+        act = np.zeros(len(ids), np.int32)
+        act[16:] = 1  # the second row tile only: the first returns at once
+        mv, mi = self.pick(base, lat, w2, cfg, row_ids=jnp.asarray(ids), active=jnp.asarray(act), partials=True, **kw)
+        np.testing.assert_array_equal(np.asarray(mv)[:, 16:], np.asarray(parts_all[0])[:, ids[16:]])
+        np.testing.assert_array_equal(np.asarray(mi)[:, 16:], np.asarray(parts_all[1])[:, ids[16:]])
+        assert np.all(np.asarray(mv)[:, :16] == -np.inf) and np.all(np.asarray(mi)[:, :16] == fv.BIG)
+        got = np.asarray(self.pick(base, lat, w2, cfg, row_ids=jnp.asarray(ids), active=jnp.ones(len(ids), bool), **kw))
+        np.testing.assert_array_equal(got, want[ids])
+        with pytest.raises(ValueError, match="active"):
             self.pick(base, lat, w2, cfg, row_ids=jnp.asarray(ids), active=jnp.ones((rows,), bool), **kw)
+        with pytest.raises(ValueError, match="fallback"):
+            self.pick(base, lat, w2, cfg, row_ids=jnp.asarray(ids), active=jnp.ones(len(ids), bool),
+                      fallback=jnp.zeros(len(ids), jnp.int32), **kw)
 
     @pytest.mark.parametrize("reverse", [False, True], ids=["ascending", "reverse"])
     @pytest.mark.parametrize("lazy", [False, True], ids=["fused", "fused-lazy"])
@@ -312,6 +325,29 @@ class TestFullVocabPick:
                                active=jnp.asarray(act), capacity=0)
 
 
+    @pytest.mark.parametrize("rows,slots", [(75, 15), (37, 6)])
+    def test_pack_active_skips_final_slots(self, rows, slots):
+        """``skip_slots`` (the certified mode's passes that know their number): rows ``q % slots < skip_slots``
+        are never active, not even in a full pass or when ``fail`` names them (they still count in sum(fail));
+        the rest as without it; the kernel equals its jnp spelling."""
+        rng = np.random.default_rng(rows)
+        slot = np.arange(rows) % slots
+        for skip in (1, 3, slots - 1):
+            for frac, fallen, limit in ((0.2, False, rows), (0.3, False, 2), (0.1, True, rows)):
+                f = rng.random(rows) < frac
+                fail = jnp.asarray(f)
+                got = fv.pack_active(fail, jnp.asarray(fallen), limit=limit, skip_slots=skip, slots=slots,
+                                     interpret=self.INTERPRET)
+                want = fv.pack_active_ref(fail, jnp.asarray(fallen), limit=limit, skip_slots=skip, slots=slots)
+                for name, g, w in zip(("pos", "src", "act_p", "act", "flags"), got, want):
+                    np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=f"{name} skip {skip}")
+                pos, src, act_p, act, flags = (np.asarray(a) for a in got)
+                full = fallen or f.sum() > limit
+                assert bool(flags[0]) == full and int(flags[1]) == f.sum()
+                np.testing.assert_array_equal(act, (f | full) & (slot >= skip))
+                np.testing.assert_array_equal(src[: act.sum()], np.flatnonzero(act))
+                assert act_p.sum() == act.sum()
+
     @pytest.mark.parametrize("rows", [1, 37, 40, 1000, 3840])
     def test_pack_active(self, rows):
         """`pack_active` == its jnp spelling (the packed order, the inverse map, the counts, the full flag) on
@@ -343,6 +379,8 @@ class TestFullVocabPick:
                 np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
         with pytest.raises(ValueError, match="limit must be"):
             fv.pack_active(fail, jnp.asarray(False), limit=-1, interpret=self.INTERPRET)
+        with pytest.raises(ValueError, match="skip_slots"):
+            fv.pack_active(fail, jnp.asarray(False), limit=1, skip_slots=15, slots=15, interpret=self.INTERPRET)
         with pytest.raises(ValueError, match="need fail"):
             fv.pack_active(fail[None], jnp.asarray(False), limit=1, interpret=self.INTERPRET)
         with pytest.raises(ValueError, match="fallen must be"):

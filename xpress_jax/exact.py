@@ -50,6 +50,15 @@ Per pass, per draft row:
    pick, a second launch whose programs return at once in other passes) and the call has *fallen
    back* (a device bool, sticky): every later pass passes ``skip`` to the top-C pick (its programs
    return at once) and scans every row. No step waits for the host.
+5. **Passes that know their number.** Unrolled (GPUs; `dispatch.CERTIFIED_PASS_NUMBERS`), pass ``q``
+   (0-based) knows that the draft slots before ``q`` are final: slot j reads only the slots before it
+   (SEMANTICS "One call"), so after pass j + 1 every later pass gives it the same token, and the
+   certified mode's blocks are the scan's after every pass (below). Those rows are left out of the
+   pass's decisions (they never fail and are not counted in `CertifiedStats`) and of its scans (the
+   packing leaves them out even in a full pass; the all-rows launch above
+   `dispatch.SCAN_FAILING_MAX_ROWS` reads the others through ``row_ids``), and keep their tokens; a
+   pass with every slot final (``q >= B-1``) runs nothing. Its full-vocab picks read ``w2`` in the
+   order and with the L2 hint of the scan's pass pick (``ops.full_vocab_pick(..., q=q)``).
 
 Why the tokens are those of ``topc=0`` on the same backend.
   *The score pipeline is monotone.* The full scan scores v as
@@ -253,6 +262,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import dispatch
 from . import reference as ref
 from .reference import SLACK, bound_beta as _beta, bound_upper as _upper, certify_rows
 from .head import acc_dtype
@@ -403,7 +413,7 @@ def _exact_prepare(w2, *, block, bits):
 
 
 def _exact_full_vocab_pick(logits, lat, w2_prepared, active=None, fallback=None, *, candidates,
-                           direct_readout):
+                           direct_readout, q=None):
     from .ops import with_fallback
 
     w2, prepared = w2_prepared
@@ -708,32 +718,47 @@ def certified_passes(ops: Ops, params, logits: jax.Array, xh: jax.Array, anchors
     packed = bool(limit and ops.scan_failing and ops.full_vocab_capacity
                   and ops.full_vocab_capacity(N, B, V, r, dtype, limit) is not None)
     row_valid = jnp.repeat(valid, B - 1)
-    n_valid = jnp.sum(row_valid, dtype=jnp.int32)
+    slot = np.arange(rows) % (B - 1)  # each draft row's slot (static)
 
-    def one_pass(_, carry):
+    def one_pass(q, carry):
+        # q: the 0-based pass number where the passes are unrolled (a Python int), else None. Then the draft
+        # slots before s are final (module doc, "Passes that know their number"): not decided, not scanned.
         # flags: int32 [8] = [fallen, the last pass's failing rows, 0, ...], as the kernels write and
         # read it (`kernels.common.flag_operand`): between two kernels of the certified mode no XLA op runs
         blk, flags, (tried, certified, outcomes) = carry
+        s = 0 if q is None else min(q, B - 1)
+        if s == B - 1:  # every draft slot is final: the pass would give the block it has (counted as certified)
+            return blk, flags, (tried, certified, outcomes.at[0].add(1))
+        kw = {} if q is None else {"q": q}
         fallen = ref.flag_value(flags)
+        live = row_valid & jnp.asarray(slot >= s) if s else row_valid  # the rows this pass decides
+        n_live = jnp.sum(live, dtype=jnp.int32)
         lat = ops.latent(params, xh, blk, prev_ids).reshape(rows, r)
-        # fail: valid rows whose bound fails (none once fallen: then the candidates' kernel reads nothing)
-        best_id, fail, act, decided = _decide(ops, d, lat, dtype, row_valid, flags, None if packed else limit)
-        if packed:  # the failing rows (every row if the pass is full) scanned, the others best_id
-            tok, flags = ops.scan_failing(logits, lat, d.fprep, fail, flags, best_id, limit)
+        # fail: live rows whose bound fails (none once fallen: then the candidates' kernel reads nothing)
+        best_id, fail, act, decided = _decide(ops, d, lat, dtype, live, flags, None if packed else limit)
+        if packed:  # the failing rows (every live row if the pass is full) scanned, the others best_id
+            tok, flags = ops.scan_failing(logits, lat, d.fprep, fail, flags, best_id, limit, **kw)
         else:  # one pick: its active rows (act = fail | full) get its token, the others best_id
-            tok, flags = ops.full_vocab_pick(logits, lat, d.fprep, active=act, fallback=best_id), decided
+            tok, flags = ops.full_vocab_pick(logits, lat, d.fprep, active=act, fallback=best_id, **kw), decided
         # full: this pass scanned every row (padding rows too: tokens stay real ids)
         full, n_fail = flags[0] != 0, flags[1]
         outcome = jnp.where(full, 2, jnp.where(n_fail == 0, 0, 1))  # certified / rows scanned / fallen back
-        tried = tried + jnp.where(fallen, 0, n_valid)
-        certified = certified + jnp.where(fallen, 0, n_valid - n_fail)
+        tried = tried + jnp.where(fallen, 0, n_live)
+        certified = certified + jnp.where(fallen, 0, n_live - n_fail)
         outcomes = outcomes + (jnp.arange(3) == outcome).astype(jnp.int32)
-        return blk.at[:, 1:].set(tok.reshape(N, B - 1)), flags, (tried, certified, outcomes)
+        # the final slots keep their tokens (the pass would give them the same)
+        return blk.at[:, 1 + s:].set(tok.reshape(N, B - 1)[:, s:]), flags, (tried, certified, outcomes)
 
     blk = jnp.concatenate([anchors[:, None], d.start.reshape(N, B - 1)], axis=1)
     zero = jnp.zeros((), jnp.int32)
     carry = (blk, jnp.zeros((8,), jnp.int32), (zero, zero, jnp.zeros((3,), jnp.int32)))
-    blk, _, (tried, certified, outcomes) = jax.lax.fori_loop(0, num_passes, one_pass, carry, unroll=unroll)
+    if unroll and dispatch.CERTIFIED_PASS_NUMBERS:  # each pass knows its number
+        for q in range(num_passes):
+            carry = one_pass(q, carry)
+        blk, _, (tried, certified, outcomes) = carry
+    else:
+        blk, _, (tried, certified, outcomes) = jax.lax.fori_loop(0, num_passes, lambda _, c: one_pass(None, c), carry,
+                                                                 unroll=unroll)
     frac = _ratio(outcomes, jnp.int32(num_passes))
     stats = CertifiedStats(
         rows_certified=jnp.where(tried > 0, _ratio(certified, jnp.maximum(tried, 1)), 1.0),

@@ -28,7 +28,9 @@ The steps (static shapes; ``rows`` = N * (B-1) draft rows):
   by the certified mode): only those rows' tokens are wanted, the others are unspecified. The kernel
   skips row tiles without an active row and reads int32 ``active`` as it is; the jnp path ignores it
   and picks every row. ``fallback`` ([rows] int32, with ``active``): inactive rows return it (every
-  path).
+  path). ``q`` (keyword, a Python int or None; the certified mode's unrolled passes): the 0-based pass
+  this pick serves; the Pallas steps may then read ``w2`` in another order or with L2 hints, as
+  ``full_vocab_pass_pick`` does (the same tokens); the jnp path ignores it.
 - ``full_vocab_pass_pick``: ``None``, or a `PassPick`: ``full_vocab_pick`` told which pass it serves.
   ``run(logits, lat, prepared, q) -> (tokens [N*(B-1-s)] int32, s)``, ``q`` the 0-based pass number (a
   Python int, known where the passes are unrolled): the tokens of draft slots ``s..B-2`` of every block
@@ -83,6 +85,9 @@ The steps (static shapes; ``rows`` = N * (B-1) draft rows):
   pick in packed order and one combine back
   (`kernels.full_vocab.scan_failing`); above, a packed launch of at most ``limit`` failing rows and an
   all-rows launch (active only when ``full``). ``None`` where the steps have no packed launch.
+  ``q`` (keyword, a Python int or None; the certified mode's unrolled passes): the 0-based pass number;
+  the rows of draft slots ``< q`` (final: see ``full_vocab_pass_pick``) are then never scanned, not even
+  when ``full``, and get ``fallback`` (the caller keeps their tokens; ``fail`` must not name them).
 - ``full_vocab_capacity(N, B, V, r, dtype, limit) -> int | None``: ``limit`` where ``scan_failing``
   saves work over one ``full_vocab_pick`` of the active rows, None where it saves nothing (one row
   tile holds every row); the field is None where the steps pick every row whatever they are told
@@ -241,7 +246,7 @@ def _xla_topc_pick(base_c, cand, lat, w2c):
     return ref.topc_pick(base_c, cand, ref.latent_value(lat, base_c.dtype), w2c)
 
 
-def _xla_full_vocab_pick(logits, lat, w2, active=None, fallback=None, *, direct_readout: bool):
+def _xla_full_vocab_pick(logits, lat, w2, active=None, fallback=None, *, direct_readout: bool, q=None):
     # Every row is picked: XLA has nothing to skip without a conditional (the step's spec allows it).
     return with_fallback(ref.full_vocab_pick(ref.draft_rows(logits), lat, w2, direct_readout=direct_readout),
                          active, fallback)
@@ -348,13 +353,14 @@ def _pallas_certify(base_c, cand, lat, prepared, tau, max_norm, mex, valid, fall
                              interpret=interpret, config=p.topc)
 
 
-def _pallas_full_vocab(logits, lat, w2, active=None, fallback=None, *, interpret, best, capacity=None):
+def _pallas_full_vocab(logits, lat, w2, active=None, fallback=None, *, interpret, best, capacity=None, q=None):
     """`full_vocab_pick` (``best=False``: ids, the combine kernel) or `full_vocab_best` (``best=True``:
     the parts' (score, id) winners from the kernel, combined by the same rule in XLA). ``active``:
     the kernel's active rows, unpacked (row tiles without one return at once); with ``capacity`` (not
     part of the step's contract: `_pallas_scan_failing`'s two-launch scan only) the first ``capacity``
     active rows packed into a launch of their own (the plan's config with `dispatch.capacity_config`'s
-    ``v_steps``: the same scores). The jnp path ignores both."""
+    ``v_steps``: the same scores). The jnp path ignores both. ``q`` (the pass number, where the caller
+    knows it): `_pass_order`'s vocabulary order and L2 hint, as the pass pick has them."""
     from . import dispatch
     from .kernels import full_vocab
 
@@ -365,9 +371,10 @@ def _pallas_full_vocab(logits, lat, w2, active=None, fallback=None, *, interpret
             return ref.full_vocab_best(ref.draft_rows(logits), lat, w2)
         return with_fallback(ref.full_vocab_pick(ref.draft_rows(logits), lat, w2), active, fallback)
     cfg = p.full_vocab if capacity is None else dispatch.capacity_config(p.full_vocab, v)
+    reverse, keep = _pass_order(n * (b - 1), q, cfg)
     out = full_vocab.full_vocab_pick(logits.reshape(n * b, v), lat, w2, config=cfg, interpret=interpret,
                                      slot_stride=b, partials=best, active=active, capacity=capacity,
-                                     fallback=fallback)
+                                     fallback=fallback, reverse=reverse, keep=keep)
     return ref.best_by_score(*out, axis=0) if best else out
 
 
@@ -458,13 +465,34 @@ def _pallas_pruned_pick(logits, lat, w2, prepared, guess, fallen, *, interpret):
                               prepared.max_norm, guess, fallen, config=cfg, slot_stride=b, interpret=interpret)
 
 
-def _pallas_scan_failing(logits, lat, w2, fail, fallen, fallback, limit, *, interpret):
+def _pass_order(rows: int, q, config) -> tuple[bool, str | None]:
+    """(reverse, keep) of the full-vocab pick of pass ``q`` (None: unknown, ascending and no hint) in
+    ``config``: descending on odd passes up to `dispatch.FULL_VOCAB_ALTERNATE_MAX_ROWS` draft rows, and
+    `dispatch.full_vocab_keep`'s hint: what `_pallas_pass_pick` does (neither changes a token)."""
+    from . import dispatch
+
+    if q is None:
+        return False, None
+    cap = dispatch.FULL_VOCAB_ALTERNATE_MAX_ROWS
+    return q % 2 == 1 and (cap is None or rows <= cap), dispatch.full_vocab_keep(config)
+
+
+def _final_slots(b: int, q) -> int:
+    """The draft slots final before pass ``q`` that a scan skips (0: none, also where ``q`` is None or every
+    slot is final: the caller runs no scan then)."""
+    return q if q is not None and 0 < q < b - 1 else 0
+
+
+def _pallas_scan_failing(logits, lat, w2, fail, fallen, fallback, limit, *, interpret, q=None):
     """`scan_failing` (module doc). Up to `dispatch.SCAN_FAILING_MAX_ROWS` draft rows:
     `kernels.full_vocab.scan_failing` with `dispatch.capacity_config`'s split while few rows fail and the
     plan's own split (read at run time) once the pass is full. Above: the packed launch of at most
     ``limit`` failing rows (`_pallas_full_vocab` with ``capacity``) and the all-rows launch, whose
     programs return at once unless the pass is full. Either way a row's token is the plan's pick's
-    (the same per-row computation; only the vocabulary split differs)."""
+    (the same per-row computation; only the vocabulary split differs). ``q``: the pass number; the
+    draft slots before it are skipped (`_final_slots`), in the one launch by the packing, in the
+    all-rows launch through the kernel's ``row_ids`` (as the pass pick skips them), which also takes
+    the pass pick's L2 hint."""
     from . import dispatch
     from .kernels import full_vocab
 
@@ -473,16 +501,25 @@ def _pallas_scan_failing(logits, lat, w2, fail, fallen, fallback, limit, *, inte
     fv = _plan(n, b, v, lat.shape[1], 0, logits.dtype, interpret).full_vocab
     if fv is None:
         raise ValueError("scan_failing: no full-vocab kernel serves this dtype (full_vocab_capacity is None there)")
+    s = _final_slots(b, q)
     if rows <= dispatch.SCAN_FAILING_MAX_ROWS:
         return full_vocab.scan_failing(logits.reshape(n * b, v), lat, w2, fail, fallen, fallback, limit=int(limit),
                                        config=dispatch.capacity_config(fv, v), v_steps_full=fv.v_steps,
-                                       interpret=interpret, slot_stride=b)
+                                       interpret=interpret, slot_stride=b, skip_slots=s)
     fail = fail != 0
     n_fail = jnp.sum(fail, dtype=jnp.int32)
     full = ref.flag_value(fallen) | (n_fail > limit)
     pick = functools.partial(_pallas_full_vocab, logits, lat, w2, interpret=interpret, best=False)
     few = pick(active=fail & ~full, capacity=int(limit))
-    every = pick(active=jnp.broadcast_to(full, (rows,)))
+    if s:  # the slots that are not final, through row_ids; programs return at once unless the pass is full
+        ids = _slot_rows(n, b, s)
+        reverse, keep = _pass_order(rows, q, fv)
+        tok = full_vocab.full_vocab_pick(logits.reshape(n * b, v), lat, w2, config=fv, interpret=interpret,
+                                         slot_stride=b, row_ids=ids, active=jnp.broadcast_to(full, ids.shape),
+                                         reverse=reverse, keep=keep)
+        every = fallback.astype(jnp.int32).at[ids].set(tok, unique_indices=True)
+    else:
+        every = pick(active=jnp.broadcast_to(full, (rows,)), q=q)
     return jnp.where(full, every, jnp.where(fail, few, fallback)), ref.make_flags(full, n_fail)
 
 

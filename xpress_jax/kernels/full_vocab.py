@@ -653,19 +653,23 @@ def full_vocab_pick(
     the order between passes so that a pass starts on the ``w2`` rows its predecessor read last.
     ``keep`` (static, a key of `KEEP_POLICIES`): L2 eviction hints on the ``w2`` loads, by the part's
     visit order (None: none). Hints only: the same operations on the same values, the same result.
-    ``row_ids`` ([M] int32, M >= 1, each in [0, rows); without ``active``): pick only these rows, in this
-    order: returns [M] (``partials``: [parts, M]), row ``row_ids[i]``'s result at i. The kernel reads each
-    row's latent and base row through the ids (nothing is copied) and runs ``ceil(M / row_tile)`` row
-    tiles. With the same ``config`` a row's result is the one it gets without ``row_ids``, bit for bit
-    (the rows a row shares a tile with change no operation on its own row; `xpress_jax.refine` skips the
-    draft slots that are final this way).
+    ``row_ids`` ([M] int32, M >= 1, each in [0, rows)): pick only these rows, in this order: returns [M]
+    (``partials``: [parts, M]), row ``row_ids[i]``'s result at i. The kernel reads each row's latent and
+    base row through the ids (nothing is copied) and runs ``ceil(M / row_tile)`` row tiles. With the same
+    ``config`` a row's result is the one it gets without ``row_ids``, bit for bit (the rows a row shares a
+    tile with change no operation on its own row; `xpress_jax.refine` skips the draft slots that are final
+    this way). With ``row_ids``, ``active`` is [M] (by position in ``row_ids``; without ``capacity`` and
+    ``fallback``): the certified mode's fallback scan of the slots that are not final, whose programs return
+    at once in a pass that is not full.
     """
     dtype = _check_inputs(base, lat, w2, slot_stride, "full-vocab pick kernel")
     vocab = base.shape[1]
     rows, rank = lat.shape
-    if active is not None and (active.shape != (rows,) or not (active.dtype == jnp.bool_
-                                                                or jnp.issubdtype(active.dtype, jnp.integer))):
-        raise ValueError(f"active must be [rows={rows}] bool or int; got {active.shape} {active.dtype}")
+    n_act = rows if row_ids is None else row_ids.shape[0]  # active is by kernel row: row_ids' positions
+    if active is not None and (active.shape != (n_act,) or not (active.dtype == jnp.bool_
+                                                                  or jnp.issubdtype(active.dtype, jnp.integer))):
+        raise ValueError(f"active must be [{'rows' if row_ids is None else 'row_ids'}={n_act}] bool or int; "
+                         f"got {active.shape} {active.dtype}")
     if capacity is not None:
         if active is None:
             raise ValueError("capacity needs active (the rows to compute)")
@@ -676,15 +680,19 @@ def full_vocab_pick(
         raise ValueError(f"fallback must be [rows={rows}] int, with active and without capacity or partials; "
                          f"got {fallback.shape} {fallback.dtype}")
     if row_ids is not None:
-        if active is not None or row_ids.ndim != 1 or row_ids.shape[0] < 1 or row_ids.dtype != jnp.int32:
-            raise ValueError(f"row_ids must be [M >= 1] int32 (without active); got {row_ids.shape} {row_ids.dtype}"
-                             f"{' with active' if active is not None else ''}")
+        if (capacity is not None or fallback is not None or row_ids.ndim != 1 or row_ids.shape[0] < 1
+                or row_ids.dtype != jnp.int32):
+            raise ValueError(f"row_ids must be [M >= 1] int32 (without capacity and fallback); got "
+                             f"{row_ids.shape} {row_ids.dtype}")
         cfg = config or default_config(rows, vocab, rank, dtype)
         cap = row_ids.shape[0]
         cfg.check_shape(cap, vocab, rank, dtype)
-        mv, mi = _fused_launch((base, lat, w2, row_ids), cfg, rows=cap, vocab=vocab, rank=rank, dtype=dtype,
+        operands = (base, lat, w2, row_ids)
+        if active is not None:
+            operands = (*operands, active if active.dtype == jnp.int32 else (active != 0).astype(jnp.int32))
+        mv, mi = _fused_launch(operands, cfg, rows=cap, vocab=vocab, rank=rank, dtype=dtype,
                                slot_stride=slot_stride, interpret=interpret, reverse=reverse, row_map=True,
-                               lat_map=True, keep=keep)
+                               lat_map=True, keep=keep, has_active=active is not None)
         if partials:
             return mv[:, :cap], mi[:, :cap]
         return combine_partials(mv, mi, interpret=interpret)[:cap]
@@ -723,9 +731,11 @@ def full_vocab_pick(
 # The certified mode's scan of its failing rows: pack, one pick in packed order, combine back.
 
 
-def _pack_kernel(fail_ref, fallen_ref, pos_ref, src_ref, actp_ref, act_ref, flag_ref, *, rows: int, limit: int):
+def _pack_kernel(fail_ref, fallen_ref, pos_ref, src_ref, actp_ref, act_ref, flag_ref, *, rows: int, limit: int,
+                 skip_slots: int = 0, slots: int = 1):
     """One program over every row (``n_pad`` = a power of two >= rows): the rows to scan first. ``pos``
-    and ``act`` are [rows] (masked stores), ``src`` and ``act_p`` [n_pad], ``flag_ref`` [8]."""
+    and ``act`` are [rows] (masked stores), ``src`` and ``act_p`` [n_pad], ``flag_ref`` [8]. Rows ``q``
+    with ``q % slots < skip_slots`` are never active."""
     n_pad = src_ref.shape[0]
     q = iota(n_pad)
     rok = q < rows
@@ -733,6 +743,8 @@ def _pack_kernel(fail_ref, fallen_ref, pos_ref, src_ref, actp_ref, act_ref, flag
     n_fail = jnp.sum(f.astype(jnp.int32))
     full = (fallen_ref[0] != 0) | (n_fail > limit)
     a = (f | full) & rok
+    if skip_slots:
+        a = a & (jax.lax.rem(q, jnp.int32(slots)) >= skip_slots)
     ai = a.astype(jnp.int32)
     n_act = jnp.sum(ai)
     # Active rows first in row order, then the others (padding last): a permutation of 0..n_pad-1.
@@ -744,14 +756,17 @@ def _pack_kernel(fail_ref, fallen_ref, pos_ref, src_ref, actp_ref, act_ref, flag
     flag_ref[...] = common.flags_row(full, n_fail)
 
 
-def pack_active(fail: jax.Array, fallen: jax.Array, *, limit: int, interpret: bool = False):
+def pack_active(fail: jax.Array, fallen: jax.Array, *, limit: int, interpret: bool = False, skip_slots: int = 0,
+                slots: int = 1):
     """[rows] ``fail`` (bool or int32, nonzero: failed), a flag ``fallen`` -> the certified mode's rows to
     scan, in one launch.
 
     ``full = fallen | (sum(fail) > limit)``; the active rows are ``act = fail | full``. Returns int32
     ``(pos [rows], src [n_pad], act_p [n_pad], act [rows], flags [8])`` with ``n_pad`` = the next power
-    of two >= rows: ``pos[q]`` is row q's packed position (active rows first, in row order, then the
-    others), ``src[p]`` the row at packed position p (``src[pos[q]] = q``; positions past ``rows``
+    of two >= rows. ``skip_slots`` (static; with ``slots``, the draft rows per block): rows ``q`` with
+    ``q % slots < skip_slots`` (the draft slots that are final) are never active, not even in a full pass
+    (``fail`` must not name them: they count in ``sum(fail)``). ``pos[q]`` is row q's packed position
+    (active rows first, in row order, then the others), ``src[p]`` the row at packed position p (``src[pos[q]] = q``; positions past ``rows``
     hold padding ids >= rows), ``act_p[p]`` = p < the number of active rows, ``act`` 0/1 and
     ``flags`` = [full, sum(fail), 0, ...] (the next pass's ``fallen``, `common.flag_operand`). The
     kernels downstream read them as they are (no XLA op in between). ``fallen``: a bool scalar or
@@ -762,12 +777,14 @@ def pack_active(fail: jax.Array, fallen: jax.Array, *, limit: int, interpret: bo
     fallen = common.flag_operand(fallen, "fallen")
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
         raise ValueError(f"pack_active: limit must be an int >= 0, got {limit!r}")
+    if skip_slots and not 0 < skip_slots < slots:
+        raise ValueError(f"pack_active: skip_slots must lie in [0, slots={slots}), got {skip_slots!r}")
     n_pad = next_pow2(rows)
     if n_pad > 2 ** 20:
         raise ValueError(f"pack_active: {rows} rows are more than one program holds (2^20)")
     by_row, padded = jax.ShapeDtypeStruct((rows,), jnp.int32), jax.ShapeDtypeStruct((n_pad,), jnp.int32)
     return tuple(common.pallas_call(
-        functools.partial(_pack_kernel, rows=rows, limit=int(limit)),
+        functools.partial(_pack_kernel, rows=rows, limit=int(limit), skip_slots=int(skip_slots), slots=int(slots)),
         name="xpress_pack_active",
         num_warps=4 if n_pad <= 1024 else 8,
         num_stages=1,
@@ -779,7 +796,7 @@ def pack_active(fail: jax.Array, fallen: jax.Array, *, limit: int, interpret: bo
     )(fail if fail.dtype == jnp.int32 else fail.astype(jnp.int32), fallen))
 
 
-def pack_active_ref(fail: jax.Array, fallen: jax.Array, *, limit: int):
+def pack_active_ref(fail: jax.Array, fallen: jax.Array, *, limit: int, skip_slots: int = 0, slots: int = 1):
     """`pack_active` in jnp (the oracle of its tests)."""
     rows = fail.shape[0]
     n_pad = next_pow2(rows)
@@ -787,7 +804,8 @@ def pack_active_ref(fail: jax.Array, fallen: jax.Array, *, limit: int):
     n_fail = jnp.sum(f, dtype=jnp.int32)
     full = jnp.reshape(jnp.asarray(fallen), (-1,))[0] != 0
     full = full | (n_fail > limit)
-    a = (f | full) & (jnp.arange(n_pad) < rows)
+    q = jnp.arange(n_pad)
+    a = (f | full) & (q < rows) & (q % slots >= skip_slots)
     ai = a.astype(jnp.int32)
     n_act = jnp.sum(ai)
     pos = jnp.where(a, jnp.cumsum(ai) - 1, n_act + jnp.cumsum(1 - ai) - 1).astype(jnp.int32)
@@ -796,10 +814,11 @@ def pack_active_ref(fail: jax.Array, fallen: jax.Array, *, limit: int):
     return pos[:rows], src, (jnp.arange(n_pad) < n_act).astype(jnp.int32), ai[:rows], flags
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "config", "slot_stride", "limit", "v_steps_full"))
+@functools.partial(jax.jit, static_argnames=("interpret", "config", "slot_stride", "limit", "v_steps_full",
+                                             "skip_slots"))
 def scan_failing(base: jax.Array, lat: jax.Array, w2: jax.Array, fail: jax.Array, fallen: jax.Array,
                  fallback: jax.Array, *, limit: int, interpret: bool = False, config: FullVocabConfig | None = None,
-                 slot_stride: int = 0, v_steps_full: int | None = None):
+                 slot_stride: int = 0, v_steps_full: int | None = None, skip_slots: int = 0):
     """The certified mode's scan of the rows its bound did not certify: three launches, no XLA op.
 
     ``full = fallen | (sum(fail) > limit)``; the rows to scan are ``fail | full``. (1) `pack_active`
@@ -818,6 +837,8 @@ def scan_failing(base: jax.Array, lat: jax.Array, w2: jax.Array, fail: jax.Array
     (its parts past the vocabulary return at once; the split changes no token).
     ``base``/``slot_stride`` as in `full_vocab_pick`; ``fail`` [rows] bool or int32 (nonzero: failed),
     ``fallen`` a flag (a bool scalar or int32 flags, `common.flag_operand`), ``fallback`` [rows] int.
+    ``skip_slots`` (static, with ``slot_stride`` = B): draft slots ``< skip_slots`` of every block (final in
+    this pass) are never scanned, not even in a full pass; their tokens are ``fallback`` (`pack_active`).
     """
     dtype = _check_inputs(base, lat, w2, slot_stride, "scan_failing")
     vocab = base.shape[1]
@@ -825,7 +846,10 @@ def scan_failing(base: jax.Array, lat: jax.Array, w2: jax.Array, fail: jax.Array
     for name, a in (("fail", fail), ("fallback", fallback)):
         if a.shape != (rows,):
             raise ValueError(f"scan_failing: {name} must be [rows={rows}], got {a.shape}")
-    pos, src, act_p, act, flags = pack_active(fail, fallen, limit=limit, interpret=interpret)
+    if skip_slots and not slot_stride:
+        raise ValueError("scan_failing: skip_slots needs slot_stride (the draft rows per block)")
+    pos, src, act_p, act, flags = pack_active(fail, fallen, limit=limit, interpret=interpret, skip_slots=skip_slots,
+                                              slots=max(slot_stride - 1, 1))
     cfg = config or default_config(rows, vocab, rank, dtype)
     cfg.check_shape(rows, vocab, rank, dtype)
     vs_full = cfg.v_steps if v_steps_full is None else int(v_steps_full)
