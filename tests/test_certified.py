@@ -112,8 +112,8 @@ def test_tokens_equal_scan_pallas_interpret(dtype, regime):
 @pytest.mark.parametrize("regime", ["row_scan", "fallback"])
 def test_unrolled_passes_skip_final_slots(regime, path, monkeypatch):
     """Unrolled, each certified pass knows its number (`dispatch.CERTIFIED_PASS_NUMBERS`): its final draft slots
-    are neither decided nor scanned and its full-vocab picks take the pass pick's order (odd passes descending)
-    and L2 hint. Paths: "pick" (one row tile holds every row: one pick of the active rows), "one-launch" (the
+    keep their tokens and are not scanned, and its full-vocab picks take the pass pick's order (odd passes
+    descending) and L2 hint. Paths: "pick" (one row tile holds every row: one pick of the active rows), "one-launch" (the
     packed scan, `kernels.full_vocab.scan_failing`, whose packing leaves the final slots out even in a full
     pass), "two-launch" (above `dispatch.SCAN_FAILING_MAX_ROWS`, patched to 0: the all-rows launch reads the
     other slots through ``row_ids``); the packed paths are forced by a ``full_vocab_capacity`` that always

@@ -137,8 +137,8 @@ SKIP_FINAL_SLOTS_MIN_ROWS: int | None = 240
 TOPC_SKIP_FINAL_SLOTS_MIN_ROWS: int | None = 240
 
 #: Whether the certified mode's unrolled passes (`xpress_jax.exact.certified_passes`) tell their steps the pass
-#: number: the draft slots that are final are then left out of the pass's decisions (never failing, never counted)
-#: and of its scans (the packing of the failing rows leaves them out even in a full pass; above
+#: number: the draft slots that are final then keep their tokens and are left out of its scans (the packing of
+#: the failing rows leaves them out even in a full pass; above
 #: `SCAN_FAILING_MAX_ROWS` the all-rows launch reads the others through ``row_ids``), and its full-vocab picks read
 #: ``w2`` in the pass pick's order and with its L2 hint. The same tokens. False: every pass as in a loop (for
 #: benchmarks). Prediction (twenty-fourth session, before measuring; H100 fallback/scan today 1.28 / 1.20 / 1.29 /

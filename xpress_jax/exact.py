@@ -53,12 +53,12 @@ Per pass, per draft row:
 5. **Passes that know their number.** Unrolled (GPUs; `dispatch.CERTIFIED_PASS_NUMBERS`), pass ``q``
    (0-based) knows that the draft slots before ``q`` are final: slot j reads only the slots before it
    (SEMANTICS "One call"), so after pass j + 1 every later pass gives it the same token, and the
-   certified mode's blocks are the scan's after every pass (below). Those rows are left out of the
-   pass's decisions (they never fail and are not counted in `CertifiedStats`) and of its scans (the
-   packing leaves them out even in a full pass; the all-rows launch above
-   `dispatch.SCAN_FAILING_MAX_ROWS` reads the others through ``row_ids``), and keep their tokens; a
-   pass with every slot final (``q >= B-1``) runs nothing. Its full-vocab picks read ``w2`` in the
-   order and with the L2 hint of the scan's pass pick (``ops.full_vocab_pick(..., q=q)``).
+   certified mode's blocks are the scan's after every pass (below). Those rows keep their tokens and
+   are left out of the pass's scans (the packing leaves them out even in a full pass; the all-rows
+   launch above `dispatch.SCAN_FAILING_MAX_ROWS` reads the others through ``row_ids``); they are still
+   decided and counted (a mask per pass measured slower at small N). A pass with every slot final
+   (``q >= B-1``) runs nothing. Its full-vocab picks read ``w2`` in the order and with the L2 hint of
+   the scan's pass pick (``ops.full_vocab_pick(..., q=q)``).
 
 Why the tokens are those of ``topc=0`` on the same backend.
   *The score pipeline is monotone.* The full scan scores v as
@@ -718,7 +718,7 @@ def certified_passes(ops: Ops, params, logits: jax.Array, xh: jax.Array, anchors
     packed = bool(limit and ops.scan_failing and ops.full_vocab_capacity
                   and ops.full_vocab_capacity(N, B, V, r, dtype, limit) is not None)
     row_valid = jnp.repeat(valid, B - 1)
-    slot = np.arange(rows) % (B - 1)  # each draft row's slot (static)
+    n_valid = jnp.sum(row_valid, dtype=jnp.int32)
 
     def one_pass(q, carry):
         # q: the 0-based pass number where the passes are unrolled (a Python int), else None. Then the draft
@@ -731,20 +731,20 @@ def certified_passes(ops: Ops, params, logits: jax.Array, xh: jax.Array, anchors
             return blk, flags, (tried, certified, outcomes.at[0].add(1))
         kw = {} if q is None else {"q": q}
         fallen = ref.flag_value(flags)
-        live = row_valid & jnp.asarray(slot >= s) if s else row_valid  # the rows this pass decides
-        n_live = jnp.sum(live, dtype=jnp.int32)
         lat = ops.latent(params, xh, blk, prev_ids).reshape(rows, r)
-        # fail: live rows whose bound fails (none once fallen: then the candidates' kernel reads nothing)
-        best_id, fail, act, decided = _decide(ops, d, lat, dtype, live, flags, None if packed else limit)
-        if packed:  # the failing rows (every live row if the pass is full) scanned, the others best_id
+        # fail: valid rows whose bound fails (none once fallen: then the candidates' kernel reads nothing). The
+        # final slots are decided too (a mask per pass would put XLA ops between the kernels: +9 µs per refine
+        # at N=1 on the H200); the scans skip them.
+        best_id, fail, act, decided = _decide(ops, d, lat, dtype, row_valid, flags, None if packed else limit)
+        if packed:  # the failing rows (every row of a slot >= s if the pass is full) scanned, the others best_id
             tok, flags = ops.scan_failing(logits, lat, d.fprep, fail, flags, best_id, limit, **kw)
         else:  # one pick: its active rows (act = fail | full) get its token, the others best_id
             tok, flags = ops.full_vocab_pick(logits, lat, d.fprep, active=act, fallback=best_id, **kw), decided
         # full: this pass scanned every row (padding rows too: tokens stay real ids)
         full, n_fail = flags[0] != 0, flags[1]
         outcome = jnp.where(full, 2, jnp.where(n_fail == 0, 0, 1))  # certified / rows scanned / fallen back
-        tried = tried + jnp.where(fallen, 0, n_live)
-        certified = certified + jnp.where(fallen, 0, n_live - n_fail)
+        tried = tried + jnp.where(fallen, 0, n_valid)
+        certified = certified + jnp.where(fallen, 0, n_valid - n_fail)
         outcomes = outcomes + (jnp.arange(3) == outcome).astype(jnp.int32)
         # the final slots keep their tokens (the pass would give them the same)
         return blk.at[:, 1 + s:].set(tok.reshape(N, B - 1)[:, s:]), flags, (tried, certified, outcomes)

@@ -87,7 +87,7 @@ The steps (static shapes; ``rows`` = N * (B-1) draft rows):
   all-rows launch (active only when ``full``). ``None`` where the steps have no packed launch.
   ``q`` (keyword, a Python int or None; the certified mode's unrolled passes): the 0-based pass number;
   the rows of draft slots ``< q`` (final: see ``full_vocab_pass_pick``) are then never scanned, not even
-  when ``full``, and get ``fallback`` (the caller keeps their tokens; ``fail`` must not name them).
+  when ``full``, and get ``fallback`` (the caller keeps their tokens); they count in ``sum(fail)``.
 - ``full_vocab_capacity(N, B, V, r, dtype, limit) -> int | None``: ``limit`` where ``scan_failing``
   saves work over one ``full_vocab_pick`` of the active rows, None where it saves nothing (one row
   tile holds every row); the field is None where the steps pick every row whatever they are told
