@@ -412,6 +412,22 @@ class TestFullVocabPick:
             assert int(flags[1]) == fail.sum() and bool(flags[0]) == is_full, msg
             expect = want if is_full else np.where(fail, want, fb)
             np.testing.assert_array_equal(np.asarray(tok), expect, err_msg=msg)
+        # the certified mode's passes that know their number: final slots skipped (even in a full pass) and the
+        # loop split (``keep``) over the run-time split; the other rows' tokens as above
+        slot = np.arange(rows) % (B - 1)
+        for (frac, fallen), keep, skip in zip(cases, ("split", "split", None, "split", "last"), (2, 1, 3, 4, 2)):
+            fail = rng.random(rows) < frac
+            tok, flags = fv.scan_failing(base, lat, w2, jnp.asarray(fail), jnp.asarray(fallen), jnp.asarray(fb),
+                                         limit=limit, interpret=self.INTERPRET, config=cap_cfg, slot_stride=B,
+                                         v_steps_full=cfg.v_steps, skip_slots=skip, keep=keep)
+            is_full = fallen or fail.sum() > limit
+            msg = f"frac {frac} fallen {fallen} keep {keep} skip {skip}"
+            assert int(flags[1]) == fail.sum() and bool(flags[0]) == is_full, msg
+            scanned = (fail | is_full) & (slot >= skip)
+            np.testing.assert_array_equal(np.asarray(tok), np.where(scanned, want, fb), err_msg=msg)
+        with pytest.raises(ValueError, match="skip_slots needs slot_stride"):
+            fv.scan_failing(base[:rows], lat, w2, jnp.asarray(fail), jnp.asarray(False), jnp.asarray(fb), limit=limit,
+                            interpret=self.INTERPRET, config=cap_cfg, skip_slots=1)
         with pytest.raises(ValueError, match="fallback must be"):
             fv.scan_failing(base, lat, w2, jnp.asarray(fail), jnp.asarray(False), jnp.asarray(fb[:-1]), limit=limit,
                             interpret=self.INTERPRET, config=cap_cfg, slot_stride=B)
@@ -507,13 +523,16 @@ class TestFullVocabLowering:
         S = jax.ShapeDtypeStruct
         args = (S((n * B, V), jnp.bfloat16), S((rows, r), jnp.bfloat16), S((V, r), jnp.bfloat16), S((rows,), jnp.bool_),
                 S((), jnp.bool_), S((rows,), jnp.int32))
-        f = lambda b, l, w, fail, fallen, fb: fv.scan_failing(b, l, w, fail, fallen, fb, limit=-(-n // 8) * (B - 1),
-                                                              config=cfg, slot_stride=B, v_steps_full=served.v_steps)
-        hlo = common.lower_triton(f, *args).as_text()
-        assert hlo.count(TRITON_CALL) == 3
-        assert _triton_operands(hlo, "xpress_pack_active") == 2
-        assert _triton_operands(hlo, "xpress_full_vocab_fused") == (6 if served.v_steps != cfg.v_steps else 5)
-        assert _triton_operands(hlo, "xpress_pick_combine") == 5
+        f = lambda b, l, w, fail, fallen, fb, **kw: fv.scan_failing(b, l, w, fail, fallen, fb, limit=-(-n // 8) * (B - 1),
+                                                                    config=cfg, slot_stride=B,
+                                                                    v_steps_full=served.v_steps, **kw)
+        for kw in ({}, dict(skip_slots=3, keep=dispatch.full_vocab_keep(served))):  # + the passes that know their number
+            g = functools.partial(f, **kw)
+            hlo = common.lower_triton(g, *args).as_text()
+            assert hlo.count(TRITON_CALL) == 3
+            assert _triton_operands(hlo, "xpress_pack_active") == 2
+            assert _triton_operands(hlo, "xpress_full_vocab_fused") == (6 if served.v_steps != cfg.v_steps else 5)
+            assert _triton_operands(hlo, "xpress_pick_combine") == 5
 
 
 def _triton_operand_counts(hlo: str, name: str) -> list[int]:

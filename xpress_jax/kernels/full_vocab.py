@@ -220,9 +220,9 @@ KEEP_POLICIES = {
 def _keep_segments(keep, v_steps):
     """[(first visit, end visit, eviction policy)] for ``keep`` (`KEEP_POLICIES`) over ``v_steps`` visits."""
     last, rest = KEEP_POLICIES[keep]
-    if last == rest or isinstance(v_steps, jax.Array):
+    if last == rest:
         return [(0, v_steps, rest)]
-    return [(0, v_steps - 1, rest), (v_steps - 1, v_steps, last)]
+    return [(0, v_steps - 1, rest), (v_steps - 1, v_steps, last)]  # v_steps may be traced (`scan_failing`)
 
 
 def _fused_kernel(
@@ -815,10 +815,11 @@ def pack_active_ref(fail: jax.Array, fallen: jax.Array, *, limit: int, skip_slot
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "config", "slot_stride", "limit", "v_steps_full",
-                                             "skip_slots"))
+                                             "skip_slots", "keep"))
 def scan_failing(base: jax.Array, lat: jax.Array, w2: jax.Array, fail: jax.Array, fallen: jax.Array,
                  fallback: jax.Array, *, limit: int, interpret: bool = False, config: FullVocabConfig | None = None,
-                 slot_stride: int = 0, v_steps_full: int | None = None, skip_slots: int = 0):
+                 slot_stride: int = 0, v_steps_full: int | None = None, skip_slots: int = 0,
+                 keep: str | None = None):
     """The certified mode's scan of the rows its bound did not certify: three launches, no XLA op.
 
     ``full = fallen | (sum(fail) > limit)``; the rows to scan are ``fail | full``. (1) `pack_active`
@@ -839,6 +840,7 @@ def scan_failing(base: jax.Array, lat: jax.Array, w2: jax.Array, fail: jax.Array
     ``fallen`` a flag (a bool scalar or int32 flags, `common.flag_operand`), ``fallback`` [rows] int.
     ``skip_slots`` (static, with ``slot_stride`` = B): draft slots ``< skip_slots`` of every block (final in
     this pass) are never scanned, not even in a full pass; their tokens are ``fallback`` (`pack_active`).
+    ``keep`` (static): the pick's L2 hint / loop split (`full_vocab_pick`), over the split read at run time.
     """
     dtype = _check_inputs(base, lat, w2, slot_stride, "scan_failing")
     vocab = base.shape[1]
@@ -861,7 +863,7 @@ def scan_failing(base: jax.Array, lat: jax.Array, w2: jax.Array, fail: jax.Array
     # The kernel reads rows < `rows` of src and act_p ([n_pad]) and element 0 of flags (the pass's full).
     mv, mi = _fused_launch((base, lat, w2, src, act_p, *((flags,) if vs_full else ())), cfg, rows=rows, vocab=vocab,
                            rank=rank, dtype=dtype, slot_stride=slot_stride, interpret=interpret, parts=parts,
-                           has_active=True, row_map=True, lat_map=True, v_steps_full=vs_full)
+                           has_active=True, row_map=True, lat_map=True, v_steps_full=vs_full, keep=keep)
     tok = combine_partials(mv, mi, interpret=interpret, active=act, fallback=fallback, pos=pos)[:rows]
     return tok, flags
 

@@ -1,6 +1,10 @@
 """Session 24 (issue 14): certified passes that know their number (`dispatch.CERTIFIED_PASS_NUMBERS`) against the
 same mode without (the loop's behaviour unrolled), the scan and top-512, in one process, interleaved rounds.
 
+Run 1-2 (H200) measured the first version (final slots also left out of the decisions: +9 µs at N=1 where every row
+certifies; since then they are decided, and the one-launch scan takes the loop split over its run-time split).
+Prediction for that (before the run): the loop split -20 to -30 µs at N=16 (as the scan's), less at N=64.
+
 Prediction (written before the run, H100; session 23's fallback/scan 1.28 / 1.20 / 1.29 / 1.25x at N = 1 / 16 /
 64 / 256): where pruning fails (std 0.06) the new passes scan fewer rows from pass 2 (the final slots: 15 + 14 +
 13 + 12 + 11 of 15 x 6 rows, -17% of the scanned rows) and alternate w2's order at N <= 4: -15 to -25 µs at N=1,
@@ -9,7 +13,7 @@ noise). 0 tokens differ between the certified variants and the scan.
 
 Usage: probe_cert.py OUT.jsonl [N,N,...] [std,std]. Device µs per refine, chained with a token table, min of 3 rounds.
 """
-import json, sys, time
+import json, os, sys, time
 
 import jax
 import numpy as np
@@ -17,6 +21,7 @@ import numpy as np
 import xpress_jax as xj
 from benchmarks.bench_refine import SERVING, chained, chain_length, make_problem, time_device
 from xpress_jax import dispatch, exact
+from xpress_jax import ops as ops_mod
 from xpress_jax.ops import Ops
 from xpress_jax.refine import refine_with
 
@@ -27,20 +32,24 @@ STDS = [float(x) for x in sys.argv[3].split(",")] if len(sys.argv) > 3 else [0.0
 OPS = Ops.pallas(False)
 
 
-def variant(topc, cert, numbers):
+def variant(topc, cert, numbers, keep=True):
     def fn(pt, l, h, a):
-        old = dispatch.CERTIFIED_PASS_NUMBERS
+        old, order = dispatch.CERTIFIED_PASS_NUMBERS, ops_mod._pass_order
         dispatch.CERTIFIED_PASS_NUMBERS = numbers  # read while tracing
+        if not keep:  # the pass order without the L2 hint / loop split
+            ops_mod._pass_order = lambda rows, q, config: (order(rows, q, config)[0], None)
         try:
             return refine_with(OPS, pt[0], l, h, a, config=CFG, topc=topc, full_vocab="certified" if cert else "scan",
                                certified_prepared=pt[2] if cert else None, token_table=pt[1])
         finally:
-            dispatch.CERTIFIED_PASS_NUMBERS = old
+            dispatch.CERTIFIED_PASS_NUMBERS, ops_mod._pass_order = old, order
     return fn
 
 
 VARIANTS = {"top512": variant(512, False, True), "scan": variant(0, False, True),
             "cert_old": variant(0, True, False), "cert_new": variant(0, True, True)}
+if os.environ.get("NOKEEP"):  # the new passes without the loop split (its share of the change)
+    VARIANTS["cert_nokeep"] = variant(0, True, True, keep=False)
 t0 = time.time()
 for std in STDS:
     for n in NS:
