@@ -108,14 +108,14 @@ def test_tokens_equal_scan_pallas_interpret(dtype, regime):
 
 @pytest.mark.interpret
 @pytest.mark.interpret_refine
-@pytest.mark.parametrize("path", ["pick", "one-launch", "two-launch"])
+@pytest.mark.parametrize("path", ["pick", "one-launch", "one-launch-split", "two-launch"])
 @pytest.mark.parametrize("regime", ["row_scan", "fallback"])
 def test_unrolled_passes_skip_final_slots(regime, path, monkeypatch):
     """Unrolled, each certified pass knows its number (`dispatch.CERTIFIED_PASS_NUMBERS`): its final draft slots
     keep their tokens and are not scanned, and its full-vocab picks take the pass pick's order (odd passes
     descending) and L2 hint. Paths: "pick" (one row tile holds every row: one pick of the active rows), "one-launch" (the
     packed scan, `kernels.full_vocab.scan_failing`, whose packing leaves the final slots out even in a full
-    pass), "two-launch" (above `dispatch.SCAN_FAILING_MAX_ROWS`, patched to 0: the all-rows launch reads the
+    pass; "-split": with `dispatch.CERTIFIED_SCAN_KEEP`), "two-launch" (above `dispatch.SCAN_FAILING_MAX_ROWS`, patched to 0: the all-rows launch reads the
     other slots through ``row_ids``); the packed paths are forced by a ``full_vocab_capacity`` that always
     packs (the test shapes fit one row tile). B=6, K=6: passes 2-5 skip slots, pass 6 (every slot final) runs
     nothing. Tokens equal the Pallas scan's and the loop's (which knows no pass number)."""
@@ -127,6 +127,8 @@ def test_unrolled_passes_skip_final_slots(regime, path, monkeypatch):
         ops = dataclasses.replace(ops, full_vocab_capacity=lambda n, b, v, r, dtype, limit: limit or None)
     if path == "two-launch":
         monkeypatch.setattr(dispatch, "SCAN_FAILING_MAX_ROWS", 0)
+    if path == "one-launch-split":  # the loop split over the run-time split (off by default: not yet run compiled)
+        monkeypatch.setattr(dispatch, "CERTIFIED_SCAN_KEEP", True)
 
     def run(o, unroll, full_vocab="scan"):
         f = jax.jit(lambda *a: refine_with(o, *a, config=cfg, topc=0, unroll=unroll, full_vocab=full_vocab,

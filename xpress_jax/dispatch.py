@@ -32,7 +32,7 @@ from .kernels.common import cdiv, next_pow2
 
 __all__ = ["Row", "TABLE", "Plan", "plan", "capacity_config", "select_config", "SERVING_N", "SMS",
            "SCAN_FAILING_MAX_ROWS", "FULL_VOCAB_ALTERNATE_MAX_ROWS", "FULL_VOCAB_START_SELECT_MIN_ROWS", "SELECT_FINISH_WARPS",
-           "SKIP_FINAL_SLOTS_MIN_ROWS", "TOPC_SKIP_FINAL_SLOTS_MIN_ROWS", "CERTIFIED_PASS_NUMBERS", "pass_pick_rows", "TABLE_XLA_LATENT_MAX_ROWS", "SPLIT_LATENT_MAX_ROWS"]
+           "SKIP_FINAL_SLOTS_MIN_ROWS", "TOPC_SKIP_FINAL_SLOTS_MIN_ROWS", "CERTIFIED_PASS_NUMBERS", "CERTIFIED_SCAN_KEEP", "pass_pick_rows", "TABLE_XLA_LATENT_MAX_ROWS", "SPLIT_LATENT_MAX_ROWS"]
 
 #: The N values the serving configs were measured at (B = 16): draft rows 15 / 60 / 240 / 960 / 3840.
 SERVING_N = (1, 4, 16, 64, 256)
@@ -140,11 +140,17 @@ TOPC_SKIP_FINAL_SLOTS_MIN_ROWS: int | None = 240
 #: number: the draft slots that are final then keep their tokens and are left out of its scans (the packing of
 #: the failing rows leaves them out even in a full pass; above
 #: `SCAN_FAILING_MAX_ROWS` the all-rows launch reads the others through ``row_ids``), and its full-vocab picks read
-#: ``w2`` in the pass pick's order and with its L2 hint. The same tokens. False: every pass as in a loop (for
+#: ``w2`` in the pass pick's order and with its L2 hint (in the one-launch scan only with `CERTIFIED_SCAN_KEEP`). The same tokens. False: every pass as in a loop (for
 #: benchmarks). Prediction (twenty-fourth session, before measuring; H100 fallback/scan today 1.28 / 1.20 / 1.29 /
 #: 1.25x at N = 1 / 16 / 64 / 256): where pruning fails, -15 to -25 µs at N=1 (alternation), -10 to -15% of the
 #: fallback's scans from N=16 (final slots); nothing where every row certifies (no scan runs there).
 CERTIFIED_PASS_NUMBERS: bool = True
+
+#: Whether the certified mode's one-launch scan (up to `SCAN_FAILING_MAX_ROWS` draft rows) takes the scan's loop split
+#: (`full_vocab_keep`) over its vocabulary split read at run time. Off: built and tested in interpret mode and lowered
+#: for an H200 (twenty-fourth session), but no device started to run it compiled or to measure it. Prediction: -20 to
+#: -30 µs per refine at N=16 where pruning fails (the scan's split gave -30 there on an H100), less at N=64.
+CERTIFIED_SCAN_KEEP: bool = False
 
 #: Warps of the selection's finish kernel up to C = 512 (the kernel's default, 16, above). RESULTS.md "The full-vocab
 #: pick alternating its order; the selection's finish warps; ..." part 3 (fifteenth session; top-512 with a token

@@ -58,7 +58,8 @@ Per pass, per draft row:
    launch above `dispatch.SCAN_FAILING_MAX_ROWS` reads the others through ``row_ids``); they are still
    decided and counted (a mask per pass measured slower at small N). A pass with every slot final
    (``q >= B-1``) runs nothing. Its full-vocab picks read ``w2`` in the order and with the L2 hint of
-   the scan's pass pick (``ops.full_vocab_pick(..., q=q)``).
+   the scan's pass pick (``ops.full_vocab_pick(..., q=q)``; in the one-launch scan only with
+   `dispatch.CERTIFIED_SCAN_KEEP`).
 
 Why the tokens are those of ``topc=0`` on the same backend.
   *The score pipeline is monotone.* The full scan scores v as

@@ -491,9 +491,9 @@ def _pallas_scan_failing(logits, lat, w2, fail, fallen, fallback, limit, *, inte
     programs return at once unless the pass is full. Either way a row's token is the plan's pick's
     (the same per-row computation; only the vocabulary split differs). ``q``: the pass number; the
     draft slots before it are skipped (`_final_slots`), in the one launch by the packing, in the
-    all-rows launch through the kernel's ``row_ids`` (as the pass pick skips them); both take the pass
-    pick's L2 hint (the loop split where the config holds the latent; in the one launch over the split
-    read at run time)."""
+    all-rows launch through the kernel's ``row_ids`` (as the pass pick skips them), which takes the pass
+    pick's L2 hint (the loop split where the config holds the latent); the one launch takes it over the
+    split read at run time where `dispatch.CERTIFIED_SCAN_KEEP` says so."""
     from . import dispatch
     from .kernels import full_vocab
 
@@ -506,7 +506,8 @@ def _pallas_scan_failing(logits, lat, w2, fail, fallen, fallback, limit, *, inte
     if rows <= dispatch.SCAN_FAILING_MAX_ROWS:
         return full_vocab.scan_failing(logits.reshape(n * b, v), lat, w2, fail, fallen, fallback, limit=int(limit),
                                        config=dispatch.capacity_config(fv, v), v_steps_full=fv.v_steps,
-                                       interpret=interpret, slot_stride=b, skip_slots=s, keep=_pass_order(rows, q, fv)[1])
+                                       interpret=interpret, slot_stride=b, skip_slots=s,
+                                       keep=_pass_order(rows, q, fv)[1] if dispatch.CERTIFIED_SCAN_KEEP else None)
     fail = fail != 0
     n_fail = jnp.sum(fail, dtype=jnp.int32)
     full = ref.flag_value(fallen) | (n_fail > limit)

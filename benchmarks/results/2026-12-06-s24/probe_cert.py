@@ -50,6 +50,17 @@ VARIANTS = {"top512": variant(512, False, True), "scan": variant(0, False, True)
             "cert_old": variant(0, True, False), "cert_new": variant(0, True, True)}
 if os.environ.get("NOKEEP"):  # the new passes without the loop split (its share of the change)
     VARIANTS["cert_nokeep"] = variant(0, True, True, keep=False)
+if os.environ.get("SCANKEEP"):  # the one-launch scan's loop split (dispatch.CERTIFIED_SCAN_KEEP, off by default)
+    def scan_keep(fn):
+        def g(*a):
+            old = dispatch.CERTIFIED_SCAN_KEEP
+            dispatch.CERTIFIED_SCAN_KEEP = True
+            try:
+                return fn(*a)
+            finally:
+                dispatch.CERTIFIED_SCAN_KEEP = old
+        return g
+    VARIANTS["cert_scankeep"] = scan_keep(variant(0, True, True))
 t0 = time.time()
 for std in STDS:
     for n in NS:
