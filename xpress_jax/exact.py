@@ -723,7 +723,8 @@ def certified_passes(ops: Ops, params, logits: jax.Array, xh: jax.Array, anchors
 
     def one_pass(q, carry):
         # q: the 0-based pass number where the passes are unrolled (a Python int), else None. Then the draft
-        # slots before s are final (module doc, "Passes that know their number"): not decided, not scanned.
+        # slots before s are final (module doc, "Passes that know their number"): they keep their tokens and the
+        # scans leave them out.
         # flags: int32 [8] = [fallen, the last pass's failing rows, 0, ...], as the kernels write and
         # read it (`kernels.common.flag_operand`): between two kernels of the certified mode no XLA op runs
         blk, flags, (tried, certified, outcomes) = carry
