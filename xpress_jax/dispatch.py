@@ -138,10 +138,10 @@ TOPC_SKIP_FINAL_SLOTS_MIN_ROWS: int | None = 240
 
 #: Whether the certified mode's unrolled passes (`xpress_jax.exact.certified_passes`) tell their steps the pass
 #: number: the draft slots that are final then keep their tokens and are left out of its scans (the packing of
-#: the failing rows leaves them out even in a full pass; above
-#: `SCAN_FAILING_MAX_ROWS` the all-rows launch reads the others through ``row_ids``), and its full-vocab picks read
-#: ``w2`` in the pass pick's order and with its L2 hint (in the one-launch scan only with `CERTIFIED_SCAN_KEEP`). The same tokens. False: every pass as in a loop (for
-#: benchmarks). Prediction (twenty-fourth session, before measuring; H100 fallback/scan today 1.28 / 1.20 / 1.29 /
+#: the failing rows leaves them out even in a full pass; above `SCAN_FAILING_MAX_ROWS` the all-rows launch reads the
+#: others through ``row_ids``), and its full-vocab picks read ``w2`` in the pass pick's order and with its L2 hint
+#: (in the one-launch scan only with `CERTIFIED_SCAN_KEEP`). The same tokens. False: every pass as in a loop (for
+#: benchmarks). Measured on an H200: RESULTS.md "Certified passes that know their number". Prediction (twenty-fourth session, before measuring; H100 fallback/scan today 1.28 / 1.20 / 1.29 /
 #: 1.25x at N = 1 / 16 / 64 / 256): where pruning fails, -15 to -25 µs at N=1 (alternation), -10 to -15% of the
 #: fallback's scans from N=16 (final slots); nothing where every row certifies (no scan runs there).
 CERTIFIED_PASS_NUMBERS: bool = True

@@ -399,13 +399,12 @@ def _pallas_pass_pick(logits, lat, w2, q, *, interpret, skip=None, keep="served"
         s = 0
     if s == b - 1:  # every draft slot is final: nothing to pick
         return jnp.zeros((0,), jnp.int32), s
-    cap = dispatch.FULL_VOCAB_ALTERNATE_MAX_ROWS
-    reverse = q % 2 == 1 and (cap is None or rows <= cap)
+    reverse, served = _pass_order(rows, q, p.full_vocab)
     ids = None
     if s:  # draft row m*(B-1) + j of slot j >= s, block by block (static)
         ids = _slot_rows(n, b, s)
     if keep == "served":
-        keep = dispatch.full_vocab_keep(p.full_vocab)
+        keep = served
     tok = full_vocab.full_vocab_pick(logits.reshape(n * b, v), lat, w2, config=p.full_vocab, interpret=interpret,
                                      slot_stride=b, reverse=reverse, row_ids=ids, keep=keep)
     return tok, s

@@ -765,9 +765,9 @@ def pack_active(fail: jax.Array, fallen: jax.Array, *, limit: int, interpret: bo
     ``(pos [rows], src [n_pad], act_p [n_pad], act [rows], flags [8])`` with ``n_pad`` = the next power
     of two >= rows. ``skip_slots`` (static; with ``slots``, the draft rows per block): rows ``q`` with
     ``q % slots < skip_slots`` (the draft slots that are final) are never active, not even in a full pass
-    (``fail`` must not name them: they count in ``sum(fail)``). ``pos[q]`` is row q's packed position
-    (active rows first, in row order, then the others), ``src[p]`` the row at packed position p (``src[pos[q]] = q``; positions past ``rows``
-    hold padding ids >= rows), ``act_p[p]`` = p < the number of active rows, ``act`` 0/1 and
+    (where ``fail`` names them they still count in ``sum(fail)``). ``pos[q]`` is row q's packed position
+    (active rows first, in row order, then the others), ``src[p]`` the row at packed position p
+    (``src[pos[q]] = q``; positions past ``rows`` hold padding ids >= rows), ``act_p[p]`` = p < the number of active rows, ``act`` 0/1 and
     ``flags`` = [full, sum(fail), 0, ...] (the next pass's ``fallen``, `common.flag_operand`). The
     kernels downstream read them as they are (no XLA op in between). ``fallen``: a bool scalar or
     int32 flags. The jnp spelling is `pack_active_ref`."""
