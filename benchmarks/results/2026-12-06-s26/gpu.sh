@@ -1,0 +1,22 @@
+#!/bin/bash
+# Session 26's device calls: bash benchmarks/results/2026-12-06-s26/gpu.sh a|b
+#  a: what the certified mode's scan launches cost where every row certifies (probe_launch.py, std 0.01), then
+#     the shipped certified mode at std 0.02 (93-97% of rows certify: exact.Auto's min_blocks);
+#  b: the one-launch scan's loop split (SCANKEEP, dispatch.CERTIFIED_SCAN_KEEP) where pruning fails (std 0.06).
+# Session 25 measured a (std 0.02) and b on an H100; its raw files were lost with that try: these are the reruns.
+export PYTHONPATH=$PWD
+S24=benchmarks/results/2026-12-06-s24
+S26=benchmarks/results/2026-12-06-s26
+T0=$SECONDS
+left() { echo $((585 - (SECONDS - T0))); }
+nvidia-smi --query-gpu=name --format=csv,noheader
+case "$1" in
+  a) timeout 330 python3 $S26/probe_launch.py $OUT/launch_std0.01.jsonl 1,4,16,64 0.01 2>&1 | grep -v -i warn | tail -5
+     echo "launch took $((SECONDS - T0)) s"
+     timeout $(left) python3 $S24/probe_cert.py $OUT/cert_std0.02.jsonl 1,4,16 0.02 2>&1 | grep -v -i warn | tail -4
+     echo "a took $((SECONDS - T0)) s" ;;
+  b) SCANKEEP=1 timeout $(left) python3 $S24/probe_cert.py $OUT/cert_scankeep_std0.06.jsonl 16,64 0.06 2>&1 \
+       | grep -v -i warn | tail -4
+     echo "b took $((SECONDS - T0)) s" ;;
+  *) echo "usage: gpu.sh a|b" >&2; exit 2 ;;
+esac
