@@ -559,14 +559,25 @@ def test_lowers_for_an_h200():
         text = lower_triton(f, *args).as_text()
         assert ("xpress_pack_active" in text) == one_launch, n
         assert sorted(set(_triton_operand_counts(text, "xpress_full_vocab_fused"))) == ([6] if one_launch else [4, 5]), n
-    # N = 4 (60 rows in one tile): one full-vocab launch per pass, whose combine writes the certified rows'
-    # tokens (partial scores and ids, active, fallback), and the single-program certify launch.
+    # N = 4 (60 rows in one tile): one full-vocab launch per pass, the counted pick (base, lat, w2, active, the
+    # certify launch's tokens and flags, both aliased: no combine launch), and the single-program certify launch;
+    # with dispatch.CERTIFIED_COUNTED_PICK off, the pick with its active rows and its combine, which writes the
+    # certified rows' tokens (partial scores and ids, active, fallback).
     n = 4
     args = (p, S((n, 16, cfg.vocab_size), jnp.bfloat16), S((n, 16, cfg.hidden_size), jnp.bfloat16), S((n,), jnp.int32))
     text = lower_triton(f, *args).as_text()
+    assert set(_triton_operand_counts(text, "xpress_full_vocab_counted")) == {6}
+    assert "xpress_full_vocab_fused" not in text and "xpress_pick_combine" not in text
+    assert _triton_operands(text, "xpress_certify") == 8
+    old = dispatch.CERTIFIED_COUNTED_PICK
+    dispatch.CERTIFIED_COUNTED_PICK = False
+    try:
+        text = lower_triton(lambda *a: f(*a), *args).as_text()  # a new function: traced again
+    finally:
+        dispatch.CERTIFIED_COUNTED_PICK = old
     assert set(_triton_operand_counts(text, "xpress_full_vocab_fused")) == {4}
     assert set(_triton_operand_counts(text, "xpress_pick_combine")) == {4}
-    assert _triton_operands(text, "xpress_certify") == 8
+    assert "xpress_full_vocab_counted" not in text
 
 
 @pytest.mark.slow

@@ -133,9 +133,11 @@ def test_ops_are_typed_and_cached():
     assert fields == {"name", "select", "topc_prepare", "topc_pick", "full_vocab_prepare", "full_vocab_pick", "latent", "start",
                       "full_vocab_best", "topc_best", "candidates_best", "full_vocab_capacity", "certify",
                       "scan_failing", "hidden", "pruned_pick", "split_latent", "full_vocab_pass_pick",
-                      "topc_pass_pick"}
+                      "topc_pass_pick", "gated_pick"}
     for topc in (False, True):
         assert Ops.xla().pass_pick(topc) is None and Ops.pallas(True).pass_pick(topc) is not None
+    # the gated pick belongs to the Pallas full-vocab pick; replacing that pick turns it off (exact.certified_passes)
+    assert Ops.xla().gated_pick is None and Ops.pallas(True).gated_pick.pick is Ops.pallas(True).full_vocab_pick
     assert Ops.pallas().split_latent and Ops.pallas(True).split_latent and not Ops.xla().split_latent
     with pytest.raises(dataclasses.FrozenInstanceError):
         Ops.xla().name = "x"  # type: ignore[misc]

@@ -278,6 +278,48 @@ class TestFullVocabPick:
             with pytest.raises(ValueError, match="fallback"):
                 fv.full_vocab_pick(base, lat, w2, interpret=self.INTERPRET, config=cfg, fallback=fb, **bad)
 
+    @pytest.mark.parametrize("shape", [
+        (37, 1001, 24, fv.FullVocabConfig(row_tile=16, v_tile=128, v_steps=3, k_tile=16)),
+        pytest.param((15, 1000, 32, None), marks=pytest.mark.slow),
+        pytest.param((25, 1337, 64, fv.FullVocabConfig(row_tile=16, v_tile=64, v_steps=4, k_tile=16, hold_lat=False,
+                                                       flat=True, prefetch_base=True, lazy=True)),
+                     marks=pytest.mark.slow),
+    ], ids=["rows37-V1001", "rows15-default", "rows25-flat-lazy"])
+    def test_counted(self, shape):
+        """``counter`` (the counted launch: the last program of a row tile combines its parts): the tokens of
+        the pick with ``active`` and ``fallback`` for every mask kind, on random (not dyadic) bf16 inputs bit for
+        bit (the same per-row computation, the combine's rule), and the counter entries zero again after each
+        call, the others untouched, so the returned counter serves the next call (three chained calls, the
+        vocabulary read in either order). Where no row is active the tokens are ``fallback`` itself."""
+        rows, vocab, rank, cfg = shape
+        base, lat, w2 = pick_inputs(rows, vocab, rank, jnp.bfloat16, seed=rows + 1)
+        rng = np.random.default_rng(rows)
+        t = (cfg or fv.default_config(rows, vocab, rank, jnp.bfloat16)).row_tile
+        masks = {"all": np.ones(rows, bool), "none": np.zeros(rows, bool), "one": np.arange(rows) == rows // 2,
+                 "tile": (np.arange(rows) >= t) & (np.arange(rows) < 2 * t), "tail": np.arange(rows) >= rows - 3,
+                 "random": rng.random(rows) < 0.3}
+        flags = jnp.asarray([1, 5, 0, 0, 0, 0, 0, 0], jnp.int32)
+        for name, act in masks.items():
+            fb = jnp.asarray(rng.integers(0, vocab, rows).astype(np.int32))
+            a = jnp.asarray(act, jnp.int32)
+            cnt = flags
+            for reverse in (False, True, False):
+                kw = dict(interpret=self.INTERPRET, config=cfg, active=a, fallback=fb, reverse=reverse)
+                want = np.asarray(fv.full_vocab_pick(base, lat, w2, **kw))
+                got, cnt = fv.full_vocab_pick(base, lat, w2, counter=cnt, counter_at=2, **kw)
+                np.testing.assert_array_equal(np.asarray(got), want, err_msg=name)
+                np.testing.assert_array_equal(np.asarray(cnt), np.asarray(flags), err_msg=name)
+            if name == "none":
+                np.testing.assert_array_equal(np.asarray(got), np.asarray(fb))
+        a, fb = jnp.ones(rows, jnp.int32), jnp.zeros(rows, jnp.int32)
+        tiles = fv.cdiv(rows, t)
+        for bad, match in ((dict(fallback=fb, counter=flags, counter_at=9 - tiles), "counter must be"),
+                           (dict(fallback=fb, counter=flags.astype(jnp.float32)), "counter must be"),
+                           (dict(fallback=fb, counter=flags, counter_at=-1), "counter must be"),
+                           (dict(counter=flags, counter_at=2), "counter needs")):
+            with pytest.raises(ValueError, match=match):
+                fv.full_vocab_pick(base, lat, w2, interpret=self.INTERPRET, config=cfg, active=a, **bad)
+
     def test_active_with_slot_stride(self):
         """``active`` with ``slot_stride=B`` (how refine calls it): packed rows read their own logits row."""
         N, B, V, r = 5, 6, 700, 16
@@ -492,6 +534,23 @@ class TestFullVocabLowering:
             assert hlo.count(TRITON_CALL) == 2
             assert _triton_operands(hlo, "xpress_full_vocab_fused") == n_ops
 
+
+    @pytest.mark.parametrize("n", [1, 4])
+    def test_counted_lowers(self, n):
+        """The counted launch (``counter``: the certified mode's one pick per pass at N <= 4) builds for an H200
+        from the served configs: one Triton call (no combine launch) with six operands (the kernel's three, the
+        mask, the tokens and the counter, both aliased)."""
+        V, r, B = 151936, 256, 16
+        rows = n * (B - 1)
+        cfg = dispatch.plan(n, B, V, r, 0, jnp.bfloat16).full_vocab
+        S = jax.ShapeDtypeStruct
+        args = (S((n * B, V), jnp.bfloat16), S((rows, r), jnp.bfloat16), S((V, r), jnp.bfloat16),
+                S((rows,), jnp.int32), S((rows,), jnp.int32), S((8,), jnp.int32))
+        f = lambda b, l, w, a, fb, c: fv.full_vocab_pick(b, l, w, config=cfg, slot_stride=B, active=a, fallback=fb,
+                                                         counter=c, counter_at=2, reverse=n == 1)
+        hlo = common.lower_triton(f, *args).as_text()
+        assert hlo.count(TRITON_CALL) == 1
+        assert _triton_operands(hlo, "xpress_full_vocab_counted") == 6
 
     @pytest.mark.parametrize("n", [16, 64, 256])
     def test_capacity_lowers(self, n):

@@ -32,7 +32,7 @@ from .kernels.common import cdiv, next_pow2
 
 __all__ = ["Row", "TABLE", "Plan", "plan", "capacity_config", "select_config", "SERVING_N", "SMS",
            "SCAN_FAILING_MAX_ROWS", "FULL_VOCAB_ALTERNATE_MAX_ROWS", "FULL_VOCAB_START_SELECT_MIN_ROWS", "SELECT_FINISH_WARPS",
-           "SKIP_FINAL_SLOTS_MIN_ROWS", "TOPC_SKIP_FINAL_SLOTS_MIN_ROWS", "CERTIFIED_PASS_NUMBERS", "CERTIFIED_SCAN_KEEP", "pass_pick_rows", "TABLE_XLA_LATENT_MAX_ROWS", "SPLIT_LATENT_MAX_ROWS"]
+           "SKIP_FINAL_SLOTS_MIN_ROWS", "TOPC_SKIP_FINAL_SLOTS_MIN_ROWS", "CERTIFIED_PASS_NUMBERS", "CERTIFIED_SCAN_KEEP", "CERTIFIED_COUNTED_PICK", "pass_pick_rows", "TABLE_XLA_LATENT_MAX_ROWS", "SPLIT_LATENT_MAX_ROWS"]
 
 #: The N values the serving configs were measured at (B = 16): draft rows 15 / 60 / 240 / 960 / 3840.
 SERVING_N = (1, 4, 16, 64, 256)
@@ -151,6 +151,16 @@ CERTIFIED_PASS_NUMBERS: bool = True
 #: for an H200 (twenty-fourth session), but no device started to run it compiled or to measure it. Prediction: -20 to
 #: -30 µs per refine at N=16 where pruning fails (the scan's split gave -30 there on an H100), less at N=64.
 CERTIFIED_SCAN_KEEP: bool = False
+
+#: Whether the certified mode's one pick per pass (where one launch scans its failing rows: N <= 4 at B=16, or no
+#: packed scan) is the counted launch (`ops.Ops.gated_pick`): the last program of a row tile combines the tile's
+#: parts, so no combine launch runs, and where no row is active (every row certified) the launch writes nothing:
+#: the tokens are the certify launch's, aliased. The same tokens. Prediction (twenty-sixth session, before
+#: measuring; H100): where every row certifies, the pick and its combine cost 18.0 µs per refine at N=1 and 19.6
+#: at N=4 (RESULTS "What the certified mode's scan launches cost"); the combine's launch is about half: -7 to -10
+#: µs per refine at N = 1..4; where pruning fails, within +-3 µs (the atomic and the last program's reads against
+#: the combine launch, as the top-C pick's counted launch measured in the fourteenth session).
+CERTIFIED_COUNTED_PICK: bool = True
 
 #: Warps of the selection's finish kernel up to C = 512 (the kernel's default, 16, above). RESULTS.md "The full-vocab
 #: pick alternating its order; the selection's finish warps; ..." part 3 (fifteenth session; top-512 with a token

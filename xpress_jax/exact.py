@@ -720,6 +720,7 @@ def certified_passes(ops: Ops, params, logits: jax.Array, xh: jax.Array, anchors
                   and ops.full_vocab_capacity(N, B, V, r, dtype, limit) is not None)
     row_valid = jnp.repeat(valid, B - 1)
     n_valid = jnp.sum(row_valid, dtype=jnp.int32)
+    gated = ops.gated_pick if ops.gated_pick is not None and ops.gated_pick.pick is ops.full_vocab_pick else None
 
     def one_pass(q, carry):
         # q: the 0-based pass number where the passes are unrolled (a Python int), else None. Then the draft
@@ -740,6 +741,8 @@ def certified_passes(ops: Ops, params, logits: jax.Array, xh: jax.Array, anchors
         best_id, fail, act, decided = _decide(ops, d, lat, dtype, row_valid, flags, None if packed else limit)
         if packed:  # the failing rows (every row of a slot >= s if the pass is full) scanned, the others best_id
             tok, flags = ops.scan_failing(logits, lat, d.fprep, fail, flags, best_id, limit, **kw)
+        elif gated is not None:  # the same pick in a launch that runs nothing where no row is active
+            tok, flags = gated.run(logits, lat, d.fprep, act, best_id, decided, **kw)
         else:  # one pick: its active rows (act = fail | full) get its token, the others best_id
             tok, flags = ops.full_vocab_pick(logits, lat, d.fprep, active=act, fallback=best_id, **kw), decided
         # full: this pass scanned every row (padding rows too: tokens stay real ids)
@@ -799,6 +802,7 @@ def pruned_passes(ops: Ops, params, logits: jax.Array, xh: jax.Array, anchors: j
         start = ops.start(logits)
     row_valid = jnp.repeat(valid, B - 1)
     n_valid = jnp.sum(row_valid, dtype=jnp.int32)
+    gated = ops.gated_pick if ops.gated_pick is not None and ops.gated_pick.pick is ops.full_vocab_pick else None
 
     def one_pass(_, carry):
         blk, fallen, (tried, certified, excl, exact, n_full) = carry

@@ -42,6 +42,12 @@ The steps (static shapes; ``rows`` = N * (B-1) draft rows):
   The Pallas steps skip rows from `dispatch.SKIP_FINAL_SLOTS_MIN_ROWS` draft rows where that saves row tiles
   of the pick (`dispatch.pass_pick_rows`) and read
   ``w2`` in the other order on passes 2, 4, ... up to `dispatch.FULL_VOCAB_ALTERNATE_MAX_ROWS` draft rows.
+- ``gated_pick``: ``None``, or a `PassPick` whose ``run(logits, lat, prepared, active, fallback, flags, q=None)
+  -> (tokens, flags)`` gives ``full_vocab_pick(logits, lat, prepared, active=active, fallback=fallback, q=q)``'s
+  tokens and ``flags`` (int32 [8], entries from 2 zero: the certified mode's pass flags) back with the same
+  values, in a launch that writes nothing where no row is active; used only while ``PassPick.pick is
+  full_vocab_pick``. The Pallas steps: the counted pick (`kernels.full_vocab.full_vocab_pick`'s ``counter``;
+  the flags hold its counters) where the plan's config has at most 6 row tiles, else the pick and its combine.
 - ``topc_pass_pick``: the same for ``topc_pick``: ``None`` or a `PassPick` whose ``run(base_c, cand, lat,
   prepared, q, n) -> (tokens [N*(B-1-s)] int32, s)`` (``n`` = N blocks: B-1 = rows // N); used only while
   ``PassPick.pick is topc_pick``. The Pallas steps skip from `dispatch.TOPC_SKIP_FINAL_SLOTS_MIN_ROWS` rows.
@@ -153,6 +159,7 @@ class Ops:
     split_latent: bool = False
     full_vocab_pass_pick: PassPick | None = None
     topc_pass_pick: PassPick | None = None
+    gated_pick: PassPick | None = None
 
     def pass_pick(self, topc: bool = False) -> PassPick | None:
         """``topc_pass_pick`` (``topc``) or ``full_vocab_pass_pick`` where it belongs to this `Ops`' own
@@ -224,6 +231,7 @@ def _pallas_ops(interpret: bool) -> Ops:
         split_latent=True,
         full_vocab_pass_pick=PassPick(pick, functools.partial(_pallas_pass_pick, interpret=interpret)),
         topc_pass_pick=PassPick(tpick, functools.partial(_pallas_topc_pass_pick, interpret=interpret)),
+        gated_pick=PassPick(pick, functools.partial(_pallas_gated_pick, interpret=interpret)),
     )
 
 
@@ -376,6 +384,25 @@ def _pallas_full_vocab(logits, lat, w2, active=None, fallback=None, *, interpret
                                      slot_stride=b, partials=best, active=active, capacity=capacity,
                                      fallback=fallback, reverse=reverse, keep=keep)
     return ref.best_by_score(*out, axis=0) if best else out
+
+
+def _pallas_gated_pick(logits, lat, w2, active, fallback, flags, *, interpret, q=None):
+    """`Ops.gated_pick`'s ``run``: `_pallas_full_vocab`'s tokens (with ``active`` and ``fallback``, pass ``q``'s
+    order and hint) and ``flags`` back. The counted launch (its counters in ``flags[2:]``) where the plan's
+    config has at most 6 row tiles and `dispatch.CERTIFIED_COUNTED_PICK` is on, else the pick and its combine."""
+    from . import dispatch
+    from .kernels import full_vocab
+
+    n, b, v = logits.shape
+    p = _plan(n, b, v, lat.shape[1], 0, logits.dtype, interpret)
+    cfg = p.full_vocab
+    if (cfg is None or not dispatch.CERTIFIED_COUNTED_PICK or flags.shape != (8,) or flags.dtype != jnp.int32
+            or -(-lat.shape[0] // cfg.row_tile) > 6):
+        return _pallas_full_vocab(logits, lat, w2, active, fallback, interpret=interpret, best=False, q=q), flags
+    reverse, keep = _pass_order(n * (b - 1), q, cfg)
+    return full_vocab.full_vocab_pick(logits.reshape(n * b, v), lat, w2, config=cfg, interpret=interpret,
+                                      slot_stride=b, active=active, fallback=fallback, reverse=reverse, keep=keep,
+                                      counter=flags, counter_at=2)
 
 
 def _pallas_pass_pick(logits, lat, w2, q, *, interpret, skip=None, keep="served"):

@@ -251,11 +251,17 @@ def _fused_kernel(
     v_steps_full: int = 0,
     reverse: bool = False,
     keep: str | None = None,
+    counted: int = 0,
+    counter_at: int = 0,
+    barrier: bool = False,
 ):
     refs = list(refs)
     map_ref = refs.pop(0) if row_map else None
     active_ref = refs.pop(0) if has_active else None
-    mv_ref, mi_ref = refs[-2:]
+    if counted:  # the counted launch (`_counted_launch`): tokens and counter aliased in and out
+        _, _, mv_ref, mi_ref, tok_ref, cnt_ref = refs
+    else:
+        mv_ref, mi_ref = refs[-2:]
     i, j = pl.program_id(0), pl.program_id(1)
     live = None  # v_steps_full: whether this program's part holds any vocab id
     if v_steps_full:  # a run-time split (`scan_failing`): v_steps_full vocab tiles per part when full_ref[0]
@@ -407,6 +413,21 @@ def _fused_kernel(
             best, bidx = common.best(best, bidx, axis=1)
         return best, bidx
 
+    if counted:
+        # Only row tiles with an active row do anything: they store their part's winners at [j, tile],
+        # count their arrival, and the last to arrive combines the tile's parts into its active rows'
+        # tokens (`_combine_if_last`). A tile without an active row reads, writes and counts nothing: its
+        # tokens stay the ones aliased in.
+        act = plt.load(active_ref.at[r0 + iota(row_tile)], mask=row_ok, other=0)
+
+        @pl.when(jnp.max((act != 0).astype(jnp.int32)) > 0)
+        def _():
+            best, bidx = part()
+            mv_ref[j, pl.ds(r0, row_tile)] = best
+            mi_ref[j, pl.ds(r0, row_tile)] = bidx
+            _combine_if_last(mv_ref, mi_ref, tok_ref, cnt_ref, i, r0, (act != 0) & row_ok, parts=counted,
+                             row_tile=row_tile, counter_at=counter_at, barrier=barrier)
+        return
     if not has_active:
         best, bidx = part()
     else:
@@ -418,6 +439,45 @@ def _fused_kernel(
         best, bidx = jax.lax.cond(go if live is None else go & live, part, lambda: none)
     mv_ref[...] = best
     mi_ref[...] = bidx
+
+
+def _combine_if_last(mv_ref, mi_ref, tok_ref, cnt_ref, i, r0, write, *, parts: int, row_tile: int, counter_at: int,
+                     barrier: bool):
+    """The counted launch's end of program (i, j), after it stored its part's winners at [j, tile i]:
+    count the arrival on tile i's counter (``cnt[counter_at + i]``); the program that arrives last
+    (``parts - 1`` arrivals before it) reads the tile's ``parts`` winners, keeps the largest value, lowest
+    id (`common.best`, `common.merge`: the combine launch's rule), writes it to the rows in ``write`` and
+    sets the counter back to 0.
+
+    Why the last arrival sees every part: each program's stores come before its counter increment, a CTA
+    barrier orders the stores of all its threads before the increment, and the increment is an
+    acquire-release atomic at GPU scope (Pallas-Triton's ``atomic_rmw``), so the last incrementer's
+    acquire reads after every earlier release; its loads are volatile (not served from a possibly stale
+    L1 line). The top-C pick's counted launch (RESULTS, fourteenth session) ran this way compiled with up
+    to 64 programs racing on one counter. Interpret mode runs the programs one after another."""
+    if barrier:
+        plt.debug_barrier()
+    old = plt.atomic_add(cnt_ref, (counter_at + i,), jnp.int32(1))
+
+    @pl.when(old == parts - 1)
+    def _():
+        part_tile = min(next_pow2(parts), max(1, 8192 // row_tile))
+        rix = r0 + iota(row_tile)
+
+        def step(t, carry):
+            p = t * part_tile + iota(part_tile)
+            ok = jnp.broadcast_to((p < parts)[:, None], (part_tile, row_tile))
+            idx = (p[:, None], rix[None, :])
+            v = plt.load(mv_ref.at[idx], mask=ok, other=-jnp.inf, volatile=barrier)
+            ix = plt.load(mi_ref.at[idx], mask=ok, other=BIG, volatile=barrier)
+            m, k = common.best(jnp.where(ok, v, -jnp.inf), jnp.where(ok, ix, BIG), axis=0)
+            return common.merge(*carry, m, k)
+
+        init = (jnp.full((row_tile,), -jnp.inf, jnp.float32), jnp.full((row_tile,), BIG, jnp.int32))
+        n_t = cdiv(parts, part_tile)
+        _, bidx = step(0, init) if n_t == 1 else jax.lax.fori_loop(0, n_t, step, init)
+        plt.store(tok_ref.at[rix], bidx, mask=write)
+        cnt_ref[counter_at + i] = jnp.int32(0)
 
 
 # ---------------------------------------------------------------------------
@@ -582,10 +642,8 @@ def _fused_launch(operands, cfg: FullVocabConfig, *, rows: int, vocab: int, rank
     parts = cdiv(vocab, cfg.v_tile * cfg.v_steps) if parts is None else parts
     row_tiles = cdiv(rows, cfg.row_tile)
     out_spec = pl.BlockSpec((None, cfg.row_tile), lambda i, j: (j, i))
-    kernel = functools.partial(_fused_kernel, rank=rank, k_tile=k_chunk(cfg.k_tile, rank, MIN_DOT), hold_lat=cfg.hold_lat,
-                               flat=cfg.flat, prefetch_base=cfg.prefetch_base, lazy=cfg.lazy, rows=rows, vocab=vocab,
-                               row_tile=cfg.row_tile, v_tile=cfg.v_tile, v_steps=cfg.v_steps, dtype=dtype,
-                               slot_stride=slot_stride, reverse=reverse, **switches)
+    kernel = _kernel(cfg, rows=rows, vocab=vocab, rank=rank, dtype=dtype, slot_stride=slot_stride, reverse=reverse,
+                     **switches)
     shape = (parts, row_tiles * cfg.row_tile)
     return common.pallas_call(
         kernel,
@@ -600,8 +658,46 @@ def _fused_launch(operands, cfg: FullVocabConfig, *, rows: int, vocab: int, rank
     )(*operands)
 
 
+def _kernel(cfg: FullVocabConfig, *, rows: int, vocab: int, rank: int, dtype, slot_stride: int, reverse: bool,
+            **switches):
+    """`_fused_kernel` with ``cfg``'s tiles and the given switches."""
+    return functools.partial(_fused_kernel, rank=rank, k_tile=k_chunk(cfg.k_tile, rank, MIN_DOT), hold_lat=cfg.hold_lat,
+                             flat=cfg.flat, prefetch_base=cfg.prefetch_base, lazy=cfg.lazy, rows=rows, vocab=vocab,
+                             row_tile=cfg.row_tile, v_tile=cfg.v_tile, v_steps=cfg.v_steps, dtype=dtype,
+                             slot_stride=slot_stride, reverse=reverse, **switches)
+
+
+def _counted_launch(base, lat, w2, act, fallback, counter, cfg: FullVocabConfig, *, counter_at: int, slot_stride: int,
+                    interpret: bool, reverse: bool, keep: str | None):
+    """The counted pick (`full_vocab_pick`'s ``counter``): one launch, grid (row tiles, parts); the last
+    program of each row tile with an active row combines its parts (`_combine_if_last`). The parts'
+    winners are scratch outputs; ``fallback`` (the tokens) and ``counter`` are aliased in and out."""
+    rows, rank = lat.shape
+    vocab = base.shape[1]
+    parts = cdiv(vocab, cfg.v_tile * cfg.v_steps)
+    row_tiles = cdiv(rows, cfg.row_tile)
+    kernel = _kernel(cfg, rows=rows, vocab=vocab, rank=rank, dtype=base.dtype, slot_stride=slot_stride,
+                     reverse=reverse, keep=keep, has_active=True, counted=parts, counter_at=counter_at,
+                     barrier=not interpret)
+    shape = (parts, row_tiles * cfg.row_tile)
+    _, _, tok, cnt = common.pallas_call(
+        kernel,
+        name="xpress_full_vocab_counted",
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        interpret=interpret,
+        grid=(row_tiles, parts),
+        in_specs=[pl.no_block_spec] * 6,
+        out_specs=(pl.no_block_spec,) * 4,
+        out_shape=(jax.ShapeDtypeStruct(shape, jnp.float32), jax.ShapeDtypeStruct(shape, jnp.int32),
+                   jax.ShapeDtypeStruct((rows,), jnp.int32), jax.ShapeDtypeStruct(counter.shape, jnp.int32)),
+        input_output_aliases={4: 2, 5: 3},
+    )(base, lat, w2, act, fallback, counter)
+    return tok, cnt
+
+
 @functools.partial(jax.jit, static_argnames=("interpret", "config", "slot_stride", "partials", "capacity", "reverse",
-                                             "keep"))
+                                             "keep", "counter_at"))
 def full_vocab_pick(
     base: jax.Array,
     lat: jax.Array,
@@ -617,6 +713,8 @@ def full_vocab_pick(
     reverse: bool = False,
     row_ids: jax.Array | None = None,
     keep: str | None = None,
+    counter: jax.Array | None = None,
+    counter_at: int = 0,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """[rows,V], [rows,r], [V,r] -> [rows] int32: argmax_v float(dtype(base + dtype(lat @ w2.T))).
 
@@ -661,6 +759,15 @@ def full_vocab_pick(
     this way). With ``row_ids``, ``active`` is [M] (by position in ``row_ids``; without ``capacity`` and
     ``fallback``): the certified mode's fallback scan of the slots that are not final, whose programs return
     at once in a pass that is not full.
+    ``counter`` (int32 [k], with ``active`` and ``fallback``, without ``capacity``, ``partials`` and
+    ``row_ids``; entries ``counter_at`` .. ``counter_at + row tiles - 1`` zero): pick in **one launch** and
+    return ``(tokens [rows] int32, counter)``, the counter entries zero again and the others unchanged
+    (the certified mode passes its pass flags, whose entries from 2 are zero). Each program of a row tile
+    with an active row counts its arrival and the last to arrive combines the tile's parts
+    (`_combine_if_last`); a row tile without an active row runs nothing, so where no row is active the
+    launch writes nothing at all: the tokens are ``fallback`` as it came in (aliased: no copy, no combine
+    launch). The same tokens as with ``fallback`` alone. A counter whose entries are not zero gives wrong
+    tokens.
     """
     dtype = _check_inputs(base, lat, w2, slot_stride, "full-vocab pick kernel")
     vocab = base.shape[1]
@@ -679,6 +786,19 @@ def full_vocab_pick(
                                  or not jnp.issubdtype(fallback.dtype, jnp.integer)):
         raise ValueError(f"fallback must be [rows={rows}] int, with active and without capacity or partials; "
                          f"got {fallback.shape} {fallback.dtype}")
+    if counter is not None:
+        if fallback is None or row_ids is not None:
+            raise ValueError("counter needs active and fallback, and goes without capacity, partials and row_ids")
+        cfg = config or default_config(rows, vocab, rank, dtype)
+        cfg.check_shape(rows, vocab, rank, dtype)
+        tiles = cdiv(rows, cfg.row_tile)
+        if (counter.ndim != 1 or counter.dtype != jnp.int32 or isinstance(counter_at, bool)
+                or not isinstance(counter_at, int) or counter_at < 0 or counter.shape[0] < counter_at + tiles):
+            raise ValueError(f"counter must be int32 [k >= counter_at + row tiles = {counter_at} + {tiles}]; got "
+                             f"{counter.shape} {counter.dtype}, counter_at={counter_at!r}")
+        act = active if active.dtype == jnp.int32 else (active != 0).astype(jnp.int32)
+        return _counted_launch(base, lat, w2, act, fallback.astype(jnp.int32), counter, cfg, counter_at=counter_at,
+                               slot_stride=slot_stride, interpret=interpret, reverse=reverse, keep=keep)
     if row_ids is not None:
         if (capacity is not None or fallback is not None or row_ids.ndim != 1 or row_ids.shape[0] < 1
                 or row_ids.dtype != jnp.int32):

@@ -1,4 +1,5 @@
-"""Session 26 (issues 14 and 16): what the certified mode's scan launches cost where every row certifies.
+"""Session 26 (issues 14 and 16): what the certified mode's scan launches cost where every row certifies (run 1),
+and the counted pick that replaces them at N <= 4 (run 3: ``COUNTED=1``).
 
 Where every row certifies (std 0.01), a certified pass still launches the full-vocab pick (N <= 4: one launch with no
 active row, whose programs return at once, and its combine, which writes the candidates' tokens) or the one-launch
@@ -12,17 +13,22 @@ Prediction (written before the run, H100, session 25's cert 107.4 / 357.9 / 828.
 20-30 µs at N=1 and N=4 (6 passes x 2 launches; the rest of the 28 µs over top-512 is the certify launch replacing
 the top-C combine), 25-40 µs at N=16 and 64 (three launches per pass plus the XLA ops of the packing).
 
-Usage: probe_launch.py OUT.jsonl [N,N,...] [std,std]. Device µs per refine, chained with a token table, min of 3
+Run 3 (``COUNTED=1``): variant ``cert`` is the shipped mode with `dispatch.CERTIFIED_COUNTED_PICK` (one counted
+launch per pass, nothing written where no row is active), ``cert_combine`` the same with it off (the pick and its
+combine, as in run 1's ``cert``); no ``cert_nopick``. Prediction in `dispatch.py` (before the run): -7 to -10 µs per
+refine at N = 1..4 where every row certifies, within +-3 µs where pruning fails (std 0.06).
+
+Usage: [COUNTED=1] probe_launch.py OUT.jsonl [N,N,...] [std,std]. Device µs per refine, chained with a token table, min of 3
 interleaved rounds. Variants: top512, scan, cert (shipped), cert_nopick.
 """
-import dataclasses, json, sys, time
+import dataclasses, json, os, sys, time
 
 import jax
 import numpy as np
 
 import xpress_jax as xj
 from benchmarks.bench_refine import SERVING, chained, chain_length, make_problem, time_device
-from xpress_jax import exact
+from xpress_jax import dispatch, exact
 from xpress_jax.ops import Ops
 from xpress_jax.refine import refine_with
 
@@ -37,15 +43,23 @@ NOPICK = dataclasses.replace(
     scan_failing=lambda logits, lat, fprep, fail, flags, best_id, limit, **kw: (best_id, flags))
 
 
-def variant(ops, topc, cert):
+def variant(ops, topc, cert, counted=True):
     def fn(pt, l, h, a):
-        return refine_with(ops, pt[0], l, h, a, config=CFG, topc=topc, full_vocab="certified" if cert else "scan",
-                           certified_prepared=pt[2] if cert else None, token_table=pt[1])
+        old = dispatch.CERTIFIED_COUNTED_PICK
+        dispatch.CERTIFIED_COUNTED_PICK = counted  # read while tracing
+        try:
+            return refine_with(ops, pt[0], l, h, a, config=CFG, topc=topc, full_vocab="certified" if cert else "scan",
+                               certified_prepared=pt[2] if cert else None, token_table=pt[1])
+        finally:
+            dispatch.CERTIFIED_COUNTED_PICK = old
     return fn
 
 
-VARIANTS = {"top512": variant(OPS, 512, False), "scan": variant(OPS, 0, False), "cert": variant(OPS, 0, True),
-            "cert_nopick": variant(NOPICK, 0, True)}
+VARIANTS = {"top512": variant(OPS, 512, False), "scan": variant(OPS, 0, False), "cert": variant(OPS, 0, True)}
+if os.environ.get("COUNTED"):
+    VARIANTS["cert_combine"] = variant(OPS, 0, True, counted=False)
+else:  # run 1 (before the counted pick existed: "cert" was the pick and its combine)
+    VARIANTS["cert_nopick"] = variant(NOPICK, 0, True)
 t0 = time.time()
 for std in STDS:
     for n in NS:
