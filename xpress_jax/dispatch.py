@@ -147,9 +147,9 @@ TOPC_SKIP_FINAL_SLOTS_MIN_ROWS: int | None = 240
 CERTIFIED_PASS_NUMBERS: bool = True
 
 #: Whether the certified mode's one-launch scan (up to `SCAN_FAILING_MAX_ROWS` draft rows) takes the scan's loop split
-#: (`full_vocab_keep`) over its vocabulary split read at run time. Off: built and tested in interpret mode and lowered
-#: for an H200 (twenty-fourth session), but no device started to run it compiled or to measure it. Prediction: -20 to
-#: -30 µs per refine at N=16 where pruning fails (the scan's split gave -30 there on an H100), less at N=64.
+#: (`full_vocab_keep`) over its vocabulary split read at run time. Off: measured slower (twenty-sixth session, H100,
+#: std 0.06, every call falling back: N=16 642.8 -> 736.1, N=64 1852.4 -> 1887.9 µs per refine, 0 tokens differ;
+#: RESULTS "What the certified mode's scan launches cost ..." part 3) where -20 to -30 µs at N=16 was predicted.
 CERTIFIED_SCAN_KEEP: bool = False
 
 #: Whether the certified mode's one pick per pass (where one launch scans its failing rows: N <= 4 at B=16, or no

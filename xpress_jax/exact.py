@@ -43,7 +43,10 @@ Per pass, per draft row:
    whose row tile holds no row of F return at once. So the pass reads ``w2`` about
    ``ceil(|F| / row_tile)`` times, spread over ~132 programs each (none when F is empty). A row of F
    takes the pick's token, every other row the candidates'. Where one row tile holds every row
-   (N <= 4 at B = 16), one ``ops.full_vocab_pick(..., active=F | full)`` instead.
+   (N <= 4 at B = 16), one ``ops.full_vocab_pick(..., active=F | full)`` instead; on the Pallas backend
+   that pick is one counted launch (``ops.gated_pick``, `dispatch.CERTIFIED_COUNTED_PICK`): the last
+   program of a row tile combines the tile's parts, the candidates' tokens are aliased in as its
+   output, and a row tile without a row of F runs nothing (no combine launch at all).
 4. **Fallback.** If more than L rows fail in one pass (any row, when ``scan_blocks`` is 0 or at
    least N), the pass scans every row (in the one-launch scan: the same launch, with the all-rows
    config's vocabulary split read at run time; above `dispatch.SCAN_FAILING_MAX_ROWS`: the all-rows
@@ -86,7 +89,8 @@ Why the tokens are those of ``topc=0`` on the same backend.
   *Rows that are not certified* (and every row once the call has fallen back) get the full-vocab
   pick itself: the same ``ops`` step, with the same config as ``full_vocab="scan"`` (chosen by the
   same N), the only differences being which rows are active and, for the packed launch of F, how
-  many vocabulary tiles one program loops over (``v_steps``). Neither changes a token: every dot,
+  many vocabulary tiles one program loops over (``v_steps``), and in the counted launch which
+  program combines the parts (the last to arrive, by the combine launch's rule). None changes a token: every dot,
   rounding and comparison is per (row, id) and computed the same way in every program that holds it
   (same row tile size, rank chunks and instructions; the rows a row shares a tile with, or its
   position in the packed order, change no operation on its own row), and the winner over the

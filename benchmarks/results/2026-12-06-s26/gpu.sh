@@ -10,7 +10,7 @@ export PYTHONPATH=$PWD
 S24=benchmarks/results/2026-12-06-s24
 S26=benchmarks/results/2026-12-06-s26
 T0=$SECONDS
-left() { echo $((585 - (SECONDS - T0))); }
+left() { echo $((${CAP:-585} - (SECONDS - T0))); }  # CAP: seconds this call may take
 nvidia-smi --query-gpu=name --format=csv,noheader
 case "$1" in
   a) timeout 330 python3 $S26/probe_launch.py $OUT/launch_std0.01.jsonl 1,4,16,64 0.01 2>&1 | grep -v -i warn | tail -5
