@@ -108,7 +108,7 @@ def test_tokens_equal_scan_pallas_interpret(dtype, regime):
 
 @pytest.mark.interpret
 @pytest.mark.interpret_refine
-@pytest.mark.parametrize("path", ["pick", "one-launch", "one-launch-split", "two-launch"])
+@pytest.mark.parametrize("path", ["pick", "pick-combine", "one-launch", "one-launch-split", "two-launch"])
 @pytest.mark.parametrize("regime", ["row_scan", "fallback"])
 def test_unrolled_passes_skip_final_slots(regime, path, monkeypatch):
     """Unrolled, each certified pass knows its number (`dispatch.CERTIFIED_PASS_NUMBERS`): its final draft slots
@@ -118,12 +118,15 @@ def test_unrolled_passes_skip_final_slots(regime, path, monkeypatch):
     pass; "-split": with `dispatch.CERTIFIED_SCAN_KEEP`), "two-launch" (above `dispatch.SCAN_FAILING_MAX_ROWS`, patched to 0: the all-rows launch reads the
     other slots through ``row_ids``); the packed paths are forced by a ``full_vocab_capacity`` that always
     packs (the test shapes fit one row tile). B=6, K=6: passes 2-5 skip slots, pass 6 (every slot final) runs
-    nothing. Tokens equal the Pallas scan's and the loop's (which knows no pass number)."""
+    nothing. "pick" is the counted launch (`dispatch.CERTIFIED_COUNTED_PICK`: no combine launch, nothing runs
+    in a pass where no row fails), "pick-combine" the pick and its combine. Tokens equal the Pallas scan's and the
+    loop's (which knows no pass number)."""
     cfg = dataclasses.replace(CFG, num_passes=6)
     x, cert = _regime(jnp.bfloat16, regime, n=4)
     cert = dataclasses.replace(cert, scan_blocks=2)
     ops = Ops.pallas(True)
-    if path != "pick":
+    monkeypatch.setattr(dispatch, "CERTIFIED_COUNTED_PICK", path == "pick")
+    if not path.startswith("pick"):
         ops = dataclasses.replace(ops, full_vocab_capacity=lambda n, b, v, r, dtype, limit: limit or None)
     if path == "two-launch":
         monkeypatch.setattr(dispatch, "SCAN_FAILING_MAX_ROWS", 0)
@@ -565,19 +568,21 @@ def test_lowers_for_an_h200():
     # certified rows' tokens (partial scores and ids, active, fallback).
     n = 4
     args = (p, S((n, 16, cfg.vocab_size), jnp.bfloat16), S((n, 16, cfg.hidden_size), jnp.bfloat16), S((n,), jnp.int32))
-    text = lower_triton(f, *args).as_text()
-    assert set(_triton_operand_counts(text, "xpress_full_vocab_counted")) == {6}
-    assert "xpress_full_vocab_fused" not in text and "xpress_pick_combine" not in text
-    assert _triton_operands(text, "xpress_certify") == 8
     old = dispatch.CERTIFIED_COUNTED_PICK
-    dispatch.CERTIFIED_COUNTED_PICK = False
     try:
-        text = lower_triton(lambda *a: f(*a), *args).as_text()  # a new function: traced again
+        dispatch.CERTIFIED_COUNTED_PICK = True
+        counted = lower_triton(lambda *a: f(*a), *args).as_text()  # a new function each time: traced again
+        dispatch.CERTIFIED_COUNTED_PICK = False
+        text = lower_triton(lambda *a: f(*a), *args).as_text()
     finally:
         dispatch.CERTIFIED_COUNTED_PICK = old
+    assert set(_triton_operand_counts(counted, "xpress_full_vocab_counted")) == {6}
+    assert "xpress_full_vocab_fused" not in counted and "xpress_pick_combine" not in counted
+    assert _triton_operands(counted, "xpress_certify") == 8
     assert set(_triton_operand_counts(text, "xpress_full_vocab_fused")) == {4}
     assert set(_triton_operand_counts(text, "xpress_pick_combine")) == {4}
     assert "xpress_full_vocab_counted" not in text
+    assert _triton_operands(text, "xpress_certify") == 8
 
 
 @pytest.mark.slow
