@@ -389,6 +389,23 @@ def test_compiled_refine_on_gpu(dtype, regime):
         _check_regime(stats, regime)
 
 
+@pytest.mark.parametrize("counted", [True, False], ids=["counted", "combine"])
+@pytest.mark.parametrize("regime", list(REGIMES))
+def test_compiled_one_pick_on_gpu(regime, counted, monkeypatch):
+    """The compiled one-pick path (one row tile holds every row: N = 1, 2, 4) with and without the counted launch
+    (`dispatch.CERTIFIED_COUNTED_PICK`: programs racing on a counter, the last one combining; no launch writes
+    anything where no row fails): the certified tokens equal the Pallas scan's, unrolled and in a loop."""
+    if not gpu_supported():
+        pytest.skip("needs a CUDA GPU")
+    monkeypatch.setattr(dispatch, "CERTIFIED_COUNTED_PICK", counted)
+    for n in (1, 2, 4):
+        x, cert = _regime(jnp.bfloat16, regime, n=n)
+        want = np.asarray(_refine(*x, backend="pallas"))
+        for unroll in (True, False):  # a new function each time: traced with the flag set
+            f = jax.jit(lambda *a: xj.refine(*a, config=CFG, topc=0, backend="pallas", full_vocab=cert, unroll=unroll))
+            np.testing.assert_array_equal(np.asarray(f(*x)), want, err_msg=f"N={n} unroll={unroll}")
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
 def test_nonfinite_logits(dtype):
     """NaN counts as -inf; +inf wins; all -inf or all NaN rows pick id 0 (certified: tau = best = -inf and id 0
