@@ -22,7 +22,7 @@ case "$1" in
      echo "b took $((SECONDS - T0)) s" ;;
   c) COUNTED=1 timeout 200 python3 $S26/probe_launch.py $OUT/counted.jsonl 1,4 0.01,0.06 2>&1 | grep -v -i warn | tail -4
      echo "counted took $((SECONDS - T0)) s"
-     XPRESS_SLOW=1 timeout $(left) python3 -m pytest -q -n 8 -k "not Interpret" -p no:cacheprovider \
+     XPRESS_SLOW=1 timeout $(left) python3 -m pytest -q -n 8 -k "not Interpret and (${TESTS:-counted or one_pick or compiled or active})" -p no:cacheprovider \
        tests/test_kernel_full_vocab.py tests/test_certified.py > $OUT/gpu_tests_c.log 2>&1
      tail -2 $OUT/gpu_tests_c.log; grep -E "^(FAILED|ERROR)" $OUT/gpu_tests_c.log | head -20 ;;
   *) echo "usage: gpu.sh a|b|c" >&2; exit 2 ;;
