@@ -159,10 +159,10 @@ CERTIFIED_SCAN_KEEP: bool = False
 #: measuring; H100): where every row certifies, the pick and its combine cost 18.0 µs per refine at N=1 and 19.6
 #: at N=4 (RESULTS "What the certified mode's scan launches cost"); the combine's launch is about half: -7 to -10
 #: µs per refine at N = 1..4; where pruning fails, within +-3 µs (the atomic and the last program's reads against
-#: the combine launch, as the top-C pick's counted launch measured in the fourteenth session). Off until it has run
-#: compiled and been measured (built and tested in interpret mode on JAX 0.10.2 / 0.11.2 / 0.12.0.1, lowers for an
-#: H200; the twenty-sixth session's device starts failed).
-CERTIFIED_COUNTED_PICK: bool = False
+#: the combine launch, as the top-C pick's counted launch measured in the fourteenth session). Outcome (same session,
+#: H100, RESULTS part 4): every row certifying, N=1 105.9 -> 95.0, N=4 179.0 -> 165.9 µs per refine (1.23 / 1.22x
+#: top-512); pruning failing, N=1 273.8 -> 272.8; 0 tokens differ; its compiled tests passed. On.
+CERTIFIED_COUNTED_PICK: bool = True
 
 #: Warps of the selection's finish kernel up to C = 512 (the kernel's default, 16, above). RESULTS.md "The full-vocab
 #: pick alternating its order; the selection's finish warps; ..." part 3 (fifteenth session; top-512 with a token
