@@ -118,7 +118,10 @@ there); where nothing certifies, 1.10-1.23x the scan.
   in packed order, its combine), above it the packed launch for F and the all-rows one (plus small
   XLA ops: the failing-row count, the packing permutation and a [rows, r] latent gather); where one
   row tile holds every row (N <= 4 at B = 16) or any failing row falls back (N = 1), one full-vocab
-  launch with the failing rows active, whose combine writes the certified rows' tokens too. The
+  launch with the failing rows active: the counted launch (``ops.gated_pick``), which writes nothing
+  where no row fails (with `dispatch.CERTIFIED_COUNTED_PICK` off: the pick and its combine, which
+  writes the certified rows' tokens too; measured 10.9 / 13.1 µs per refine slower at N = 1 / 4 on
+  an H100 where every row certifies, benchmarks/RESULTS.md, twenty-sixth session). The
   call adds the top-C selection (which replaces the scan's argmax start) and, unless given
   ``certified_prepared``, one read of ``w2`` for ``M`` (~78 MB in bf16, some 20 µs on an H200;
   `RefineServer` computes it once per weights). A certified pass costs a top-C pass plus the scan's
