@@ -46,6 +46,14 @@ SHAPES = [
 ]
 
 
+def _mask_kinds(rows: int, t: int, rng) -> dict:
+    """Active-row masks of every kind for ``rows`` rows in row tiles of ``t``: all, none, one row, the second
+    row tile, the last (partial) tile's last rows, random."""
+    r = np.arange(rows)
+    return {"all": np.ones(rows, bool), "none": np.zeros(rows, bool), "one": r == rows // 2,
+            "tile": (r >= t) & (r < 2 * t), "tail": r >= rows - 3, "random": rng.random(rows) < 0.3}
+
+
 def _shape_dtypes():
     """Every shape (config path) once in the default run, dtypes alternating; the rest `slow` (and
     tests/slow_list.txt moves more of these cases to `slow` for their run time)."""
@@ -241,9 +249,7 @@ class TestFullVocabPick:
         want = np.asarray(R.full_vocab_pick(base, lat, w2))
         rng = np.random.default_rng(rows)
         t = cfg.row_tile
-        masks = {"all": np.ones(rows, bool), "none": np.zeros(rows, bool), "one": np.arange(rows) == rows // 2,
-                 "tile": (np.arange(rows) >= t) & (np.arange(rows) < 2 * t), "tail": np.arange(rows) >= rows - 3,
-                 "random": rng.random(rows) < 0.3}
+        masks = _mask_kinds(rows, t, rng)
         for name, act in masks.items():
             for a in (jnp.asarray(act), jnp.asarray(act, jnp.int32)):
                 got = np.asarray(fv.full_vocab_pick(base, lat, w2, interpret=self.INTERPRET, config=cfg, active=a,
@@ -295,9 +301,7 @@ class TestFullVocabPick:
         base, lat, w2 = pick_inputs(rows, vocab, rank, jnp.bfloat16, seed=rows + 1)
         rng = np.random.default_rng(rows)
         t = (cfg or fv.default_config(rows, vocab, rank, jnp.bfloat16)).row_tile
-        masks = {"all": np.ones(rows, bool), "none": np.zeros(rows, bool), "one": np.arange(rows) == rows // 2,
-                 "tile": (np.arange(rows) >= t) & (np.arange(rows) < 2 * t), "tail": np.arange(rows) >= rows - 3,
-                 "random": rng.random(rows) < 0.3}
+        masks = _mask_kinds(rows, t, rng)
         flags = jnp.asarray([1, 5, 0, 0, 0, 0, 0, 0], jnp.int32)
         for name, act in masks.items():
             fb = jnp.asarray(rng.integers(0, vocab, rows).astype(np.int32))

@@ -809,7 +809,6 @@ def pruned_passes(ops: Ops, params, logits: jax.Array, xh: jax.Array, anchors: j
         start = ops.start(logits)
     row_valid = jnp.repeat(valid, B - 1)
     n_valid = jnp.sum(row_valid, dtype=jnp.int32)
-    gated = ops.gated_pick if ops.gated_pick is not None and ops.gated_pick.pick is ops.full_vocab_pick else None
 
     def one_pass(_, carry):
         blk, fallen, (tried, certified, excl, exact, n_full) = carry

@@ -397,7 +397,7 @@ def _pallas_gated_pick(logits, lat, w2, active, fallback, flags, *, interpret, q
     p = _plan(n, b, v, lat.shape[1], 0, logits.dtype, interpret)
     cfg = p.full_vocab
     if (cfg is None or not dispatch.CERTIFIED_COUNTED_PICK or flags.shape != (8,) or flags.dtype != jnp.int32
-            or -(-lat.shape[0] // cfg.row_tile) > 6):
+            or full_vocab.cdiv(lat.shape[0], cfg.row_tile) > 6):
         return _pallas_full_vocab(logits, lat, w2, active, fallback, interpret=interpret, best=False, q=q), flags
     reverse, keep = _pass_order(n * (b - 1), q, cfg)
     return full_vocab.full_vocab_pick(logits.reshape(n * b, v), lat, w2, config=cfg, interpret=interpret,

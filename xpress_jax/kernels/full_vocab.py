@@ -461,27 +461,41 @@ def _combine_if_last(mv_ref, mi_ref, tok_ref, cnt_ref, i, r0, write, *, parts: i
 
     @pl.when(old == parts - 1)
     def _():
-        part_tile = min(next_pow2(parts), max(1, 8192 // row_tile))
         rix = r0 + iota(row_tile)
 
-        def step(t, carry):
-            p = t * part_tile + iota(part_tile)
-            ok = jnp.broadcast_to((p < parts)[:, None], (part_tile, row_tile))
-            idx = (p[:, None], rix[None, :])
-            v = plt.load(mv_ref.at[idx], mask=ok, other=-jnp.inf, volatile=barrier)
-            ix = plt.load(mi_ref.at[idx], mask=ok, other=BIG, volatile=barrier)
-            m, k = common.best(jnp.where(ok, v, -jnp.inf), jnp.where(ok, ix, BIG), axis=0)
-            return common.merge(*carry, m, k)
+        def load(p0, part_tile, ok):
+            idx = ((p0 + iota(part_tile))[:, None], rix[None, :])
+            return (plt.load(mv_ref.at[idx], mask=ok, other=-jnp.inf, volatile=barrier),
+                    plt.load(mi_ref.at[idx], mask=ok, other=BIG, volatile=barrier))
 
-        init = (jnp.full((row_tile,), -jnp.inf, jnp.float32), jnp.full((row_tile,), BIG, jnp.int32))
-        n_t = cdiv(parts, part_tile)
-        _, bidx = step(0, init) if n_t == 1 else jax.lax.fori_loop(0, n_t, step, init)
+        bidx = _reduce_parts(load, parts=parts, part_tile=min(next_pow2(parts), max(1, 8192 // row_tile)),
+                             row_tile=row_tile)
         plt.store(tok_ref.at[rix], bidx, mask=write)
         cnt_ref[counter_at + i] = jnp.int32(0)
 
 
 # ---------------------------------------------------------------------------
 # Stage 2: reduce the parts.
+
+
+def _reduce_parts(load, *, parts: int, part_tile: int, row_tile: int):
+    """In a kernel: each of ``row_tile`` rows' winner over ``parts`` parts (largest value, lowest id on equal
+    values: `common.best`, `common.merge`), ``part_tile`` parts per step. ``load(p0, part_tile, ok)`` returns
+    the (value, id) tiles [part_tile, row_tile] of parts ``p0..`` (``ok``: the parts < ``parts``; ``p0`` is a
+    Python int where one step covers every part). Returns the ids [row_tile] int32. The combine launch and
+    the counted launch's last program (`_combine_if_last`) reduce this way."""
+    shape = (part_tile, row_tile)
+
+    def step(t, carry):
+        p0 = t * part_tile
+        ok = jnp.broadcast_to(((p0 + iota(part_tile)) < parts)[:, None], shape)
+        v, ix = load(p0, part_tile, ok)
+        m, k = common.best(jnp.where(ok, v, -jnp.inf), jnp.where(ok, ix, BIG), axis=0)
+        return common.merge(*carry, m, k)
+
+    init = (jnp.full((row_tile,), -jnp.inf, jnp.float32), jnp.full((row_tile,), BIG, jnp.int32))
+    n_t = cdiv(parts, part_tile)
+    return (step(0, init) if n_t == 1 else jax.lax.fori_loop(0, n_t, step, init))[1]
 
 
 def _combine_kernel(
@@ -500,13 +514,10 @@ def _combine_kernel(
     pos_ref = refs.pop(0) if pos_map else None
     r0 = pl.program_id(0) * row_tile
     rix = r0 + iota(row_tile)
-    shape = (part_tile, row_tile)
     # pos_map: output row q combines the partials of column pos[q] (`scan_failing`'s packed rows).
     cols = plt.load(pos_ref.at[rix], mask=rix < fallback_rows, other=0) if pos_map else None
 
-    def step(t, carry):
-        p0 = t * part_tile
-        ok = jnp.broadcast_to(((p0 + iota(part_tile)) < parts)[:, None], shape)
+    def load(p0, part_tile, ok):
         if pos_map:
             idx = ((p0 + iota(part_tile))[:, None], cols[None, :])
         elif isinstance(p0, int) and p0 + part_tile > parts:
@@ -515,16 +526,9 @@ def _combine_kernel(
             idx = ((p0 + iota(part_tile))[:, None], rix[None, :])
         else:
             idx = (pl.ds(p0, part_tile), pl.ds(r0, row_tile))
-        v = plt.load(mv_ref.at[idx], mask=ok, other=-jnp.inf)
-        ix = plt.load(mi_ref.at[idx], mask=ok, other=BIG)
-        v = jnp.where(ok, v, -jnp.inf)
-        ix = jnp.where(ok, ix, BIG)
-        m, k = common.best(v, ix, axis=0)
-        return common.merge(*carry, m, k)
+        return plt.load(mv_ref.at[idx], mask=ok, other=-jnp.inf), plt.load(mi_ref.at[idx], mask=ok, other=BIG)
 
-    init = (jnp.full((row_tile,), -jnp.inf, jnp.float32), jnp.full((row_tile,), BIG, jnp.int32))
-    n_t = cdiv(parts, part_tile)
-    _, bidx = step(0, init) if n_t == 1 else jax.lax.fori_loop(0, n_t, step, init)
+    bidx = _reduce_parts(load, parts=parts, part_tile=part_tile, row_tile=row_tile)
     if fallback_rows:  # inactive rows take the caller's token
         rok = rix < fallback_rows
         act = plt.load(refs[0].at[rix], mask=rok, other=1)
