@@ -463,8 +463,8 @@ def _combine_if_last(mv_ref, mi_ref, tok_ref, cnt_ref, i, r0, write, *, parts: i
     def _():
         rix = r0 + iota(row_tile)
 
-        def load(p0, part_tile, ok):
-            idx = ((p0 + iota(part_tile))[:, None], rix[None, :])
+        def load(p0, p, ok):
+            idx = (p[:, None], rix[None, :])
             return (plt.load(mv_ref.at[idx], mask=ok, other=-jnp.inf, volatile=barrier),
                     plt.load(mi_ref.at[idx], mask=ok, other=BIG, volatile=barrier))
 
@@ -480,16 +480,17 @@ def _combine_if_last(mv_ref, mi_ref, tok_ref, cnt_ref, i, r0, write, *, parts: i
 
 def _reduce_parts(load, *, parts: int, part_tile: int, row_tile: int):
     """In a kernel: each of ``row_tile`` rows' winner over ``parts`` parts (largest value, lowest id on equal
-    values: `common.best`, `common.merge`), ``part_tile`` parts per step. ``load(p0, part_tile, ok)`` returns
-    the (value, id) tiles [part_tile, row_tile] of parts ``p0..`` (``ok``: the parts < ``parts``; ``p0`` is a
-    Python int where one step covers every part). Returns the ids [row_tile] int32. The combine launch and
+    values: `common.best`, `common.merge`), ``part_tile`` parts per step. ``load(p0, p, ok)`` returns the
+    (value, id) tiles [part_tile, row_tile] of parts ``p = p0 + iota(part_tile)`` (``ok``: those < ``parts``;
+    ``p0`` is a Python int where one step covers every part). Returns the ids [row_tile] int32. The combine launch and
     the counted launch's last program (`_combine_if_last`) reduce this way."""
     shape = (part_tile, row_tile)
 
     def step(t, carry):
         p0 = t * part_tile
-        ok = jnp.broadcast_to(((p0 + iota(part_tile)) < parts)[:, None], shape)
-        v, ix = load(p0, part_tile, ok)
+        p = p0 + iota(part_tile)
+        ok = jnp.broadcast_to((p < parts)[:, None], shape)
+        v, ix = load(p0, p, ok)
         m, k = common.best(jnp.where(ok, v, -jnp.inf), jnp.where(ok, ix, BIG), axis=0)
         return common.merge(*carry, m, k)
 
@@ -517,7 +518,7 @@ def _combine_kernel(
     # pos_map: output row q combines the partials of column pos[q] (`scan_failing`'s packed rows).
     cols = plt.load(pos_ref.at[rix], mask=rix < fallback_rows, other=0) if pos_map else None
 
-    def load(p0, part_tile, ok):
+    def load(p0, _, ok):
         if pos_map:
             idx = ((p0 + iota(part_tile))[:, None], cols[None, :])
         elif isinstance(p0, int) and p0 + part_tile > parts:
