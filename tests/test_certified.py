@@ -108,7 +108,8 @@ def test_tokens_equal_scan_pallas_interpret(dtype, regime):
 
 @pytest.mark.interpret
 @pytest.mark.interpret_refine
-@pytest.mark.parametrize("path", ["pick", "pick-combine", "one-launch", "one-launch-split", "two-launch"])
+@pytest.mark.parametrize("path", ["pick", "pick-combine", "one-launch", "one-launch-combine", "one-launch-split",
+                                  "two-launch"])
 @pytest.mark.parametrize("regime", ["row_scan", "fallback"])
 def test_unrolled_passes_skip_final_slots(regime, path, monkeypatch):
     """Unrolled, each certified pass knows its number (`dispatch.CERTIFIED_PASS_NUMBERS`): its final draft slots
@@ -119,13 +120,15 @@ def test_unrolled_passes_skip_final_slots(regime, path, monkeypatch):
     other slots through ``row_ids``); the packed paths are forced by a ``full_vocab_capacity`` that always
     packs (the test shapes fit one row tile). B=6, K=6: passes 2-5 skip slots, pass 6 (every slot final) runs
     nothing. "pick" is the counted launch (`dispatch.CERTIFIED_COUNTED_PICK`: no combine launch, nothing runs
-    in a pass where no row fails), "pick-combine" the pick and its combine. Tokens equal the Pallas scan's and the
-    loop's (which knows no pass number)."""
+    in a pass where no row fails), "pick-combine" the pick and its combine; "one-launch" is counted too
+    (`dispatch.CERTIFIED_COUNTED_SCAN`), "one-launch-combine" the packed pick and its combine. Tokens equal the
+    Pallas scan's and the loop's (which knows no pass number)."""
     cfg = dataclasses.replace(CFG, num_passes=6)
     x, cert = _regime(jnp.bfloat16, regime, n=4)
     cert = dataclasses.replace(cert, scan_blocks=2)
     ops = Ops.pallas(True)
     monkeypatch.setattr(dispatch, "CERTIFIED_COUNTED_PICK", path == "pick")
+    monkeypatch.setattr(dispatch, "CERTIFIED_COUNTED_SCAN", path != "one-launch-combine")
     if not path.startswith("pick"):
         ops = dataclasses.replace(ops, full_vocab_capacity=lambda n, b, v, r, dtype, limit: limit or None)
     if path == "two-launch":
@@ -373,20 +376,27 @@ def test_kernel_differences_are_only_near_ties(dtype, compiled):
     assert np.asarray(cert).mean() > 0.7 and near.mean() < 0.1, (np.asarray(cert).mean(), near.mean())
 
 
+@pytest.mark.parametrize("counted", [True, False], ids=["counted", "combine"])
 @pytest.mark.parametrize("regime", list(REGIMES))
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
-def test_compiled_refine_on_gpu(dtype, regime):
+def test_compiled_refine_on_gpu(dtype, regime, counted, monkeypatch):
     """The compiled Pallas refine on a GPU (skipped elsewhere; interpret mode runs above): the certified tokens
     equal the Pallas scan's in each regime, N = 8 and N = 24 (a packed launch of 3 blocks' rows among 120), the
-    stats say which regime ran. These inputs hold no near tie (a difference would fail here and be traced)."""
+    stats say which regime ran, unrolled and in a loop; with and without the counted one-launch scan
+    (`dispatch.CERTIFIED_COUNTED_SCAN`: the last program of a row tile combining, writing through the packed order).
+    These inputs hold no near tie (a difference would fail here and be traced)."""
     if not gpu_supported():
         pytest.skip("needs a CUDA GPU")
+    monkeypatch.setattr(dispatch, "CERTIFIED_COUNTED_SCAN", counted)
     for n in (8, 24):
         x, cert = _regime(dtype, regime, n=n)
         want = np.asarray(_refine(*x, backend="pallas"))
-        got, stats = _refine(*x, backend="pallas", full_vocab=cert, return_stats=True)
-        np.testing.assert_array_equal(np.asarray(got), want, err_msg=f"N={n}")
-        _check_regime(stats, regime)
+        for unroll in (True, False):  # a new function each time: traced with the flag set
+            f = jax.jit(lambda *a: xj.refine(*a, config=CFG, topc=0, backend="pallas", full_vocab=cert, unroll=unroll,
+                                             return_stats=True))
+            got, stats = f(*x)
+            np.testing.assert_array_equal(np.asarray(got), want, err_msg=f"N={n} unroll={unroll}")
+            _check_regime(stats, regime)
 
 
 @pytest.mark.parametrize("counted", [True, False], ids=["counted", "combine"])
@@ -561,13 +571,25 @@ def test_lowers_for_an_h200():
     assert _triton_operands(text, "xpress_topc_pick") == 5  # base_c, cand, lat, w2, skip
     # the certify launch: partial scores and ids, lat, tau, mex, valid, M, fallen
     assert _triton_operands(text, "xpress_certify") == 8
-    # N = 16 (240 rows, 2 row tiles; up to SCAN_FAILING_MAX_ROWS): one scan launch per pass (`scan_failing`): the
-    # failing rows packed first by `xpress_pack_active` (fail, fallen), read through the row map (base, lat, w2,
-    # row map, active, the pass's full flag: the plan's split differs from capacity_config's there), combined
-    # back in row order (partials, pos, active, fallback)
+    # N = 16 (240 rows, 2 row tiles; up to SCAN_FAILING_MAX_ROWS): one scan per pass (`scan_failing`): the
+    # failing rows packed first by `xpress_pack_active` (fail, fallen; it also writes the row-tile counters), then
+    # the counted pick (`dispatch.CERTIFIED_COUNTED_SCAN`) reading them through the row map (base, lat, w2, row map,
+    # active, the pass's full flag: the plan's split differs from capacity_config's there, the certify launch's
+    # tokens and the counters, both aliased: no combine launch). With the flag off, the pick (the same six
+    # operands before the tokens) and a combine back in row order (partials, pos, active, fallback).
     n = 16
     args = (p, S((n, 16, cfg.vocab_size), jnp.bfloat16), S((n, 16, cfg.hidden_size), jnp.bfloat16), S((n,), jnp.int32))
-    text = lower_triton(f, *args).as_text()
+    old = dispatch.CERTIFIED_COUNTED_SCAN
+    try:
+        dispatch.CERTIFIED_COUNTED_SCAN = True
+        counted = lower_triton(lambda *a: f(*a), *args).as_text()  # a new function each time: traced again
+        dispatch.CERTIFIED_COUNTED_SCAN = False
+        text = lower_triton(lambda *a: f(*a), *args).as_text()
+    finally:
+        dispatch.CERTIFIED_COUNTED_SCAN = old
+    assert set(_triton_operand_counts(counted, "xpress_full_vocab_counted")) == {8}
+    assert set(_triton_operand_counts(counted, "xpress_pack_active")) == {2}
+    assert "xpress_full_vocab_fused" not in counted and "xpress_pick_combine" not in counted
     assert set(_triton_operand_counts(text, "xpress_full_vocab_fused")) == {6}
     assert set(_triton_operand_counts(text, "xpress_pack_active")) == {2}
     assert set(_triton_operand_counts(text, "xpress_pick_combine")) == {5}
@@ -576,9 +598,13 @@ def test_lowers_for_an_h200():
     for n, one_launch in ((64, True), (65, False)):
         args = (p, S((n, 16, cfg.vocab_size), jnp.bfloat16), S((n, 16, cfg.hidden_size), jnp.bfloat16),
                 S((n,), jnp.int32))
-        text = lower_triton(f, *args).as_text()
+        text = lower_triton(lambda *a: f(*a), *args).as_text()
         assert ("xpress_pack_active" in text) == one_launch, n
-        assert sorted(set(_triton_operand_counts(text, "xpress_full_vocab_fused"))) == ([6] if one_launch else [4, 5]), n
+        if one_launch:
+            assert set(_triton_operand_counts(text, "xpress_full_vocab_counted")) == {8}, n
+            assert "xpress_full_vocab_fused" not in text and "xpress_pick_combine" not in text, n
+        else:
+            assert sorted(set(_triton_operand_counts(text, "xpress_full_vocab_fused"))) == [4, 5], n
     # N = 4 (60 rows in one tile): one full-vocab launch per pass, the counted pick (base, lat, w2, active, the
     # certify launch's tokens and flags, both aliased: no combine launch), and the single-program certify launch;
     # with dispatch.CERTIFIED_COUNTED_PICK off, the pick with its active rows and its combine, which writes the

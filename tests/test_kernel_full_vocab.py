@@ -423,6 +423,13 @@ class TestFullVocabPick:
                                    limit=limit, interpret=self.INTERPRET)
             for g, w in zip(again, got):
                 np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+            # counters (the counted scan's row-tile counters): the same five outputs and a sixth of zeros
+            with_cnt = fv.pack_active(fail, jnp.asarray(fallen), limit=limit, interpret=self.INTERPRET, counters=3)
+            for g, w in zip(with_cnt[:5], got):
+                np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+            assert with_cnt[5].dtype == jnp.int32 and with_cnt[5].shape == (4,) and not np.asarray(with_cnt[5]).any()
+        with pytest.raises(ValueError, match="counters must be"):
+            fv.pack_active(fail, jnp.asarray(False), limit=1, counters=-1, interpret=self.INTERPRET)
         with pytest.raises(ValueError, match="limit must be"):
             fv.pack_active(fail, jnp.asarray(False), limit=-1, interpret=self.INTERPRET)
         with pytest.raises(ValueError, match="skip_slots"):
@@ -432,11 +439,14 @@ class TestFullVocabPick:
         with pytest.raises(ValueError, match="fallen must be"):
             fv.pack_active(fail, jnp.zeros((2,), bool), limit=1, interpret=self.INTERPRET)
 
-    def test_scan_failing(self):
+    @pytest.mark.parametrize("counted", [False, True], ids=["combine", "counted"])
+    def test_scan_failing(self, counted):
         """`scan_failing`: the failing rows (every row once the pass is full: more than ``limit`` fail, or the call
         has fallen back) get the all-rows pick's tokens BIT FOR BIT on random bf16 inputs (`capacity_config`'s
         split when few rows fail, the all-rows split when the pass is full), the others ``fallback``; the flags
-        [full, n_fail] as `pack_active` counts them. 40 draft rows (B=6), V=4099, a rank with a tail chunk."""
+        [full, n_fail] as `pack_active` counts them. 40 draft rows (B=6), V=4099, a rank with a tail chunk.
+        ``counted``: the same in two launches (the last program of a row tile combines its parts and writes
+        through the packed order; with the run-time split only the live parts arrive)."""
         n, B, vocab, rank = 8, 6, 4099, 40
         rows = n * (B - 1)
         cfg = fv.FullVocabConfig(row_tile=16, v_tile=128, v_steps=4, k_tile=16)
@@ -452,7 +462,7 @@ class TestFullVocabPick:
             fail = rng.random(rows) < frac
             tok, flags = fv.scan_failing(base, lat, w2, jnp.asarray(fail), jnp.asarray(fallen), jnp.asarray(fb),
                                          limit=limit, interpret=self.INTERPRET, config=cap_cfg, slot_stride=B,
-                                         v_steps_full=split)
+                                         v_steps_full=split, counted=counted)
             is_full = fallen or fail.sum() > limit
             msg = f"frac {frac} fallen {fallen} v_steps_full {split}"
             assert int(flags[1]) == fail.sum() and bool(flags[0]) == is_full, msg
@@ -465,7 +475,7 @@ class TestFullVocabPick:
             fail = rng.random(rows) < frac
             tok, flags = fv.scan_failing(base, lat, w2, jnp.asarray(fail), jnp.asarray(fallen), jnp.asarray(fb),
                                          limit=limit, interpret=self.INTERPRET, config=cap_cfg, slot_stride=B,
-                                         v_steps_full=cfg.v_steps, skip_slots=skip, keep=keep)
+                                         v_steps_full=cfg.v_steps, skip_slots=skip, keep=keep, counted=counted)
             is_full = fallen or fail.sum() > limit
             msg = f"frac {frac} fallen {fallen} keep {keep} skip {skip}"
             assert int(flags[1]) == fail.sum() and bool(flags[0]) == is_full, msg
@@ -596,6 +606,10 @@ class TestFullVocabLowering:
             assert _triton_operands(hlo, "xpress_pack_active") == 2
             assert _triton_operands(hlo, "xpress_full_vocab_fused") == (6 if served.v_steps != cfg.v_steps else 5)
             assert _triton_operands(hlo, "xpress_pick_combine") == 5
+            # counted: two launches, the pick with the tokens and the row-tile counters aliased in (no combine)
+            hlo = common.lower_triton(functools.partial(g, counted=True), *args).as_text()
+            assert hlo.count(TRITON_CALL) == 2 and "xpress_pick_combine" not in hlo
+            assert _triton_operands(hlo, "xpress_full_vocab_counted") == (8 if served.v_steps != cfg.v_steps else 7)
 
 
 def _triton_operand_counts(hlo: str, name: str) -> list[int]:

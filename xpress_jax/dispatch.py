@@ -32,7 +32,7 @@ from .kernels.common import cdiv, next_pow2
 
 __all__ = ["Row", "TABLE", "Plan", "plan", "capacity_config", "select_config", "SERVING_N", "SMS",
            "SCAN_FAILING_MAX_ROWS", "FULL_VOCAB_ALTERNATE_MAX_ROWS", "FULL_VOCAB_START_SELECT_MIN_ROWS", "SELECT_FINISH_WARPS",
-           "SKIP_FINAL_SLOTS_MIN_ROWS", "TOPC_SKIP_FINAL_SLOTS_MIN_ROWS", "CERTIFIED_PASS_NUMBERS", "CERTIFIED_SCAN_KEEP", "CERTIFIED_COUNTED_PICK", "pass_pick_rows", "TABLE_XLA_LATENT_MAX_ROWS", "SPLIT_LATENT_MAX_ROWS"]
+           "SKIP_FINAL_SLOTS_MIN_ROWS", "TOPC_SKIP_FINAL_SLOTS_MIN_ROWS", "CERTIFIED_PASS_NUMBERS", "CERTIFIED_SCAN_KEEP", "CERTIFIED_COUNTED_PICK", "CERTIFIED_COUNTED_SCAN", "pass_pick_rows", "TABLE_XLA_LATENT_MAX_ROWS", "SPLIT_LATENT_MAX_ROWS"]
 
 #: The N values the serving configs were measured at (B = 16): draft rows 15 / 60 / 240 / 960 / 3840.
 SERVING_N = (1, 4, 16, 64, 256)
@@ -163,6 +163,16 @@ CERTIFIED_SCAN_KEEP: bool = False
 #: H100, RESULTS part 4): every row certifying, N=1 105.9 -> 95.0, N=4 179.0 -> 165.9 µs per refine (1.23 / 1.22x
 #: top-512); pruning failing, N=1 273.8 -> 272.8; 0 tokens differ; its compiled tests passed. On.
 CERTIFIED_COUNTED_PICK: bool = True
+
+#: Whether the certified mode's one-launch scan (packed rows, `SCAN_FAILING_MAX_ROWS`; N = 16..64 at B=16) is counted
+#: (`kernels.full_vocab.scan_failing`'s ``counted``): the packing launch also writes the row-tile counters, the
+#: pick's last program of a row tile combines the tile's parts and writes through the packed order, so no combine
+#: launch runs, and where no row is active (every row certified) nothing is written: the certify launch's tokens,
+#: aliased. The same tokens. Prediction (twenty-seventh session, before measuring; H100 twenty-sixth session: the
+#: scan step, three launches, costs 36.7 / 87.6 µs per refine at N = 16 / 64 where every row certifies; the counted
+#: pick saved 10.9-13.1 of 18.0-19.6 at N <= 4): -10 to -15 µs per refine at N=16 and N=64 where every row
+#: certifies (certified 354 -> ~342 at N=16, 1.28x top-512); within +-5 µs where pruning fails.
+CERTIFIED_COUNTED_SCAN: bool = True
 
 #: Warps of the selection's finish kernel up to C = 512 (the kernel's default, 16, above). RESULTS.md "The full-vocab
 #: pick alternating its order; the selection's finish warps; ..." part 3 (fifteenth session; top-512 with a token

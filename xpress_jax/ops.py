@@ -519,7 +519,8 @@ def _pallas_scan_failing(logits, lat, w2, fail, fallen, fallback, limit, *, inte
     draft slots before it are skipped (`_final_slots`), in the one launch by the packing, in the
     all-rows launch through the kernel's ``row_ids`` (as the pass pick skips them), which takes the pass
     pick's L2 hint (the loop split where the config holds the latent); the one launch takes it over the
-    split read at run time where `dispatch.CERTIFIED_SCAN_KEEP` says so."""
+    split read at run time where `dispatch.CERTIFIED_SCAN_KEEP` says so, and is counted (two launches, no
+    combine: ``scan_failing``'s ``counted``) where `dispatch.CERTIFIED_COUNTED_SCAN` says so."""
     from . import dispatch
     from .kernels import full_vocab
 
@@ -533,7 +534,8 @@ def _pallas_scan_failing(logits, lat, w2, fail, fallen, fallback, limit, *, inte
         return full_vocab.scan_failing(logits.reshape(n * b, v), lat, w2, fail, fallen, fallback, limit=int(limit),
                                        config=dispatch.capacity_config(fv, v), v_steps_full=fv.v_steps,
                                        interpret=interpret, slot_stride=b, skip_slots=s,
-                                       keep=_pass_order(rows, q, fv)[1] if dispatch.CERTIFIED_SCAN_KEEP else None)
+                                       keep=_pass_order(rows, q, fv)[1] if dispatch.CERTIFIED_SCAN_KEEP else None,
+                                       counted=dispatch.CERTIFIED_COUNTED_SCAN)
     fail = fail != 0
     n_fail = jnp.sum(fail, dtype=jnp.int32)
     full = ref.flag_value(fallen) | (n_fail > limit)

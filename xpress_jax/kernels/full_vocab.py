@@ -259,15 +259,17 @@ def _fused_kernel(
     map_ref = refs.pop(0) if row_map else None
     active_ref = refs.pop(0) if has_active else None
     if counted:  # the counted launch (`_counted_launch`): tokens and counter aliased in and out
-        _, _, mv_ref, mi_ref, tok_ref, cnt_ref = refs
+        mv_ref, mi_ref, tok_ref, cnt_ref = refs[-4:]
     else:
         mv_ref, mi_ref = refs[-2:]
     i, j = pl.program_id(0), pl.program_id(1)
     live = None  # v_steps_full: whether this program's part holds any vocab id
+    live_parts = None  # v_steps_full: the parts that hold a vocab id (the counted launch's arrivals per row tile)
     if v_steps_full:  # a run-time split (`scan_failing`): v_steps_full vocab tiles per part when full_ref[0]
         is_full = refs[0][0] != 0
         v_steps = jnp.where(is_full, jnp.int32(v_steps_full), jnp.int32(v_steps))
         live = j * v_steps * v_tile < vocab
+        live_parts = (vocab + v_steps * v_tile - 1) // (v_steps * v_tile)
     r0 = i * row_tile
     row_ok = (r0 + iota(row_tile)) < rows
     if row_map:  # the base row each kernel row reads (masked rows: row 0, never used)
@@ -417,16 +419,24 @@ def _fused_kernel(
         # Only row tiles with an active row do anything: they store their part's winners at [j, tile],
         # count their arrival, and the last to arrive combines the tile's parts into its active rows'
         # tokens (`_combine_if_last`). A tile without an active row reads, writes and counts nothing: its
-        # tokens stay the ones aliased in.
+        # tokens stay the ones aliased in. With a run-time split (v_steps_full) only the live parts run
+        # and count (``live_parts`` arrivals). With a row map (`scan_failing`: packed rows) the tokens go
+        # to the draft rows the map names.
         act = plt.load(active_ref.at[r0 + iota(row_tile)], mask=row_ok, other=0)
+        go = jnp.max((act != 0).astype(jnp.int32)) > 0
 
-        @pl.when(jnp.max((act != 0).astype(jnp.int32)) > 0)
+        @pl.when(go if live is None else go & live)
         def _():
             best, bidx = part()
             mv_ref[j, pl.ds(r0, row_tile)] = best
             mi_ref[j, pl.ds(r0, row_tile)] = bidx
+            # Packed rows: the map is a permutation of the draft rows (`pack_active`'s src), and the lanes past
+            # the rows go past the tokens' end: every lane's row differs (interpret mode loses writes where masked
+            # lanes of a scatter share a row; ../notes), and no masked lane is in the tokens' range twice.
+            out_rows = jnp.where(row_ok, lat_rows, rows + iota(row_tile)) if row_map else None
             _combine_if_last(mv_ref, mi_ref, tok_ref, cnt_ref, i, r0, (act != 0) & row_ok, parts=counted,
-                             row_tile=row_tile, counter_at=counter_at, barrier=barrier)
+                             row_tile=row_tile, counter_at=counter_at, barrier=barrier, live_parts=live_parts,
+                             out_rows=out_rows)
         return
     if not has_active:
         best, bidx = part()
@@ -442,12 +452,15 @@ def _fused_kernel(
 
 
 def _combine_if_last(mv_ref, mi_ref, tok_ref, cnt_ref, i, r0, write, *, parts: int, row_tile: int, counter_at: int,
-                     barrier: bool):
+                     barrier: bool, live_parts=None, out_rows=None):
     """The counted launch's end of program (i, j), after it stored its part's winners at [j, tile i]:
     count the arrival on tile i's counter (``cnt[counter_at + i]``); the program that arrives last
     (``parts - 1`` arrivals before it) reads the tile's ``parts`` winners, keeps the largest value, lowest
     id (`common.best`, `common.merge`: the combine launch's rule), writes it to the rows in ``write`` and
-    sets the counter back to 0.
+    sets the counter back to 0. ``live_parts`` (traced, <= ``parts``; `scan_failing`'s run-time split):
+    only parts ``0 .. live_parts - 1`` run, so that many arrive and are read. ``out_rows`` ([row_tile]
+    int32): the token rows of the tile's kernel rows (packed rows: the draft rows they hold; default the
+    kernel rows themselves).
 
     Why the last arrival sees every part: each program's stores come before its counter increment, a CTA
     barrier orders the stores of all its threads before the increment, and the increment is an
@@ -459,18 +472,20 @@ def _combine_if_last(mv_ref, mi_ref, tok_ref, cnt_ref, i, r0, write, *, parts: i
         plt.debug_barrier()
     old = plt.atomic_add(cnt_ref, (counter_at + i,), jnp.int32(1))
 
-    @pl.when(old == parts - 1)
+    @pl.when(old == (parts if live_parts is None else live_parts) - 1)
     def _():
         rix = r0 + iota(row_tile)
 
         def load(p0, p, ok):
+            if live_parts is not None:
+                ok = ok & (p < live_parts)[:, None]
             idx = (p[:, None], rix[None, :])
             return (plt.load(mv_ref.at[idx], mask=ok, other=-jnp.inf, volatile=barrier),
                     plt.load(mi_ref.at[idx], mask=ok, other=BIG, volatile=barrier))
 
         bidx = _reduce_parts(load, parts=parts, part_tile=min(next_pow2(parts), max(1, 8192 // row_tile)),
                              row_tile=row_tile)
-        plt.store(tok_ref.at[rix], bidx, mask=write)
+        plt.store(tok_ref.at[rix if out_rows is None else out_rows], bidx, mask=write)
         cnt_ref[counter_at + i] = jnp.int32(0)
 
 
@@ -672,19 +687,21 @@ def _kernel(cfg: FullVocabConfig, *, rows: int, vocab: int, rank: int, dtype, sl
                              slot_stride=slot_stride, reverse=reverse, **switches)
 
 
-def _counted_launch(base, lat, w2, act, fallback, counter, cfg: FullVocabConfig, *, counter_at: int, slot_stride: int,
-                    interpret: bool, reverse: bool, keep: str | None):
-    """The counted pick (`full_vocab_pick`'s ``counter``): one launch, grid (row tiles, parts); the last
-    program of each row tile with an active row combines its parts (`_combine_if_last`). The parts'
-    winners are scratch outputs; ``fallback`` (the tokens) and ``counter`` are aliased in and out."""
-    rows, rank = lat.shape
-    vocab = base.shape[1]
-    parts = cdiv(vocab, cfg.v_tile * cfg.v_steps)
+def _counted_launch(operands, fallback, counter, cfg: FullVocabConfig, *, rows: int, vocab: int, rank: int, dtype,
+                    counter_at: int, slot_stride: int, interpret: bool, reverse: bool = False, keep: str | None = None,
+                    parts: int | None = None, **switches):
+    """The counted pick (`full_vocab_pick`'s ``counter``, `scan_failing`'s ``counted``): one launch, grid
+    (row tiles, parts); the last program of each row tile with an active row combines its parts
+    (`_combine_if_last`). ``operands``: the kernel's inputs before the tokens (base, lat, w2, then the
+    ``switches``' operands: the row map, the active rows, the run-time split's flags). The parts' winners
+    are scratch outputs; ``fallback`` (the tokens) and ``counter`` are aliased in and out."""
+    parts = cdiv(vocab, cfg.v_tile * cfg.v_steps) if parts is None else parts
     row_tiles = cdiv(rows, cfg.row_tile)
-    kernel = _kernel(cfg, rows=rows, vocab=vocab, rank=rank, dtype=base.dtype, slot_stride=slot_stride,
+    kernel = _kernel(cfg, rows=rows, vocab=vocab, rank=rank, dtype=dtype, slot_stride=slot_stride,
                      reverse=reverse, keep=keep, has_active=True, counted=parts, counter_at=counter_at,
-                     barrier=not interpret)
+                     barrier=not interpret, **switches)
     shape = (parts, row_tiles * cfg.row_tile)
+    n = len(operands)
     _, _, tok, cnt = common.pallas_call(
         kernel,
         name="xpress_full_vocab_counted",
@@ -692,12 +709,12 @@ def _counted_launch(base, lat, w2, act, fallback, counter, cfg: FullVocabConfig,
         num_stages=cfg.num_stages,
         interpret=interpret,
         grid=(row_tiles, parts),
-        in_specs=[pl.no_block_spec] * 6,
+        in_specs=[pl.no_block_spec] * (n + 2),
         out_specs=(pl.no_block_spec,) * 4,
         out_shape=(jax.ShapeDtypeStruct(shape, jnp.float32), jax.ShapeDtypeStruct(shape, jnp.int32),
-                   jax.ShapeDtypeStruct((rows,), jnp.int32), jax.ShapeDtypeStruct(counter.shape, jnp.int32)),
-        input_output_aliases={4: 2, 5: 3},
-    )(base, lat, w2, act, fallback, counter)
+                   jax.ShapeDtypeStruct(fallback.shape, jnp.int32), jax.ShapeDtypeStruct(counter.shape, jnp.int32)),
+        input_output_aliases={n: 2, n + 1: 3},
+    )(*operands, fallback, counter)
     return tok, cnt
 
 
@@ -802,8 +819,9 @@ def full_vocab_pick(
             raise ValueError(f"counter must be int32 [k >= counter_at + row tiles = {counter_at} + {tiles}]; got "
                              f"{counter.shape} {counter.dtype}, counter_at={counter_at!r}")
         act = active if active.dtype == jnp.int32 else (active != 0).astype(jnp.int32)
-        return _counted_launch(base, lat, w2, act, fallback.astype(jnp.int32), counter, cfg, counter_at=counter_at,
-                               slot_stride=slot_stride, interpret=interpret, reverse=reverse, keep=keep)
+        return _counted_launch((base, lat, w2, act), fallback.astype(jnp.int32), counter, cfg, rows=rows, vocab=vocab,
+                               rank=rank, dtype=dtype, counter_at=counter_at, slot_stride=slot_stride,
+                               interpret=interpret, reverse=reverse, keep=keep)
     if row_ids is not None:
         if (capacity is not None or fallback is not None or row_ids.ndim != 1 or row_ids.shape[0] < 1
                 or row_ids.dtype != jnp.int32):
@@ -856,11 +874,11 @@ def full_vocab_pick(
 # The certified mode's scan of its failing rows: pack, one pick in packed order, combine back.
 
 
-def _pack_kernel(fail_ref, fallen_ref, pos_ref, src_ref, actp_ref, act_ref, flag_ref, *, rows: int, limit: int,
+def _pack_kernel(fail_ref, fallen_ref, pos_ref, src_ref, actp_ref, act_ref, flag_ref, *cnt_ref, rows: int, limit: int,
                  skip_slots: int = 0, slots: int = 1):
     """One program over every row (``n_pad`` = a power of two >= rows): the rows to scan first. ``pos``
-    and ``act`` are [rows] (masked stores), ``src`` and ``act_p`` [n_pad], ``flag_ref`` [8]. Rows ``q``
-    with ``q % slots < skip_slots`` are never active."""
+    and ``act`` are [rows] (masked stores), ``src`` and ``act_p`` [n_pad], ``flag_ref`` [8], ``cnt_ref``
+    (``counters`` only) [counters] zeros. Rows ``q`` with ``q % slots < skip_slots`` are never active."""
     n_pad = src_ref.shape[0]
     q = iota(n_pad)
     rok = q < rows
@@ -879,10 +897,12 @@ def _pack_kernel(fail_ref, fallen_ref, pos_ref, src_ref, actp_ref, act_ref, flag
     actp_ref[...] = (q < n_act).astype(jnp.int32)
     plt.store(act_ref.at[q], ai, mask=rok)
     flag_ref[...] = common.flags_row(full, n_fail)
+    if cnt_ref:
+        cnt_ref[0][...] = jnp.zeros(cnt_ref[0].shape, jnp.int32)
 
 
 def pack_active(fail: jax.Array, fallen: jax.Array, *, limit: int, interpret: bool = False, skip_slots: int = 0,
-                slots: int = 1):
+                slots: int = 1, counters: int = 0):
     """[rows] ``fail`` (bool or int32, nonzero: failed), a flag ``fallen`` -> the certified mode's rows to
     scan, in one launch.
 
@@ -895,7 +915,9 @@ def pack_active(fail: jax.Array, fallen: jax.Array, *, limit: int, interpret: bo
     (``src[pos[q]] = q``; positions past ``rows`` hold padding ids >= rows), ``act_p[p]`` = p < the number of active rows, ``act`` 0/1 and
     ``flags`` = [full, sum(fail), 0, ...] (the next pass's ``fallen``, `common.flag_operand`). The
     kernels downstream read them as they are (no XLA op in between). ``fallen``: a bool scalar or
-    int32 flags. The jnp spelling is `pack_active_ref`."""
+    int32 flags. The jnp spelling is `pack_active_ref`. ``counters`` (static int >= 0): where > 0, a sixth output,
+    int32 zeros [the next power of two >= counters] (the counted scan's row-tile counters, `scan_failing`'s
+    ``counted``: written by the same launch, so no XLA op runs before the pick)."""
     rows = fail.shape[0]
     if fail.ndim != 1:
         raise ValueError(f"pack_active: need fail [rows]; got {fail.shape}")
@@ -907,8 +929,13 @@ def pack_active(fail: jax.Array, fallen: jax.Array, *, limit: int, interpret: bo
     n_pad = next_pow2(rows)
     if n_pad > 2 ** 20:
         raise ValueError(f"pack_active: {rows} rows are more than one program holds (2^20)")
+    if isinstance(counters, bool) or not isinstance(counters, int) or counters < 0:
+        raise ValueError(f"pack_active: counters must be an int >= 0, got {counters!r}")
     by_row, padded = jax.ShapeDtypeStruct((rows,), jnp.int32), jax.ShapeDtypeStruct((n_pad,), jnp.int32)
-    return tuple(common.pallas_call(
+    shapes = (by_row, padded, padded, by_row, jax.ShapeDtypeStruct((8,), jnp.int32))
+    if counters:
+        shapes = (*shapes, jax.ShapeDtypeStruct((next_pow2(counters),), jnp.int32))
+    outs = tuple(common.pallas_call(
         functools.partial(_pack_kernel, rows=rows, limit=int(limit), skip_slots=int(skip_slots), slots=int(slots)),
         name="xpress_pack_active",
         num_warps=4 if n_pad <= 1024 else 8,
@@ -916,9 +943,10 @@ def pack_active(fail: jax.Array, fallen: jax.Array, *, limit: int, interpret: bo
         interpret=interpret,
         grid=(1,),
         in_specs=[pl.no_block_spec] * 2,
-        out_specs=(pl.no_block_spec,) * 5,
-        out_shape=(by_row, padded, padded, by_row, jax.ShapeDtypeStruct((8,), jnp.int32)),
+        out_specs=(pl.no_block_spec,) * len(shapes),
+        out_shape=shapes,
     )(fail if fail.dtype == jnp.int32 else fail.astype(jnp.int32), fallen))
+    return outs
 
 
 def pack_active_ref(fail: jax.Array, fallen: jax.Array, *, limit: int, skip_slots: int = 0, slots: int = 1):
@@ -940,11 +968,11 @@ def pack_active_ref(fail: jax.Array, fallen: jax.Array, *, limit: int, skip_slot
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "config", "slot_stride", "limit", "v_steps_full",
-                                             "skip_slots", "keep"))
+                                             "skip_slots", "keep", "counted"))
 def scan_failing(base: jax.Array, lat: jax.Array, w2: jax.Array, fail: jax.Array, fallen: jax.Array,
                  fallback: jax.Array, *, limit: int, interpret: bool = False, config: FullVocabConfig | None = None,
                  slot_stride: int = 0, v_steps_full: int | None = None, skip_slots: int = 0,
-                 keep: str | None = None):
+                 keep: str | None = None, counted: bool = False):
     """The certified mode's scan of the rows its bound did not certify: three launches, no XLA op.
 
     ``full = fallen | (sum(fail) > limit)``; the rows to scan are ``fail | full``. (1) `pack_active`
@@ -966,6 +994,12 @@ def scan_failing(base: jax.Array, lat: jax.Array, w2: jax.Array, fail: jax.Array
     ``skip_slots`` (static, with ``slot_stride`` = B): draft slots ``< skip_slots`` of every block (final in
     this pass) are never scanned, not even in a full pass; their tokens are ``fallback`` (`pack_active`).
     ``keep`` (static): the pick's L2 hint / loop split (`full_vocab_pick`), over the split read at run time.
+    ``counted`` (static): **two launches**: the packing also writes one zero counter per row tile, and the
+    pick is a counted launch (`full_vocab_pick`'s ``counter``): each live program of a row tile with an
+    active row stores its part's winners and counts its arrival, and the last to arrive combines the tile's
+    parts (the combine launch's rule) and writes each active row's token to the draft row the packed order
+    names; ``fallback`` is aliased in as the tokens, so where no row is active nothing is read or written
+    and no combine launch runs. The same tokens (only which program reduces the parts differs).
     """
     dtype = _check_inputs(base, lat, w2, slot_stride, "scan_failing")
     vocab = base.shape[1]
@@ -975,10 +1009,11 @@ def scan_failing(base: jax.Array, lat: jax.Array, w2: jax.Array, fail: jax.Array
             raise ValueError(f"scan_failing: {name} must be [rows={rows}], got {a.shape}")
     if skip_slots and not slot_stride:
         raise ValueError("scan_failing: skip_slots needs slot_stride (the draft rows per block)")
-    pos, src, act_p, act, flags = pack_active(fail, fallen, limit=limit, interpret=interpret, skip_slots=skip_slots,
-                                              slots=max(slot_stride - 1, 1))
     cfg = config or default_config(rows, vocab, rank, dtype)
     cfg.check_shape(rows, vocab, rank, dtype)
+    packed = pack_active(fail, fallen, limit=limit, interpret=interpret, skip_slots=skip_slots,
+                         slots=max(slot_stride - 1, 1), counters=cdiv(rows, cfg.row_tile) if counted else 0)
+    pos, src, act_p, act, flags = packed[:5]
     vs_full = cfg.v_steps if v_steps_full is None else int(v_steps_full)
     if vs_full < 1:
         raise ValueError(f"scan_failing: v_steps_full must be >= 1, got {v_steps_full!r}")
@@ -986,6 +1021,12 @@ def scan_failing(base: jax.Array, lat: jax.Array, w2: jax.Array, fail: jax.Array
         vs_full = 0  # one split: static
     parts = cdiv(vocab, cfg.v_tile * min(cfg.v_steps, vs_full or cfg.v_steps))  # the finer split's parts
     # The kernel reads rows < `rows` of src and act_p ([n_pad]) and element 0 of flags (the pass's full).
+    if counted:
+        tok, _ = _counted_launch((base, lat, w2, src, act_p, *((flags,) if vs_full else ())), fallback.astype(jnp.int32),
+                                 packed[5], cfg, rows=rows, vocab=vocab, rank=rank, dtype=dtype, counter_at=0,
+                                 slot_stride=slot_stride, interpret=interpret, keep=keep, parts=parts, row_map=True,
+                                 lat_map=True, v_steps_full=vs_full)
+        return tok, flags
     mv, mi = _fused_launch((base, lat, w2, src, act_p, *((flags,) if vs_full else ())), cfg, rows=rows, vocab=vocab,
                            rank=rank, dtype=dtype, slot_stride=slot_stride, interpret=interpret, parts=parts,
                            has_active=True, row_map=True, lat_map=True, v_steps_full=vs_full, keep=keep)
