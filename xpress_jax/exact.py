@@ -38,8 +38,12 @@ Per pass, per draft row:
    reads each base and latent row through an index map, no copy of the logits) and, up to
    `dispatch.SCAN_FAILING_MAX_ROWS` draft rows, run one fused pick over every row tile in that order
    with the all-rows config's ``v_steps`` cut so that one row tile fills the GPU
-   (`dispatch.capacity_config`), then one combine back in row order (three launches: the packing, the
-   pick, the combine); above that, a packed launch of only ``ceil(L / row_tile)`` row tiles. Programs
+   (`dispatch.capacity_config`). That pick is counted (`dispatch.CERTIFIED_COUNTED_SCAN`): the packing
+   also writes one zero counter per row tile, the last program of a row tile to arrive combines the
+   tile's parts and writes each scanned row's token to the draft row the packed order names, and the
+   candidates' tokens are aliased in as the output (two launches: the packing, the pick; with the flag
+   off, a third, the combine back in row order); above that, a packed launch of only
+   ``ceil(L / row_tile)`` row tiles. Programs
    whose row tile holds no row of F return at once. So the pass reads ``w2`` about
    ``ceil(|F| / row_tile)`` times, spread over ~132 programs each (none when F is empty). A row of F
    takes the pick's token, every other row the candidates'. Where one row tile holds every row
@@ -89,7 +93,7 @@ Why the tokens are those of ``topc=0`` on the same backend.
   *Rows that are not certified* (and every row once the call has fallen back) get the full-vocab
   pick itself: the same ``ops`` step, with the same config as ``full_vocab="scan"`` (chosen by the
   same N), the only differences being which rows are active and, for the packed launch of F, how
-  many vocabulary tiles one program loops over (``v_steps``), and in the counted launch which
+  many vocabulary tiles one program loops over (``v_steps``), and in the counted launches which
   program combines the parts (the last to arrive, by the combine launch's rule). None changes a token: every dot,
   rounding and comparison is per (row, id) and computed the same way in every program that holds it
   (same row tile size, rank chunks and instructions; the rows a row shares a tile with, or its
@@ -114,8 +118,8 @@ When it is fast, and what a fallback costs (measured on an H200, seventh session
 scan at N=256, 0.70x at N=64, 1.08x at N=16 and 1.19x at N=1 (one failing row scans the whole call
 there); where nothing certifies, 1.10-1.23x the scan.
   A pass always launches the top-C pick and the certify launch, then the scan of the failing rows:
-  up to `dispatch.SCAN_FAILING_MAX_ROWS` draft rows three launches (the packing, one full-vocab pick
-  in packed order, its combine), above it the packed launch for F and the all-rows one (plus small
+  up to `dispatch.SCAN_FAILING_MAX_ROWS` draft rows two launches (the packing, one counted full-vocab
+  pick in packed order, which writes nothing where no row fails), above it the packed launch for F and the all-rows one (plus small
   XLA ops: the failing-row count, the packing permutation and a [rows, r] latent gather); where one
   row tile holds every row (N <= 4 at B = 16) or any failing row falls back (N = 1), one full-vocab
   launch with the failing rows active: the counted launch (``ops.gated_pick``), which writes nothing
