@@ -430,9 +430,10 @@ def _fused_kernel(
             best, bidx = part()
             mv_ref[j, pl.ds(r0, row_tile)] = best
             mi_ref[j, pl.ds(r0, row_tile)] = bidx
-            # Packed rows: the map is a permutation of the draft rows (`pack_active`'s src), and the lanes past
-            # the rows go past the tokens' end: every lane's row differs (interpret mode loses writes where masked
-            # lanes of a scatter share a row; ../notes), and no masked lane is in the tokens' range twice.
+            # Packed rows: the map's first `rows` entries are a permutation of the draft rows (`pack_active`'s
+            # src), and the lanes past the rows go past the tokens' end, so no two lanes name one row: interpret
+            # mode's masked scatter writes the old value back on its masked lanes and loses the active lane's
+            # write where they share a row (a GPU skips masked lanes).
             out_rows = jnp.where(row_ok, lat_rows, rows + iota(row_tile)) if row_map else None
             _combine_if_last(mv_ref, mi_ref, tok_ref, cnt_ref, i, r0, (act != 0) & row_ok, parts=counted,
                              row_tile=row_tile, counter_at=counter_at, barrier=barrier, live_parts=live_parts,
