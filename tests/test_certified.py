@@ -381,22 +381,29 @@ def test_kernel_differences_are_only_near_ties(dtype, compiled):
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
 def test_compiled_refine_on_gpu(dtype, regime, counted, monkeypatch):
     """The compiled Pallas refine on a GPU (skipped elsewhere; interpret mode runs above): the certified tokens
-    equal the Pallas scan's in each regime, N = 8 and N = 24 (a packed launch of 3 blocks' rows among 120), the
-    stats say which regime ran, unrolled and in a loop; with and without the counted one-launch scan
+    equal the Pallas scan's in each regime, N = 8 and N = 24, the stats say which regime ran, unrolled and in a
+    loop; and through the one-launch scan at N = 8, 24, 48 (forced: these shapes fit one row tile below N=48);
+    with and without the counted one-launch scan
     (`dispatch.CERTIFIED_COUNTED_SCAN`: the last program of a row tile combining, writing through the packed order).
     These inputs hold no near tie (a difference would fail here and be traced)."""
     if not gpu_supported():
         pytest.skip("needs a CUDA GPU")
     monkeypatch.setattr(dispatch, "CERTIFIED_COUNTED_SCAN", counted)
-    for n in (8, 24):
+    # The test shapes fit one row tile up to N=24, where refine scans with one pick; these steps always pack
+    # (the one-launch scan, `scan_failing`), and at N=48 (240 rows) over two row tiles.
+    packed = dataclasses.replace(Ops.pallas(False), full_vocab_capacity=lambda n, b, v, r, dtype, limit: limit or None)
+    for n in (8, 24, 48):
         x, cert = _regime(dtype, regime, n=n)
         want = np.asarray(_refine(*x, backend="pallas"))
         for unroll in (True, False):  # a new function each time: traced with the flag set
-            f = jax.jit(lambda *a: xj.refine(*a, config=CFG, topc=0, backend="pallas", full_vocab=cert, unroll=unroll,
-                                             return_stats=True))
-            got, stats = f(*x)
-            np.testing.assert_array_equal(np.asarray(got), want, err_msg=f"N={n} unroll={unroll}")
-            _check_regime(stats, regime)
+            if n <= 24:
+                f = jax.jit(lambda *a: xj.refine(*a, config=CFG, topc=0, backend="pallas", full_vocab=cert,
+                                                 unroll=unroll, return_stats=True))
+                got, stats = f(*x)
+                np.testing.assert_array_equal(np.asarray(got), want, err_msg=f"N={n} unroll={unroll}")
+                _check_regime(stats, regime)
+            g = jax.jit(lambda *a: refine_with(packed, *a, config=CFG, topc=0, unroll=unroll, full_vocab=cert))
+            np.testing.assert_array_equal(np.asarray(g(*x)), want, err_msg=f"packed N={n} unroll={unroll}")
 
 
 @pytest.mark.parametrize("counted", [True, False], ids=["counted", "combine"])
