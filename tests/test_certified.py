@@ -600,12 +600,16 @@ def test_lowers_for_an_h200():
     assert set(_triton_operand_counts(text, "xpress_full_vocab_fused")) == {6}
     assert set(_triton_operand_counts(text, "xpress_pack_active")) == {2}
     assert set(_triton_operand_counts(text, "xpress_pick_combine")) == {5}
-    # Both sides of dispatch.SCAN_FAILING_MAX_ROWS (960 draft rows: N = 64 / 65 at B = 16).
+    # Both sides of dispatch.SCAN_FAILING_MAX_ROWS (960 draft rows: N = 64 / 65 at B = 16), counted.
     assert dispatch.SCAN_FAILING_MAX_ROWS == 64 * 15
     for n, one_launch in ((64, True), (65, False)):
         args = (p, S((n, 16, cfg.vocab_size), jnp.bfloat16), S((n, 16, cfg.hidden_size), jnp.bfloat16),
                 S((n,), jnp.int32))
-        text = lower_triton(lambda *a: f(*a), *args).as_text()
+        try:
+            dispatch.CERTIFIED_COUNTED_SCAN = True
+            text = lower_triton(lambda *a: f(*a), *args).as_text()
+        finally:
+            dispatch.CERTIFIED_COUNTED_SCAN = old
         assert ("xpress_pack_active" in text) == one_launch, n
         if one_launch:
             assert set(_triton_operand_counts(text, "xpress_full_vocab_counted")) == {8}, n
