@@ -112,11 +112,11 @@ Why the tokens are those of ``topc=0`` on the same backend.
   such a near tie; in its CPU runs (XLA and interpret mode; bf16, float32, float64) no token differed.
   Counting them on the GPU: `benchmarks/bench_refine`'s agreement column for an ``@certified`` backend.
 
-When it is fast, and what a fallback costs (measured on an H200, seventh session: benchmarks/RESULTS.md,
-"Certified mode: no XLA op between its kernels" and the section before it). Where every row certifies,
-1.14-1.23x top-512's time and 0.44-0.67x the scan's at N = 1..256; where 2-7% of rows fail, 0.47x the
-scan at N=256, 0.70x at N=64, 1.08x at N=16 and 1.19x at N=1 (one failing row scans the whole call
-there); where nothing certifies, 1.10-1.23x the scan.
+When it is fast, and what a fallback costs (measured on an H200, twenty-seventh session: benchmarks/RESULTS.md,
+"The certified mode's one-launch scan counted; ..."). Where every row certifies, 1.20-1.26x top-512's
+time and 0.42-0.64x the scan's at N = 1, 4, 16, 64, 256; where nothing certifies, 1.14-1.19x the scan.
+Where 2-7% of rows fail (seventh session, H200), 0.47x the scan at N=256, 0.70x at N=64, 1.08x at N=16
+and 1.19x at N=1 (one failing row scans the whole call there).
   A pass always launches the top-C pick and the certify launch, then the scan of the failing rows:
   up to `dispatch.SCAN_FAILING_MAX_ROWS` draft rows two launches (the packing, one counted full-vocab
   pick in packed order, which writes nothing where no row fails), above it the packed launch for F and the all-rows one (plus small
