@@ -879,7 +879,7 @@ def _pack_kernel(fail_ref, fallen_ref, pos_ref, src_ref, actp_ref, act_ref, flag
                  skip_slots: int = 0, slots: int = 1):
     """One program over every row (``n_pad`` = a power of two >= rows): the rows to scan first. ``pos``
     and ``act`` are [rows] (masked stores), ``src`` and ``act_p`` [n_pad], ``flag_ref`` [8], ``cnt_ref``
-    (``counters`` only) [counters] zeros. Rows ``q`` with ``q % slots < skip_slots`` are never active."""
+    (``counters`` only) the counters, set to zero. Rows ``q`` with ``q % slots < skip_slots`` are never active."""
     n_pad = src_ref.shape[0]
     q = iota(n_pad)
     rok = q < rows
@@ -936,7 +936,7 @@ def pack_active(fail: jax.Array, fallen: jax.Array, *, limit: int, interpret: bo
     shapes = (by_row, padded, padded, by_row, jax.ShapeDtypeStruct((8,), jnp.int32))
     if counters:
         shapes = (*shapes, jax.ShapeDtypeStruct((next_pow2(counters),), jnp.int32))
-    outs = tuple(common.pallas_call(
+    return tuple(common.pallas_call(
         functools.partial(_pack_kernel, rows=rows, limit=int(limit), skip_slots=int(skip_slots), slots=int(slots)),
         name="xpress_pack_active",
         num_warps=4 if n_pad <= 1024 else 8,
@@ -947,7 +947,6 @@ def pack_active(fail: jax.Array, fallen: jax.Array, *, limit: int, interpret: bo
         out_specs=(pl.no_block_spec,) * len(shapes),
         out_shape=shapes,
     )(fail if fail.dtype == jnp.int32 else fail.astype(jnp.int32), fallen))
-    return outs
 
 
 def pack_active_ref(fail: jax.Array, fallen: jax.Array, *, limit: int, skip_slots: int = 0, slots: int = 1):
@@ -974,7 +973,7 @@ def scan_failing(base: jax.Array, lat: jax.Array, w2: jax.Array, fail: jax.Array
                  fallback: jax.Array, *, limit: int, interpret: bool = False, config: FullVocabConfig | None = None,
                  slot_stride: int = 0, v_steps_full: int | None = None, skip_slots: int = 0,
                  keep: str | None = None, counted: bool = False):
-    """The certified mode's scan of the rows its bound did not certify: three launches, no XLA op.
+    """The certified mode's scan of the rows its bound did not certify: three launches (two ``counted``), no XLA op.
 
     ``full = fallen | (sum(fail) > limit)``; the rows to scan are ``fail | full``. (1) `pack_active`
     orders them first; (2) the fused pick runs on every row in that order (it reads each base and
