@@ -552,7 +552,7 @@ def test_server_keeps_the_bound_data_with_the_weights():
     assert scan._extra == ()
 
 
-def test_lowers_for_an_h200():
+def test_lowers_for_an_h200(monkeypatch):
     """The Pallas certified refine lowers for an H200: the selection, the top-C pick (with its skip flag), the
     full-vocab pick (with its active rows, packed through a row map) and the latent kernels are all in the HLO,
     and there is no conditional (no `stablehlo.case`)."""
@@ -567,6 +567,14 @@ def test_lowers_for_an_h200():
     args = (p, S((n, 16, cfg.vocab_size), jnp.bfloat16), S((n, 16, cfg.hidden_size), jnp.bfloat16), S((n,), jnp.int32))
     f = lambda p, l, h, a: refine_with(Ops.pallas(False), p, l, h, a, num_passes=2, topc=0, unroll=True,
                                        full_vocab="certified")
+
+    def lowered(n, **flags):  # the HLO at N blocks with these dispatch flags (a new function: traced with them)
+        for name, value in flags.items():
+            monkeypatch.setattr(dispatch, name, value)
+        shapes = (S((n, 16, cfg.vocab_size), jnp.bfloat16), S((n, 16, cfg.hidden_size), jnp.bfloat16),
+                  S((n,), jnp.int32))
+        return lower_triton(lambda *a: f(*a), p, *shapes).as_text()
+
     text = lower_triton(f, *args).as_text()
     for name in ("xpress_latent_pass", "xpress_topc_pick", "select_bgather", "xpress_full_vocab", "xpress_certify"):
         assert name in text, f"{name} missing from the lowered HLO"
@@ -584,16 +592,8 @@ def test_lowers_for_an_h200():
     # active, the pass's full flag: the plan's split differs from capacity_config's there, the certify launch's
     # tokens and the counters, both aliased: no combine launch). With the flag off, the pick (the same six
     # operands before the tokens) and a combine back in row order (partials, pos, active, fallback).
-    n = 16
-    args = (p, S((n, 16, cfg.vocab_size), jnp.bfloat16), S((n, 16, cfg.hidden_size), jnp.bfloat16), S((n,), jnp.int32))
-    old = dispatch.CERTIFIED_COUNTED_SCAN
-    try:
-        dispatch.CERTIFIED_COUNTED_SCAN = True
-        counted = lower_triton(lambda *a: f(*a), *args).as_text()  # a new function each time: traced again
-        dispatch.CERTIFIED_COUNTED_SCAN = False
-        text = lower_triton(lambda *a: f(*a), *args).as_text()
-    finally:
-        dispatch.CERTIFIED_COUNTED_SCAN = old
+    counted = lowered(16, CERTIFIED_COUNTED_SCAN=True)
+    text = lowered(16, CERTIFIED_COUNTED_SCAN=False)
     assert set(_triton_operand_counts(counted, "xpress_full_vocab_counted")) == {8}
     assert set(_triton_operand_counts(counted, "xpress_pack_active")) == {2}
     assert "xpress_full_vocab_fused" not in counted and "xpress_pick_combine" not in counted
@@ -603,13 +603,7 @@ def test_lowers_for_an_h200():
     # Both sides of dispatch.SCAN_FAILING_MAX_ROWS (960 draft rows: N = 64 / 65 at B = 16), counted.
     assert dispatch.SCAN_FAILING_MAX_ROWS == 64 * 15
     for n, one_launch in ((64, True), (65, False)):
-        args = (p, S((n, 16, cfg.vocab_size), jnp.bfloat16), S((n, 16, cfg.hidden_size), jnp.bfloat16),
-                S((n,), jnp.int32))
-        try:
-            dispatch.CERTIFIED_COUNTED_SCAN = True
-            text = lower_triton(lambda *a: f(*a), *args).as_text()
-        finally:
-            dispatch.CERTIFIED_COUNTED_SCAN = old
+        text = lowered(n, CERTIFIED_COUNTED_SCAN=True)
         assert ("xpress_pack_active" in text) == one_launch, n
         if one_launch:
             assert set(_triton_operand_counts(text, "xpress_full_vocab_counted")) == {8}, n
@@ -620,16 +614,8 @@ def test_lowers_for_an_h200():
     # certify launch's tokens and flags, both aliased: no combine launch), and the single-program certify launch;
     # with dispatch.CERTIFIED_COUNTED_PICK off, the pick with its active rows and its combine, which writes the
     # certified rows' tokens (partial scores and ids, active, fallback).
-    n = 4
-    args = (p, S((n, 16, cfg.vocab_size), jnp.bfloat16), S((n, 16, cfg.hidden_size), jnp.bfloat16), S((n,), jnp.int32))
-    old = dispatch.CERTIFIED_COUNTED_PICK
-    try:
-        dispatch.CERTIFIED_COUNTED_PICK = True
-        counted = lower_triton(lambda *a: f(*a), *args).as_text()  # a new function each time: traced again
-        dispatch.CERTIFIED_COUNTED_PICK = False
-        text = lower_triton(lambda *a: f(*a), *args).as_text()
-    finally:
-        dispatch.CERTIFIED_COUNTED_PICK = old
+    counted = lowered(4, CERTIFIED_COUNTED_PICK=True)
+    text = lowered(4, CERTIFIED_COUNTED_PICK=False)
     assert set(_triton_operand_counts(counted, "xpress_full_vocab_counted")) == {6}
     assert "xpress_full_vocab_fused" not in counted and "xpress_pick_combine" not in counted
     assert _triton_operands(counted, "xpress_certify") == 8

@@ -1021,15 +1021,13 @@ def scan_failing(base: jax.Array, lat: jax.Array, w2: jax.Array, fail: jax.Array
         vs_full = 0  # one split: static
     parts = cdiv(vocab, cfg.v_tile * min(cfg.v_steps, vs_full or cfg.v_steps))  # the finer split's parts
     # The kernel reads rows < `rows` of src and act_p ([n_pad]) and element 0 of flags (the pass's full).
+    operands = (base, lat, w2, src, act_p, *((flags,) if vs_full else ()))
+    launch = dict(rows=rows, vocab=vocab, rank=rank, dtype=dtype, slot_stride=slot_stride, interpret=interpret,
+                  parts=parts, keep=keep, row_map=True, lat_map=True, v_steps_full=vs_full)
     if counted:
-        tok, _ = _counted_launch((base, lat, w2, src, act_p, *((flags,) if vs_full else ())), fallback.astype(jnp.int32),
-                                 packed[5], cfg, rows=rows, vocab=vocab, rank=rank, dtype=dtype, counter_at=0,
-                                 slot_stride=slot_stride, interpret=interpret, keep=keep, parts=parts, row_map=True,
-                                 lat_map=True, v_steps_full=vs_full)
+        tok, _ = _counted_launch(operands, fallback.astype(jnp.int32), packed[5], cfg, counter_at=0, **launch)
         return tok, flags
-    mv, mi = _fused_launch((base, lat, w2, src, act_p, *((flags,) if vs_full else ())), cfg, rows=rows, vocab=vocab,
-                           rank=rank, dtype=dtype, slot_stride=slot_stride, interpret=interpret, parts=parts,
-                           has_active=True, row_map=True, lat_map=True, v_steps_full=vs_full, keep=keep)
+    mv, mi = _fused_launch(operands, cfg, has_active=True, **launch)
     tok = combine_partials(mv, mi, interpret=interpret, active=act, fallback=fallback, pos=pos)[:rows]
     return tok, flags
 
