@@ -164,7 +164,7 @@ CERTIFIED_SCAN_KEEP: bool = False
 #: top-512); pruning failing, N=1 273.8 -> 272.8; 0 tokens differ; its compiled tests passed. On.
 CERTIFIED_COUNTED_PICK: bool = True
 
-#: Whether the certified mode's one-launch scan (packed rows, `SCAN_FAILING_MAX_ROWS`; N = 16..64 at B=16) is counted
+#: Whether the certified mode's one-launch scan (packed rows: more than one row tile, up to `SCAN_FAILING_MAX_ROWS`; N = 9..64 at the serving shapes) is counted
 #: (`kernels.full_vocab.scan_failing`'s ``counted``): the packing launch also writes the row-tile counters, the
 #: pick's last program of a row tile combines the tile's parts and writes through the packed order, so no combine
 #: launch runs, and where no row is active (every row certified) nothing is written: the certify launch's tokens,

@@ -47,7 +47,7 @@ Per pass, per draft row:
    whose row tile holds no row of F return at once. So the pass reads ``w2`` about
    ``ceil(|F| / row_tile)`` times, spread over ~132 programs each (none when F is empty). A row of F
    takes the pick's token, every other row the candidates'. Where one row tile holds every row
-   (N <= 4 at B = 16), one ``ops.full_vocab_pick(..., active=F | full)`` instead; on the Pallas backend
+   (N <= 8 at the serving shapes), one ``ops.full_vocab_pick(..., active=F | full)`` instead; on the Pallas backend
    that pick is one counted launch (``ops.gated_pick``, `dispatch.CERTIFIED_COUNTED_PICK`): the last
    program of a row tile combines the tile's parts, the candidates' tokens are aliased in as its
    output, and a row tile without a row of F runs nothing (no combine launch at all).
@@ -121,7 +121,7 @@ and 1.19x at N=1 (one failing row scans the whole call there).
   up to `dispatch.SCAN_FAILING_MAX_ROWS` draft rows two launches (the packing, one counted full-vocab
   pick in packed order, which writes nothing where no row fails), above it the packed launch for F and the all-rows one (plus small
   XLA ops: the failing-row count, the packing permutation and a [rows, r] latent gather); where one
-  row tile holds every row (N <= 4 at B = 16) or any failing row falls back (N = 1), one full-vocab
+  row tile holds every row (N <= 8 at the serving shapes) or any failing row falls back (N = 1), one full-vocab
   launch with the failing rows active: the counted launch (``ops.gated_pick``), which writes nothing
   where no row fails (with `dispatch.CERTIFIED_COUNTED_PICK` off: the pick and its combine, which
   writes the certified rows' tokens too; measured 10.9 / 13.1 µs per refine slower at N = 1 / 4 on
