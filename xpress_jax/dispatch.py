@@ -32,7 +32,8 @@ from .kernels.common import cdiv, next_pow2
 
 __all__ = ["Row", "TABLE", "Plan", "plan", "capacity_config", "select_config", "SERVING_N", "SMS",
            "SCAN_FAILING_MAX_ROWS", "FULL_VOCAB_ALTERNATE_MAX_ROWS", "FULL_VOCAB_START_SELECT_MIN_ROWS", "SELECT_FINISH_WARPS",
-           "SKIP_FINAL_SLOTS_MIN_ROWS", "TOPC_SKIP_FINAL_SLOTS_MIN_ROWS", "CERTIFIED_PASS_NUMBERS", "CERTIFIED_SCAN_KEEP", "CERTIFIED_COUNTED_PICK", "CERTIFIED_COUNTED_SCAN", "pass_pick_rows", "TABLE_XLA_LATENT_MAX_ROWS", "SPLIT_LATENT_MAX_ROWS"]
+           "SKIP_FINAL_SLOTS_MIN_ROWS", "TOPC_SKIP_FINAL_SLOTS_MIN_ROWS", "CERTIFIED_PASS_NUMBERS", "CERTIFIED_SCAN_KEEP", "CERTIFIED_COUNTED_PICK", "CERTIFIED_COUNTED_SCAN", "pass_pick_rows", "TABLE_XLA_LATENT_MAX_ROWS", "SPLIT_LATENT_MAX_ROWS",
+           "FULL_VOCAB_SPLIT_MAX_ROWS"]
 
 #: The N values the serving configs were measured at (B = 16): draft rows 15 / 60 / 240 / 960 / 3840.
 SERVING_N = (1, 4, 16, 64, 256)
@@ -71,6 +72,11 @@ FULL_VOCAB_START_SELECT_MIN_ROWS = 480
 #: N=64 768 -> 774. Full-vocab passes never split: the fused pick loading two float32 tiles measured slower
 #: at every N (N=1 231 -> 237, N=4 290 -> 597, N=16 533 -> 563).
 SPLIT_LATENT_MAX_ROWS = 60
+
+#: Draft rows up to which a full-vocab pass hands XLA's latent to the full-vocab pick as its residual's two float32
+#: terms (`xpress_jax.reference.LatentSum`; the kernel's ``lat_add``), as `SPLIT_LATENT_MAX_ROWS` does for top-C
+#: passes. 0: never.
+FULL_VOCAB_SPLIT_MAX_ROWS = 0
 
 #: Draft rows up to which an unrolled full-vocab refine alternates the pick's vocabulary order (`Ops`'s
 #: ``full_vocab_pass_pick``: pass 2, 4, ... visit each part's tiles from the highest ids down, so a pass

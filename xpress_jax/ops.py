@@ -256,6 +256,7 @@ def _xla_topc_pick(base_c, cand, lat, w2c):
 
 def _xla_full_vocab_pick(logits, lat, w2, active=None, fallback=None, *, direct_readout: bool, q=None):
     # Every row is picked: XLA has nothing to skip without a conditional (the step's spec allows it).
+    lat = ref.latent_value(lat, logits.dtype)  # a mixed Ops may hand it the residual's terms
     return with_fallback(ref.full_vocab_pick(ref.draft_rows(logits), lat, w2, direct_readout=direct_readout),
                          active, fallback)
 
@@ -373,6 +374,7 @@ def _pallas_full_vocab(logits, lat, w2, active=None, fallback=None, *, interpret
     from .kernels import full_vocab
 
     n, b, v = logits.shape
+    lat = ref.latent_value(lat, logits.dtype)  # the residual's terms summed here: only the pass pick adds them
     p = _plan(n, b, v, lat.shape[1], 0, logits.dtype, interpret)
     if p.full_vocab is None:
         if best:
@@ -417,9 +419,10 @@ def _pallas_pass_pick(logits, lat, w2, q, *, interpret, skip=None, keep="served"
 
     n, b, v = logits.shape
     rows = n * (b - 1)
-    p = _plan(n, b, v, lat.shape[1], 0, logits.dtype, interpret)
+    p = _plan(n, b, v, w2.shape[1], 0, logits.dtype, interpret)
     if p.full_vocab is None:
         return _pallas_full_vocab(logits, lat, w2, interpret=interpret, best=False), 0
+    lat, lat_add = _latent_terms(lat, logits.dtype)  # the residual's terms (a split latent): the kernel adds them
     s = dispatch.pass_pick_rows(n, b, q, p.full_vocab.row_tile, min_rows=dispatch.SKIP_FINAL_SLOTS_MIN_ROWS,
                                 everywhere=interpret if skip is None else skip)
     if skip is False and s < b - 1:
@@ -433,8 +436,18 @@ def _pallas_pass_pick(logits, lat, w2, q, *, interpret, skip=None, keep="served"
     if keep == "served":
         keep = served
     tok = full_vocab.full_vocab_pick(logits.reshape(n * b, v), lat, w2, config=p.full_vocab, interpret=interpret,
-                                     slot_stride=b, reverse=reverse, row_ids=ids, keep=keep)
+                                     slot_stride=b, reverse=reverse, row_ids=ids, keep=keep, lat_add=lat_add)
     return tok, s
+
+
+def _latent_terms(lat, dtype):
+    """(lat, lat_add) for the full-vocab kernel's ``lat_add``: a `reference.LatentSum`'s two float32 terms, or
+    (``lat``, None). Terms in another dtype than float32 (a float64 head) are summed and rounded here."""
+    if not isinstance(lat, ref.LatentSum):
+        return lat, None
+    if lat.u.dtype != jnp.float32 or lat.d.dtype != jnp.float32:
+        return ref.latent_value(lat, dtype), None
+    return lat.u, lat.d
 
 
 def _slot_rows(n: int, b: int, s: int) -> np.ndarray:
@@ -578,7 +591,8 @@ def _pallas_latent(params, xh, blk, prev_ids, split=False, *, interpret):
     p = _plan(n, b, v, r, 0, dtype, interpret)
     if p.latent is None or (TOKEN_TABLE in params and n * (b - 1) <= TABLE_XLA_LATENT_MAX_ROWS):
         # with a token table, it reads the table
-        split = split and n * (b - 1) <= SPLIT_LATENT_MAX_ROWS and jnp.dtype(dtype) != jnp.float64
+        cap = dispatch.FULL_VOCAB_SPLIT_MAX_ROWS if split == "full_vocab" else SPLIT_LATENT_MAX_ROWS
+        split = bool(split) and n * (b - 1) <= (cap or 0) and jnp.dtype(dtype) != jnp.float64
         barrier = not split and n * (b - 1) <= (dispatch.MIXER_BARRIER_MAX_ROWS or 0)
         return ref.latent_pass(params, xh, blk, prev_ids, split=split, barrier=barrier)
     return latent.latent_pass(params, xh, blk, prev_ids, config=p.latent, interpret=interpret)
