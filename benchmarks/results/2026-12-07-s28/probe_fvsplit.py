@@ -8,7 +8,8 @@ program. Nobody measured a held-latent config at N=1 (session 14's sweep had fla
 Variants (each the served Pallas steps with TABLE's N=1 row given one full-vocab config; alternating order as served;
 "+s": the full-vocab pass split (`dispatch.FULL_VOCAB_SPLIT_MAX_ROWS`): XLA hands the pick (u, d), its residual
 kernel is gone; "/k": the hold config with the served loop split ``keep="split"``, else none):
-  served (flat (16,128,3,64,4,4)), served+s, and held configs (row_tile, v_tile, v_steps, k_tile, warps, stages).
+  served (flat (16,128,3,64,4,4) at N=1), served+s, and held configs (HELD at N=1, HELD4 at N=4), each plain, +s
+  and /k+s. ONLY=a,b,... keeps those (and served, served+s).
 
 Prediction (before any run): the residual kernel is ~2.5 µs per pass (trace, session 21), so -10 to -15 µs per refine
 at N=1 if a held config streams w2 as fast as the flat one; the held configs without the split within +-5 of served;
@@ -43,11 +44,22 @@ HELD = {  # name -> FullVocabConfig fields
 }
 
 
+#: N=4 (60 draft rows, served flat (64, 64, 6, 64, 4, 4)): the same question with 64-row tiles.
+HELD4 = {
+    "h64x6k64s3": dict(row_tile=64, v_tile=64, v_steps=6, k_tile=64, num_warps=4, num_stages=3, hold_lat=True, **LAZY),
+    "h64x6k0s2": dict(row_tile=64, v_tile=64, v_steps=6, k_tile=0, num_warps=4, num_stages=2, hold_lat=True, **LAZY),
+    "h64x6k64s3w8": dict(row_tile=64, v_tile=64, v_steps=6, k_tile=64, num_warps=8, num_stages=3, hold_lat=True, **LAZY),
+}
+
+
 def variant(fv=None, split=False, keep=None):
     def fn(pt, l, h, a):
         saved = (dispatch.TABLE, dispatch.FULL_VOCAB_SPLIT_MAX_ROWS, dispatch.FULL_VOCAB_KEEP)
-        if fv is not None:
-            dispatch.TABLE = (dataclasses.replace(dispatch.TABLE[0], full_vocab=fv),) + dispatch.TABLE[1:]
+        if fv is not None:  # the TABLE row that serves these draft rows gets the config
+            rows = l.shape[0] * (l.shape[1] - 1)
+            at = next(i for i, r in enumerate(dispatch.TABLE) if r.max_rows is None or rows <= r.max_rows)
+            dispatch.TABLE = tuple(dataclasses.replace(r, full_vocab=fv) if i == at else r
+                                   for i, r in enumerate(dispatch.TABLE))
         dispatch.FULL_VOCAB_SPLIT_MAX_ROWS = 10 ** 6 if split else 0
         dispatch.FULL_VOCAB_KEEP = keep
         try:
@@ -57,16 +69,21 @@ def variant(fv=None, split=False, keep=None):
     return fn
 
 
-VARIANTS = {"served": variant(), "served+s": variant(split=True)}
-for name, fv in HELD.items():
-    VARIANTS[name] = variant(fv)
-    VARIANTS[name + "+s"] = variant(fv, split=True)
-VARIANTS["h128x3k64s3/k+s"] = variant(HELD["h128x3k64s3"], split=True, keep="split")
-only = os.environ.get("ONLY")
-if only:
-    VARIANTS = {k: v for k, v in VARIANTS.items() if k in ("served", "served+s") or k in only.split(",")}
+def variants_at(n):
+    vs = {"served": variant(), "served+s": variant(split=True)}
+    for name, fv in (HELD if n == 1 else HELD4).items():
+        vs[name] = variant(fv)
+        vs[name + "+s"] = variant(fv, split=True)
+        vs[name + "/k+s"] = variant(fv, split=True, keep="split")
+    only = os.environ.get("ONLY")
+    if only:
+        vs = {k: v for k, v in vs.items() if k in ("served", "served+s") or k in only.split(",")}
+    return vs
+
+
 t0 = time.time()
 for n in NS:
+    VARIANTS = variants_at(n)
     params, logits, h, anchors = make_problem(CFG, n)
     pt = (params, jax.jit(xj.token_table)(params))
     args = (pt, logits, h, anchors)
