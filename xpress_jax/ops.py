@@ -52,12 +52,13 @@ The steps (static shapes; ``rows`` = N * (B-1) draft rows):
   prepared, q, n) -> (tokens [N*(B-1-s)] int32, s)`` (``n`` = N blocks: B-1 = rows // N); used only while
   ``PassPick.pick is topc_pick``. The Pallas steps skip from `dispatch.TOPC_SKIP_FINAL_SLOTS_MIN_ROWS` rows.
 - ``latent(params, xh [N,B,r], blk [N,B] int32, prev_ids [N] int32, split=False) -> [N,B-1,r]``. With
-  ``split=True`` it may return a `reference.LatentSum` instead, the residual's two float32 terms, for
-  ``topc_pick`` to add and round itself; the Pallas steps do so where XLA computes the latent, up to
-  `dispatch.SPLIT_LATENT_MAX_ROWS` draft rows (one launch fewer per pass). Every ``topc_pick`` accepts
-  either form; no other step gets a `LatentSum`.
-- ``split_latent`` (a bool, not a step): whether `xpress_jax.refine` asks ``latent`` for ``split=True``
-  (in top-C passes only: the fused full-vocab pick measured slower with the terms).
+  ``split=True`` (a top-C pass) or ``split="full_vocab"`` (a full-vocab pass) it may return a
+  `reference.LatentSum` instead, the residual's two float32 terms, for the pass's pick to add and round
+  itself; the Pallas steps do so where XLA computes the latent, up to `dispatch.SPLIT_LATENT_MAX_ROWS`
+  (top-C) or `dispatch.FULL_VOCAB_SPLIT_MAX_ROWS` (full vocab) draft rows (one launch fewer per pass).
+  Every ``topc_pick``, ``full_vocab_pick`` and ``full_vocab_pass_pick`` accepts either form (the Pallas
+  pass pick adds the terms in its kernel, the others sum them first); no other step gets a `LatentSum`.
+- ``split_latent`` (a bool, not a step): whether `xpress_jax.refine` asks ``latent`` for the split form.
 - ``hidden(params, h [N,B,H]) -> xh [N,B,r]``: once per call, the pass-invariant hidden half of
   ``in_proj``. ``None``: `xpress_jax.head.hidden_input`; on GPUs (`Ops.xla("gpu")`, compiled `Ops.pallas`)
   `reference.hidden_input_gpu`, the same sums spelled so that XLA:GPU avoids two slow fusions.
@@ -578,9 +579,10 @@ def _pallas_full_vocab_capacity(n, b, v, r, dtype, limit, *, interpret):
 def _pallas_latent(params, xh, blk, prev_ids, split=False, *, interpret):
     """The plan's latent: the Pallas kernel, or XLA's (`reference.latent_pass`) where the plan says so
     (and with a token table up to `dispatch.TABLE_XLA_LATENT_MAX_ROWS` draft rows). ``split``: XLA's
-    latent returns its residual's terms (`reference.LatentSum`) for the top-C pick kernel to add, up to
-    `dispatch.SPLIT_LATENT_MAX_ROWS` draft rows (measured faster only there), except in float64 (whose
-    picks are the jnp steps). An XLA latent that is not split puts its mixer behind an optimization
+    latent returns its residual's terms (`reference.LatentSum`) for the pick kernel to add: ``True`` (a top-C
+    pass) up to `dispatch.SPLIT_LATENT_MAX_ROWS` draft rows, ``"full_vocab"`` up to
+    `dispatch.FULL_VOCAB_SPLIT_MAX_ROWS` (measured faster only there), except in float64 (whose picks are the
+    jnp steps). An XLA latent that is not split puts its mixer behind an optimization
     barrier up to `dispatch.MIXER_BARRIER_MAX_ROWS` draft rows (the same values)."""
     from . import dispatch
     from .kernels import latent
