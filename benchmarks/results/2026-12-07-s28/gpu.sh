@@ -21,5 +21,16 @@ case "$1" in
            tail -3 $OUT/gpu_tests_b.log; grep -E "^(FAILED|ERROR)" $OUT/gpu_tests_b.log | head -20 ;;
   bench) timeout $(left) python3 -m benchmarks.bench_refine --backends pallas@table --n ${NS:-1,4,16} --topc 512,0 \
            --walls 5 --no-select --out $OUT/bench 2>&1 | grep -v -i warn | tail -12 ;;
-  *) echo "usage: gpu.sh fvsplit|tests_a|tests_b|bench" >&2; exit 2 ;;
+  one) # everything in one call (machines were scarce): the N=1 probe (7 variants), the kernel's compiled tests,
+       # then N=4 while time is left
+       ONLY=h128x3k64s3,h128x3k64s3+s,h128x3k0s2+s,h64x6k64s4+s,h128x3k64s3/k+s timeout $(( $(left) - 200 )) \
+         python3 $S28/probe_fvsplit.py $OUT/fvsplit_n1.jsonl 1 2>&1 | grep -v -i warn | tail -12
+       echo "probe took $((SECONDS - T0)) s"
+       timeout $(( $(left) - 60 )) python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_latent_sum.py \
+         tests/test_kernel_full_vocab.py > $OUT/gpu_tests_fv.log 2>&1
+       tail -2 $OUT/gpu_tests_fv.log; grep -E "^(FAILED|ERROR)" $OUT/gpu_tests_fv.log | head -10
+       echo "tests done at $((SECONDS - T0)) s"
+       [ $(left) -gt 100 ] && ONLY=h64x6k64s3+s,h64x6k0s2+s timeout $(left) python3 $S28/probe_fvsplit.py \
+         $OUT/fvsplit_n4.jsonl 4 2>&1 | grep -v -i warn | tail -6 ;;
+  *) echo "usage: gpu.sh fvsplit|tests_a|tests_b|bench|one" >&2; exit 2 ;;
 esac
