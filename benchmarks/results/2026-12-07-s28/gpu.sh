@@ -22,7 +22,7 @@ case "$1" in
   bench) timeout $(left) python3 -m benchmarks.bench_refine --backends pallas@table --n ${NS:-1,4,16} --topc 512,0 \
            --walls 5 --no-select --out $OUT/bench 2>&1 | grep -v -i warn | tail -12 ;;
   one) # everything in one call (machines were scarce): the N=1 probe (7 variants), the kernel's compiled tests,
-       # then N=4 while time is left
+       # then top-512 N=16 split (probe_topc_split.py) and N=4 while time is left
        ONLY=h128x3k64s3,h128x3k64s3+s,h128x3k0s2+s,h64x6k64s4+s,h128x3k64s3/k+s timeout $(( $(left) - 200 )) \
          python3 $S28/probe_fvsplit.py $OUT/fvsplit_n1.jsonl 1 2>&1 | grep -v -i warn | tail -12
        echo "probe took $((SECONDS - T0)) s"
@@ -30,6 +30,8 @@ case "$1" in
          tests/test_kernel_full_vocab.py > $OUT/gpu_tests_fv.log 2>&1
        tail -2 $OUT/gpu_tests_fv.log; grep -E "^(FAILED|ERROR)" $OUT/gpu_tests_fv.log | head -10
        echo "tests done at $((SECONDS - T0)) s"
+       [ $(left) -gt 80 ] && timeout $(left) python3 $S28/probe_topc_split.py $OUT/topc_split.jsonl 16 2>&1 \
+         | grep -v -i warn | tail -3
        [ $(left) -gt 100 ] && ONLY=h64x6k64s3+s,h64x6k0s2+s timeout $(left) python3 $S28/probe_fvsplit.py \
          $OUT/fvsplit_n4.jsonl 4 2>&1 | grep -v -i warn | tail -6 ;;
   *) echo "usage: gpu.sh fvsplit|tests_a|tests_b|bench|one" >&2; exit 2 ;;
