@@ -69,6 +69,13 @@ def variant(fv=None, split=False, keep=None):
     return fn
 
 
+for spec in filter(None, os.environ.get("EXTRA", "").split(";")):  # EXTRA="h32x6k0s3=16,32,6,0,4,3;...": held configs
+    name, fields = spec.split("=")
+    rt, vt, vs_, kt, w, st = (int(x) for x in fields.split(","))
+    (HELD if rt <= 16 else HELD4)[name] = dict(row_tile=rt, v_tile=vt, v_steps=vs_, k_tile=kt, num_warps=w,
+                                             num_stages=st, hold_lat=True, **LAZY)
+
+
 def variants_at(n):
     vs = {"served": variant(), "served+s": variant(split=True)}
     for name, fv in (HELD if n == 1 else HELD4).items():
