@@ -44,8 +44,8 @@ _LAZY = dict(prefetch_base=True, lazy=True)
 _TC_SMALL = (32, 1, 128, 4)  # top-C pick (c_tile, c_steps, k_tile, num_warps), num_stages 2
 _TC_ONE = (128, 1, 64, 8)
 SERVED = {
-    1: dict(fv=dict(row_tile=16, v_tile=128, v_steps=3, k_tile=64, num_warps=4, num_stages=4, hold_lat=False,
-                    flat=True, **_LAZY), latent=None, select=dict(block=16, finish_warps=8), topc=_TC_SMALL),
+    1: dict(fv=dict(row_tile=16, v_tile=64, v_steps=12, k_tile=0, num_warps=4, num_stages=3, hold_lat=True, **_LAZY),
+            latent=None, select=dict(block=16, finish_warps=8), topc=_TC_SMALL),
     4: dict(fv=dict(row_tile=64, v_tile=64, v_steps=6, k_tile=64, num_warps=4, num_stages=4, hold_lat=False,
                     flat=True, **_LAZY), latent=None, select=dict(block=16, finish_warps=8), topc=_TC_ONE),
     16: dict(fv=dict(row_tile=128, v_tile=64, v_steps=36, k_tile=0, num_warps=8, num_stages=3, hold_lat=True, **_LAZY),
@@ -297,9 +297,11 @@ def test_served_keeps_follow_the_measurements():
     (measured faster there; slower at N = 4, 8, 32, 64), half of the row's splits hot."""
     for row in dispatch.TABLE:
         cfg = full_vocab.FullVocabConfig(**row.full_vocab)
-        assert dispatch.full_vocab_keep(cfg) == ("split" if cfg.hold_lat else None)
-    assert dispatch.full_vocab_keep(dispatch.plan(4, B, V, R, 0, jnp.bfloat16).full_vocab) is None
-    assert dispatch.full_vocab_keep(dispatch.plan(8, B, V, R, 0, jnp.bfloat16).full_vocab) == "split"
+        rows = row.max_rows or 4096
+        assert dispatch.full_vocab_keep(cfg, rows) == ("split" if cfg.hold_lat and rows > 15 else None)
+    for n, want in ((1, None), (4, None), (8, "split"), (64, "split")):  # N=1 holds the latent, without the split
+        assert dispatch.full_vocab_keep(dispatch.plan(n, B, V, R, 0, jnp.bfloat16).full_vocab, n * (B - 1)) == want
+    assert dispatch.plan(1, B, V, R, 0, jnp.bfloat16).full_vocab.hold_lat
     hinted = [n for n in range(1, 257) if dispatch.topc_keep(n * (B - 1), C, R, 2, 4)]
     assert 16 in hinted and not {4, 8, 32, 64} & set(hinted) and hinted == list(range(hinted[0], hinted[-1] + 1))
     assert dispatch.topc_keep(16 * (B - 1), C, R, 2, 4) == (2, "evict_last", "evict_first")

@@ -599,7 +599,7 @@ class TestFullVocabLowering:
         f = lambda b, l, w, fail, fallen, fb, **kw: fv.scan_failing(b, l, w, fail, fallen, fb, limit=-(-n // 8) * (B - 1),
                                                                     config=cfg, slot_stride=B,
                                                                     v_steps_full=served.v_steps, **kw)
-        for kw in ({}, dict(skip_slots=3, keep=dispatch.full_vocab_keep(served))):  # + the passes that know their number
+        for kw in ({}, dict(skip_slots=3, keep=dispatch.full_vocab_keep(served, rows))):  # + the passes that know their number
             g = functools.partial(f, **kw)
             hlo = common.lower_triton(g, *args).as_text()
             assert hlo.count(TRITON_CALL) == 3

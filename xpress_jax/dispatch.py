@@ -33,7 +33,7 @@ from .kernels.common import cdiv, next_pow2
 __all__ = ["Row", "TABLE", "Plan", "plan", "capacity_config", "select_config", "SERVING_N", "SMS",
            "SCAN_FAILING_MAX_ROWS", "FULL_VOCAB_ALTERNATE_MAX_ROWS", "FULL_VOCAB_START_SELECT_MIN_ROWS", "SELECT_FINISH_WARPS",
            "SKIP_FINAL_SLOTS_MIN_ROWS", "TOPC_SKIP_FINAL_SLOTS_MIN_ROWS", "CERTIFIED_PASS_NUMBERS", "CERTIFIED_SCAN_KEEP", "CERTIFIED_COUNTED_PICK", "CERTIFIED_COUNTED_SCAN", "pass_pick_rows", "TABLE_XLA_LATENT_MAX_ROWS", "SPLIT_LATENT_MAX_ROWS",
-           "FULL_VOCAB_SPLIT_MAX_ROWS"]
+           "FULL_VOCAB_SPLIT_MAX_ROWS", "FULL_VOCAB_KEEP_MIN_ROWS"]
 
 #: The N values the serving configs were measured at (B = 16): draft rows 15 / 60 / 240 / 960 / 3840.
 SERVING_N = (1, 4, 16, 64, 256)
@@ -104,10 +104,16 @@ MIXER_BARRIER_MAX_ROWS: int | None = 15
 FULL_VOCAB_KEEP = "split"
 
 
-def full_vocab_keep(config) -> str | None:
-    """The ``keep`` of the full-vocab pick in ``config`` (a `full_vocab.FullVocabConfig`): `FULL_VOCAB_KEEP` where
-    it holds the latent, else None."""
-    return FULL_VOCAB_KEEP if config.hold_lat else None
+#: Draft rows from which a config that holds the latent gets `FULL_VOCAB_KEEP`. Below (N=1 at B=16, whose config holds
+#: the latent since the twenty-eighth session) the loop split measured +47 to +54 µs per refine (H100: 229.0 -> 283.5
+#: with (16, 64, 6, 0, 4, 3)), as in the flat configs: a second pipeline prologue in a 6-12 tile loop.
+FULL_VOCAB_KEEP_MIN_ROWS = 16
+
+
+def full_vocab_keep(config, rows: int) -> str | None:
+    """The ``keep`` of the full-vocab pick in ``config`` (a `full_vocab.FullVocabConfig`) over ``rows`` draft rows:
+    `FULL_VOCAB_KEEP` where it holds the latent from `FULL_VOCAB_KEEP_MIN_ROWS` rows, else None."""
+    return FULL_VOCAB_KEEP if config.hold_lat and rows >= FULL_VOCAB_KEEP_MIN_ROWS else None
 
 
 #: The top-C pick's L2 hints (`topc_pick.topc_pick`'s ``keep``): the first half of each row's splits gather their
@@ -196,8 +202,9 @@ TOPC_SMALL_TILE_MAX_ROWS = 30
 _FV_LAZY = dict(prefetch_base=True, lazy=True)
 # Full-vocab pick configs (RESULTS.md "Full-vocab pick", evening: "lazy epilogue" + "whole waves";
 # one pass at N = 1 / 4 / 16 / 64 / 256: 31.8 / 40.5 / 71.2 / 263.0 / 873.2 µs incl. ~17-24 µs loop).
-_FV_15 = dict(row_tile=16, v_tile=128, v_steps=3, k_tile=64, num_warps=4, num_stages=4, hold_lat=False, flat=True,
-              **_FV_LAZY)
+# N=1: the latent held, whole-rank dots, 12 tiles of 64 per part (198 parts); measured inside refine against the
+# flat (16, 128, 3, 64, 4, 4) config of the fourteenth session (RESULTS.md "A held latent at N=1", twenty-eighth).
+_FV_15 = dict(row_tile=16, v_tile=64, v_steps=12, k_tile=0, num_warps=4, num_stages=3, hold_lat=True, **_FV_LAZY)
 # N=2 (30 draft rows): RESULTS.md "Passes that skip the final draft slots; N=2's full-vocab config; ..." part 3
 # (sixteenth session): 272.5 against 282.0 µs per refine for _FV_60 (and 273.3 against 283.9 in the fifteenth
 # session's run); at N=3 (45 rows) two 32-row tiles lose (391.6 against 309.6).

@@ -514,7 +514,7 @@ def _pass_order(rows: int, q, config) -> tuple[bool, str | None]:
     if q is None:
         return False, None
     cap = dispatch.FULL_VOCAB_ALTERNATE_MAX_ROWS
-    return q % 2 == 1 and (cap is None or rows <= cap), dispatch.full_vocab_keep(config)
+    return q % 2 == 1 and (cap is None or rows <= cap), dispatch.full_vocab_keep(config, rows)
 
 
 def _final_slots(b: int, q) -> int:

@@ -34,5 +34,13 @@ case "$1" in
          | grep -v -i warn | tail -3
        [ $(left) -gt 100 ] && ONLY=h64x6k64s3+s,h64x6k0s2+s timeout $(left) python3 $S28/probe_fvsplit.py \
          $OUT/fvsplit_n4.jsonl 4 2>&1 | grep -v -i warn | tail -6 ;;
-  *) echo "usage: gpu.sh fvsplit|tests_a|tests_b|bench|one" >&2; exit 2 ;;
+  ship) # the N=1 held config as served: bench_refine at N = 1, 4, 16, then the compiled tests of the files it touches
+       timeout 200 python3 -m benchmarks.bench_refine --backends pallas@table --n ${NS:-1,4,16} --topc 512,0 \
+         --walls 5 --no-select --out $OUT/bench 2>&1 | grep -v -i warn | tail -8
+       echo "bench took $((SECONDS - T0)) s"
+       XLA_FLAGS=$CONC timeout $(left) python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_dispatch.py \
+         tests/test_kernel_full_vocab.py tests/test_refine.py tests/test_certified.py tests/test_token_table.py \
+         tests/test_latent_sum.py tests/test_backends.py > $OUT/gpu_tests_ship.log 2>&1
+       tail -2 $OUT/gpu_tests_ship.log; grep -E "^(FAILED|ERROR)" $OUT/gpu_tests_ship.log | head -10 ;;
+  *) echo "usage: gpu.sh fvsplit|tests_a|tests_b|bench|one|ship" >&2; exit 2 ;;
 esac
