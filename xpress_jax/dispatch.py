@@ -33,7 +33,7 @@ from .kernels.common import cdiv, next_pow2
 __all__ = ["Row", "TABLE", "Plan", "plan", "capacity_config", "select_config", "SERVING_N", "SMS",
            "SCAN_FAILING_MAX_ROWS", "FULL_VOCAB_ALTERNATE_MAX_ROWS", "FULL_VOCAB_START_SELECT_MIN_ROWS", "SELECT_FINISH_WARPS",
            "SKIP_FINAL_SLOTS_MIN_ROWS", "TOPC_SKIP_FINAL_SLOTS_MIN_ROWS", "CERTIFIED_PASS_NUMBERS", "CERTIFIED_SCAN_KEEP", "CERTIFIED_COUNTED_PICK", "CERTIFIED_COUNTED_SCAN", "pass_pick_rows", "TABLE_XLA_LATENT_MAX_ROWS", "SPLIT_LATENT_MAX_ROWS",
-           "FULL_VOCAB_SPLIT_MAX_ROWS", "FULL_VOCAB_KEEP_MIN_ROWS"]
+           "FULL_VOCAB_KEEP_MIN_ROWS"]
 
 #: The N values the serving configs were measured at (B = 16): draft rows 15 / 60 / 240 / 960 / 3840.
 SERVING_N = (1, 4, 16, 64, 256)
@@ -70,13 +70,10 @@ FULL_VOCAB_START_SELECT_MIN_ROWS = 480
 #: residual kernel is gone. Measured (RESULTS.md "The residual inside the top-C pick", H200, top-512 with a token
 #: table, device µs per refine, XLA residual -> in the pick): N=1 100 -> 95, N=4 145 -> 143, N=16 298 -> 314,
 #: N=64 768 -> 774. Full-vocab passes never split: the fused pick loading two float32 tiles measured slower
-#: at every N (N=1 231 -> 237, N=4 290 -> 597, N=16 533 -> 563).
+#: at every N (N=1 231 -> 237, N=4 290 -> 597, N=16 533 -> 563); with the latent held once per program (the
+#: twenty-eighth session, H100) it gained nothing at N=1 (229.0 -> 229.2) and lost at N=4 (363.1 held, 391.4 held
+#: and split, 319.0 served). Top-512 N=16 split measured again then: 270.0 -> 268.0 (within noise; not changed).
 SPLIT_LATENT_MAX_ROWS = 60
-
-#: Draft rows up to which a full-vocab pass hands XLA's latent to the full-vocab pick as its residual's two float32
-#: terms (`xpress_jax.reference.LatentSum`; the kernel's ``lat_add``), as `SPLIT_LATENT_MAX_ROWS` does for top-C
-#: passes. 0: never.
-FULL_VOCAB_SPLIT_MAX_ROWS = 0
 
 #: Draft rows up to which an unrolled full-vocab refine alternates the pick's vocabulary order (`Ops`'s
 #: ``full_vocab_pass_pick``: pass 2, 4, ... visit each part's tiles from the highest ids down, so a pass
@@ -240,7 +237,8 @@ class Row:
 #: The decision table for 16-bit dtypes, by draft rows (N at B = 16 in the comments).
 TABLE: tuple[Row, ...] = (
     Row(15, _FV_15, "xla", 16,  # N = 1
-        "Full-vocab pick N=1 (31.8 µs); Latent pass N=1 (XLA ~0 vs split 1.9 µs); Small-N latency 2026-12-02: "
+        "Full-vocab config at N=1 inside refine, twenty-eighth session (held latent 229.0 vs flat 236.4 µs per "
+        "refine, H100); Latent pass N=1 (XLA ~0 vs split 1.9 µs); Small-N latency 2026-12-02: "
         "selection bs16 23.6 vs bs32 28.6 µs, refine top-512 113.3 vs 114.1"),
     Row(30, _FV_30, "xla", 16,  # N = 2
         "Full-vocab config at N=2 inside refine, sixteenth session (32-row tiles 272.5 vs 64-row 282.0 µs per "

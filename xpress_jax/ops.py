@@ -52,13 +52,12 @@ The steps (static shapes; ``rows`` = N * (B-1) draft rows):
   prepared, q, n) -> (tokens [N*(B-1-s)] int32, s)`` (``n`` = N blocks: B-1 = rows // N); used only while
   ``PassPick.pick is topc_pick``. The Pallas steps skip from `dispatch.TOPC_SKIP_FINAL_SLOTS_MIN_ROWS` rows.
 - ``latent(params, xh [N,B,r], blk [N,B] int32, prev_ids [N] int32, split=False) -> [N,B-1,r]``. With
-  ``split=True`` (a top-C pass) or ``split="full_vocab"`` (a full-vocab pass) it may return a
-  `reference.LatentSum` instead, the residual's two float32 terms, for the pass's pick to add and round
-  itself; the Pallas steps do so where XLA computes the latent, up to `dispatch.SPLIT_LATENT_MAX_ROWS`
-  (top-C) or `dispatch.FULL_VOCAB_SPLIT_MAX_ROWS` (full vocab) draft rows (one launch fewer per pass).
-  Every ``topc_pick``, ``full_vocab_pick`` and ``full_vocab_pass_pick`` accepts either form (the Pallas
-  pass pick adds the terms in its kernel, the others sum them first); no other step gets a `LatentSum`.
-- ``split_latent`` (a bool, not a step): whether `xpress_jax.refine` asks ``latent`` for the split form.
+  ``split=True`` it may return a `reference.LatentSum` instead, the residual's two float32 terms, for
+  ``topc_pick`` to add and round itself; the Pallas steps do so where XLA computes the latent, up to
+  `dispatch.SPLIT_LATENT_MAX_ROWS` draft rows (one launch fewer per pass). Every ``topc_pick`` accepts
+  either form; no other step gets a `LatentSum`.
+- ``split_latent`` (a bool, not a step): whether `xpress_jax.refine` asks ``latent`` for ``split=True``
+  (in top-C passes only: the fused full-vocab pick measured slower with the terms).
 - ``hidden(params, h [N,B,H]) -> xh [N,B,r]``: once per call, the pass-invariant hidden half of
   ``in_proj``. ``None``: `xpress_jax.head.hidden_input`; on GPUs (`Ops.xla("gpu")`, compiled `Ops.pallas`)
   `reference.hidden_input_gpu`, the same sums spelled so that XLA:GPU avoids two slow fusions.
@@ -257,7 +256,6 @@ def _xla_topc_pick(base_c, cand, lat, w2c):
 
 def _xla_full_vocab_pick(logits, lat, w2, active=None, fallback=None, *, direct_readout: bool, q=None):
     # Every row is picked: XLA has nothing to skip without a conditional (the step's spec allows it).
-    lat = ref.latent_value(lat, logits.dtype)  # a mixed Ops may hand it the residual's terms
     return with_fallback(ref.full_vocab_pick(ref.draft_rows(logits), lat, w2, direct_readout=direct_readout),
                          active, fallback)
 
@@ -375,7 +373,6 @@ def _pallas_full_vocab(logits, lat, w2, active=None, fallback=None, *, interpret
     from .kernels import full_vocab
 
     n, b, v = logits.shape
-    lat = ref.latent_value(lat, logits.dtype)  # the residual's terms summed here: only the pass pick adds them
     p = _plan(n, b, v, lat.shape[1], 0, logits.dtype, interpret)
     if p.full_vocab is None:
         if best:
@@ -420,10 +417,9 @@ def _pallas_pass_pick(logits, lat, w2, q, *, interpret, skip=None, keep="served"
 
     n, b, v = logits.shape
     rows = n * (b - 1)
-    p = _plan(n, b, v, w2.shape[1], 0, logits.dtype, interpret)
+    p = _plan(n, b, v, lat.shape[1], 0, logits.dtype, interpret)
     if p.full_vocab is None:
         return _pallas_full_vocab(logits, lat, w2, interpret=interpret, best=False), 0
-    lat, lat_add = _latent_terms(lat, logits.dtype)  # the residual's terms (a split latent): the kernel adds them
     s = dispatch.pass_pick_rows(n, b, q, p.full_vocab.row_tile, min_rows=dispatch.SKIP_FINAL_SLOTS_MIN_ROWS,
                                 everywhere=interpret if skip is None else skip)
     if skip is False and s < b - 1:
@@ -437,18 +433,8 @@ def _pallas_pass_pick(logits, lat, w2, q, *, interpret, skip=None, keep="served"
     if keep == "served":
         keep = served
     tok = full_vocab.full_vocab_pick(logits.reshape(n * b, v), lat, w2, config=p.full_vocab, interpret=interpret,
-                                     slot_stride=b, reverse=reverse, row_ids=ids, keep=keep, lat_add=lat_add)
+                                     slot_stride=b, reverse=reverse, row_ids=ids, keep=keep)
     return tok, s
-
-
-def _latent_terms(lat, dtype):
-    """(lat, lat_add) for the full-vocab kernel's ``lat_add``: a `reference.LatentSum`'s two float32 terms, or
-    (``lat``, None). Terms in another dtype than float32 (a float64 head) are summed and rounded here."""
-    if not isinstance(lat, ref.LatentSum):
-        return lat, None
-    if lat.u.dtype != jnp.float32 or lat.d.dtype != jnp.float32:
-        return ref.latent_value(lat, dtype), None
-    return lat.u, lat.d
 
 
 def _slot_rows(n: int, b: int, s: int) -> np.ndarray:
@@ -579,10 +565,9 @@ def _pallas_full_vocab_capacity(n, b, v, r, dtype, limit, *, interpret):
 def _pallas_latent(params, xh, blk, prev_ids, split=False, *, interpret):
     """The plan's latent: the Pallas kernel, or XLA's (`reference.latent_pass`) where the plan says so
     (and with a token table up to `dispatch.TABLE_XLA_LATENT_MAX_ROWS` draft rows). ``split``: XLA's
-    latent returns its residual's terms (`reference.LatentSum`) for the pick kernel to add: ``True`` (a top-C
-    pass) up to `dispatch.SPLIT_LATENT_MAX_ROWS` draft rows, ``"full_vocab"`` up to
-    `dispatch.FULL_VOCAB_SPLIT_MAX_ROWS` (measured faster only there), except in float64 (whose picks are the
-    jnp steps). An XLA latent that is not split puts its mixer behind an optimization
+    latent returns its residual's terms (`reference.LatentSum`) for the top-C pick kernel to add, up to
+    `dispatch.SPLIT_LATENT_MAX_ROWS` draft rows (measured faster only there), except in float64 (whose
+    picks are the jnp steps). An XLA latent that is not split puts its mixer behind an optimization
     barrier up to `dispatch.MIXER_BARRIER_MAX_ROWS` draft rows (the same values)."""
     from . import dispatch
     from .kernels import latent
@@ -593,8 +578,7 @@ def _pallas_latent(params, xh, blk, prev_ids, split=False, *, interpret):
     p = _plan(n, b, v, r, 0, dtype, interpret)
     if p.latent is None or (TOKEN_TABLE in params and n * (b - 1) <= TABLE_XLA_LATENT_MAX_ROWS):
         # with a token table, it reads the table
-        cap = dispatch.FULL_VOCAB_SPLIT_MAX_ROWS if split == "full_vocab" else SPLIT_LATENT_MAX_ROWS
-        split = bool(split) and n * (b - 1) <= (cap or 0) and jnp.dtype(dtype) != jnp.float64
+        split = split and n * (b - 1) <= SPLIT_LATENT_MAX_ROWS and jnp.dtype(dtype) != jnp.float64
         barrier = not split and n * (b - 1) <= (dispatch.MIXER_BARRIER_MAX_ROWS or 0)
         return ref.latent_pass(params, xh, blk, prev_ids, split=split, barrier=barrier)
     return latent.latent_pass(params, xh, blk, prev_ids, config=p.latent, interpret=interpret)

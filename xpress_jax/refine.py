@@ -434,9 +434,9 @@ def _refine(ops: Ops, params, logits, h, anchors, prev_ids, num_passes, topc, un
     blk = jnp.concatenate([anchors[:, None], start.reshape(N, B - 1)], axis=1)
 
     def one_pass(blk, q=0):  # q: the 0-based pass number where it is static (unrolled), else 0 (every row)
-        # split_latent: the latent may come as its residual's two terms, which the pick adds (ops module doc;
-        # the dispatch decides by the pass's pick and its draft rows)
-        lat = (ops.latent(params, xh, blk, prev_ids, split=True if topc else "full_vocab") if ops.split_latent
+        # split_latent: in top-C passes the latent may come as its residual's two terms, which the pick
+        # adds (ops module doc; the full-vocab pick measured slower with them)
+        lat = (ops.latent(params, xh, blk, prev_ids, split=True) if ops.split_latent and topc
                else ops.latent(params, xh, blk, prev_ids)).reshape(rows, r)
         tok, s = pick(lat, q)  # the tokens of draft slots s.. (the slots before s are final)
         return blk.at[:, 1 + s:].set(tok.reshape(N, B - 1 - s)) if s < B - 1 else blk

@@ -229,8 +229,7 @@ def _fused_kernel(
     base_ref,  # [rows, V] whole array
     lat_ref,  # [rows, r] whole array
     w2_ref,  # [V, r] whole array
-    *refs,  # in order: add_ref [rows, r] float32 whole array (has_add only: the latent is round(lat + add));
-    #   map_ref [rows] int32 whole array (row_map only): the base row of each kernel row;
+    *refs,  # in order: map_ref [rows] int32 whole array (row_map only): the base row of each kernel row;
     #   active_ref [rows] int32 whole array (has_active only); mv_ref [row_tile] block of
     #   [parts, rows_pad] float32; mi_ref [row_tile] block of [parts, rows_pad] int32
     rows: int,
@@ -255,10 +254,8 @@ def _fused_kernel(
     counted: int = 0,
     counter_at: int = 0,
     barrier: bool = False,
-    has_add: bool = False,
 ):
     refs = list(refs)
-    add_ref = refs.pop(0) if has_add else None
     map_ref = refs.pop(0) if row_map else None
     active_ref = refs.pop(0) if has_active else None
     if counted:  # the counted launch (`_counted_launch`): tokens and counter aliased in and out
@@ -295,21 +292,16 @@ def _fused_kernel(
     def visit(t):  # the part's t-th visited vocab tile: ascending, or descending with ``reverse``
         return v_steps - 1 - t if reverse else t
 
-    def load_one(ref, k0):  # the [row_tile, k_tile] chunk of a [rows, r] operand (the latent or its added term)
+    def load_lat(k0):
         if lat_map:  # kernel row q reads lat row map[q] too (`scan_failing`: packed rows, nothing copied)
             kc = k0 + iota(k_tile)
             msk = lat_mask & (kc < rank)[None, :] if k_tail else lat_mask
-            return plt.load(ref.at[lat_rows[:, None], kc[None, :]], mask=msk, other=0.0)
+            return plt.load(lat_ref.at[lat_rows[:, None], kc[None, :]], mask=msk, other=0.0)
         if k_tail:
             kc = k0 + iota(k_tile)
             idx = ((r0 + iota(row_tile))[:, None], kc[None, :])
-            return plt.load(ref.at[idx], mask=lat_mask & (kc < rank)[None, :], other=0.0)
-        return plt.load(ref.at[pl.ds(r0, row_tile), pl.ds(k0, k_tile)], mask=lat_mask, other=0.0)
-
-    def load_lat(k0):  # has_add: the residual's float32 sum, rounded to the logits' dtype here (to nearest even)
-        if has_add:
-            return (load_one(lat_ref, k0) + load_one(add_ref, k0)).astype(dtype)
-        return load_one(lat_ref, k0)
+            return plt.load(lat_ref.at[idx], mask=lat_mask & (kc < rank)[None, :], other=0.0)
+        return plt.load(lat_ref.at[pl.ds(r0, row_tile), pl.ds(k0, k_tile)], mask=lat_mask, other=0.0)
 
     def dot_chunk(acc, v0, k0, x=None, evict=None):  # acc + lat[:, k0:k0+k_tile] @ w2[v0:v0+v_tile, k0:...].T
         x = load_lat(k0) if x is None else x  # [row_tile, k_tile]
@@ -746,7 +738,6 @@ def full_vocab_pick(
     keep: str | None = None,
     counter: jax.Array | None = None,
     counter_at: int = 0,
-    lat_add: jax.Array | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """[rows,V], [rows,r], [V,r] -> [rows] int32: argmax_v float(dtype(base + dtype(lat @ w2.T))).
 
@@ -800,29 +791,8 @@ def full_vocab_pick(
     launch writes nothing at all: the tokens are ``fallback`` as it came in (aliased: no copy, no combine
     launch). The same tokens as with ``fallback`` alone. A counter whose entries are not zero gives wrong
     tokens.
-    ``lat_add`` ([rows, r] float32 with ``lat`` float32 [rows, r] too; without ``active``, ``capacity``,
-    ``fallback`` and ``counter``; None = ``lat`` is the latent in the logits' dtype): the latent is
-    ``round(lat + lat_add)``, the float32 sum rounded to the logits' dtype (to nearest even) as each program
-    loads its chunk: the head's residual ``u + down(...)`` formed here instead of in an XLA kernel of its own
-    (`xpress_jax.reference.LatentSum`). The same values as passing that rounded latent, so the same tokens
-    (the sum of two float32 values and one rounding, in either place).
     """
-    if lat_add is not None:
-        if active is not None or capacity is not None or fallback is not None or counter is not None:
-            raise ValueError("lat_add goes without active, capacity, fallback and counter (pass the rounded latent)")
-        if (lat_add.shape != lat.shape or lat.ndim != 2 or lat.dtype != jnp.float32
-                or lat_add.dtype != jnp.float32):
-            raise ValueError(f"lat_add needs lat and lat_add both float32 [rows, r]; got lat {lat.shape} "
-                             f"{lat.dtype}, lat_add {lat_add.shape} {lat_add.dtype}")
-        # The shape and dtype checks see the latent as the kernel does: in the logits' dtype.
-        lat_seen = jax.ShapeDtypeStruct(lat.shape, base.dtype)
-        dtype = _check_inputs(base, lat_seen, w2, slot_stride, "full-vocab pick kernel")
-        add = dict(has_add=True)
-        lat_ops = (lat, w2, lat_add)
-    else:
-        dtype = _check_inputs(base, lat, w2, slot_stride, "full-vocab pick kernel")
-        add = {}
-        lat_ops = (lat, w2)
+    dtype = _check_inputs(base, lat, w2, slot_stride, "full-vocab pick kernel")
     vocab = base.shape[1]
     rows, rank = lat.shape
     n_act = rows if row_ids is None else row_ids.shape[0]  # active is by kernel row: row_ids' positions
@@ -861,12 +831,12 @@ def full_vocab_pick(
         cfg = config or default_config(rows, vocab, rank, dtype)
         cap = row_ids.shape[0]
         cfg.check_shape(cap, vocab, rank, dtype)
-        operands = (base, *lat_ops, row_ids)
+        operands = (base, lat, w2, row_ids)
         if active is not None:
             operands = (*operands, active if active.dtype == jnp.int32 else (active != 0).astype(jnp.int32))
         mv, mi = _fused_launch(operands, cfg, rows=cap, vocab=vocab, rank=rank, dtype=dtype,
                                slot_stride=slot_stride, interpret=interpret, reverse=reverse, row_map=True,
-                               lat_map=True, keep=keep, has_active=active is not None, **add)
+                               lat_map=True, keep=keep, has_active=active is not None)
         if partials:
             return mv[:, :cap], mi[:, :cap]
         return combine_partials(mv, mi, interpret=interpret)[:cap]
@@ -874,8 +844,8 @@ def full_vocab_pick(
     cfg = config or default_config(cap, vocab, rank, dtype)
     cfg.check_shape(cap, vocab, rank, dtype)
     row_tiles = cdiv(cap, cfg.row_tile)
-    operands = (base, *lat_ops)
-    extra = dict(add)
+    operands = (base, lat, w2)
+    extra = {}
     pos = None  # packed: original row q's result is packed row pos[q]
     if active is not None:
         act = active  # int32 (nonzero: active) goes to the kernel as it is: no XLA op in between

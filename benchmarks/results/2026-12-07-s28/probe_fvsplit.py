@@ -17,6 +17,10 @@ flat + split +5 (as in session 13). N=1 would then be ~190 µs (goal <= 200).
 
 Usage: probe_fvsplit.py OUT.jsonl [N,N]. Device µs per refine, chained with a token table, min of 3 interleaved
 rounds; tokens compared with the served variant's.
+
+Ran against commit 5a36822, whose full-vocab kernel took ``lat_add`` and whose dispatch had
+``FULL_VOCAB_SPLIT_MAX_ROWS`` (both removed after these runs: the split gained nothing); kept as the record of
+what ran.
 """
 import dataclasses, json, os, sys, time
 
