@@ -92,7 +92,7 @@ FULL_VOCAB_ALTERNATE_MAX_ROWS = 60
 MIXER_BARRIER_MAX_ROWS: int | None = 15
 
 #: The full-vocab pick's ``keep`` (`full_vocab.KEEP_POLICIES`) where its config holds the latent (``hold_lat``: the
-#: `TABLE` rows from N=5 at B=16): "split", the tile loop split before its last tile, with no L2 hint. Measured as
+#: `TABLE` rows from N=5 at B=16; N=1's too, but below `FULL_VOCAB_KEEP_MIN_ROWS`): "split", the tile loop split before its last tile, with no L2 hint. Measured as
 #: the control of the L2 hints, it does what the hints did (RESULTS.md "The full-vocab loop split; the top-C pick's
 #: hot splits", twenty-third session, H100; device µs per refine with a token table, served -> split, 0 tokens
 #: differ): N=8 540.3 -> 506.2, N=16 584.2 -> 550.6 and 579.1 -> 545.2, N=64 1598.1 -> 1578.4, N=128 2962.9 ->
@@ -102,8 +102,9 @@ FULL_VOCAB_KEEP = "split"
 
 
 #: Draft rows from which a config that holds the latent gets `FULL_VOCAB_KEEP`. Below (N=1 at B=16, whose config holds
-#: the latent since the twenty-eighth session) the loop split measured +47 to +54 µs per refine (H100: 229.0 -> 283.5
-#: with (16, 64, 6, 0, 4, 3)), as in the flat configs: a second pipeline prologue in a 6-12 tile loop.
+#: the latent since the twenty-eighth session) the loop split measured +47 to +54 µs per refine in every held config
+#: tried (H100, (16, 64, 6, 0, 4, 3): 230.1 without it, 283.5 with it), as in the flat configs (a second pipeline
+#: prologue in a short tile loop).
 FULL_VOCAB_KEEP_MIN_ROWS = 16
 
 
