@@ -46,6 +46,7 @@ case "$1" in
        tail -2 $OUT/gpu_tests_ship.log; grep -E "^(FAILED|ERROR)" $OUT/gpu_tests_ship.log | head -10 ;;
   confirm) # for the next session with an H200: the shipped N=1 config against issue 16's goal and the certified mode's
            # N=1 (std 0.01 and 0.06), then the files this session could not run compiled
+           timeout 150 python3 $S28/probe_n1_configs.py $OUT/n1_configs.jsonl 2>&1 | grep -v -i warn | tail -10
            timeout 200 python3 -m benchmarks.bench_refine --backends pallas@table,pallas@certified-table --n 1,16 \
              --topc 512,0 --walls 5 --no-select --out $OUT/confirm 2>&1 | grep -v -i warn | tail -8
            XLA_FLAGS=$CONC XPRESS_SLOW=1 timeout $(left) python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_train.py \
