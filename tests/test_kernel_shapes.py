@@ -136,7 +136,8 @@ def test_full_vocab_at_table_boundaries(n, b, dtype):
 @pytest.mark.parametrize("rank,dtype", rank_dtype_params())
 @pytest.mark.parametrize("n,b", [pytest.param(1, 16, id="N1-B16"), pytest.param(2, 3, id="N2-B3", marks=slow)])
 def test_full_vocab_ranks(n, b, rank, dtype):
-    """Every awkward rank at the flat configs served for <= 60 draft rows (rank chunks of 64)."""
+    """Every awkward rank at the configs served for <= 60 draft rows: N=1 holds the latent and dots the whole rank
+    (a masked tail chunk up to the next power of two), N = 2..4 are flat (rank chunks of 64)."""
     _check_full_vocab(n, b, 613, rank, dtype, seed=rank)
 
 

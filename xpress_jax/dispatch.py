@@ -31,9 +31,10 @@ from .kernels import full_vocab, latent, select, topc_pick
 from .kernels.common import cdiv, next_pow2
 
 __all__ = ["Row", "TABLE", "Plan", "plan", "capacity_config", "select_config", "SERVING_N", "SMS",
-           "SCAN_FAILING_MAX_ROWS", "FULL_VOCAB_ALTERNATE_MAX_ROWS", "FULL_VOCAB_START_SELECT_MIN_ROWS", "SELECT_FINISH_WARPS",
-           "SKIP_FINAL_SLOTS_MIN_ROWS", "TOPC_SKIP_FINAL_SLOTS_MIN_ROWS", "CERTIFIED_PASS_NUMBERS", "CERTIFIED_SCAN_KEEP", "CERTIFIED_COUNTED_PICK", "CERTIFIED_COUNTED_SCAN", "pass_pick_rows", "TABLE_XLA_LATENT_MAX_ROWS", "SPLIT_LATENT_MAX_ROWS",
-           "FULL_VOCAB_KEEP_MIN_ROWS"]
+           "SCAN_FAILING_MAX_ROWS", "FULL_VOCAB_ALTERNATE_MAX_ROWS", "FULL_VOCAB_START_SELECT_MIN_ROWS",
+           "SELECT_FINISH_WARPS", "SKIP_FINAL_SLOTS_MIN_ROWS", "TOPC_SKIP_FINAL_SLOTS_MIN_ROWS",
+           "CERTIFIED_PASS_NUMBERS", "CERTIFIED_SCAN_KEEP", "CERTIFIED_COUNTED_PICK", "CERTIFIED_COUNTED_SCAN",
+           "pass_pick_rows", "TABLE_XLA_LATENT_MAX_ROWS", "SPLIT_LATENT_MAX_ROWS", "FULL_VOCAB_KEEP_MIN_ROWS"]
 
 #: The N values the serving configs were measured at (B = 16): draft rows 15 / 60 / 240 / 960 / 3840.
 SERVING_N = (1, 4, 16, 64, 256)
@@ -92,19 +93,20 @@ FULL_VOCAB_ALTERNATE_MAX_ROWS = 60
 MIXER_BARRIER_MAX_ROWS: int | None = 15
 
 #: The full-vocab pick's ``keep`` (`full_vocab.KEEP_POLICIES`) where its config holds the latent (``hold_lat``: the
-#: `TABLE` rows from N=5 at B=16; N=1's too, but below `FULL_VOCAB_KEEP_MIN_ROWS`): "split", the tile loop split before its last tile, with no L2 hint. Measured as
-#: the control of the L2 hints, it does what the hints did (RESULTS.md "The full-vocab loop split; the top-C pick's
-#: hot splits", twenty-third session, H100; device µs per refine with a token table, served -> split, 0 tokens
-#: differ): N=8 540.3 -> 506.2, N=16 584.2 -> 550.6 and 579.1 -> 545.2, N=64 1598.1 -> 1578.4, N=128 2962.9 ->
-#: 2870.1, N=256 5203.7 -> 5149.4 ("last", the hint, on an H200 in the twenty-first: N=16 531.1 -> 500.8). Slower in
-#: the flat configs (N <= 4): N=4 323.5 -> 391.0 (the second pipeline prologue); there it is None.
+#: `TABLE` rows from N=5 at B=16; N=1's too, but it is below `FULL_VOCAB_KEEP_MIN_ROWS`): "split", the tile loop
+#: split before its last tile, with no L2 hint. Measured as the control of the L2 hints, it does what the hints did
+#: (RESULTS.md "The full-vocab loop split; the top-C pick's hot splits", twenty-third session, H100; device µs per
+#: refine with a token table, served -> split, 0 tokens differ): N=8 540.3 -> 506.2, N=16 584.2 -> 550.6 and 579.1
+#: -> 545.2, N=64 1598.1 -> 1578.4, N=128 2962.9 -> 2870.1, N=256 5203.7 -> 5149.4 ("last", the hint, on an H200 in
+#: the twenty-first: N=16 531.1 -> 500.8). Slower in the flat configs (N <= 4): N=4 323.5 -> 391.0 (the second
+#: pipeline prologue); there it is None.
 FULL_VOCAB_KEEP = "split"
 
 
 #: Draft rows from which a config that holds the latent gets `FULL_VOCAB_KEEP`. Below (N=1 at B=16, whose config holds
-#: the latent since the twenty-eighth session) the loop split measured +47 to +54 µs per refine in every held config
-#: tried (H100, (16, 64, 6, 0, 4, 3): 230.1 without it, 283.5 with it), as in the flat configs (a second pipeline
-#: prologue in a short tile loop).
+#: the latent since the twenty-eighth session) the loop split measured +44 to +55 µs per refine in the three held
+#: configs tried (H100, (16, 64, 6, 0, 4, 3): 229.7 without it, 283.5 with it), as in the flat configs (a second
+#: pipeline prologue in a short tile loop).
 FULL_VOCAB_KEEP_MIN_ROWS = 16
 
 
@@ -174,7 +176,8 @@ CERTIFIED_SCAN_KEEP: bool = False
 #: top-512); pruning failing, N=1 273.8 -> 272.8; 0 tokens differ; its compiled tests passed. On.
 CERTIFIED_COUNTED_PICK: bool = True
 
-#: Whether the certified mode's one-launch scan (packed rows: more than one row tile, up to `SCAN_FAILING_MAX_ROWS`; N = 9..64 at the serving shapes) is counted
+#: Whether the certified mode's one-launch scan (packed rows: more than one row tile, up to `SCAN_FAILING_MAX_ROWS`;
+#: N = 9..64 at the serving shapes) is counted
 #: (`kernels.full_vocab.scan_failing`'s ``counted``): the packing launch also writes the row-tile counters, the
 #: pick's last program of a row tile combines the tile's parts and writes through the packed order, so no combine
 #: launch runs, and where no row is active (every row certified) nothing is written: the certify launch's tokens,

@@ -5,22 +5,17 @@
 # bench: bench_refine, the served Pallas backend with a token table, full vocab and top-512, N = 1, 4, 16.
 # one: the N=1 probe, compiled kernel tests, top-512 N=16 split, N=4 (run 1); ship: bench + 7 test files (run 5);
 # confirm: not run (no H200 this session): the H200 figures for the next session.
+case "$1" in  # the two halves of the suite: session 27's modes, the same commands
+  tests_a|tests_b) exec bash benchmarks/results/2026-12-06-s27/gpu.sh "$1" ;;
+esac
 export PYTHONPATH=$PWD
 S28=benchmarks/results/2026-12-07-s28
-A="tests/test_kernel_full_vocab.py tests/test_kernel_select.py tests/test_kernel_topc_pick.py tests/test_kernel_latent.py
-   tests/test_kernel_shapes.py tests/test_dispatch.py tests/test_pruned.py tests/test_certified.py tests/test_latent_sum.py"
 CONC="--xla_gpu_command_buffer_scheduling_mode=CONCURRENT"
 T0=$SECONDS
 left() { echo $((${CAP:-585} - (SECONDS - T0))); }  # CAP: seconds this call may take
 nvidia-smi --query-gpu=name --format=csv,noheader
 case "$1" in
   fvsplit) timeout $(left) python3 $S28/probe_fvsplit.py $OUT/fvsplit.jsonl ${NS:-1} 2>&1 | grep -v -i warn | tail -40 ;;
-  tests_a) XLA_FLAGS=$CONC XPRESS_SLOW=1 timeout $(left) python3 -m pytest -q -n 8 -p no:cacheprovider $A \
-             > $OUT/gpu_tests_a.log 2>&1
-           tail -3 $OUT/gpu_tests_a.log; grep -E "^(FAILED|ERROR)" $OUT/gpu_tests_a.log | head -20 ;;
-  tests_b) XLA_FLAGS=$CONC XPRESS_SLOW=1 timeout $(left) python3 -m pytest -q -n 8 -p no:cacheprovider tests \
-             $(for f in $A; do echo --ignore=$f; done) > $OUT/gpu_tests_b.log 2>&1
-           tail -3 $OUT/gpu_tests_b.log; grep -E "^(FAILED|ERROR)" $OUT/gpu_tests_b.log | head -20 ;;
   bench) timeout $(left) python3 -m benchmarks.bench_refine --backends pallas@table --n ${NS:-1,4,16} --topc 512,0 \
            --walls 5 --no-select --out $OUT/bench 2>&1 | grep -v -i warn | tail -12 ;;
   one) # everything in one call (machines were scarce): the N=1 probe (7 variants), the kernel's compiled tests,
