@@ -187,7 +187,7 @@ def raw():
 # ----------------------------------------------------------------------------- end to end
 
 
-VARIANTS = ["safetensors", "full_drafter", "sharded", "bin", "bf16"]
+VARIANTS = ["full_drafter", "bin"] + [pytest.param(v, marks=pytest.mark.slow) for v in ("safetensors", "sharded", "bf16")]
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -266,14 +266,14 @@ def test_save_load_roundtrip_and_errors(tmp_path):
     assert_no_dst(tmp_path / "ck2")
 
 
-def test_single_file_and_bare_names_and_flags(tmp_path, raw):
-    # A single safetensors file with bare head names, sized by flags (no config.json).
+def test_single_file_sized_by_its_tensors(tmp_path, raw):
+    # One safetensors file with bare head names and no config.json: the sizes come from the tensors.
     f = tmp_path / "head.safetensors"
     save_file(raw, f)
-    overrides = dict(vocab_size=V, hidden_size=H, block_size=B, rank=R, mlp_hidden=M, topc=TOPC, num_passes=K, max_num_reqs=16)
-    report = convert_checkpoint(f, tmp_path / "out", overrides=overrides)
-    assert report.prefixes == [""] and report.config == CFG
-    refuse(f, tmp_path / "out2", "no config.json")
+    report = convert_checkpoint(f, tmp_path / "out", overrides=dict(topc=TOPC, num_passes=K, max_num_reqs=16))
+    assert report.prefixes == [""] and report.config == CFG and report.config_from == "the tensor shapes + flags"
+    # A size flag that disagrees with the tensors is checked like config.json.
+    refuse(f, tmp_path / "out2", r"mix.L: \(16, 8, 8\), expected \(16, 4, 4\)", overrides={"block_size": 4})
 
 
 def test_mixed_dtypes_keep_is_lossless(tmp_path, raw):
