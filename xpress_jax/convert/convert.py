@@ -1,12 +1,8 @@
 """`convert_checkpoint`: a PyTorch XPress checkpoint -> an Orbax head checkpoint.
 
-Every step refuses bad input with a `ConversionError` that names the problem, before anything is
-written: the source must not be a converted checkpoint and the destination must not be, hold or lie
-inside it; the head is found by HYBRID_KEY_MAP name (`sources.select_head`); the config comes from
-config.json, else from the tensor shapes, with size options on top, and every shape is checked
-before any data is read; non-finite values and an already folded mixer are refused. The checkpoint
-is written into a temporary folder beside the destination, verified there on request, and renamed
-into place only when everything succeeded.
+Bad input is refused with a `ConversionError` naming the problem before anything is written. The
+checkpoint is written into a temporary folder beside the destination, verified there on request,
+and renamed into place only when everything succeeded.
 """
 
 from __future__ import annotations
@@ -14,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -27,7 +24,6 @@ from xpress_jax.config import HeadConfig
 from xpress_jax.params import HYBRID_KEY_MAP, params_from_state_dict, source_shapes
 
 from .errors import ConversionError, VerificationError
-from .progress import Progress, human_bytes
 from .sources import RELEASE, HeadSelection, Source, TensorRef, open_source, read_config_json, select_head
 
 __all__ = ["DTYPES", "MIXER_MODES", "RELEASE_VARIANT", "ConvertReport", "convert_checkpoint", "mixer_looks_folded",
@@ -43,6 +39,14 @@ RELEASE_VARIANT = dict(
     input_relu=False, no_residual=True, no_sublayer_norm=True, no_mix_out=True, input_mode="concat",
     lowrank_lmhead_shared_rank=0, lowrank_base_rank=0,
 )
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1000:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
 
 
 def config_line(c: HeadConfig) -> str:
@@ -226,43 +230,23 @@ def _dir_bytes(path: Path) -> int:
 
 
 def convert_checkpoint(
-    src: str | os.PathLike,
-    dst: str | os.PathLike,
-    *,
-    dtype: str = "keep",
-    force: bool = False,
-    verify: bool = False,
-    config: HeadConfig | Mapping[str, Any] | str | os.PathLike | None = None,
-    overrides: Mapping[str, Any] | None = None,
-    mixer: str = "auto",
-    prefix: str | None = None,
-    verify_n: int = 4,
-    seed: int = 0,
-    reference: str = "auto",
-    progress: bool = False,
-    log: Callable[[str], None] | None = None,
+    src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str = "keep", force: bool = False,
+    verify: bool = False, config: HeadConfig | Mapping[str, Any] | str | os.PathLike | None = None,
+    overrides: Mapping[str, Any] | None = None, mixer: str = "auto", prefix: str | None = None, verify_n: int = 4,
+    seed: int = 0, reference: str = "auto", progress: bool = False, log: Callable[[str], None] | None = None,
 ) -> ConvertReport:
-    """Convert the XPress head of the checkpoint at ``src`` into an Orbax checkpoint at ``dst``.
+    """Convert the XPress head of the checkpoint at ``src`` (a folder or one file) into an Orbax one at ``dst``.
 
-    Args:
-      src: a folder (config.json + safetensors, sharded or not, or PyTorch pickles) or one file,
-        including the xPress release's training checkpoint.
-      dst: the checkpoint folder to create (`xpress_jax.load_params` reads it).
-      dtype: ``"keep"`` (the source's), ``"bfloat16"`` or ``"float32"``.
-      force: replace an existing ``dst`` (only once the new one is complete).
-      verify: compare `refine` tokens of the written checkpoint with a reference built from the
-        source tensors (`verify.verify_checkpoint`); a required mismatch writes nothing.
-      config: a config.json path, a parsed dict or a `HeadConfig` (default: see `resolve_config`).
-      overrides: `HeadConfig` fields that win over the config (None values ignored).
-      mixer: ``"auto"`` (refuse a mix.L that looks folded), ``"raw"`` (fold it regardless) or
-        ``"folded"`` (the source holds the serving form: store it as is).
-      prefix: look for the head only under this key prefix (``""``: bare names).
-      verify_n, seed, reference: verify's rows, input seed and reference (``"auto"|"torch"|"jnp"``).
-      progress: progress bar on stderr (only on a terminal). log: called with warning lines.
+    ``dtype``: ``"keep"`` (the source's), ``"bfloat16"`` or ``"float32"``. ``force`` replaces an
+    existing ``dst`` once the new one is complete. ``config``: see `resolve_config`; ``overrides``
+    (HeadConfig fields) win over it. ``mixer``: ``"auto"`` refuses a mix.L that looks folded, ``"raw"``
+    folds it regardless, ``"folded"`` stores the serving form as is. ``prefix``: look for the head only
+    under it (``""``: bare names). ``verify`` compares `refine` tokens with a reference on the source
+    tensors (``verify_n`` rows, ``seed``, ``reference`` ``"auto"|"torch"|"jnp"``; `verify.verify_checkpoint`).
+    ``progress`` draws a bar on a terminal; ``log`` gets warning lines.
 
-    Raises:
-      ConversionError: bad input (the message says what and where).
-      VerificationError: ``verify`` found a required token mismatch.
+    Raises `ConversionError` on bad input, `VerificationError` when verify finds a required mismatch
+    (nothing is written in either case).
     """
     t0 = time.perf_counter()
     warnings: list[str] = []
@@ -290,14 +274,18 @@ def convert_checkpoint(
     for note in source.notes:
         warn(note)
     sel = select_head(source.tensors, prefix=prefix)
-    if sel.problems():  # before the config: a missing head is the clearer message
-        raise ConversionError(f"{src_p}: " + "; ".join(sel.problems()))
+    if sel.problems:  # before the config: a missing head is the clearer message
+        raise ConversionError(f"{src_p}: " + "; ".join(sel.problems))
     cfg, cfg_from = resolve_config(config, source, overrides, sel.head)
     _check_head(sel, cfg)
 
-    total = sum(ref.nbytes for ref in sel.head.values())
-    with Progress(total, "reading", enabled=progress) as bar:
-        tensors = {name: sel.head[name].load(bar.update) for name in HYBRID_KEY_MAP}
+    total, tensors = sum(ref.nbytes for ref in sel.head.values()), {}
+    for name in HYBRID_KEY_MAP:  # with a progress bar on a terminal
+        tensors[name] = sel.head[name].load()
+        if progress and sys.stderr.isatty():
+            frac = sum(a.nbytes for a in tensors.values()) / max(total, 1)
+            sys.stderr.write(f"\rreading [{'#' * int(30 * frac):.<30}] {frac:6.1%} of {human_bytes(total)}"
+                             + ("\n" if len(tensors) == len(HYBRID_KEY_MAP) else ""))
     seconds = {"read": time.perf_counter() - t0}
     nonfinite = [f"{sel.source_keys[n]} ({a.size - np.count_nonzero(np.isfinite(a))} of {a.size} values)"
                  for n, a in tensors.items() if not np.all(np.isfinite(a))]

@@ -22,9 +22,8 @@ import numpy as np
 from xpress_jax.checkpoint import is_checkpoint, read_checkpoint_info, stored_param_metadata
 from xpress_jax.params import HYBRID_KEY_MAP, source_shapes
 
-from .convert import RELEASE_VARIANT, config_line, mixer_looks_folded, resolve_config, source_line
+from .convert import RELEASE_VARIANT, config_line, human_bytes, mixer_looks_folded, resolve_config, source_line
 from .errors import ConversionError
-from .progress import human_bytes
 from .sources import RELEASE, open_source, select_head
 
 __all__ = ["format_inspect", "inspect_path", "to_json"]
@@ -60,7 +59,7 @@ def _inspect_source(path: Path, config: Any, prefix: str | None) -> dict:
         "config_path": str(source.config_path) if source.config_path else None,
         "tensor_count": len(source.tensors), "bytes": sum(r.nbytes for r in source.tensors.values()),
         "dtypes": dict(Counter(r.dtype for r in source.tensors.values())),
-        "head_prefixes": sel.prefixes, "problems": sel.problems(),
+        "head_prefixes": sel.prefixes, "problems": list(sel.problems),
     }
     if source.kind == RELEASE and source.args is not None:
         a = source.args
@@ -135,7 +134,7 @@ def format_inspect(info: dict) -> str:
     prefixes = ", ".join(repr(p) for p in info["head_prefixes"]) or "-"
     lines.append(f"  head   : {len(info['head'])} of {len(HYBRID_KEY_MAP)} tensors, prefix {prefixes}")
     for r in info["head"]:
-        exp = "ok" if r.get("shape_ok") else f"MISMATCH, expected {tuple(r['expected_shape'])}" if "shape_ok" in r else ""
+        exp = "" if "shape_ok" not in r else "ok" if r["shape_ok"] else f"MISMATCH, expected {r['expected_shape']}"
         lines.append(f"    {r['key']:<40} {str(tuple(r['shape'])):<18} {r['dtype']:<9} {exp}")
     if "mixer" in info:
         lines.append(f"  mixer  : {info['mixer']}")

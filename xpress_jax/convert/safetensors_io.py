@@ -137,8 +137,8 @@ class SafetensorsFile:
         self.data_start = 8 + n
         self.tensors, self.metadata = _parse_header(fail, raw, self.data_start, size - self.data_start)
 
-    def get(self, key: str, progress: Callable[[int], None] | None = None) -> np.ndarray:
-        """One tensor as a fresh numpy array; ``progress(nbytes)`` is called as chunks arrive."""
+    def get(self, key: str) -> np.ndarray:
+        """One tensor as a fresh numpy array."""
         info = self.tensors[key]
         if info.code not in SAFETENSORS_DTYPES:
             raise SafetensorsError(f"{self.path}: tensor {key!r} has dtype {info.code}, which cannot be read here")
@@ -153,8 +153,6 @@ class SafetensorsFile:
                     if not got:
                         raise SafetensorsError(f"{self.path}: tensor {key!r}: unexpected end of file")
                     pos += got
-                    if progress is not None:
-                        progress(got)
         except OSError as e:
             raise SafetensorsError(f"{self.path}: cannot read tensor {key!r}: {e}") from None
         return out

@@ -1,14 +1,10 @@
 """Source checkpoints: find the tensor files, list the tensors, pick out the XPress head.
 
-A source is a folder or one file. A folder: ``model.safetensors.index.json`` (sharded; every file it
-names must be a plain relative path inside the folder), else its ``*.safetensors``, else
-``pytorch_model.bin.index.json`` / ``pytorch_model.bin`` / ``*.bin`` / ``*.pt`` / ``*.pth``
-(training leftovers such as ``optimizer.pt`` skipped). A ``config.json`` beside the weights sizes
-the head.
-
-PyTorch pickles are opened only with ``torch.load(weights_only=True)``: nothing in the file is
-executed. The official xPress release's training checkpoint (``{"refiner_state_dict", "args",
-"global_step"}``) is read with `argparse.Namespace` as the one extra allowed global.
+A folder: a ``*.safetensors.index.json`` (its files must lie inside the folder), else ``*.safetensors``,
+else ``pytorch_model.bin[.index.json]`` / ``*.bin`` / ``*.pt`` / ``*.pth``; or one file. PyTorch
+pickles are opened only with ``torch.load(weights_only=True)`` (nothing in them is executed); the
+xPress release's training checkpoint (``refiner_state_dict``, ``args``, ``global_step``) with
+`argparse.Namespace` as the one extra allowed global.
 """
 
 from __future__ import annotations
@@ -53,7 +49,7 @@ class TensorRef:
     shape: tuple[int, ...]
     nbytes: int
     file: Path
-    load: Callable[..., np.ndarray] = field(repr=False)  # load(progress=None)
+    load: Callable[[], np.ndarray] = field(repr=False)
 
 
 @dataclass
@@ -73,49 +69,14 @@ class Source:
 
 @dataclass
 class HeadSelection:
-    """The head's tensors (HYBRID_KEY_MAP names -> refs) and what was left aside."""
+    """The head's tensors (HYBRID_KEY_MAP names -> refs), what was left aside, and why it cannot be converted."""
 
     head: dict[str, TensorRef]
     source_keys: dict[str, str]  # head name -> full source key
     prefixes: list[str]
     backbone: list[str]
     backbone_bytes: int
-    missing: list[str]
-    duplicates: dict[str, list[str]]
-    unknown: list[str]  # keys under a head prefix that HYBRID_KEY_MAP does not know
-    searched: tuple[str, ...]
-
-    def problems(self) -> list[str]:
-        """Why the head cannot be converted (empty when it can)."""
-        if not self.head and not self.duplicates:
-            shown = ", ".join(repr(k) for k in self.backbone[:5])
-            more = f" (of {len(self.backbone)})" if len(self.backbone) > 5 else ""
-            return [
-                "no XPress head tensors found: looked for keys starting with "
-                + " or ".join(repr(p) for p in self.searched if p)
-                + (" or bare head names" if "" in self.searched else "")
-                + (f"; the source holds {shown}{more}" if self.backbone else "; the source holds no tensors")
-            ]
-        out = [
-            f"duplicate head tensor {name!r} after prefix stripping: "
-            + " and ".join(repr(k) for k in keys) + " (pass --prefix to choose one)"
-            for name, keys in sorted(self.duplicates.items())
-        ]
-        if self.missing:
-            pre = self.prefixes[0] if self.prefixes else self.searched[0]
-            searched = [p for p in self.searched if p]
-            out.append(
-                "missing head tensor(s): " + ", ".join(repr(pre + m) for m in self.missing)
-                + (f" (searched prefixes {searched})" if len(self.searched) > 1 else "")
-            )
-        if self.unknown:
-            hint = ""
-            if any(k.endswith("mix_L") for k in self.unknown):
-                hint = (" ('mix_L' is the serving module's attribute name: that checkpoint holds the FOLDED mixer"
-                        " under module names; rename its keys to the HYBRID_KEY_MAP names and pass --mixer folded)")
-            out.append("unexpected tensor(s) under the head prefix (not in HYBRID_KEY_MAP): "
-                       + ", ".join(repr(k) for k in self.unknown) + hint)
-        return out
+    problems: list[str]  # empty when the head can be converted
 
 
 def read_config_json(path: str | os.PathLike) -> dict:
@@ -159,8 +120,7 @@ def _add(source: Source, key: str, dtype: str, shape: tuple, nbytes: int, path: 
 def _add_safetensors(source: Source, path: Path) -> None:
     st = SafetensorsFile(path)
     for key, info in st.tensors.items():
-        _add(source, key, info.dtype_name, info.shape, info.nbytes, path,
-             lambda progress=None, key=key: st.get(key, progress))
+        _add(source, key, info.dtype_name, info.shape, info.nbytes, path, lambda key=key: st.get(key))
     source.files.append(path)
 
 
@@ -210,17 +170,10 @@ def _add_torch(source: Source, path: Path) -> None:
     for key, t in obj.items():
         if isinstance(t, torch.Tensor):
             _add(source, str(key), str(t.dtype).removeprefix("torch."), t.shape, t.numel() * t.element_size(), path,
-                 lambda progress=None, t=t: _torch_to_numpy(t, progress))
+                 lambda t=t: np.array(_to_numpy(t), copy=True))
     if skipped:
         source.notes.append(f"{path.name}: ignored {len(skipped)} non-tensor entries ({', '.join(skipped[:5])})")
     source.files.append(path)
-
-
-def _torch_to_numpy(t: Any, progress: Callable[[int], None] | None) -> np.ndarray:
-    a = np.array(_to_numpy(t), copy=True)
-    if progress is not None:
-        progress(a.nbytes)
-    return a
 
 
 def _add_file(source: Source, path: Path) -> None:
@@ -320,15 +273,23 @@ def select_head(tensors: Mapping[str, TensorRef], prefix: str | None = None) -> 
             found.setdefault(key[len(p):], []).append(key)
         else:
             unknown.append(key)
-    source_keys = {n: ks[0] for n, ks in found.items() if len(ks) == 1}
-    return HeadSelection(
-        head={n: tensors[k] for n, k in source_keys.items()},
-        source_keys=source_keys,
-        prefixes=sorted({k[: len(k) - len(n)] for n, k in source_keys.items()}, key=len),
-        backbone=backbone,
-        backbone_bytes=sum(tensors[k].nbytes for k in backbone),
-        missing=[n for n in HYBRID_KEY_MAP if n not in found],
-        duplicates={n: ks for n, ks in found.items() if len(ks) > 1},
-        unknown=unknown,
-        searched=searched,
-    )
+    keys = {n: ks[0] for n, ks in found.items() if len(ks) == 1}
+    prefixes = sorted({k[: len(k) - len(n)] for n, k in keys.items()}, key=len)
+    problems = [f"duplicate head tensor {n!r} after prefix stripping: " + " and ".join(map(repr, ks))
+                + " (pass --prefix to choose one)" for n, ks in sorted(found.items()) if len(ks) > 1]
+    if not found:
+        shown = ", ".join(map(repr, backbone[:5])) + (f" (of {len(backbone)})" if len(backbone) > 5 else "")
+        looked = " or ".join(repr(p) for p in searched if p) + (" or bare head names" if "" in searched else "")
+        problems.append(f"no XPress head tensors found: looked for keys starting with {looked}"
+                        + (f"; the source holds {shown}" if backbone else "; the source holds no tensors"))
+    elif missing := [n for n in HYBRID_KEY_MAP if n not in found]:
+        pre = (prefixes or searched)[0]
+        problems.append("missing head tensor(s): " + ", ".join(repr(pre + m) for m in missing)
+                        + (f" (searched prefixes {[p for p in searched if p]})" if len(searched) > 1 else ""))
+    if unknown:
+        hint = (" ('mix_L' is the serving module's attribute name: that checkpoint holds the FOLDED mixer under"
+                " module names; rename its keys to the HYBRID_KEY_MAP names and pass --mixer folded)")
+        problems.append("unexpected tensor(s) under the head prefix (not in HYBRID_KEY_MAP): "
+                        + ", ".join(map(repr, unknown)) + (hint if any(k.endswith("mix_L") for k in unknown) else ""))
+    return HeadSelection({n: tensors[k] for n, k in keys.items()}, keys, prefixes, backbone,
+                         sum(tensors[k].nbytes for k in backbone), problems)

@@ -37,17 +37,8 @@ def _clean(s):
     return torch.where(torch.isnan(s), torch.full_like(s, float("-inf")), s)
 
 
-def reference_refine(
-    tensors: Mapping[str, Any],
-    logits: Any,
-    h: Any,
-    anchors: Any,
-    tok_am1: Any = None,
-    *,
-    num_passes: int,
-    topc: int = 0,
-    dtype: Any = None,
-) -> np.ndarray:
+def reference_refine(tensors: Mapping[str, Any], logits: Any, h: Any, anchors: Any, tok_am1: Any = None, *,
+                     num_passes: int, topc: int = 0, dtype: Any = None) -> np.ndarray:
     """Draft tokens [N, B-1] (int64 numpy) of the reference head on the source ``tensors``.
 
     ``logits`` [N, B, V] and ``h`` [N, B, H] are cast to ``dtype`` (default torch.float64);

@@ -1,13 +1,10 @@
-"""``--verify``: the converted checkpoint's `refine` tokens against a reference built from the source.
+"""``--verify``: the written checkpoint against the source.
 
-1. Round trip: the params restored from the written checkpoint are bitwise the converted ones.
-2. Tokens, in both modes (full vocabulary and the config's top-C): `refine` (jnp path, float32) on
-   the restored params against the PyTorch reference (`torch_reference`, float64) on the source
-   tensors when torch is installed, else against the jnp path on params built straight from the
-   source tensors (that checks storage and layouts, sharing the math).
-
-The tokens must be identical when the stored dtype holds the source values exactly; after a
-narrowing cast (float32 -> bfloat16) the agreement is reported, not required.
+The restored params must be bitwise the converted ones. `refine`'s tokens (jnp path, float32, full
+vocabulary and top-C) on them are compared with the PyTorch reference (`torch_reference`, float64)
+on the source tensors, or without torch with the jnp path on params built straight from the source.
+They must be identical when the stored dtype holds the source values exactly; after a narrowing
+cast (float32 -> bfloat16) the agreement is reported, not required.
 """
 
 from __future__ import annotations
@@ -66,16 +63,8 @@ class VerifyResult:
         return out + ([self.note] if self.note else [])
 
 
-def verify_checkpoint(
-    path: Any,
-    source_tensors: Mapping[str, np.ndarray],
-    converted: Mapping[str, Any],
-    source_dtypes: set[str],
-    *,
-    n: int = 4,
-    seed: int = 0,
-    reference: str = "auto",
-) -> VerifyResult:
+def verify_checkpoint(path: Any, source_tensors: Mapping[str, np.ndarray], converted: Mapping[str, Any],
+                      source_dtypes: set[str], *, n: int = 4, seed: int = 0, reference: str = "auto") -> VerifyResult:
     """Check the checkpoint at ``path`` (see the module docstring); never raises on a mismatch.
 
     ``source_tensors``: the head's source tensors as converted (HYBRID_KEY_MAP names, raw mixer);
