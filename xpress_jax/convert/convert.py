@@ -149,12 +149,9 @@ def check_release_args(source: Source, head: Mapping[str, TensorRef]) -> None:
         )
 
 
-def resolve_config(
-    config: HeadConfig | Mapping[str, Any] | str | os.PathLike | None,
-    source: Source | None,
-    overrides: Mapping[str, Any] | None = None,
-    head: Mapping[str, TensorRef] | None = None,
-) -> tuple[HeadConfig, str]:
+def resolve_config(config: HeadConfig | Mapping[str, Any] | str | os.PathLike | None, source: Source | None,
+                   overrides: Mapping[str, Any] | None = None,
+                   head: Mapping[str, TensorRef] | None = None) -> tuple[HeadConfig, str]:
     """The `HeadConfig` to convert with and where it came from.
 
     ``config`` (a HeadConfig, a parsed config.json or its path), else the source's config.json, else
@@ -320,17 +317,12 @@ def convert_checkpoint(
         params = params_from_state_dict(tensors, cfg, dtype=target)
     except (TypeError, ValueError) as e:
         raise ConversionError(str(e)) from None
-    metadata = {
-        "source": str(src_p),
-        "source_kind": source_line(source),
-        "source_files": [str(p.relative_to(src_p)) if src_p.is_dir() else p.name for p in source.files],
-        "source_keys": sel.source_keys,
-        "source_dtypes": sorted(source_dtypes),
-        "backbone_tensors_ignored": len(sel.backbone),
-        "mixer": mixer_desc,
-        "config_from": cfg_from,
-        "converted_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    }
+    metadata = dict(
+        source=str(src_p), source_kind=source_line(source), source_keys=sel.source_keys,
+        source_files=[str(p.relative_to(src_p)) if src_p.is_dir() else p.name for p in source.files],
+        source_dtypes=sorted(source_dtypes), backbone_tensors_ignored=len(sel.backbone), mixer=mixer_desc,
+        config_from=cfg_from, converted_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    )
 
     t_write, verify_result = time.perf_counter(), None
     try:

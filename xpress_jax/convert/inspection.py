@@ -1,10 +1,8 @@
 """``xpress-convert inspect PATH``: what a source or a converted checkpoint holds (read-only).
 
-A source: its format (for the release's training checkpoint also the step and the variant flags),
-files, the `HeadConfig` the converter would use, each head tensor against its expected shape, the
-problems that would refuse it, whether ``mix.L`` looks raw or folded, the rest grouped by name.
-A converted checkpoint: the stored config, dtype, conversion metadata and every param's shape
-(from Orbax metadata: no arrays are restored).
+A source: its format (the release's training checkpoint: also its step and variant flags), the
+`HeadConfig` the converter would use, each head tensor against its expected shape, the problems that
+would refuse it, the mixer's form. A converted checkpoint: its config, dtype, origin and params.
 """
 
 from __future__ import annotations
@@ -134,7 +132,8 @@ def format_inspect(info: dict) -> str:
     prefixes = ", ".join(repr(p) for p in info["head_prefixes"]) or "-"
     lines.append(f"  head   : {len(info['head'])} of {len(HYBRID_KEY_MAP)} tensors, prefix {prefixes}")
     for r in info["head"]:
-        exp = "" if "shape_ok" not in r else "ok" if r["shape_ok"] else f"MISMATCH, expected {r['expected_shape']}"
+        exp = "ok" if r.get("shape_ok") else f"MISMATCH, expected {tuple(r.get('expected_shape', ()))}"
+        exp = exp if "shape_ok" in r else ""
         lines.append(f"    {r['key']:<40} {str(tuple(r['shape'])):<18} {r['dtype']:<9} {exp}")
     if "mixer" in info:
         lines.append(f"  mixer  : {info['mixer']}")

@@ -57,11 +57,6 @@ class TensorInfo:
     def nbytes(self) -> int:
         return self.end - self.begin
 
-    @property
-    def dtype_name(self) -> str:
-        dt = SAFETENSORS_DTYPES.get(self.code)
-        return dt.name if dt is not None else self.code
-
 
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)

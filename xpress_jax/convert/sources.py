@@ -25,7 +25,7 @@ import numpy as np
 from xpress_jax.params import HYBRID_KEY_MAP, _to_numpy
 
 from .errors import ConversionError
-from .safetensors_io import SafetensorsFile
+from .safetensors_io import SAFETENSORS_DTYPES, SafetensorsFile
 
 __all__ = ["HEAD_PREFIXES", "HeadSelection", "Source", "TensorRef", "open_source", "select_head"]
 
@@ -120,7 +120,8 @@ def _add(source: Source, key: str, dtype: str, shape: tuple, nbytes: int, path: 
 def _add_safetensors(source: Source, path: Path) -> None:
     st = SafetensorsFile(path)
     for key, info in st.tensors.items():
-        _add(source, key, info.dtype_name, info.shape, info.nbytes, path, lambda key=key: st.get(key))
+        dtype = SAFETENSORS_DTYPES[info.code].name if info.code in SAFETENSORS_DTYPES else info.code
+        _add(source, key, dtype, info.shape, info.nbytes, path, lambda key=key: st.get(key))
     source.files.append(path)
 
 
