@@ -560,8 +560,8 @@ def test_release_checkpoint_converts_and_refines_like_the_reference(tmp_path, ra
         np.testing.assert_array_equal(jax_tokens(params, CFG, topc), reference_tokens(raw, topc))
     assert main(["inspect", str(src)]) == 0
     out = capsys.readouterr().out
-    for needle in ("xPress release training checkpoint (global_step 1234)", "no_residual=True",
-                   "no_mlp=False (absent: the release default)", "markov_rank=16", f"V={V} H={H} B={B} r={R} M={M}",
+    for needle in ("xPress release training checkpoint (global_step 1234)", "no_residual=True, no_sublayer_norm=True",
+                   "absent : markov_only, no_hidden", "markov_rank=16, mlp_ratio=2", f"V={V} H={H} B={B} r={R} M={M}",
                    "from the tensor shapes", "status : convertible"):
         assert needle in out, needle
 
@@ -574,6 +574,9 @@ def test_release_variant_not_served_is_refused(tmp_path, raw, capsys, flag, valu
     assert main([str(src), str(tmp_path / "out"), "-q"]) == 2
     assert f"{flag}={value!r} (must be {must!r})" in capsys.readouterr().err
     assert_no_dst(tmp_path / "out")
+    assert main(["inspect", str(src)]) == 0
+    out = capsys.readouterr().out
+    assert f"{flag}={value!r}" in out and "PROBLEMS" in out and "does not serve" in out
 
 
 @needs_torch

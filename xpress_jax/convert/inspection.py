@@ -61,8 +61,8 @@ def _inspect_source(path: Path, config: Any, prefix: str | None) -> dict:
     }
     if source.kind == RELEASE and source.args is not None:
         a = source.args
-        out["variant"] = {k: a.get(k, f"{v!r} (absent: the release default)") for k, v in RELEASE_VARIANT.items()}
-        out["variant"].update({k: a[k] for k in ("markov_rank", "mlp_ratio") if k in a})
+        out["variant"] = {k: a[k] for k in [*RELEASE_VARIANT, "markov_rank", "mlp_ratio"] if k in a}
+        out["variant_absent"] = [k for k in RELEASE_VARIANT if k not in a]
     cfg = None
     try:
         cfg, out["head_config_from"] = resolve_config(config, source, head=sel.head)
@@ -121,8 +121,9 @@ def format_inspect(info: dict) -> str:
         f"  files  : {', '.join(info['files'])}",
         f"  dtypes : {', '.join(f'{d} x{n}' for d, n in info['dtypes'].items())}",
     ]
-    if info.get("variant"):
-        lines.append("  variant: " + ", ".join(f"{k}={v}" for k, v in info["variant"].items()))
+    if "variant" in info:
+        lines.append("  variant: " + ", ".join(f"{k}={v!r}" for k, v in info["variant"].items()))
+        lines.append(f"  absent : {', '.join(info['variant_absent']) or '-'} (taken as the release's default)")
     if info.get("config_path"):
         lines.append(f"  config.json: {info['config_path']}")
     if "head_config_line" in info:
