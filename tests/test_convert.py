@@ -2,7 +2,8 @@
 
 Source checkpoints are built inside the tests (vLLM key names, a RAW mixer):
 single-file safetensors, a full drafter (backbone + ``model.`` prefix), a
-sharded folder with an index, a ``.bin`` (torch only) and bf16 safetensors.
+sharded folder with an index, a ``.bin`` and the xPress release's training
+checkpoint (torch only), bf16 safetensors.
 Tokens of the converted head are compared with the PyTorch spelling of the
 reference on the raw tensors (torch installed) or with the jnp path built
 straight from the source tensors (no torch). Every bad input is refused with
