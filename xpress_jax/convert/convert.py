@@ -128,7 +128,7 @@ def _sizes_from_tensors(head: Mapping[str, TensorRef]) -> dict[str, int]:
     return {"vocab_size": V, "hidden_size": H, "xpress_block_size": B, "xpress_rank": r, "xpress_mlp_hidden": M}
 
 
-def check_release_args(source: Source, head: Mapping[str, TensorRef]) -> None:
+def _check_release_args(source: Source, head: Mapping[str, TensorRef]) -> None:
     """Refuse a release training checkpoint without ``args``, of a variant the release does not serve,
     or whose ``markov_rank`` / ``mlp_ratio`` disagree with its tensors."""
     a = source.args
@@ -160,7 +160,7 @@ def resolve_config(config: HeadConfig | Mapping[str, Any] | str | os.PathLike | 
     """
     overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
     if source is not None and source.kind == RELEASE:
-        check_release_args(source, head or {})
+        _check_release_args(source, head or {})
     if isinstance(config, HeadConfig):
         return dataclasses.replace(config, **overrides), "the given HeadConfig"
     if isinstance(config, Mapping):
