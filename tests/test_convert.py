@@ -2,7 +2,8 @@
 
 Source checkpoints are built inside the tests (vLLM key names, a RAW mixer):
 single-file safetensors, a full drafter (backbone + ``model.`` prefix), a
-sharded folder with an index, a ``.bin`` (torch only) and bf16 safetensors.
+sharded folder with an index, a ``.bin`` and the xPress release's training
+checkpoint (torch only), bf16 safetensors.
 Tokens of the converted head are compared with the PyTorch spelling of the
 reference on the raw tensors (torch installed) or with the jnp path built
 straight from the source tensors (no torch). Every bad input is refused with
@@ -187,7 +188,7 @@ def raw():
 # ----------------------------------------------------------------------------- end to end
 
 
-VARIANTS = ["safetensors", "full_drafter", "sharded", "bin", "bf16"]
+VARIANTS = ["full_drafter", "bin"] + [pytest.param(v, marks=pytest.mark.slow) for v in ("safetensors", "sharded", "bf16")]
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -266,14 +267,14 @@ def test_save_load_roundtrip_and_errors(tmp_path):
     assert_no_dst(tmp_path / "ck2")
 
 
-def test_single_file_and_bare_names_and_flags(tmp_path, raw):
-    # A single safetensors file with bare head names, sized by flags (no config.json).
+def test_single_file_sized_by_its_tensors(tmp_path, raw):
+    # One safetensors file with bare head names and no config.json: the sizes come from the tensors.
     f = tmp_path / "head.safetensors"
     save_file(raw, f)
-    overrides = dict(vocab_size=V, hidden_size=H, block_size=B, rank=R, mlp_hidden=M, topc=TOPC, num_passes=K, max_num_reqs=16)
-    report = convert_checkpoint(f, tmp_path / "out", overrides=overrides)
-    assert report.prefixes == [""] and report.config == CFG
-    refuse(f, tmp_path / "out2", "no config.json")
+    report = convert_checkpoint(f, tmp_path / "out", overrides=dict(topc=TOPC, num_passes=K, max_num_reqs=16))
+    assert report.prefixes == [""] and report.config == CFG and report.config_from == "the tensor shapes + flags"
+    # A size flag that disagrees with the tensors is checked like config.json.
+    refuse(f, tmp_path / "out2", r"mix.L: \(16, 8, 8\), expected \(16, 4, 4\)", overrides={"block_size": 4})
 
 
 def test_mixed_dtypes_keep_is_lossless(tmp_path, raw):
@@ -515,6 +516,110 @@ def test_exception_while_writing_leaves_nothing(tmp_path, raw, monkeypatch):
         convert_checkpoint(src, tmp_path / "old", force=True, dtype="bfloat16")
     assert xj.load_params(tmp_path / "old")[1]["w1"].dtype == jnp.float32
     assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
+
+
+# ----------------------------------------------------------------------------- the xPress release's training checkpoint
+
+needs_torch = pytest.mark.skipif(not HAS_TORCH, reason="torch not installed")
+
+
+class Custom:  # a global that weights_only=True does not allow
+    pass
+
+
+class Evil:
+    marker = None
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def save_release(path: Path, tensors: dict, *, step=1234, **args) -> Path:
+    """``torch.save`` of a trained refiner the way the release's training code writes it."""
+    import argparse
+
+    import torch
+
+    from xpress_jax.convert.torch_reference import to_torch
+
+    ns = argparse.Namespace(markov_rank=R, mlp_ratio=M // R, no_residual=True, no_sublayer_norm=True,
+                            no_mix_out=True, input_mode="concat", lr=3e-4, data="train.jsonl")
+    vars(ns).update(args)
+    sd = {**{k: to_torch(v) for k, v in tensors.items()}, "mix.tril": torch.tril(torch.ones(B, B))}
+    torch.save({"refiner_state_dict": sd, "args": ns, "global_step": step}, path)
+    return path
+
+
+@needs_torch
+def test_release_checkpoint_converts_and_refines_like_the_reference(tmp_path, raw, capsys):
+    src = save_release(tmp_path / "refiner.pt", raw)
+    report = convert_checkpoint(src, tmp_path / "out", overrides=dict(topc=TOPC, num_passes=K, max_num_reqs=16))
+    assert report.config == CFG and report.config_from == "the tensor shapes + flags"
+    assert "xPress release training checkpoint (global_step 1234)" in report.source and report.prefixes == [""]
+    _, params = xj.load_params(tmp_path / "out")
+    for topc in (0, TOPC):
+        np.testing.assert_array_equal(jax_tokens(params, CFG, topc), reference_tokens(raw, topc))
+    assert main(["inspect", str(src)]) == 0
+    out = capsys.readouterr().out
+    for needle in ("xPress release training checkpoint (global_step 1234)", "no_residual=True, no_sublayer_norm=True",
+                   "absent : markov_only, no_hidden", "markov_rank=16, mlp_ratio=2", f"V={V} H={H} B={B} r={R} M={M}",
+                   "from the tensor shapes", "status : convertible"):
+        assert needle in out, needle
+
+
+@needs_torch
+@pytest.mark.parametrize("flag,value,must", [("no_mlp", True, False), ("no_residual", False, True),
+                                             ("input_mode", "sum", "concat"), ("lowrank_base_rank", 64, 0)])
+def test_release_variant_not_served_is_refused(tmp_path, raw, capsys, flag, value, must):
+    src = save_release(tmp_path / "refiner.pt", raw, **{flag: value})
+    assert main([str(src), str(tmp_path / "out"), "-q"]) == 2
+    assert f"{flag}={value!r} (must be {must!r})" in capsys.readouterr().err
+    assert_no_dst(tmp_path / "out")
+    assert main(["inspect", str(src)]) == 0
+    out = capsys.readouterr().out
+    assert f"{flag}={value!r}" in out and "PROBLEMS" in out and "does not serve" in out
+
+
+@needs_torch
+@pytest.mark.parametrize("args,match", [
+    (dict(markov_rank=2 * R), rf"markov_rank={2 * R}.*w1.weight \({V}, {R}\) \(rank {R}\)"),
+    (dict(mlp_ratio=4), rf"mlp hidden {4 * R}\).*mlp.gate_proj.weight \({M}, {R}\) \(mlp hidden {M}\)"),
+], ids=["markov_rank", "mlp_ratio"])
+def test_release_args_that_disagree_with_the_tensors(tmp_path, raw, args, match):
+    refuse(save_release(tmp_path / "refiner.pt", raw, **args), tmp_path / "out", match)
+
+
+@needs_torch
+@pytest.mark.parametrize("extra", ["custom", "os.system"])
+def test_release_with_another_global_is_refused(tmp_path, raw, capsys, extra):
+    Evil.marker = tmp_path / "PWNED"
+    src = save_release(tmp_path / "refiner.pt", raw, hook=Custom() if extra == "custom" else Evil())
+    assert main([str(src), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "weights_only=True" in err and "nothing in it was executed" in err
+    assert ("Custom" if extra == "custom" else "system") in err
+    assert not Evil.marker.exists()
+    assert_no_dst(tmp_path / "out")
+
+
+@needs_torch
+def test_release_without_args_is_refused(tmp_path, raw):
+    import torch
+
+    from xpress_jax.convert.torch_reference import to_torch
+
+    torch.save({"refiner_state_dict": {k: to_torch(v) for k, v in raw.items()}, "global_step": 5}, tmp_path / "r.pt")
+    refuse(tmp_path / "r.pt", tmp_path / "out", "has no 'args'")
+
+
+def test_config_json_candidate_topc_alias(tmp_path, raw):
+    cfg = {k: v for k, v in hf_config().items() if k != "xpress_topc"}
+    src = write_folder(tmp_path / "src", prefixed(raw), config={**cfg, "xpress_candidate_topc": TOPC})
+    assert convert_checkpoint(src, tmp_path / "out").config == CFG
+    (src / "config.json").write_text(json.dumps({**cfg, "xpress_candidate_topc": TOPC, "xpress_topc": TOPC}))
+    assert inspect_path(src)["head_config"]["topc"] == TOPC
+    (src / "config.json").write_text(json.dumps({**cfg, "xpress_candidate_topc": TOPC, "xpress_topc": 2 * TOPC}))
+    refuse(src, tmp_path / "out2", f"xpress_topc={2 * TOPC} and xpress_candidate_topc={TOPC} disagree")
 
 
 # ----------------------------------------------------------------------------- CLI

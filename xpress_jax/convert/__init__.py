@@ -1,16 +1,8 @@
-"""Checkpoint conversion: PyTorch XPress checkpoints (as vLLM loads them) -> Orbax.
+"""PyTorch XPress checkpoints (the files vLLM loads, the xPress release's training checkpoint) -> Orbax.
 
-Library::
-
-    from xpress_jax.convert import convert_checkpoint
-    report = convert_checkpoint("drafter/", "head_ckpt/", dtype="bfloat16", verify=True)
-    print("\\n".join(report.lines()))
-
-    import xpress_jax as xj
-    head = xj.load_params("head_ckpt/")   # a Head: config + params; refine(head, logits, h, anchors)
-
-Command line: ``xpress-convert SRC DST [...]`` and ``xpress-convert inspect PATH``
-(`xpress_jax.convert.cli`); also ``python -m xpress_jax.convert``.
+``convert_checkpoint("drafter/", "head_ckpt/", verify=True)`` converts (a report comes back) and
+``xpress_jax.load_params("head_ckpt/")`` restores the head. Command line: ``xpress-convert SRC DST``
+and ``xpress-convert inspect PATH`` (`cli`); also ``python -m xpress_jax.convert``.
 """
 
 from .convert import ConvertReport, convert_checkpoint, mixer_looks_folded, resolve_config
@@ -20,19 +12,7 @@ from .safetensors_io import SafetensorsError, SafetensorsFile, load_file, save_f
 from .sources import HEAD_PREFIXES, open_source, select_head
 
 __all__ = [
-    "HEAD_PREFIXES",
-    "ConversionError",
-    "ConvertReport",
-    "SafetensorsError",
-    "SafetensorsFile",
-    "VerificationError",
-    "convert_checkpoint",
-    "format_inspect",
-    "inspect_path",
-    "load_file",
-    "mixer_looks_folded",
-    "open_source",
-    "resolve_config",
-    "save_file",
-    "select_head",
+    "HEAD_PREFIXES", "ConversionError", "ConvertReport", "SafetensorsError", "SafetensorsFile", "VerificationError",
+    "convert_checkpoint", "format_inspect", "inspect_path", "load_file", "mixer_looks_folded", "open_source",
+    "resolve_config", "save_file", "select_head",
 ]

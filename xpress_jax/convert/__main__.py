@@ -1,5 +1,3 @@
-"""``python -m xpress_jax.convert`` = ``xpress-convert``."""
-
 import sys
 
 from .cli import main

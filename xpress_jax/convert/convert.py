@@ -1,25 +1,8 @@
-"""`convert_checkpoint`: a PyTorch XPress checkpoint (as vLLM loads it) -> an Orbax head checkpoint.
+"""`convert_checkpoint`: a PyTorch XPress checkpoint -> an Orbax head checkpoint.
 
-Steps, each refusing bad input with a `ConversionError` that names the problem:
-
-1. source and destination: the source must not be an already converted
-   checkpoint; the destination must not lie inside the source folder, must not
-   exist unless ``force``, and must not contain the source;
-2. source: list the tensors (`xpress_jax.convert.sources.open_source`; safetensors headers
-   are validated, pickles opened with ``weights_only=True``);
-3. head: the tensors under ``xpress_head.`` / ``model.xpress_head.`` by
-   HYBRID_KEY_MAP name; missing, duplicate and unknown names are errors; the
-   backbone is counted and ignored;
-4. config: ``HeadConfig.from_hf_config`` of config.json (or ``config=``) with
-   ``overrides`` on top; every head tensor's shape is checked against it before
-   any data is read;
-5. read the head tensors (progress bar), refuse NaN/inf, check the mixer: a
-   ``mix.L`` that is exactly lower-triangular with a unit diagonal looks
-   already folded and is refused under ``mixer="auto"``;
-6. ``params_from_state_dict`` folds the raw mixer exactly once and converts the
-   layouts; ``dtype`` picks the stored dtype;
-7. write into a temporary folder beside the destination, optionally verify
-   there (`xpress_jax.convert.verify`), and rename into place only when all succeeded.
+Bad input is refused with a `ConversionError` naming the problem before anything is written. The
+checkpoint is written into a temporary folder beside the destination, verified there on request,
+and renamed into place only when everything succeeded.
 """
 
 from __future__ import annotations
@@ -27,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
-import threading
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -36,44 +19,55 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from xpress_jax.checkpoint import staged_directory, write_checkpoint
+from xpress_jax.checkpoint import is_checkpoint, staged_directory, write_checkpoint
 from xpress_jax.config import HeadConfig
 from xpress_jax.params import HYBRID_KEY_MAP, params_from_state_dict, source_shapes
 
 from .errors import ConversionError, VerificationError
-from .progress import Progress, human_bytes
-from .sources import HeadSelection, Source, open_source, read_config_json, select_head
+from .sources import RELEASE, HeadSelection, Source, TensorRef, open_source, read_config_json, select_head
 
-__all__ = [
-    "DTYPES",
-    "MIXER_MODES",
-    "ConvertReport",
-    "convert_checkpoint",
-    "mixer_looks_folded",
-    "resolve_config",
-]
+__all__ = ["DTYPES", "MIXER_MODES", "RELEASE_VARIANT", "ConvertReport", "convert_checkpoint", "mixer_looks_folded",
+           "resolve_config"]
 
 DTYPES = ("keep", "bfloat16", "float32")
 MIXER_MODES = ("auto", "raw", "folded")
-_FLOAT_NAMES = {"float16", "bfloat16", "float32", "float64"}
+_FLOATS = {"float16", "bfloat16", "float32", "float64"}
+#: The head variant the xPress release serves: its training options and the value each must have
+#: (an option absent from ``args`` takes this value, as the release's loader does).
+RELEASE_VARIANT = dict(
+    markov_only=False, no_hidden=False, no_perpos=False, no_global=False, no_mixer=False, no_mlp=False,
+    input_relu=False, no_residual=True, no_sublayer_norm=True, no_mix_out=True, input_mode="concat",
+    lowrank_lmhead_shared_rank=0, lowrank_base_rank=0,
+)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1000:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
 
 
 def config_line(c: HeadConfig) -> str:
-    return (
-        f"V={c.vocab_size} H={c.hidden_size} B={c.block_size} r={c.rank} M={c.mlp_hidden} "
-        f"topc={c.topc} K={c.num_passes} max_num_reqs={c.max_num_reqs}"
-    )
+    return (f"V={c.vocab_size} H={c.hidden_size} B={c.block_size} r={c.rank} M={c.mlp_hidden} "
+            f"topc={c.topc} K={c.num_passes} max_num_reqs={c.max_num_reqs}")
+
+
+def source_line(source: Source) -> str:
+    if source.kind != RELEASE:
+        return source.kind
+    return f"xPress release training checkpoint (global_step {source.step})"
 
 
 @dataclasses.dataclass
 class ConvertReport:
     src: Path
     dst: Path
-    source_kind: str
+    source: str
     files: list[Path]
     config: HeadConfig
     config_from: str
-    head_keys: dict[str, str]
     prefixes: list[str]
     backbone_count: int
     backbone_bytes: int
@@ -84,65 +78,91 @@ class ConvertReport:
     bytes_read: int
     params_written: int
     bytes_written: int
-    seconds_read: float
-    seconds_write: float
-    seconds_verify: float
-    seconds_total: float
+    seconds: dict[str, float]
     warnings: list[str]
-    verify: Any = None  # convert.verify.VerifyResult
+    verify: Any = None  # verify.VerifyResult
 
     def lines(self) -> list[str]:
         prefixes = ", ".join(repr(p) for p in self.prefixes) or "(bare names)"
         out = [
             f"converted {self.src} -> {self.dst}",
-            f"  source : {self.source_kind}, {len(self.files)} file(s); config from {self.config_from}",
+            f"  source : {self.source}, {len(self.files)} file(s); config from {self.config_from}",
             f"  config : {config_line(self.config)}",
             f"  head   : {self.tensors_read} tensors under {prefixes}, {human_bytes(self.bytes_read)} read, "
             f"{'/'.join(self.source_dtypes)}; mixer {self.mixer}",
             f"  ignored: {self.backbone_count} backbone tensor(s), {human_bytes(self.backbone_bytes)} (not read)",
             f"  wrote  : {self.params_written} params, {self.dtype}, {human_bytes(self.bytes_written)} on disk",
-            f"  time   : read {self.seconds_read:.2f} s, write {self.seconds_write:.2f} s"
-            + (f", verify {self.seconds_verify:.2f} s" if self.verify is not None else "")
-            + f", total {self.seconds_total:.2f} s",
+            "  time   : " + ", ".join(f"{k} {v:.2f} s" for k, v in self.seconds.items()),
         ]
-        if self.verify is not None:
-            out += [f"  verify : {line}" for line in self.verify.lines()]
-        return out
+        return out + [f"  verify : {line}" for line in (self.verify.lines() if self.verify else [])]
 
 
 def _upper_is_zero(L: np.ndarray) -> bool:
-    B = L.shape[-1]
-    rows, cols = np.triu_indices(B, k=1)
+    rows, cols = np.triu_indices(L.shape[-1], k=1)
     return bool(np.all(L[..., rows, cols] == 0))
 
 
 def mixer_looks_folded(mix_L: np.ndarray) -> bool:
     """Whether ``mix_L`` [r, B, B] looks like the folded serving form ``raw * tril + I``.
 
-    Folding zeroes the upper triangle exactly and adds 1 to the diagonal. A raw
-    mixer keeps whatever its upper triangle was initialised to (the tril mask
-    hides it from training) and has a trained diagonal near 0 (it is a
-    residual branch: ``x + (raw * tril) x``). So: the upper triangle is exactly
-    zero in every channel AND the diagonal sits near 1 (median > 0.5). A raw
-    mixer with a zero upper triangle and a diagonal near 0 is taken as raw;
-    a heuristic like this can be wrong, hence ``--mixer raw|folded``.
+    Folding zeroes the upper triangle and adds 1 to the diagonal; a trained raw mixer is a residual
+    branch with a diagonal near 0 and an upper triangle the tril mask never trained. So: the upper
+    triangle is exactly zero in every channel and the diagonal's median is above 0.5. A heuristic
+    can be wrong, hence ``--mixer raw|folded``.
     """
     L = np.asarray(mix_L).astype(np.float64)
     if L.ndim != 3 or L.shape[1] != L.shape[2]:
         return False
-    diag = np.diagonal(L, axis1=-2, axis2=-1)
-    return _upper_is_zero(L) and bool(np.median(diag) > 0.5)
+    return _upper_is_zero(L) and bool(np.median(np.diagonal(L, axis1=-2, axis2=-1)) > 0.5)
 
 
-def resolve_config(
-    config: HeadConfig | Mapping[str, Any] | str | os.PathLike | None,
-    source: Source | None,
-    overrides: Mapping[str, Any] | None = None,
-) -> tuple[HeadConfig, str]:
-    """The `HeadConfig` to convert with and a description of where it came from."""
+def _sizes_from_tensors(head: Mapping[str, TensorRef]) -> dict[str, int]:
+    """V, H, B, r and M (config.json names) read from the shapes of w1, down_h, mix.L and mlp.gate_proj."""
+    try:
+        (V, r), (_, H), M = head["w1.weight"].shape, head["down_h.weight"].shape, head["mlp.gate_proj.weight"].shape[0]
+        B = head["mix.L"].shape[-1]
+    except (KeyError, ValueError, IndexError):
+        shapes = {n: tuple(ref.shape) for n, ref in head.items()}
+        raise ConversionError(f"no config.json, and the head tensors' shapes do not give the sizes ({shapes}): pass "
+                              "--config PATH (a config.json with vocab_size, hidden_size, xpress_rank, ...)") from None
+    return {"vocab_size": V, "hidden_size": H, "xpress_block_size": B, "xpress_rank": r, "xpress_mlp_hidden": M}
+
+
+def _check_release_args(source: Source, head: Mapping[str, TensorRef]) -> None:
+    """Refuse a release training checkpoint without ``args``, of a variant the release does not serve,
+    or whose ``markov_rank`` / ``mlp_ratio`` disagree with its tensors."""
+    a = source.args
+    if a is None:
+        raise ConversionError(f"{source.path}: the training checkpoint has no 'args', so its head variant and "
+                              "sizes cannot be checked; refusing it")
+    bad = [f"{k}={a[k]!r} (must be {v!r})" for k, v in RELEASE_VARIANT.items() if a.get(k, v) != v]
+    if bad:
+        raise ConversionError(f"{source.path}: trained with a head variant the xPress release does not serve: "
+                              + ", ".join(bad))
+    r, ratio = a.get("markov_rank", 256), a.get("mlp_ratio", 2)
+    w1, gate = head.get("w1.weight"), head.get("mlp.gate_proj.weight")
+    if w1 is not None and gate is not None and (r, r * ratio) != (w1.shape[-1], gate.shape[0]):
+        raise ConversionError(
+            f"{source.path}: args markov_rank={r}, mlp_ratio={ratio} (rank {r}, mlp hidden {r * ratio}) disagree "
+            f"with the tensors: w1.weight {tuple(w1.shape)} (rank {w1.shape[-1]}), "
+            f"mlp.gate_proj.weight {tuple(gate.shape)} (mlp hidden {gate.shape[0]})"
+        )
+
+
+def resolve_config(config: HeadConfig | Mapping[str, Any] | str | os.PathLike | None, source: Source | None,
+                   overrides: Mapping[str, Any] | None = None,
+                   head: Mapping[str, TensorRef] | None = None) -> tuple[HeadConfig, str]:
+    """The `HeadConfig` to convert with and where it came from.
+
+    ``config`` (a HeadConfig, a parsed config.json or its path), else the source's config.json, else
+    the sizes of the ``head`` tensors; ``overrides`` (HeadConfig fields) win. A release training
+    checkpoint's ``args`` are checked against the tensors first.
+    """
     overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
+    if source is not None and source.kind == RELEASE:
+        _check_release_args(source, head or {})
     if isinstance(config, HeadConfig):
-        return (dataclasses.replace(config, **overrides) if overrides else config), "the given HeadConfig"
+        return dataclasses.replace(config, **overrides), "the given HeadConfig"
     if isinstance(config, Mapping):
         hf, where = dict(config), "the given config dict"
     elif config is not None:
@@ -150,148 +170,93 @@ def resolve_config(
     elif source is not None and source.config is not None:
         hf, where = source.config, str(source.config_path)
     else:
-        hf, where = {}, "flags"
-        if not ({"vocab_size", "hidden_size"} <= set(overrides)):
-            raise ConversionError(
-                "no config.json in the source: pass --config PATH (a config.json with the vLLM fields "
-                "vocab_size, hidden_size, xpress_block_size, xpress_rank, ...) or at least "
-                "--vocab-size and --hidden-size"
-            )
-    if overrides and where != "flags":
-        where += " + flags"
+        hf, where = _sizes_from_tensors(head or {}), "the tensor shapes"
+    if "xpress_candidate_topc" in hf:  # the name some of the release's config.json files use
+        hf, c = dict(hf), hf["xpress_candidate_topc"]
+        if hf.setdefault("xpress_topc", c) != c:
+            raise ConversionError(f"{where}: xpress_topc={hf['xpress_topc']!r} and xpress_candidate_topc={c!r} "
+                                  "disagree; keep one of them")
+    where += " + flags" if overrides else ""
     try:
         return HeadConfig.from_hf_config(hf, **overrides), where
     except (TypeError, ValueError) as e:
         raise ConversionError(f"invalid head config from {where}: {e}") from None
 
 
-def _check_dst(src: Path, dst: Path, force: bool) -> None:
+def _check_paths(src: Path, dst: Path, force: bool) -> None:
     s, d = src.resolve(), dst.resolve()
-    if s.is_dir() and s in d.parents:  # before anything else: nothing may be written inside the source
-        raise ConversionError(
-            f"destination {dst} lies inside the source folder {src}; write the checkpoint somewhere else "
-            "(e.g. next to the source folder), so the source stays as vLLM loads it"
-        )
+    for p in ([src] if src.is_dir() else []) + list(src.parents)[:3]:  # a converted checkpoint, or inside one
+        if is_checkpoint(p):
+            raise ConversionError(
+                f"{src} is {'' if p == src else 'inside '}an already converted xpress-jax checkpoint ({p}): there "
+                f"is nothing to convert. Load it with xpress_jax.load_params({str(p)!r}), look at it with "
+                f"`xpress-convert inspect {p}`, or run it with `xpress bench --checkpoint {p}`"
+            )
+    if s.is_dir() and s in d.parents:
+        raise ConversionError(f"destination {dst} lies inside the source folder {src}; write the checkpoint "
+                              "somewhere else (e.g. next to the source folder), so the source stays as vLLM loads it")
     if (dst.exists() or dst.is_symlink()) and not force:
         raise ConversionError(f"destination {dst} already exists; pass --force to replace it")
     if s == d or d in s.parents:
         raise ConversionError(f"destination {dst} is or contains the source {src}; refusing to overwrite it")
 
 
-def _check_not_converted(src: Path) -> None:
-    """A converted (Orbax) checkpoint as the source: say so, and what to do with it instead."""
-    from xpress_jax.checkpoint import is_checkpoint
-
-    folder = src if src.is_dir() else None
-    # Also catch a path inside a converted checkpoint (e.g. DST/params).
-    for p in ([folder] if folder else []) + list(src.parents)[:3]:
-        if p is not None and is_checkpoint(p):
-            raise ConversionError(
-                f"{src} is {'' if p == src else 'inside '}an already converted xpress-jax checkpoint ({p}): there "
-                f"is nothing to convert. Load it with xpress_jax.load_params({str(p)!r}), look at it with "
-                f"`xpress-convert inspect {p}`, or run it with `xpress bench --checkpoint {p}`"
-            )
-
-
 def _pick_dtype(dtype: str, source_dtypes: set[str], warn: Callable[[str], None]) -> np.dtype:
-    if dtype not in DTYPES:
-        raise ConversionError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     if dtype != "keep":
         return np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(np.float32)
     if len(source_dtypes) == 1:
         return jnp.dtype(next(iter(source_dtypes)))
-    # Mixed source dtypes: the narrowest dtype that holds all of them exactly.
-    widest = "float64" if "float64" in source_dtypes else "float32"
+    widest = "float64" if "float64" in source_dtypes else "float32"  # holds every mixed-in dtype exactly
     warn(f"head tensors have mixed dtypes {sorted(source_dtypes)}; keeping them exactly as {widest}")
     return jnp.dtype(widest)
 
 
-def _dir_bytes(path: Path) -> int:
-    total = 0
-    for root, _, files in os.walk(path):
-        for f in files:
-            try:
-                total += os.path.getsize(os.path.join(root, f))
-            except OSError:
-                pass
-    return total
-
-
 def _check_head(sel: HeadSelection, config: HeadConfig) -> None:
-    problems = sel.problems()
-    if problems:
-        raise ConversionError("; ".join(problems))
     want = source_shapes(config)
-    bad = [
-        f"{sel.source_keys[n]}: {tuple(ref.shape)}, expected {want[n]}"
-        for n, ref in sel.head.items()
-        if tuple(ref.shape) != want[n]
-    ]
+    bad = [f"{sel.source_keys[n]}: {tuple(r.shape)}, expected {want[n]}" for n, r in sel.head.items()
+           if tuple(r.shape) != want[n]]
     if bad:
-        raise ConversionError(
-            f"head tensor shapes do not match the config ({config_line(config)}): " + "; ".join(bad)
-        )
-    nonfloat = [f"{sel.source_keys[n]}: {ref.dtype}" for n, ref in sel.head.items() if ref.dtype not in _FLOAT_NAMES]
+        raise ConversionError(f"head tensor shapes do not match the config ({config_line(config)}): " + "; ".join(bad))
+    nonfloat = [f"{sel.source_keys[n]}: {r.dtype}" for n, r in sel.head.items() if r.dtype not in _FLOATS]
     if nonfloat:
         raise ConversionError("head tensors must be float16/bfloat16/float32/float64: " + "; ".join(nonfloat))
 
 
+def _dir_bytes(path: Path) -> int:
+    return sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(path) for f in files)
+
+
 def convert_checkpoint(
-    src: str | os.PathLike,
-    dst: str | os.PathLike,
-    *,
-    dtype: str = "keep",
-    force: bool = False,
-    verify: bool = False,
-    config: HeadConfig | Mapping[str, Any] | str | os.PathLike | None = None,
-    overrides: Mapping[str, Any] | None = None,
-    mixer: str = "auto",
-    prefix: str | None = None,
-    verify_n: int = 4,
-    seed: int = 0,
-    reference: str = "auto",
-    progress: bool = False,
-    log: Callable[[str], None] | None = None,
+    src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str = "keep", force: bool = False,
+    verify: bool = False, config: HeadConfig | Mapping[str, Any] | str | os.PathLike | None = None,
+    overrides: Mapping[str, Any] | None = None, mixer: str = "auto", prefix: str | None = None, verify_n: int = 4,
+    seed: int = 0, reference: str = "auto", progress: bool = False, log: Callable[[str], None] | None = None,
 ) -> ConvertReport:
-    """Convert the XPress head of the checkpoint at ``src`` into an Orbax checkpoint at ``dst``.
+    """Convert the XPress head of the checkpoint at ``src`` (a folder or one file) into an Orbax one at ``dst``.
 
-    Args:
-      src: a folder (config.json + safetensors, sharded or not, or PyTorch
-        pickles) or a single file.
-      dst: the checkpoint folder to create (`xpress_jax.load_params` reads it).
-      dtype: ``"keep"`` (the source's dtype), ``"bfloat16"`` or ``"float32"``.
-      force: replace an existing ``dst`` (only once the new one is complete).
-      verify: compare `refine` tokens of the written checkpoint with a reference
-        built from the source tensors (`xpress_jax.convert.verify`); a mismatch where
-        exactness is required raises `VerificationError` and writes nothing.
-      config: a config.json path, a parsed dict or a `HeadConfig`; default: the
-        source's config.json.
-      overrides: `HeadConfig` fields that win over the config (None values ignored).
-      mixer: ``"auto"`` (refuse a mix.L that looks already folded), ``"raw"``
-        (fold it regardless) or ``"folded"`` (the source holds the serving form;
-        do not fold again).
-      prefix: look for the head only under this key prefix (``""``: bare names).
-      progress: draw progress bars on stderr (only on a terminal).
-      log: called with warning lines (default: ignored).
+    ``dtype``: ``"keep"`` (the source's), ``"bfloat16"`` or ``"float32"``. ``force`` replaces an
+    existing ``dst`` once the new one is complete. ``config``: see `resolve_config`; ``overrides``
+    (HeadConfig fields) win over it. ``mixer``: ``"auto"`` refuses a mix.L that looks folded, ``"raw"``
+    folds it regardless, ``"folded"`` stores the serving form as is. ``prefix``: look for the head only
+    under it (``""``: bare names). ``verify`` compares `refine` tokens with a reference on the source
+    tensors (``verify_n`` rows, ``seed``, ``reference`` ``"auto"|"torch"|"jnp"``; `verify.verify_checkpoint`).
+    ``progress`` draws a bar on a terminal; ``log`` gets warning lines.
 
-    Raises:
-      ConversionError: bad input (the message says what and where).
-      VerificationError: ``verify`` found a required token mismatch.
+    Raises `ConversionError` on bad input, `VerificationError` when verify finds a required mismatch
+    (nothing is written in either case).
     """
     t0 = time.perf_counter()
-    log = log or (lambda _msg: None)
     warnings: list[str] = []
 
     def warn(msg: str) -> None:
         warnings.append(msg)
-        log(f"warning: {msg}")
+        if log is not None:
+            log(f"warning: {msg}")
 
-    if mixer not in MIXER_MODES:
-        raise ConversionError(f"mixer must be one of {MIXER_MODES}, got {mixer!r}")
-    if dtype not in DTYPES:
-        raise ConversionError(f"dtype must be one of {DTYPES}, got {dtype!r}")
-    if reference not in ("auto", "torch", "jnp"):
-        raise ConversionError(f"reference must be 'auto', 'torch' or 'jnp', got {reference!r}")
+    for name, value, allowed in (("mixer", mixer, MIXER_MODES), ("dtype", dtype, DTYPES),
+                                 ("reference", reference, ("auto", "torch", "jnp"))):
+        if value not in allowed:
+            raise ConversionError(f"{name} must be one of {allowed}, got {value!r}")
     if verify and reference == "torch":
         try:
             import torch  # noqa: F401
@@ -300,45 +265,39 @@ def convert_checkpoint(
     src_p, dst_p = Path(src).expanduser().absolute(), Path(dst).expanduser().absolute()
     if not src_p.exists():
         raise ConversionError(f"source {src_p} does not exist")
-    _check_not_converted(src_p)
-    _check_dst(src_p, dst_p, force)
+    _check_paths(src_p, dst_p, force)
 
     source = open_source(src_p)
     for note in source.notes:
         warn(note)
     sel = select_head(source.tensors, prefix=prefix)
-    if sel.problems():  # before the config: a missing head is the clearer message
-        raise ConversionError(f"{src_p}: " + "; ".join(sel.problems()))
-    cfg, cfg_from = resolve_config(config, source, overrides)
+    if sel.problems:  # before the config: a missing head is the clearer message
+        raise ConversionError(f"{src_p}: " + "; ".join(sel.problems))
+    cfg, cfg_from = resolve_config(config, source, overrides, sel.head)
     _check_head(sel, cfg)
 
-    # Read the head tensors (only those; the backbone stays on disk).
-    total = sum(ref.nbytes for ref in sel.head.values())
-    tensors: dict[str, np.ndarray] = {}
-    t_read = time.perf_counter()
-    with Progress(total, "reading", enabled=progress) as bar:
-        for name in HYBRID_KEY_MAP:
-            tensors[name] = sel.head[name].load(bar.update)
-    seconds_read = time.perf_counter() - t_read
-
-    nonfinite = []
-    for name, a in tensors.items():
-        bad = int(a.size - np.count_nonzero(np.isfinite(a)))
-        if bad:
-            nonfinite.append(f"{sel.source_keys[name]} ({bad} of {a.size} values)")
+    total, tensors = sum(ref.nbytes for ref in sel.head.values()), {}
+    for name in HYBRID_KEY_MAP:  # with a progress bar on a terminal
+        tensors[name] = sel.head[name].load()
+        if progress and sys.stderr.isatty():
+            frac = sum(a.nbytes for a in tensors.values()) / max(total, 1)
+            sys.stderr.write(f"\rreading [{'#' * int(30 * frac):.<30}] {frac:6.1%} of {human_bytes(total)}"
+                             + ("\n" if len(tensors) == len(HYBRID_KEY_MAP) else ""))
+    seconds = {"read": time.perf_counter() - t0}
+    nonfinite = [f"{sel.source_keys[n]} ({a.size - np.count_nonzero(np.isfinite(a))} of {a.size} values)"
+                 for n, a in tensors.items() if not np.all(np.isfinite(a))]
     if nonfinite:
         raise ConversionError("non-finite values (NaN or inf) in head tensor(s): " + ", ".join(nonfinite))
 
-    raw = tensors["mix.L"]
+    raw, key_L = tensors["mix.L"], sel.source_keys["mix.L"]
     looks_folded = mixer_looks_folded(raw)
-    key_L = sel.source_keys["mix.L"]
     if mixer == "auto" and looks_folded:
+        diag = np.median(np.diagonal(raw.astype(np.float64), axis1=-2, axis2=-1))
         raise ConversionError(
             f"{key_L} looks ALREADY FOLDED: its upper triangle is exactly 0 in all {raw.shape[0]} channels and "
-            f"its diagonal sits near 1 (median {np.median(np.diagonal(raw.astype(np.float64), axis1=-2, axis2=-1)):.3g}),"
-            " while vLLM checkpoints store the RAW mixer and fold it on load (raw * tril + I). Folding it again "
-            "would silently add 1 to the diagonal. Pass --mixer folded if it is the serving form (it is then "
-            "stored as is), or --mixer raw if it really is a raw mixer"
+            f"its diagonal sits near 1 (median {diag:.3g}), while vLLM checkpoints store the RAW mixer and fold it "
+            "on load (raw * tril + I). Folding it again would silently add 1 to the diagonal. Pass --mixer folded "
+            "if it is the serving form (it is then stored as is), or --mixer raw if it really is a raw mixer"
         )
     if mixer == "raw" and looks_folded:
         warn(f"{key_L} looks already folded, but --mixer raw was given: folding it (adds 1 to its diagonal)")
@@ -349,93 +308,44 @@ def convert_checkpoint(
                 f"--mixer folded, but the upper triangle of {key_L} is not all zero, so it is not a folded "
                 "mixer (raw * tril + I); drop --mixer folded (the default treats it as raw and folds it once)"
             )
-        # raw' = Lf - I in float64 folds back to exactly Lf (float64 holds every Lf - 1 exactly).
+        # In float64, Lf - I folds back to exactly Lf (float64 holds every Lf - 1 exactly).
         tensors["mix.L"] = raw.astype(np.float64) - np.eye(raw.shape[-1])
-    mixer_desc = {
-        "auto": "raw (folded once)",
-        "raw": "raw (folded once, as asked)",
-        "folded": "already folded (stored as is)",
-    }[mixer]
-
+    mixer_desc = {"auto": "raw (folded once)", "raw": "raw (folded once, as asked)",
+                  "folded": "already folded (stored as is)"}[mixer]
     target = _pick_dtype(dtype, source_dtypes, warn)
     try:
         params = params_from_state_dict(tensors, cfg, dtype=target)
     except (TypeError, ValueError) as e:
         raise ConversionError(str(e)) from None
+    metadata = dict(
+        source=str(src_p), source_kind=source_line(source), source_keys=sel.source_keys,
+        source_files=[str(p.relative_to(src_p)) if src_p.is_dir() else p.name for p in source.files],
+        source_dtypes=sorted(source_dtypes), backbone_tensors_ignored=len(sel.backbone), mixer=mixer_desc,
+        config_from=cfg_from, converted_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    )
 
-    metadata = {
-        "source": str(src_p),
-        "source_kind": source.kind,
-        "source_files": [str(p.relative_to(src_p)) if src_p.is_dir() else p.name for p in source.files],
-        "source_keys": sel.source_keys,
-        "source_dtypes": sorted(source_dtypes),
-        "backbone_tensors_ignored": len(sel.backbone),
-        "mixer": mixer_desc,
-        "config_from": cfg_from,
-        "converted_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    }
-
-    t_write = time.perf_counter()
-    verify_result = None
+    t_write, verify_result = time.perf_counter(), None
     try:
         with staged_directory(dst_p, overwrite=force) as staged:
-            param_bytes = sum(int(np.prod(p.shape)) * p.dtype.itemsize for p in params.values())
-            with Progress(param_bytes, "writing", enabled=progress) as bar:
-                stop = threading.Event()
-
-                def poll() -> None:  # Orbax writes all arrays in one call: watch the bytes land
-                    while not stop.wait(0.2):
-                        bar.set(_dir_bytes(staged.parent))
-
-                watcher = threading.Thread(target=poll, daemon=True)
-                if bar.enabled:
-                    watcher.start()
-                try:
-                    write_checkpoint(staged, cfg, params, metadata=metadata)
-                finally:
-                    stop.set()
-                    if watcher.is_alive():
-                        watcher.join()
+            write_checkpoint(staged, cfg, params, metadata=metadata)
             bytes_written = _dir_bytes(staged)
-            seconds_write = time.perf_counter() - t_write
-            t_verify = time.perf_counter()
+            seconds["write"] = time.perf_counter() - t_write
             if verify:
                 from .verify import verify_checkpoint
 
-                verify_result = verify_checkpoint(
-                    staged, tensors, params, source_dtypes, n=verify_n, seed=seed, reference=reference
-                )
+                verify_result = verify_checkpoint(staged, tensors, params, source_dtypes, n=verify_n, seed=seed,
+                                                  reference=reference)
                 if not verify_result.ok:
-                    raise VerificationError(
-                        "verification failed; nothing was written:\n  " + "\n  ".join(verify_result.lines()),
-                        verify_result,
-                    )
-            seconds_verify = time.perf_counter() - t_verify
+                    raise VerificationError("verification failed; nothing was written:\n  "
+                                            + "\n  ".join(verify_result.lines()), verify_result)
+                seconds["verify"] = time.perf_counter() - t_write - seconds["write"]
     except FileExistsError as e:
         raise ConversionError(str(e)) from None
-
+    seconds["total"] = time.perf_counter() - t0
     return ConvertReport(
-        src=src_p,
-        dst=dst_p,
-        source_kind=source.kind,
-        files=list(source.files),
-        config=cfg,
-        config_from=cfg_from,
-        head_keys=dict(sel.source_keys),
-        prefixes=sel.prefixes,
-        backbone_count=len(sel.backbone),
-        backbone_bytes=sel.backbone_bytes,
-        source_dtypes=sorted(source_dtypes),
-        dtype=jnp.dtype(target).name,
-        mixer=mixer_desc,
-        tensors_read=len(tensors),
-        bytes_read=total,
-        params_written=len(params),
-        bytes_written=bytes_written,
-        seconds_read=seconds_read,
-        seconds_write=seconds_write,
-        seconds_verify=seconds_verify,
-        seconds_total=time.perf_counter() - t0,
-        warnings=warnings,
-        verify=verify_result,
+        src=src_p, dst=dst_p, source=source_line(source), files=list(source.files), config=cfg, config_from=cfg_from,
+        prefixes=sel.prefixes, backbone_count=len(sel.backbone), backbone_bytes=sel.backbone_bytes,
+        source_dtypes=sorted(source_dtypes), dtype=jnp.dtype(target).name, mixer=mixer_desc,
+        tensors_read=len(tensors), bytes_read=total, params_written=len(params), bytes_written=bytes_written,
+        seconds=seconds, warnings=warnings, verify=verify_result,
     )

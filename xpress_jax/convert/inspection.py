@@ -1,11 +1,8 @@
-"""``xpress-convert inspect PATH``: what a source or converted checkpoint holds, read-only.
+"""``xpress-convert inspect PATH``: what a source or a converted checkpoint holds (read-only).
 
-For a source checkpoint: its files, config.json and the `HeadConfig` vLLM would
-build from it, the head tensors found (source key, shape, dtype, expected
-shape), what is missing / duplicated / unknown, whether ``mix.L`` looks raw or
-already folded, and the backbone grouped by name. For a converted Orbax
-checkpoint: the stored config, dtype, conversion metadata and every param's
-shape and dtype (from Orbax metadata: no arrays are restored).
+A source: its format (the release's training checkpoint: also its step and variant flags), the
+`HeadConfig` the converter would use, each head tensor against its expected shape, the problems that
+would refuse it, the mixer's form. A converted checkpoint: its config, dtype, origin and params.
 """
 
 from __future__ import annotations
@@ -17,25 +14,23 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 
 from xpress_jax.checkpoint import is_checkpoint, read_checkpoint_info, stored_param_metadata
 from xpress_jax.params import HYBRID_KEY_MAP, source_shapes
 
-from .convert import config_line, mixer_looks_folded, resolve_config
+from .convert import RELEASE_VARIANT, config_line, human_bytes, mixer_looks_folded, resolve_config, source_line
 from .errors import ConversionError
-from .progress import human_bytes
-from .sources import open_source, select_head
+from .sources import RELEASE, open_source, select_head
 
-__all__ = ["inspect_path", "format_inspect"]
+__all__ = ["format_inspect", "inspect_path", "to_json"]
 
 
 def _group(key: str) -> str:
     parts = key.split(".")
-    for i, p in enumerate(parts[:4]):
-        if p.isdigit():
-            return ".".join(parts[:i]) + ".*"
-    return ".".join(parts[:-1]) if len(parts) > 1 else key
+    i = next((i for i, p in enumerate(parts[:4]) if p.isdigit()), None)
+    return ".".join(parts[:i]) + ".*" if i is not None else ".".join(parts[:-1]) or key
 
 
 def _inspect_orbax(path: Path) -> dict:
@@ -44,97 +39,57 @@ def _inspect_orbax(path: Path) -> dict:
         arrays = stored_param_metadata(path)
     except (ValueError, OSError) as e:
         raise ConversionError(str(e)) from None
-    nbytes = sum(int(np.prod(s)) * np.dtype(_np_dtype(d)).itemsize for s, d in arrays.values())
     return {
-        "kind": "orbax",
-        "path": str(path),
-        "format": info.get("format"),
-        "format_version": info.get("format_version"),
-        "dtype": info.get("dtype"),
-        "config": dataclasses.asdict(config),
-        "config_line": config_line(config),
-        "metadata": info.get("metadata", {}),
+        "kind": "orbax", "path": str(path), "format": info.get("format"),
+        "format_version": info.get("format_version"), "dtype": info.get("dtype"),
+        "config": dataclasses.asdict(config), "config_line": config_line(config), "metadata": info.get("metadata", {}),
         "params": {k: {"shape": list(s), "dtype": d} for k, (s, d) in arrays.items()},
-        "bytes": nbytes,
+        "bytes": sum(int(np.prod(s)) * jnp.dtype(d).itemsize for s, d in arrays.values()),
     }
-
-
-def _np_dtype(name: str):
-    import jax.numpy as jnp
-
-    return jnp.dtype(name)
 
 
 def _inspect_source(path: Path, config: Any, prefix: str | None) -> dict:
     source = open_source(path)
     sel = select_head(source.tensors, prefix=prefix)
     out: dict[str, Any] = {
-        "kind": "source",
-        "path": str(path),
-        "format": source.kind,
-        "files": [p.name for p in source.files],
-        "notes": list(source.notes),
-        "config_json": source.config,
+        "kind": "source", "path": str(path), "format": source_line(source), "step": source.step,
+        "files": [p.name for p in source.files], "notes": source.notes, "config_json": source.config,
         "config_path": str(source.config_path) if source.config_path else None,
-        "tensor_count": len(source.tensors),
-        "bytes": sum(r.nbytes for r in source.tensors.values()),
+        "tensor_count": len(source.tensors), "bytes": sum(r.nbytes for r in source.tensors.values()),
+        "dtypes": dict(Counter(r.dtype for r in source.tensors.values())),
+        "head_prefixes": sel.prefixes, "problems": list(sel.problems),
     }
+    if source.kind == RELEASE and source.args is not None:
+        a = source.args
+        out["variant"] = {k: a[k] for k in [*RELEASE_VARIANT, "markov_rank", "mlp_ratio"] if k in a}
+        out["variant_absent"] = [k for k in RELEASE_VARIANT if k not in a]
     cfg = None
     try:
-        cfg, where = resolve_config(config, source)
-        out["head_config"] = dataclasses.asdict(cfg)
-        out["head_config_line"] = config_line(cfg)
-        out["head_config_from"] = where
+        cfg, out["head_config_from"] = resolve_config(config, source, head=sel.head)
+        out["head_config"], out["head_config_line"] = dataclasses.asdict(cfg), config_line(cfg)
     except ConversionError as e:
         out["head_config_error"] = str(e)
+        out["problems"].append(str(e))
     want = source_shapes(cfg) if cfg is not None else {}
-    head = []
-    for name in HYBRID_KEY_MAP:
-        ref = sel.head.get(name)
-        if ref is None:
-            continue
-        row = {
-            "name": name,
-            "key": ref.key,
-            "shape": list(ref.shape),
-            "dtype": ref.dtype,
-            "bytes": ref.nbytes,
-            "file": ref.file.name,
-        }
-        if cfg is not None:
-            row["expected_shape"] = list(want[name])
-            row["shape_ok"] = tuple(ref.shape) == want[name]
-        head.append(row)
-    out["head"] = head
-    out["head_prefixes"] = sel.prefixes
-    out["problems"] = sel.problems()
-    if cfg is not None:
-        out["problems"] += [
-            f"{r['key']}: shape {tuple(r['shape'])}, expected {tuple(r['expected_shape'])} from the config"
-            for r in head
-            if not r["shape_ok"]
-        ]
+    out["head"] = [
+        {"name": n, "key": r.key, "shape": list(r.shape), "dtype": r.dtype, "bytes": r.nbytes, "file": r.file.name,
+         **({"expected_shape": list(want[n]), "shape_ok": tuple(r.shape) == want[n]} if want else {})}
+        for n, r in ((n, sel.head[n]) for n in HYBRID_KEY_MAP if n in sel.head)
+    ]
+    out["problems"] += [f"{r['key']}: shape {tuple(r['shape'])}, expected {tuple(r['expected_shape'])} from the config"
+                        for r in out["head"] if not r.get("shape_ok", True)]
     ref_L = sel.head.get("mix.L")
     if ref_L is not None and len(ref_L.shape) == 3 and ref_L.shape[1] == ref_L.shape[2]:
         try:
             L = ref_L.load()
-            folded = mixer_looks_folded(L)
-            out["mixer"] = (
-                "looks ALREADY FOLDED (unit diagonal, zero upper triangle): convert with --mixer folded"
-                if folded
-                else "raw (the converter folds it once)"
-            )
+            out["mixer"] = ("looks ALREADY FOLDED (unit diagonal, zero upper triangle): convert with --mixer folded"
+                            if mixer_looks_folded(L) else "raw (the converter folds it once)")
             if not np.all(np.isfinite(L.astype(np.float64))):
                 out["problems"].append(f"{ref_L.key} holds NaN or inf")
         except ConversionError as e:
             out["mixer"] = f"unreadable: {e}"
     groups = Counter(_group(k) for k in sel.backbone)
-    out["backbone"] = {
-        "count": len(sel.backbone),
-        "bytes": sel.backbone_bytes,
-        "groups": dict(sorted(groups.items())),
-    }
-    out["dtypes"] = dict(Counter(r.dtype for r in source.tensors.values()))
+    out["backbone"] = {"count": len(sel.backbone), "bytes": sel.backbone_bytes, "groups": dict(sorted(groups.items()))}
     return out
 
 
@@ -143,37 +98,32 @@ def inspect_path(path: str | os.PathLike, *, config: Any = None, prefix: str | N
     path = Path(path).expanduser().absolute()
     if not path.exists():
         raise ConversionError(f"{path} does not exist")
-    if is_checkpoint(path):
-        return _inspect_orbax(path)
-    return _inspect_source(path, config, prefix)
+    return _inspect_orbax(path) if is_checkpoint(path) else _inspect_source(path, config, prefix)
 
 
 def format_inspect(info: dict) -> str:
     """The human-readable form of `inspect_path`'s result."""
-    lines = []
     if info["kind"] == "orbax":
-        lines += [
+        lines = [
             f"{info['path']}: converted XPress head (Orbax, {info['format']} v{info['format_version']})",
             f"  config : {info['config_line']}",
             f"  dtype  : {info['dtype']}, {human_bytes(info['bytes'])} in {len(info['params'])} params",
             "  params :",
         ]
-        for k, p in info["params"].items():
-            lines.append(f"    {k:<16} {str(tuple(p['shape'])):<18} {p['dtype']}")
+        lines += [f"    {k:<16} {str(tuple(p['shape'])):<18} {p['dtype']}" for k, p in info["params"].items()]
         meta = info.get("metadata") or {}
-        if meta:
-            lines.append("  from   :")
-            for k in ("source", "source_kind", "source_dtypes", "mixer", "config_from", "converted_at"):
-                if k in meta:
-                    lines.append(f"    {k:<16} {meta[k]}")
-        return "\n".join(lines)
-
-    lines.append(
-        f"{info['path']}: {info['format']} checkpoint, {len(info['files'])} file(s), "
-        f"{info['tensor_count']} tensors, {human_bytes(info['bytes'])}"
-    )
-    lines.append(f"  files  : {', '.join(info['files'])}")
-    lines.append(f"  dtypes : {', '.join(f'{d} x{n}' for d, n in info['dtypes'].items())}")
+        keys = [k for k in ("source", "source_kind", "source_dtypes", "mixer", "config_from", "converted_at")
+                if k in meta]
+        return "\n".join(lines + (["  from   :"] if keys else []) + [f"    {k:<16} {meta[k]}" for k in keys])
+    lines = [
+        f"{info['path']}: {info['format']}, {len(info['files'])} file(s), {info['tensor_count']} tensors, "
+        f"{human_bytes(info['bytes'])}",
+        f"  files  : {', '.join(info['files'])}",
+        f"  dtypes : {', '.join(f'{d} x{n}' for d, n in info['dtypes'].items())}",
+    ]
+    if "variant" in info:
+        lines.append("  variant: " + ", ".join(f"{k}={v!r}" for k, v in info["variant"].items()))
+        lines.append(f"  absent : {', '.join(info['variant_absent']) or '-'} (taken as the release's default)")
     if info.get("config_path"):
         lines.append(f"  config.json: {info['config_path']}")
     if "head_config_line" in info:
@@ -183,25 +133,19 @@ def format_inspect(info: dict) -> str:
     prefixes = ", ".join(repr(p) for p in info["head_prefixes"]) or "-"
     lines.append(f"  head   : {len(info['head'])} of {len(HYBRID_KEY_MAP)} tensors, prefix {prefixes}")
     for r in info["head"]:
-        exp = ""
-        if "shape_ok" in r:
-            exp = "ok" if r["shape_ok"] else f"MISMATCH, expected {tuple(r['expected_shape'])}"
+        exp = "ok" if r.get("shape_ok") else f"MISMATCH, expected {tuple(r.get('expected_shape', ()))}"
+        exp = exp if "shape_ok" in r else ""
         lines.append(f"    {r['key']:<40} {str(tuple(r['shape'])):<18} {r['dtype']:<9} {exp}")
     if "mixer" in info:
         lines.append(f"  mixer  : {info['mixer']}")
     bb = info["backbone"]
     lines.append(f"  backbone (ignored): {bb['count']} tensors, {human_bytes(bb['bytes'])}")
-    for g, n in bb["groups"].items():
-        lines.append(f"    {g:<40} {n}")
-    for note in info.get("notes", []):
-        lines.append(f"  note   : {note}")
+    lines += [f"    {g:<40} {n}" for g, n in bb["groups"].items()]
+    lines += [f"  note   : {note}" for note in info["notes"]]
     if info["problems"]:
-        lines.append("  PROBLEMS:")
-        lines += [f"    - {p}" for p in info["problems"]]
-    else:
-        lines.append("  status : convertible")
-    return "\n".join(lines)
+        return "\n".join(lines + ["  PROBLEMS:"] + [f"    - {p}" for p in info["problems"]])
+    return "\n".join(lines + ["  status : convertible"])
 
 
 def to_json(info: dict) -> str:
-    return json.dumps(info, indent=2, sort_keys=False, default=str)
+    return json.dumps(info, indent=2, default=str)

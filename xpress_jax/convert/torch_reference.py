@@ -1,26 +1,12 @@
-"""The reference head's math spelled in plain PyTorch, built from SOURCE tensors.
+"""The reference head's math in plain PyTorch, on SOURCE tensors (HYBRID_KEY_MAP names, raw mixer).
 
-A faithful eager port of ``XPressRefinerHead`` (SEMANTICS.md) for checking
-conversions: it reads the checkpoint's own tensors (HYBRID_KEY_MAP names,
-PyTorch layouts, the RAW mixer) and does what vLLM does with them:
-
-- ``fold_from_raw_``: ``Lf = raw * tril + I`` in the raw tensor's dtype (the
-  loader folds in the checkpoint dtype), then every weight is cast to ``dtype``;
-- ``hidden_cache``: ``cat(down_h(h), down_g(mean_slots(h)))``;
-- per pass: ``x = in_proj(cat(hcache, w1[prev]))`` on the 3r concat,
-  ``x = bmm(Lf, x.permute(2, 1, 0)).permute(2, 1, 0)``,
-  ``lat = x + mlp_down(silu(mlp_gate(x)) * mlp_up(x))``;
-- start block: ``blk[:, 0] = anchor``, ``blk[:, 1:] = argmax_v base[:, 1:]``;
-- full vocabulary: ``argmax(base + w2(lat))`` (torch.argmax: first index on ties);
-- top-C: each slot's C largest base logits, sorted largest first (vLLM's
-  ``torch.topk(..., sorted=True)``; spelled as a stable descending sort, so equal
-  logits keep the lowest vocab id first and the C-th place's ties keep the lowest
-  ids), once per call; each pass the first candidate position holding the largest
-  ``base_c + w2[cand] @ lat`` wins (``torch.argmax``): the larger base logit, then
-  the lowest id, among equal scores.
-
-NaN scores count as -inf, as in `xpress_jax.refine`. Run it in float64 (or
-float32) to compare against the JAX head's float32 tokens. Needs torch.
+An eager port of vLLM's ``XPressRefinerHead`` for checking conversions (docs/semantics.md):
+``Lf = raw * tril + I`` folded in the raw tensor's dtype, then every weight cast to ``dtype``;
+``hcache = cat(down_h(h), down_g(mean_slots(h)))``; per pass ``x = in_proj(cat(hcache, w1[prev]))``,
+the causal mix by ``Lf`` and ``lat = x + mlp(x)``. The seed block is the base argmax; full vocabulary
+picks ``argmax(base + w2(lat))`` (first index on ties); top-C keeps each slot's C largest base logits
+once per call (a stable descending sort, as ``torch.topk(sorted=True)``) and picks the first candidate
+position with the largest ``base_c + w2[cand] @ lat``. NaN scores count as -inf. Needs torch.
 """
 
 from __future__ import annotations
@@ -51,23 +37,12 @@ def _clean(s):
     return torch.where(torch.isnan(s), torch.full_like(s, float("-inf")), s)
 
 
-def reference_refine(
-    tensors: Mapping[str, Any],
-    logits: Any,
-    h: Any,
-    anchors: Any,
-    tok_am1: Any = None,
-    *,
-    num_passes: int,
-    topc: int = 0,
-    dtype: Any = None,
-) -> np.ndarray:
+def reference_refine(tensors: Mapping[str, Any], logits: Any, h: Any, anchors: Any, tok_am1: Any = None, *,
+                     num_passes: int, topc: int = 0, dtype: Any = None) -> np.ndarray:
     """Draft tokens [N, B-1] (int64 numpy) of the reference head on the source ``tensors``.
 
-    ``tensors`` maps HYBRID_KEY_MAP names (``w1.weight`` ... ``w2.weight``, RAW
-    ``mix.L``) to arrays in PyTorch layouts. ``logits`` [N, B, V] and ``h``
-    [N, B, H] are cast to ``dtype`` (default torch.float64); ``tok_am1``
-    defaults to ``anchors`` (what vLLM passes).
+    ``logits`` [N, B, V] and ``h`` [N, B, H] are cast to ``dtype`` (default torch.float64);
+    ``tok_am1`` defaults to ``anchors`` (what vLLM passes).
     """
     import torch
     import torch.nn.functional as F
@@ -91,7 +66,6 @@ def reference_refine(
         raise ValueError(f"logits block size {B_} != mixer block size {B}")
 
     with torch.no_grad():
-        # hidden_cache
         g = h.mean(dim=1, keepdim=True).expand_as(h)
         hcache = torch.cat([h @ W["down_h.weight"].T, g @ W["down_g.weight"].T], dim=-1)
 
