@@ -36,7 +36,6 @@ NOT_RUN = {
     'pip install torch --index-url https://download.pytorch.org/whl/cpu': "downloads torch",
     'python -m pytest -q -n 2': "this test suite itself",
     'xpress demo': "the end-to-end run (~1 min on 2 CPU cores); tests/test_cli.py runs it at --tiny size",
-    'python -m benchmarks.bench_refine': "the GPU sweep at the serving shapes",
 }
 
 
