@@ -1,17 +1,18 @@
-"""Every code block of README.md runs as written.
+"""README.md and docs/: the commands and code a user copies, and the files they cite.
 
-The blocks run in README order, in a temporary working directory that holds a tiny
-drafter checkpoint at ``path/to/drafter`` (the path the "Convert a checkpoint" commands
-use), so the converter commands, then the Python snippet that loads ``head_ckpt``,
-run exactly as printed.
+Fast checks: the two commands; the README's test command equals `.ci/run`'s ``TEST_CMD``; every
+bash command is either run by the slow test or listed in `NOT_RUN` with the reason; every python
+block compiles; every repository path cited in README.md and docs/*.md exists.
 
-- ```python blocks: each in a fresh namespace (every snippet is self-contained; the
-  only thing one block leaves for a later one is ``head_ckpt`` on disk).
+`test_every_readme_block_runs` (slow: it compiles every snippet, ~20 s on 2 cores) runs the blocks
+in README order, in a temporary working directory that holds a tiny drafter checkpoint at
+``path/to/drafter`` (the path the "Convert a checkpoint" commands use):
+
+- ```python blocks: each in a fresh namespace (the only thing one block leaves for a later one is
+  ``head_ckpt`` on disk).
 - ```text blocks: example output, not run.
-- ```bash blocks: each ``xpress ...`` / ``xpress-convert ...`` command runs in-process
-  through the console scripts' ``main`` and must exit 0. The other commands are not run:
-  each one must be listed in `NOT_RUN` with the reason, so a new README command is
-  either executed here or consciously exempted.
+- ```bash blocks: each ``xpress ...`` / ``xpress-convert ...`` command runs in-process through the
+  console scripts' ``main`` and must exit 0; every other command must be in `NOT_RUN`.
 """
 
 from __future__ import annotations
@@ -24,26 +25,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+DOCS = sorted((ROOT / "docs").glob("*.md"))
 
 NOT_RUN = {
     'pip install -e .': "installs the package (this suite runs from the installed or PYTHONPATH tree)",
     'pip install -e ".[test]"': "installs the test extra",
     'pip install -e ".[cuda12]"': "GPU install",
-    'pip install -e ".[bench]"': "installs matplotlib",
-    'python -m benchmarks.bench_kernels --out results/': "GPU benchmark (its CPU smoke run: test_bench_kernels_smoke.py)",
     'pip install torch --index-url https://download.pytorch.org/whl/cpu': "downloads torch",
-    'pip install torch': "downloads torch",
     'python -m pytest -q -n 2': "this test suite itself",
-    'xpress demo': "the default end-to-end run (~1 min on 2 CPU cores); test_cli runs it at --tiny size",
-    'python -m benchmarks.bench_refine --out results/': "the GPU sweep (serving shapes)",
-    'python -m benchmarks.bench_refine --small': "a CPU smoke run of a minute or more",
-    'python -m benchmarks.agreement --out results/': "GPU only",
-    'python -m benchmarks.agreement vllm --out results/': "GPU only (serving shapes, PyTorch on CUDA)",
-    'python -m benchmarks.fixed_point --out results/': "trains a head for ~1 min (its checks: test_bench_smoke.py)",
-    'python -m benchmarks.serving_loop --out results/': "GPU (serving shapes; its CPU smoke run: test_bench_smoke.py)",
-    'python examples/serving_step.py': "trains a head first (~10 s on 2 CPU cores); tests/test_examples.py runs "
-                                       "its --smoke mode and checks its step",
+    'xpress demo': "the end-to-end run (~1 min on 2 CPU cores); tests/test_cli.py runs it at --tiny size",
 }
 
 
@@ -91,6 +83,7 @@ def test_readme_has_the_two_commands():
                                  'pip install -e ".[test]" && python -m pytest -q -n 2']
 
 
+@pytest.mark.slow
 def test_every_readme_block_runs(tmp_path, monkeypatch, capsys):
     from xpress_jax.convert.cli import main as convert_main
     from xpress_jax.cli import main as xpress_main
@@ -128,3 +121,50 @@ def test_every_readme_block_runs(tmp_path, monkeypatch, capsys):
 def test_not_run_lists_only_commands_the_readme_has():
     present = {c for lang, code, _ in blocks() if lang == "bash" for c in commands(code)}
     assert set(NOT_RUN) <= present, sorted(set(NOT_RUN) - present)
+
+
+def test_readme_test_command_is_ci_test_command():
+    m = re.search(r'^TEST_CMD="([^"]*)"', (ROOT / ".ci" / "run").read_text(), flags=re.M)
+    assert m, ".ci/run defines no TEST_CMD"
+    readme_cmd = commands(next(code for lang, code, _ in blocks() if lang == "bash"))[-1]
+    assert readme_cmd == m.group(1), (readme_cmd, m.group(1))
+
+
+def test_every_bash_command_is_run_or_exempt():
+    for lang, code, line in blocks():
+        if lang == "bash":
+            for cmd in commands(code):
+                assert cmd in NOT_RUN or cmd.split()[0] in ("xpress", "xpress-convert"), (line, cmd)
+
+
+def test_every_python_block_compiles():
+    n = 0
+    for lang, code, line in blocks():
+        if lang == "python":
+            compile(code, f"README.md block at line {line}", "exec")
+            n += 1
+    assert n >= 3
+    assert all(lang in ("python", "bash", "text") for lang, _, _ in blocks())
+
+
+#: A path in the repository, as the docs cite it: under one of these folders, or a top-level file.
+CITED = re.compile(r"(?<![\w./-])((?:xpress_jax|tests|benchmarks|examples|docs|\.ci)/[\w./-]*[\w/]"
+                   r"|LICENSE|pyproject\.toml)")
+
+
+def cited_paths(md: Path) -> set[str]:
+    """Paths cited in ``md``: in `code spans` and as relative link targets (resolved from its folder)."""
+    text = md.read_text()
+    out = set()
+    for span in re.findall(r"`([^`\n]+)`", text):
+        out |= {m.group(1) for m in CITED.finditer(span) if "/" in m.group(1) or span == m.group(1)}
+    for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text):
+        if "://" not in target:
+            out.add(str((md.parent / target).resolve().relative_to(ROOT)))
+    return out
+
+
+@pytest.mark.parametrize("md", [README, *DOCS], ids=lambda p: p.name)
+def test_cited_paths_exist(md):
+    missing = sorted(p for p in cited_paths(md) if not (ROOT / p).exists())
+    assert not missing, f"{md.name} cites paths that do not exist: {missing}"
