@@ -135,8 +135,8 @@ def host_walls(single, refine_fn, args, want, walls, compiler_options=None):
     ``wall_host_us`` = the same refine jitted with its output in pinned host memory
     (``RefineServer(output="host")``), then ``np.asarray``. Asserts both give ``want``."""
     dev = jax.devices()[0]
-    host = jax.jit(refine_fn, out_shardings=jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host"),
-                   compiler_options=compiler_options)
+    pinned = jax.sharding.make_single_device_sharding(dev, memory_kind="pinned_host")
+    host = jax.jit(refine_fn, out_shardings=pinned, compiler_options=compiler_options)
     got = np.asarray(host(*args))
     if not np.array_equal(got, want):
         raise AssertionError(f"pinned-host output gave other tokens: {int(np.sum(got != want))} differ")

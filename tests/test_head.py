@@ -166,13 +166,13 @@ def test_params_from_state_dict_suggests_the_prefix(small_cfg):
 def test_load_params_places_the_arrays_where_asked(tmp_path, head):
     path = xj.save_params(tmp_path / "ck", head)
     cpu = jax.devices("cpu")[0]
-    for sharding in (None, cpu, jax.sharding.SingleDeviceSharding(cpu)):
+    for sharding in (None, cpu, jax.sharding.make_single_device_sharding(cpu)):
         loaded = xj.load_params(path, sharding=sharding)
         assert isinstance(loaded, xj.Head) and loaded.config == CFG
         where = jax.devices()[0] if sharding is None else cpu  # None: JAX's default device
         for k, v in loaded.params.items():
             assert v.devices() == {where}, k
-            assert v.sharding == jax.sharding.SingleDeviceSharding(where), k
+            assert v.sharding == jax.sharding.make_single_device_sharding(where), k
             np.testing.assert_array_equal(np.asarray(v), np.asarray(head.params[k]))
     mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")[:1]), ("x",))
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())

@@ -216,11 +216,11 @@ def _shardings(sharding: Any) -> dict[str, jax.sharding.Sharding]:
     """``sharding=`` of `load_params` as one `jax.sharding.Sharding` per param name."""
     def one(s: Any, what: str) -> jax.sharding.Sharding:
         if s is None:
-            return jax.sharding.SingleDeviceSharding(jax.devices()[0])
+            return jax.sharding.make_single_device_sharding(jax.devices()[0])
         if isinstance(s, jax.sharding.Sharding):
             return s
         if isinstance(s, jax.Device):
-            return jax.sharding.SingleDeviceSharding(s)
+            return jax.sharding.make_single_device_sharding(s)
         raise TypeError(
             f"{what} must be None (the default device), a jax.Device, a jax.sharding.Sharding, or a dict "
             f"{{param name: Device | Sharding}}, got {type(s).__name__}"
