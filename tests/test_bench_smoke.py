@@ -105,6 +105,7 @@ def test_fixed_point_cli_writes_its_report(tmp_path):
     assert abs(sum(hist.values()) - 1) < 1e-9 and set(hist) == {"1", "2", "3", "4"}
 
 
+@pytest.mark.slow
 def test_serving_loop_small_runs_on_cpu(tmp_path):
     """`python -m benchmarks.serving_loop --small`: every kind runs, gives the same tokens, and the marginals are
     the steps minus the drafter-only step."""

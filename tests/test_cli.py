@@ -23,7 +23,7 @@ def run(capsys, *argv):
     return code, out, err
 
 
-@pytest.mark.parametrize("backend", ["xla", "pallas"])
+@pytest.mark.parametrize("backend", ["xla", pytest.param("pallas", marks=pytest.mark.slow)])
 def test_bench_tiny_runs_both_modes_and_checks(capsys, backend):
     code, out, err = run(capsys, "bench", *TINY, "--topc", "11", "--passes", "3", "--backend", backend)
     assert code == 0, err
