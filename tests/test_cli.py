@@ -147,6 +147,9 @@ def test_demo_tiny_runs_end_to_end_and_is_reproducible(tmp_path, capsys):
     code, out, err = run(capsys, "demo", "--tiny", "--out", str(out_dir))
     assert code == 0, err
     assert out.strip().endswith("OK")
+    # A smoke run says so and shows no ratio as if it were a result.
+    assert "smoke run (--tiny)" in out and "These numbers are no result" in out
+    assert not re.search(r"\d\.\d\dx", out) and "for the drafter alone" not in out
     assert "100.00%" in out and "bitwise identical to the Orbax export" in out  # convert --verify, both exports
     assert "train " in err and "training" in err  # progress on stderr
     for name in ("train_state", "head_orbax", "vllm_head", "converted", "results.json"):
@@ -195,6 +198,30 @@ def test_demo_refuses_nonsense_with_exit_2_naming_the_option(tmp_path, capsys, a
     assert code == 2, (out, err)
     assert option in err.splitlines()[-1], err
     assert not (tmp_path / "o").exists()  # refused before anything is written
+
+
+@pytest.mark.parametrize("where", ["file", "unwritable"])
+def test_demo_refuses_a_bad_out_with_exit_2_naming_it(tmp_path, capsys, where):
+    out = tmp_path / "a_file" if where == "file" else "/proc/nope"
+    if where == "file":
+        out.write_text("not a folder")
+    code, stdout, err = run(capsys, "demo", "--tiny", "--out", str(out))
+    assert code == 2, (stdout, err)
+    assert err.splitlines()[-1].startswith("xpress demo: error: --out "), err
+    assert "Traceback" not in err and "internal error" not in err
+
+
+def test_train_progress_eta_starts_after_the_first_step():
+    import io
+
+    from xpress_jax.train import _Bar
+
+    stream = io.StringIO()
+    bar = _Bar(10, True, stream)
+    for step in range(1, 11):
+        bar(step, 1.0, 0.5, 0.0, final=step == 10)
+    lines = stream.getvalue().splitlines()
+    assert "eta" not in lines[0] and all("eta" in line for line in lines[1:]), lines
 
 
 def test_demo_help_names_every_option_and_its_default(capsys):

@@ -20,8 +20,10 @@ import argparse
 import dataclasses
 import statistics
 import sys
+import tempfile
 import time
 import traceback
+from pathlib import Path
 from typing import Sequence
 
 __all__ = ["main", "demo", "bench", "build_parser"]
@@ -152,7 +154,16 @@ def _demo_options(args: argparse.Namespace, error):
     else:
         topcs = values.get("topcs", DemoOptions.topcs)
         values["topcs"] = tuple(c for c in topcs if c <= V)
-    return DemoOptions(out=args.out, resume=args.resume, plot=not args.no_plot, progress=not args.quiet, **values)
+    out = Path(args.out).expanduser()
+    if out.exists() and not out.is_dir():
+        error(f"--out {args.out}: exists and is not a folder; name a folder (it is created if missing)")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=out).close()
+    except OSError as e:
+        error(f"--out {args.out}: cannot write there ({e.strerror or e})")
+    return DemoOptions(out=args.out, resume=args.resume, plot=not args.no_plot, progress=not args.quiet,
+                       smoke=args.tiny, **values)
 
 
 def demo(args: argparse.Namespace, error=None) -> int:

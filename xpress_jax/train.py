@@ -1,27 +1,20 @@
 """Train an `XPressHead` with optax: teacher-forced cross-entropy, AdamW, Orbax train-state checkpoints.
 
-**Loss.** For a block with anchor ``x_t`` and the target's tokens ``y_1..y_{B-1}`` (its greedy
-continuation), every draft slot ``b`` is scored as at serving time, ``base[b] + bias[b]``, with
-its predecessors teacher-forced to the target's tokens (``prev = [x_{t-1}, x_t, y_1, ...,
-y_{B-2}]``): the Jacobi fixed-point condition, since a block that equals the target's
-continuation must reproduce itself in one more pass. The loss is the mean over slots and blocks
-of the cross-entropy of those scores against ``y_b``. Optionally (``kpass_weight > 0``) a second
-term: the same cross-entropy with the predecessors the head itself produced after
-``kpass_passes - 1`` greedy passes from the drafter's block (no gradient through the picks),
-i.e. on the inputs the K-th pass really sees.
+**Loss.** Every draft slot ``b`` is scored as at serving time, ``base[b] + bias[b]``, with its
+predecessors teacher-forced to the target's tokens: the Jacobi fixed-point condition (a block equal to
+the target's continuation must reproduce itself in one more pass). The loss is the mean cross-entropy
+of those scores against the target's tokens. With ``kpass_weight > 0`` a second term scores the same
+targets from the predecessors the head itself produced after ``kpass_passes - 1`` greedy passes (no
+gradient through the picks): the inputs the K-th pass really sees.
 
-**Optimizer.** ``optax.adamw`` on a linear-warmup + cosine-decay schedule, after
-``clip_by_global_norm``. Params are stored and updated in ``param_dtype`` (float32 or
-bfloat16; activations and the loss are float32 either way).
+**Optimizer.** ``clip_by_global_norm``, then ``optax.adamw`` on linear warmup + cosine decay. Params
+are stored and updated in ``param_dtype``; activations and the loss are float32.
 
-**State and resume.** The whole train state is one pytree: the params (``{attribute: array}``,
-see `XPressHead`), the optimizer state, the step and the PRNG key (raw ``uint32`` key data). The
-batch of step ``s`` is drawn with ``fold_in(key, s)``, so the data position is the step itself.
-With ``checkpoint_dir`` the state is written every ``checkpoint_every`` steps (and at the end)
-by an Orbax ``CheckpointManager`` (atomic: a half-written step is never restored), with the
-configs as JSON beside it; ``resume=True`` restores the latest step and continues: the losses
-after it are bit-identical to an uninterrupted run's (on GPUs with ``XLA_FLAGS=--xla_gpu_deterministic_ops=true``:
-the ``w1`` gather's gradient is a scatter-add, which GPUs otherwise sum in a varying order).
+**State and resume.** The train state is one pytree: params, optimizer state, step, PRNG key data. The
+batch of step ``s`` is drawn with ``fold_in(key, s)``, so the data position is the step. With
+``checkpoint_dir`` an Orbax ``CheckpointManager`` writes it every ``checkpoint_every`` steps and at the
+end; ``resume=True`` continues from the latest step with bit-identical losses (on GPUs with
+``XLA_FLAGS=--xla_gpu_deterministic_ops=true``: the ``w1`` gather's gradient is a scatter-add).
 """
 
 from __future__ import annotations
@@ -38,6 +31,8 @@ from typing import Any, Callable, Mapping
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
+import orbax.checkpoint as ocp
 from flax import nnx
 
 from .config import HeadConfig
@@ -59,7 +54,7 @@ class TrainConfig:
       steps: optimizer steps in total (the schedule's length).
       batch_size: blocks per step.
       learning_rate: peak learning rate (reached after ``warmup_steps``).
-      warmup_steps: linear warmup from 0.
+      warmup_steps: linear warmup from 0; None (default): ``min(100, steps // 10)``.
       final_lr_fraction: the cosine decay ends at ``learning_rate * final_lr_fraction``.
       weight_decay: AdamW's decoupled weight decay.
       clip_norm: global gradient-norm clip.
@@ -74,7 +69,7 @@ class TrainConfig:
     steps: int = 1500
     batch_size: int = 256
     learning_rate: float = 3e-3
-    warmup_steps: int = 100
+    warmup_steps: int | None = None
     final_lr_fraction: float = 0.05
     weight_decay: float = 1e-4
     clip_norm: float = 1.0
@@ -85,6 +80,8 @@ class TrainConfig:
     checkpoint_every: int = 0
 
     def __post_init__(self) -> None:
+        if self.warmup_steps is None and isinstance(self.steps, int):
+            object.__setattr__(self, "warmup_steps", min(100, self.steps // 10))
         for name, minimum in (("steps", 1), ("batch_size", 1), ("warmup_steps", 0), ("kpass_passes", 1),
                               ("seed", 0), ("checkpoint_every", 0)):
             v = getattr(self, name)
@@ -102,8 +99,6 @@ class TrainConfig:
 
 def make_optimizer(tc: TrainConfig):
     """``clip_by_global_norm`` then AdamW on linear warmup + cosine decay (optax)."""
-    import optax
-
     schedule = optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=tc.learning_rate, warmup_steps=tc.warmup_steps,
         decay_steps=max(tc.steps, tc.warmup_steps + 1), end_value=tc.learning_rate * tc.final_lr_fraction,
@@ -158,8 +153,6 @@ def init_state(head_config: HeadConfig, tc: TrainConfig) -> tuple[Any, dict]:
 
 
 def _make_step(graphdef, tc: TrainConfig, sample: Callable):
-    import optax
-
     tx = make_optimizer(tc)
 
     def step(state: dict, tables: Mapping[str, jax.Array]) -> tuple[dict, dict]:
@@ -181,8 +174,6 @@ def _make_step(graphdef, tc: TrainConfig, sample: Callable):
 
 # ---------------------------------------------------------------------------- checkpoints
 def _manager(directory: Path):
-    import orbax.checkpoint as ocp
-
     options = ocp.CheckpointManagerOptions(max_to_keep=2, create=True, enable_async_checkpointing=False)
     return ocp.CheckpointManager(directory, options=options)
 
@@ -193,8 +184,6 @@ def _run_meta(head_config: HeadConfig, tc: TrainConfig, task_meta: Mapping[str, 
 
 
 def _save(mngr, state: dict, meta: dict) -> None:
-    import orbax.checkpoint as ocp
-
     step = int(state["step"])
     if mngr.latest_step() == step:
         return
@@ -203,8 +192,6 @@ def _save(mngr, state: dict, meta: dict) -> None:
 
 
 def _restore(mngr, step: int, abstract: dict, meta: dict) -> dict:
-    import orbax.checkpoint as ocp
-
     saved_meta = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
     if saved_meta != json.loads(json.dumps(meta)):
         diff = [k for k in meta if saved_meta.get(k) != json.loads(json.dumps(meta[k]))]
@@ -217,29 +204,30 @@ def _restore(mngr, step: int, abstract: dict, meta: dict) -> dict:
 
 # ---------------------------------------------------------------------------- progress
 class _Bar:
-    """Training progress on stderr: a redrawn bar on a terminal, else a line every 10%."""
+    """Training progress on stderr: a redrawn bar on a terminal, else a line every 10%. The ETA is
+    timed from the end of the first step (which includes the compile)."""
 
-    def __init__(self, total: int, start: int, enabled: bool, stream=None):
+    def __init__(self, total: int, enabled: bool, stream=None):
         self.stream = stream if stream is not None else sys.stderr
-        self.enabled = enabled
+        self.enabled, self.total = enabled, total
         self.tty = enabled and hasattr(self.stream, "isatty") and self.stream.isatty()
-        self.total, self.start = total, start
-        self.t0 = time.perf_counter()
-        self._last = 0.0
-        self._next_line = start
+        self.first = None  # (step, time) at the end of the first step
+        self._last, self._next_line = 0.0, 0
 
     def __call__(self, step: int, loss: float, acc: float, tok_s: float, final: bool = False) -> None:
         if not self.enabled:
             return
         now = time.perf_counter()
-        done = step / self.total
-        eta = (now - self.t0) / max(step - self.start, 1) * (self.total - step)
-        text = (f"train {step:>6}/{self.total} [{'#' * int(done * 24):<24}] loss {loss:.4f} "
-                f"acc {acc:.3f} {tok_s:,.0f} tok/s eta {eta:4.0f} s")
+        if self.first is None:
+            self.first = (step, now)
+        eta = "" if step == self.first[0] else \
+            f" eta {(now - self.first[1]) / (step - self.first[0]) * (self.total - step):4.0f} s"
+        text = (f"train {step:>6}/{self.total} [{'#' * int(step / self.total * 24):<24}] loss {loss:.4f} "
+                f"acc {acc:.3f} {tok_s:,.0f} tok/s{eta}")
         if self.tty:
             if final or now - self._last > 0.1:
                 self._last = now
-                self.stream.write("\r" + text + ("\n" if final else ""))
+                self.stream.write("\r" + text + ("\n" if final else "\x1b[K"))
                 self.stream.flush()
         elif final or step >= self._next_line:
             self._next_line = step + max(self.total // 10, 1)
@@ -326,7 +314,7 @@ def train(
             resumed_from = latest
     step_fn = _make_step(graphdef, tc, sample)
     start = int(state["step"])
-    bar = _Bar(tc.steps, start, progress)
+    bar = _Bar(tc.steps, progress)
     history: list[dict] = []
     tokens_per_step = tc.batch_size * (head_config.block_size - 1)
     t_first = None
