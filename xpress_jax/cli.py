@@ -1,23 +1,14 @@
-"""`xpress` console command.
-
-``xpress demo`` (the main command, `xpress_jax.demo`): trains a head on the embedded task,
-exports it, converts it with ``xpress-convert --verify``, refines with the converted
-checkpoint, and prints the mean accepted length per block against K and top-C (plus a PNG).
-
-``xpress bench`` builds a synthetic head (or loads a converted one with
-``--checkpoint``) and synthetic drafter logits, runs the jitted `refine` in
-full-vocabulary and top-C mode, prints compile + first-call time, call latency
-and how many drafter tokens refinement changed, and checks the fixed-point
-property. Progress goes to stderr, the report to stdout.
-
-Exit codes: 0 every check passed; 1 a check failed; 2 bad usage (the message
-names the option); 3 an unexpected error (a bug: a traceback is printed).
+"""The ``xpress`` command: ``xpress demo`` (`xpress_jax.demo`) and ``xpress bench`` (the jitted `refine` on a
+synthetic or converted head: compile and call times, tokens changed, the fixed point). Progress goes to
+stderr, the report to stdout. Exit codes: 0 ok; 1 a check failed; 2 bad usage (the message names the
+option); 3 an unexpected error (a bug: a traceback is printed).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import platform
 import statistics
 import sys
 import tempfile
@@ -25,6 +16,13 @@ import time
 import traceback
 from pathlib import Path
 from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import xpress_jax as xj
+from .demo import TINY, DemoOptions, run_demo
 
 __all__ = ["main", "demo", "bench", "build_parser"]
 
@@ -39,8 +37,7 @@ _SIZES = (
     ("--mlp", "mlp_hidden", 512, "M, SwiGLU hidden width", 1),
 )
 _DEFAULT_TOPC, _DEFAULT_PASSES, _DEFAULT_N, _DEFAULT_STD = 512, 6, 4, 0.05
-_OPTION_OF = {field: opt for opt, field, *_ in _SIZES} | {"topc": "--topc", "num_passes": "--passes",
-                                                          "max_num_reqs": "--n"}
+_EPILOG = "Exit codes: 0 ok, 1 a check failed, 2 bad usage, 3 internal error."
 
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -50,21 +47,6 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
         if action.default is None or isinstance(action.default, bool):
             return action.help or ""
         return super()._get_help_string(action)
-
-
-class _VersionAction(argparse.Action):
-    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
-        super().__init__(option_strings=option_strings, dest=dest, default=default, nargs=0, help=help)
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        import platform
-
-        import jax
-
-        from . import __version__
-
-        print(f"xpress-jax {__version__} (jax {jax.__version__}, python {platform.python_version()})")
-        parser.exit()
 
 
 #: ``xpress demo``'s options: (option, DemoOptions field, type, minimum, help). Defaults: `DemoOptions`.
@@ -83,23 +65,14 @@ _DEMO_INTS = (
 
 
 def _add_demo_parser(sub) -> None:
-    from .demo import DemoOptions, TINY
-
     defaults = DemoOptions()
-    d = sub.add_parser(
-        "demo", formatter_class=_Formatter,
-        help="the main command: train a head on the embedded task, export, convert, refine, and measure "
-             "the accepted length",
-        description=(
-            "Train an XPress refiner head on the embedded task (a 2nd-order Markov target, a drafter that predicts "
-            "every slot independently), export it (Orbax + a vLLM folder), convert the vLLM folder with "
-            "xpress-convert --verify, and measure with refine on the converted head the mean accepted length "
-            "per block of the drafter alone and refined with K = 1..B-1 passes, full vocabulary and top-C. "
-            "Prints the table, writes OUT/accepted_length.png and OUT/results.json. Seeded: the same options "
-            "give the same numbers. Exits 1 if a check fails."
-        ),
-        epilog="Exit codes: 0 ok, 1 a check failed, 2 bad usage, 3 internal error.",
-    )
+    d = sub.add_parser("demo", formatter_class=_Formatter, epilog=_EPILOG, help="the main command: train a head on "
+                       "the embedded task, export, convert, refine, and measure the accepted length", description=(
+        "Train an XPress refiner head on the embedded task (a 2nd-order Markov target, a drafter that predicts "
+        "every slot independently), export it (Orbax + a vLLM folder), convert the vLLM folder with "
+        "xpress-convert --verify, and measure with refine on the converted head the mean accepted length per "
+        "block of the drafter alone and refined with K = 1..B-1 passes, full vocabulary and top-C. Prints the "
+        "table, writes OUT/accepted_length.png and OUT/results.json. Seeded. Exits 1 if a check fails."))
     d.add_argument("--out", metavar="DIR", default=defaults.out,
                    help="folder for the outputs (train_state/, head_orbax/, vllm_head/, converted/, the PNG, "
                         "results.json; these are replaced on a re-run, nothing else is touched)")
@@ -124,8 +97,6 @@ def _add_demo_parser(sub) -> None:
 
 
 def _demo_options(args: argparse.Namespace, error):
-    from .demo import DemoOptions, TINY
-
     values = dict(TINY) if args.tiny else {}
     for _, field, _, _ in _DEMO_INTS:
         if getattr(args, field) is not None:
@@ -166,20 +137,13 @@ def _demo_options(args: argparse.Namespace, error):
                        smoke=args.tiny, **values)
 
 
-def demo(args: argparse.Namespace, error=None) -> int:
+def demo(args: argparse.Namespace, error) -> int:
     """Run ``xpress demo`` (`xpress_jax.demo.run_demo`); ``error(msg)`` reports a usage error."""
-    def _raise(msg):
-        raise ValueError(msg)
+    from .train import ResumeError  # optax and orbax: only for the demo
 
-    error = error or _raise
     opts = _demo_options(args, error)
-    from .demo import run_demo
-
-    from .train import ResumeError
-
-    progress = _Progress(opts.progress)
     try:
-        result = run_demo(opts, say=lambda line: print(line, flush=True), progress=progress)
+        result = run_demo(opts, say=lambda line: print(line, flush=True), progress=_Progress(opts.progress))
     except ResumeError as e:  # --resume with other options than the checkpoint's
         error(f"--resume: {e}")
     print("OK" if result["ok"] else "FAILED")
@@ -187,24 +151,18 @@ def demo(args: argparse.Namespace, error=None) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="xpress", description="XPress refiner head in JAX.", formatter_class=_Formatter,
-        epilog="Exit codes: 0 ok, 1 a check failed, 2 bad usage, 3 internal error.",
-    )
-    parser.add_argument("--version", action=_VersionAction, help="print the versions of xpress-jax, JAX and Python")
+    parser = argparse.ArgumentParser(prog="xpress", description="XPress refiner head in JAX.", epilog=_EPILOG,
+                                     formatter_class=_Formatter)
+    parser.add_argument("--version", action="version", help="print the versions of xpress-jax, JAX and Python",
+                        version=f"xpress-jax {xj.__version__} (jax {jax.__version__}, python {platform.python_version()})")
     sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
     _add_demo_parser(sub)
-    d = sub.add_parser(
-        "bench", formatter_class=_Formatter,
-        help="time the jitted refine on a synthetic or converted head, and check its fixed point",
-        description=(
-            "Build a synthetic head (or load a converted one with --checkpoint) and synthetic drafter "
-            "logits, run the jitted refine in full-vocabulary and top-C mode, report compile + first-call "
-            "time, call latency and how many drafter tokens refinement changed, and check the fixed point "
-            "(full vocab: K=B-1 passes == K=B passes; slots 1..K final after K passes). Exits 1 if a check fails."
-        ),
-        epilog="Exit codes: 0 ok, 1 a check failed, 2 bad usage, 3 internal error.",
-    )
+    d = sub.add_parser("bench", formatter_class=_Formatter, epilog=_EPILOG, help="time the jitted refine on a "
+                       "synthetic or converted head, and check its fixed point", description=(
+        "Build a synthetic head (or load a converted one with --checkpoint) and synthetic drafter logits, run the "
+        "jitted refine in full-vocabulary and top-C mode, report compile + first-call time, call latency and how "
+        "many drafter tokens refinement changed, and check the fixed point (full vocab: K=B-1 passes == K=B "
+        "passes; slots 1..K final after K passes). Exits 1 if a check fails."))
     d.add_argument("--checkpoint", metavar="PATH",
                    help="a converted head (xpress-convert output, or xpress_jax.save_params); its config gives the "
                         "sizes, C and K (default: a synthetic head)")
@@ -238,8 +196,8 @@ def _median_ms(fn, reps: int) -> float:
     for _ in range(reps):
         t0 = time.perf_counter()
         fn().block_until_ready()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
 
 
 class _Progress:
@@ -255,23 +213,12 @@ class _Progress:
 
 
 def _resolve(args: argparse.Namespace, error) -> tuple:
-    """(config, head or None, dtype name): the head's config from the options or the checkpoint; errors name the option."""
-    import xpress_jax as xj
-
-    for opt, field, _, _, minimum in _SIZES:
-        v = getattr(args, field)
+    """(config, head or None, dtype name) from the options or the checkpoint; errors name the option."""
+    ints = [(opt, getattr(args, field), minimum) for opt, field, _, _, minimum in _SIZES]
+    for opt, v, minimum in ints + [("--topc", args.topc, 0), ("--passes", args.passes, 1), ("--n", args.n, 1),
+                                   ("--reps", args.reps, 1), ("--seed", args.seed, 0)]:
         if v is not None and v < minimum:
             error(f"{opt} must be >= {minimum}, got {v}")
-    if args.topc is not None and args.topc < 0:
-        error(f"--topc must be >= 0 (0 = full vocabulary only), got {args.topc}")
-    if args.passes is not None and args.passes < 1:
-        error(f"--passes must be >= 1, got {args.passes}")
-    if args.n < 1:
-        error(f"--n must be >= 1 (blocks per call), got {args.n}")
-    if args.reps < 1:
-        error(f"--reps must be >= 1, got {args.reps}")
-    if args.seed < 0:
-        error(f"--seed must be >= 0, got {args.seed}")
     if args.std is not None and not args.std > 0:  # also refuses nan
         error(f"--std must be > 0, got {args.std}")
 
@@ -302,13 +249,7 @@ def _resolve(args: argparse.Namespace, error) -> tuple:
                  for _, field, default, _, _ in _SIZES}
         if args.topc is not None:
             run["topc"] = args.topc
-        try:
-            cfg = xj.HeadConfig(**sizes, max_num_reqs=args.n)
-        except (TypeError, ValueError) as e:  # unreachable after the checks above; named anyway
-            msg = str(e)
-            for field, opt in _OPTION_OF.items():
-                msg = msg.replace(field, opt)
-            error(msg)
+        cfg = xj.HeadConfig(**sizes, max_num_reqs=args.n)  # valid: checked above
         dtype = args.dtype or "float32"
     if run.get("topc", 0) > cfg.vocab_size:
         error(f"--topc {run['topc']} exceeds the vocabulary (V={cfg.vocab_size}); leave it out to use "
@@ -319,19 +260,9 @@ def _resolve(args: argparse.Namespace, error) -> tuple:
     return dataclasses.replace(cfg, **run), head, dtype
 
 
-def bench(args: argparse.Namespace, error=None) -> int:
-    """Run ``xpress bench``; ``error(msg)`` reports a usage error (default: raise ValueError)."""
-    def _raise(msg):
-        raise ValueError(msg)
-
-    error = error or _raise
-    progress = _Progress(not getattr(args, "quiet", False))
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    import xpress_jax as xj
-
+def bench(args: argparse.Namespace, error) -> int:
+    """Run ``xpress bench``; ``error(msg)`` reports a usage error."""
+    progress = _Progress(not args.quiet)
     cfg, head, dtype_name = _resolve(args, error)
     dtype = jnp.dtype(dtype_name)
     key = jax.random.key(args.seed)
