@@ -121,21 +121,17 @@ def loss_and_metrics(model: XPressHead, batch: Batch, *, kpass_weight: float = 0
     scores = model(batch.logits, batch.h, XPressHead.prev_tokens(blk, batch.prev_ids))  # [N, B-1, V]
     ce = jnp.mean(_ce(scores, batch.target))
     slot_acc = jnp.mean((jnp.argmax(scores, axis=-1) == batch.target).astype(jnp.float32), axis=0)
-    loss = ce
-    metrics = {"ce": ce, "slot_accuracy": slot_acc}
+    metrics = {"ce": ce, "slot_accuracy": slot_acc, "loss": ce}
     if kpass_weight:
-        own = batch.anchors, batch.prev_ids
         if kpass_passes > 1:
-            draft = model.refine(batch.logits, batch.h, *own, num_passes=kpass_passes - 1, topc=0)
+            draft = model.refine(batch.logits, batch.h, batch.anchors, batch.prev_ids, num_passes=kpass_passes - 1)
         else:
             draft = jnp.argmax(batch.logits[:, 1:], axis=-1).astype(jnp.int32)
         own_blk = jax.lax.stop_gradient(jnp.concatenate([batch.anchors[:, None], draft], axis=1))
         kscores = model(batch.logits, batch.h, XPressHead.prev_tokens(own_blk, batch.prev_ids))
-        kce = jnp.mean(_ce(kscores, batch.target))
-        loss = loss + kpass_weight * kce
-        metrics["kpass_ce"] = kce
-    metrics["loss"] = loss
-    return loss, metrics
+        metrics["kpass_ce"] = jnp.mean(_ce(kscores, batch.target))
+        metrics["loss"] = ce + kpass_weight * metrics["kpass_ce"]
+    return metrics["loss"], metrics
 
 
 def init_state(head_config: HeadConfig, tc: TrainConfig) -> tuple[Any, dict]:
@@ -143,13 +139,8 @@ def init_state(head_config: HeadConfig, tc: TrainConfig) -> tuple[Any, dict]:
     model = XPressHead(head_config, rngs=nnx.Rngs(tc.seed), param_dtype=jnp.dtype(tc.param_dtype))
     graphdef, params = nnx.split(model, nnx.Param)
     params = nnx.to_pure_dict(params)
-    state = {
-        "params": params,
-        "opt_state": make_optimizer(tc).init(params),
-        "step": jnp.zeros((), jnp.int32),
-        "key": jax.random.key_data(jax.random.fold_in(jax.random.key(tc.seed), 1)),
-    }
-    return graphdef, state
+    return graphdef, {"params": params, "opt_state": make_optimizer(tc).init(params), "step": jnp.zeros((), jnp.int32),
+                      "key": jax.random.key_data(jax.random.fold_in(jax.random.key(tc.seed), 1))}
 
 
 def _make_step(graphdef, tc: TrainConfig, sample: Callable):
@@ -173,16 +164,6 @@ def _make_step(graphdef, tc: TrainConfig, sample: Callable):
 
 
 # ---------------------------------------------------------------------------- checkpoints
-def _manager(directory: Path):
-    options = ocp.CheckpointManagerOptions(max_to_keep=2, create=True, enable_async_checkpointing=False)
-    return ocp.CheckpointManager(directory, options=options)
-
-
-def _run_meta(head_config: HeadConfig, tc: TrainConfig, task_meta: Mapping[str, Any]) -> dict:
-    return {"head_config": dataclasses.asdict(head_config), "train_config": dataclasses.asdict(tc),
-            "task": dict(task_meta)}
-
-
 def _save(mngr, state: dict, meta: dict) -> None:
     step = int(state["step"])
     if mngr.latest_step() == step:
@@ -195,10 +176,8 @@ def _restore(mngr, step: int, abstract: dict, meta: dict) -> dict:
     saved_meta = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
     if saved_meta != json.loads(json.dumps(meta)):
         diff = [k for k in meta if saved_meta.get(k) != json.loads(json.dumps(meta[k]))]
-        raise ResumeError(
-            f"cannot resume: the checkpoint at step {step} was written by a different run ({', '.join(diff)} differ); "
-            "resume with the same settings, or start fresh in another directory"
-        )
+        raise ResumeError(f"cannot resume: the checkpoint at step {step} was written by a different run "
+                          f"({', '.join(diff)} differ); resume with the same settings, or start fresh in another directory")
     return mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))["state"]
 
 
@@ -237,18 +216,11 @@ class _Bar:
 # ---------------------------------------------------------------------------- the loop
 @dataclasses.dataclass
 class TrainResult:
-    """What `train` returns.
-
-    Attributes:
-      model: the trained `XPressHead`.
-      state: the final train state (params, opt_state, step, key).
-      history: one dict per step run by this call: ``step`` (1-based: the step just taken),
-        ``loss``, ``ce``, ``accuracy`` (mean over draft slots), ``slot_accuracy`` (per slot),
-        ``grad_norm`` (and ``kpass_ce`` with the K-pass loss).
-      resumed_from: the checkpoint step this call started from (None: a fresh start).
-      seconds: wall time of the steps after the first (compile and checkpoint writes excluded).
-      tokens_per_s: draft-slot predictions trained per second over those steps.
-    """
+    """What `train` returns: the trained ``model``, the final train ``state``, ``history`` (one dict per step
+    run by this call: ``step`` (1-based), ``loss``, ``ce``, ``accuracy`` (mean over draft slots),
+    ``slot_accuracy``, ``grad_norm``, and ``kpass_ce`` with the K-pass loss), ``resumed_from`` (the checkpoint
+    step, None for a fresh start), ``seconds`` (wall time of the steps after the first, checkpoint writes
+    excluded) and ``tokens_per_s`` (draft-slot predictions trained per second over those steps)."""
 
     model: XPressHead
     state: dict
@@ -258,31 +230,22 @@ class TrainResult:
     tokens_per_s: float
 
 
-def train(
-    head_config: HeadConfig,
-    tables: Mapping[str, Any],
-    sample: Callable[[Mapping[str, jax.Array], jax.Array, int], Batch],
-    tc: TrainConfig = TrainConfig(),
-    *,
-    checkpoint_dir: str | os.PathLike | None = None,
-    resume: bool = False,
-    task_meta: Mapping[str, Any] | None = None,
-    progress: bool = True,
-    log: Callable[[dict], None] | None = None,
-) -> TrainResult:
+def train(head_config: HeadConfig, tables: Mapping[str, Any],
+          sample: Callable[[Mapping[str, jax.Array], jax.Array, int], Batch], tc: TrainConfig = TrainConfig(), *,
+          checkpoint_dir: str | os.PathLike | None = None, resume: bool = False,
+          task_meta: Mapping[str, Any] | None = None, progress: bool = True,
+          log: Callable[[dict], None] | None = None) -> TrainResult:
     """Train a head from scratch (or resume one) on batches from ``sample(tables, key, n)``.
 
     Args:
       head_config: the head's sizes (and its C, K, max N, which travel to export).
-      tables: arrays ``sample`` reads (e.g. `xpress_jax.toy.ToyTask.tables`); passed into the
-        jitted step as arguments.
+      tables: arrays ``sample`` reads (e.g. `xpress_jax.toy.ToyTask.tables`), passed into the jitted step.
       sample: ``(tables, key, n) -> Batch``, jit-able (e.g. ``ToyTask.sample``).
       tc: hyperparameters.
       checkpoint_dir: where to write Orbax train-state checkpoints (None: none).
-      resume: continue from the latest checkpoint in ``checkpoint_dir`` (a fresh start if it
-        holds none). Without it, a directory that already holds checkpoints is refused.
-      task_meta: JSON-able description of the data (stored with the checkpoints; resuming with
-        different metadata is refused).
+      resume: continue from the latest checkpoint in ``checkpoint_dir`` (a fresh start if it holds none);
+        without it, a directory that already holds checkpoints is refused.
+      task_meta: JSON-able description of the data (stored with the checkpoints; must match on resume).
       progress: a progress bar on stderr.
       log: called with each step's metrics dict.
     """
@@ -294,21 +257,20 @@ def train(
         raise ValueError("resume=True needs checkpoint_dir")
     end = tc.steps
     graphdef, state = init_state(head_config, tc)
-    meta = _run_meta(head_config, tc, task_meta or {})
+    meta = {"head_config": dataclasses.asdict(head_config), "train_config": dataclasses.asdict(tc),
+            "task": dict(task_meta or {})}
     tables = {k: jnp.asarray(v) for k, v in tables.items()}
-    mngr = None
-    resumed_from = None
+    mngr = resumed_from = None
     if checkpoint_dir is not None:
         directory = Path(checkpoint_dir).expanduser().absolute()
-        mngr = _manager(directory)
+        mngr = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(
+            max_to_keep=2, create=True, enable_async_checkpointing=False))
         latest = mngr.latest_step()
         if latest is not None:
             if not resume:
                 mngr.close()
-                raise FileExistsError(
-                    f"{directory} already holds train checkpoints (latest step {latest}); pass resume=True "
-                    "(--resume) to continue, or use another directory"
-                )
+                raise FileExistsError(f"{directory} already holds train checkpoints (latest step {latest}); pass "
+                                      "resume=True (--resume) to continue, or use another directory")
             abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
             state = _restore(mngr, latest, abstract, meta)
             resumed_from = latest
@@ -322,22 +284,19 @@ def train(
         for s in range(start, end):
             state, metrics = step_fn(state, tables)
             m = jax.device_get(metrics)
-            if t_first is None:
-                t_first = time.perf_counter()  # after the first (compiling) step
+            t_first = t_first or time.perf_counter()  # after the first (compiling) step
             slot_acc = [float(a) for a in m.pop("slot_accuracy")]
             rec = {"step": s + 1, **{k: float(v) for k, v in m.items()},
                    "accuracy": float(np.mean(slot_acc)), "slot_accuracy": slot_acc}
             history.append(rec)
             if log is not None:
                 log(rec)
-            done = s + 1 - start - 1
-            tok_s = done * tokens_per_step / max(time.perf_counter() - t_first, 1e-9) if done else 0.0
+            tok_s = (s - start) * tokens_per_step / max(time.perf_counter() - t_first, 1e-9)
             bar(s + 1, rec["loss"], rec["accuracy"], tok_s, final=s + 1 == end)
             if mngr is not None and tc.checkpoint_every and (s + 1) % tc.checkpoint_every == 0:
                 t_save = time.perf_counter()
                 _save(mngr, state, meta)
-                if t_first is not None:
-                    t_first += time.perf_counter() - t_save  # throughput counts training, not checkpoint writes
+                t_first += time.perf_counter() - t_save  # throughput counts training, not checkpoint writes
         if mngr is not None and end > start:
             _save(mngr, state, meta)
     finally:
