@@ -1,16 +1,12 @@
 """``xpress demo``: what the refiner is for, end to end on the embedded task (`xpress_jax.toy`).
 
-1. Build the task (a second-order Markov target over V tokens, an independent-per-slot block
-   drafter) and train an `XPressHead` on it with optax (`xpress_jax.train`), with Orbax
-   train-state checkpoints in ``OUT/train_state``.
-2. Export it both ways (`xpress_jax.export`): ``OUT/head_orbax`` (the Orbax serving
-   checkpoint) and ``OUT/vllm_head`` (``model.safetensors`` + ``config.json`` as vLLM loads it).
-3. Convert the vLLM folder with ``xpress-convert --verify`` into ``OUT/converted``, load it
-   with `xpress_jax.load_params`, and check that its params are bitwise the Orbax export's.
-4. Measure, with the jitted `xpress_jax.refine` on the converted head: the mean accepted length
-   per block (`xpress_jax.toy.accepted_length`) of the drafter alone (K = 0) and refined with
-   K = 1..B-1 passes, in full-vocabulary mode and for each top-C; print the table, write
-   ``OUT/accepted_length.png`` and ``OUT/results.json``.
+1. Train an `XPressHead` on the task (`xpress_jax.train`; train-state checkpoints in ``OUT/train_state``).
+2. Export it both ways (`xpress_jax.export`): ``OUT/head_orbax`` and ``OUT/vllm_head``.
+3. Convert the vLLM folder with ``xpress-convert --verify`` into ``OUT/converted`` and check that its
+   params are bitwise the Orbax export's.
+4. Measure with the jitted `xpress_jax.refine` on the converted head the mean accepted length per block
+   of the drafter alone (K = 0) and refined with K = 1..B-1 passes, full vocabulary and each top-C;
+   print the table, write ``OUT/accepted_length.png`` and ``OUT/results.json``.
 """
 
 from __future__ import annotations
@@ -21,6 +17,13 @@ import shutil
 import time
 from pathlib import Path
 from typing import Callable
+
+import jax
+import numpy as np
+
+import xpress_jax as xj
+from .export import export_serving, export_vllm
+from .toy import ToyConfig, ToyTask, evaluate
 
 __all__ = ["DemoOptions", "TINY", "run_demo", "format_table"]
 
@@ -93,27 +96,15 @@ def _plot(path: Path, result: dict, block_size: int, title: str) -> None:
 
 def run_demo(opts: DemoOptions, say: Callable[[str], None] = print,
              progress: Callable[[str], None] | None = None) -> dict:
-    """Run the whole demo; ``say`` gets the report's lines, ``progress`` the stderr progress lines.
-
-    Returns the results dict (also written to ``OUT/results.json``); ``results["ok"]`` is False
-    when a check failed (the converter's verification, or the two exports disagreeing).
-    """
-    import jax
-    import numpy as np
-
-    import xpress_jax as xj
-    from .convert import VerificationError, convert_checkpoint
-    from .export import export_serving, export_vllm
-    from .toy import ToyConfig, ToyTask, evaluate
+    """Run the whole demo; ``say`` gets the report's lines, ``progress`` the stderr progress lines. Returns
+    the results dict (also ``OUT/results.json``); ``results["ok"]`` is False when a check failed."""
+    from .convert import VerificationError, convert_checkpoint  # the converter and optax/orbax: only here
     from .train import TrainConfig, train
 
     note = progress or (lambda _m: None)
     out = Path(opts.out).expanduser().absolute()
     out.mkdir(parents=True, exist_ok=True)
-    for name in OUTPUTS:
-        p = out / name
-        if name == "train_state" and opts.resume:
-            continue
+    for p in (out / name for name in OUTPUTS if not (name == "train_state" and opts.resume)):
         if p.is_dir():
             shutil.rmtree(p)
         elif p.exists():
@@ -156,20 +147,17 @@ def run_demo(opts: DemoOptions, say: Callable[[str], None] = print,
         f"'xpress_head.', raw mix.L, + config.json)")
 
     note("converting the vLLM folder with xpress-convert --verify")
-    ok = True
     try:
         report = convert_checkpoint(out / "vllm_head", out / "converted", verify=True, seed=opts.seed)
-        verify = report.verify
         say(f"convert: xpress-convert {out / 'vllm_head'} {out / 'converted'} --verify: "
-            + "; ".join(verify.lines()))
+            + "; ".join(report.verify.lines()))
     except VerificationError as e:  # exactness required (float32 in, float32 out) and not met
         say(f"convert: FAILED verification: {e}")
         return {"ok": False}
     head = xj.load_params(out / "converted")
     orbax_head = xj.load_params(out / "head_orbax")
-    same = all(np.array_equal(np.asarray(head.params[k]), np.asarray(orbax_head.params[k])) for k in xj.PARAM_NAMES)
-    ok &= same
-    say(f"check : the converted checkpoint's params are {'bitwise identical to' if same else 'DIFFERENT from'} "
+    ok = all(np.array_equal(np.asarray(head.params[k]), np.asarray(orbax_head.params[k])) for k in xj.PARAM_NAMES)
+    say(f"check : the converted checkpoint's params are {'bitwise identical to' if ok else 'DIFFERENT from'} "
         "the Orbax export's")
 
     note(f"measuring: refine on the converted head, K = 1..{B - 1}, modes {['full'] + list(opts.topcs)}")
@@ -199,18 +187,12 @@ def run_demo(opts: DemoOptions, say: Callable[[str], None] = print,
             say(f"plot  : {out / 'accepted_length.png'}")
         except ImportError:
             say("plot  : skipped (matplotlib is not installed: pip install matplotlib)")
-    result = {
-        "ok": bool(ok),
-        "options": {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(opts).items()},
-        "task": dataclasses.asdict(toy_cfg),
-        "head_config": dataclasses.asdict(head_cfg),
-        "train": {"steps_run": len(res.history), "seconds": res.seconds, "tokens_per_s": res.tokens_per_s,
-                  "final": last, "resumed_from": res.resumed_from},
-        "accepted_length": {"drafter": result["drafter"], "refined": {str(k): v for k, v in result["refined"].items()},
-                            "n_blocks": result["n_blocks"], "seed": result["seed"]},
-        "jax": jax.__version__,
-        "seconds_total": time.perf_counter() - t_all,
-    }
+    result = {"ok": bool(ok), "options": json.loads(json.dumps(dataclasses.asdict(opts))),
+              "task": dataclasses.asdict(toy_cfg), "head_config": dataclasses.asdict(head_cfg),
+              "train": {"steps_run": len(res.history), "seconds": res.seconds, "tokens_per_s": res.tokens_per_s,
+                        "final": last, "resumed_from": res.resumed_from},
+              "accepted_length": {**result, "refined": {str(k): v for k, v in result["refined"].items()}},
+              "jax": jax.__version__, "seconds_total": time.perf_counter() - t_all}
     (out / "results.json").write_text(json.dumps(result, indent=1) + "\n")
     say(f"results: {out / 'results.json'}; total {result['seconds_total']:.1f} s")
     return result
