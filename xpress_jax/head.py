@@ -79,14 +79,12 @@ def hidden_cache(params: Params, h: jax.Array, *, pad_rows: int = 0) -> jax.Arra
 
 
 def hidden_input(params: Params, h: jax.Array, *, pad_rows: int = 0) -> jax.Array:
-    """``xh = hidden_cache(h) @ in_proj_hidden``: the pass-invariant half of ``in_proj``, [N, B, r].
-    ``pad_rows``: see `hidden_cache` (the same values)."""
+    """``xh = hidden_cache(h) @ in_proj_hidden``: the pass-invariant half of ``in_proj``, [N, B, r]."""
     cd = params["w1"].dtype
     return round_to(_dot(hidden_cache(params, h, pad_rows=pad_rows), params["in_proj_hidden"], acc_dtype(cd)), cd)
 
 
-#: The key under which `xpress_jax.refine` hands a `token_table` to `latent` inside its params dict
-#: (internal: refine adds it after validating the user's params; a user passes ``token_table=``).
+#: The params key under which `xpress_jax.refine` hands a `token_table` to `latent` (users pass ``token_table=``).
 TOKEN_TABLE = "token_table"
 
 
@@ -105,10 +103,8 @@ def token_table(params: Params | Head) -> jax.Array:
 
 
 def latent(params: Params, xh: jax.Array, prev: jax.Array, *, split: bool = False, barrier: bool = False):
-    """One pass's latents for the draft slots: [N, B, r], [N, B] int -> [N, B-1, r].
-
-    ``x = xh + w1[prev] @ in_proj_token``; ``u[n,k,c] = sum_j mix[k,j,c] x[n,j,c]``
-    (causal: mix is lower-triangular in (k, j)); ``lat = u + down(silu(u @ gate) * (u @ up))``.
+    """One pass's latents for the draft slots: [N, B, r], [N, B] int -> [N, B-1, r]: ``x = xh + w1[prev] @
+    in_proj_token``, ``u[n,k,c] = sum_j mix[k,j,c] x[n,j,c]``, ``lat = u + down(silu(u @ gate) * (u @ up))``.
     ``prev`` must already be a valid index (callers clamp). With ``params[TOKEN_TABLE]`` (added by
     `xpress_jax.refine`) ``w1[prev] @ in_proj_token`` is read from it as ``table[prev]``.
 
@@ -159,30 +155,17 @@ def _check_static_int(name: str, value: Any, minimum: int) -> int:
 class XPressHead(nnx.Module):
     """The XPress refiner head in training form: a Flax NNX module.
 
-    Its params are the checkpoint's tensors one to one (`MODULE_PARAM_NAMES`: attribute -> `HYBRID_KEY_MAP`
-    name) in PyTorch layouts: ``w1`` [V, r], ``down_h``/``down_g`` [r, H], ``in_proj`` [r, 3r] (hidden
-    cache, then token), ``mix_L`` [r, B, B] (RAW mixer), ``mlp_gate``/``mlp_up`` [M, r], ``mlp_down``
-    [r, M], ``w2`` [V, r]. `state_dict` returns them under their checkpoint names (what a vLLM checkpoint
-    holds under ``xpress_head.``).
+    Its params are the checkpoint's tensors one to one, in PyTorch layouts (`MODULE_PARAM_NAMES`:
+    attribute -> `HYBRID_KEY_MAP` name; ``in_proj`` whole, ``mix_L`` raw); `state_dict` returns them under
+    those names. `__call__` scores the draft slots (``base + bias``; teacher-forced: what training fits),
+    `refine` runs K greedy Jacobi passes, and `to_serving` builds the serving `xpress_jax.Head` with the code
+    that loads a converted checkpoint, so ``xpress_jax.refine(head.to_serving(), ...)`` gives `refine`'s
+    tokens. The pass is docs/semantics.md's training form: the mixer as ``u = x + (raw_L * tril) x``.
+    Matmul operands in the params' dtype, accumulation and activations in float32 (float64 for float64).
 
-    One pass (docs/semantics.md): ``x = in_proj(concat(hidden_cache(h), w1[prev]))``, the mixer with its
-    residual ``u = x + (raw_L * tril) x`` per rank channel, ``lat = u + down(silu(gate(u)) * up(u))``,
-    ``bias = lat @ w2.T``. `__call__` returns the draft slots' scores ``base + bias`` (with the target's
-    tokens as ``prev``: what training fits); `refine` runs K greedy Jacobi passes; `to_serving` folds the
-    mixer and splits ``in_proj`` with the code that loads a converted checkpoint, so that
-    ``xpress_jax.refine(head.to_serving(), ...)`` gives this module's tokens. Under transforms:
-    ``nnx.split``/``nnx.merge`` (as `xpress_jax.train` does) or ``nnx.jit(XPressHead.refine,
-    static_argnames=("num_passes", "topc"))``. Matmul operands in the params' dtype, accumulation and
-    activations in float32 (float64 for float64 params).
-
-    Args:
-      config: the head's sizes; its ``topc``, ``num_passes`` and ``max_num_reqs`` travel to `to_serving`.
-      rngs: ``nnx.Rngs`` for the initial weights.
-      param_dtype: the params' dtype.
-      std: ``None`` (default): the training init: normal weights scaled by 1/sqrt(fan in) (``w1``: std 1),
-        ``w2``, ``mlp_down`` and the raw mixer's causal part zero, so a fresh head leaves the drafter's
-        tokens unchanged (the masked upper triangle is small noise, so that the raw mixer never looks
-        folded). A float: every param normal with that std (a random head that changes tokens).
+    ``std=None`` (default) is the training init: normal weights scaled by 1/sqrt(fan in) (``w1``: std 1);
+    ``w2``, ``mlp_down`` and the raw mixer's causal part zero, so a fresh head leaves the drafter's tokens
+    unchanged. A float: every param normal with that std (a random head that changes tokens).
     """
 
     def __init__(self, config: HeadConfig, *, rngs: nnx.Rngs, param_dtype: Any = jnp.float32,
@@ -258,13 +241,9 @@ class XPressHead(nnx.Module):
 
     def refine(self, logits: jax.Array, h: jax.Array, anchors: jax.Array, prev_ids: jax.Array | None = None, *,
                num_passes: int, topc: int = 0) -> jax.Array:
-        """K greedy Jacobi passes of the training-form forward pass: [N, B-1] int32 draft tokens.
-
-        The block starts as ``[anchor, argmax base]``; each pass re-scores every draft slot from
-        the previous pass's tokens. ``topc=0``: argmax over the vocabulary (lowest id on ties);
-        ``topc=C``: over each slot's C largest base logits, taken in ``lax.top_k``'s order
-        (largest first), the first largest score winning. Both are static under jit.
-        """
+        """K greedy Jacobi passes from ``[anchor, argmax base]``: [N, B-1] int32 draft tokens. ``topc=0``:
+        argmax over the vocabulary (lowest id on ties); ``topc=C``: over each slot's C largest base logits
+        in ``lax.top_k``'s order. Both are static under jit."""
         num_passes = _check_static_int("num_passes", num_passes, 1)
         topc = _check_static_int("topc", topc, 0)
         N, B, V = logits.shape

@@ -142,10 +142,7 @@ class Head:
         return (self.config, self.params)[i]
 
     def __repr__(self) -> str:
-        try:
-            dtype = self.dtype.name
-        except Exception:  # unflattened with non-array leaves
-            dtype = "?"
+        dtype = getattr(self.params.get("w1"), "dtype", "?")  # "?": unflattened with non-array leaves
         return f"Head({self.config!r}, params=<{len(self.params)} arrays, {dtype}>)"
 
 
@@ -165,15 +162,11 @@ def init_params(config: HeadConfig, key: jax.Array, dtype: Any = jnp.float32, *,
     if not jnp.issubdtype(dtype, jnp.floating):
         raise TypeError(f"dtype must be a floating dtype, got {dtype}")
     shapes = param_shapes(config)
-    keys = jax.random.split(key, len(PARAM_NAMES))
-    params = {}
-    for k, name in zip(keys, PARAM_NAMES):
-        if name == "mix":
-            r, B = config.rank, config.block_size
-            raw = jax.random.normal(k, (r, B, B), jnp.float32) * (std if mix_std is None else mix_std)
-            params[name] = jnp.transpose(fold_causal_mixer(raw.astype(dtype)), (1, 2, 0))
-        else:
-            params[name] = (jax.random.normal(k, shapes[name], jnp.float32) * std).astype(dtype)
+    keys = dict(zip(PARAM_NAMES, jax.random.split(key, len(PARAM_NAMES))))
+    params = {n: (jax.random.normal(keys[n], shapes[n], jnp.float32) * std).astype(dtype) for n in PARAM_NAMES}
+    raw = jax.random.normal(keys["mix"], (config.rank, config.block_size, config.block_size), jnp.float32)
+    raw = raw * (std if mix_std is None else mix_std)
+    params["mix"] = jnp.transpose(fold_causal_mixer(raw.astype(dtype)), (1, 2, 0))
     return params
 
 

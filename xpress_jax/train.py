@@ -1,14 +1,10 @@
 """Train an `XPressHead` with optax: teacher-forced cross-entropy, AdamW, Orbax train-state checkpoints.
 
-**Loss.** Every draft slot ``b`` is scored as at serving time, ``base[b] + bias[b]``, with its
-predecessors teacher-forced to the target's tokens: the Jacobi fixed-point condition (a block equal to
-the target's continuation must reproduce itself in one more pass). The loss is the mean cross-entropy
-of those scores against the target's tokens. With ``kpass_weight > 0`` a second term scores the same
-targets from the predecessors the head itself produced after ``kpass_passes - 1`` greedy passes (no
-gradient through the picks): the inputs the K-th pass really sees.
-
-**Optimizer.** ``clip_by_global_norm``, then ``optax.adamw`` on linear warmup + cosine decay. Params
-are stored and updated in ``param_dtype``; activations and the loss are float32.
+**Loss.** Every draft slot is scored as at serving time, ``base + bias``, with its predecessors
+teacher-forced to the target's tokens (the Jacobi fixed-point condition); the loss is the mean
+cross-entropy against the target's tokens. With ``kpass_weight > 0`` a second term scores them from the
+head's own tokens after ``kpass_passes - 1`` greedy passes (no gradient through the picks). The optimizer
+is ``clip_by_global_norm`` then ``optax.adamw`` (params in ``param_dtype``, loss in float32).
 
 **State and resume.** The train state is one pytree: params, optimizer state, step, PRNG key data. The
 batch of step ``s`` is drawn with ``fold_in(key, s)``, so the data position is the step. With
@@ -48,23 +44,11 @@ class ResumeError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    """Training hyperparameters (all static: a changed value is a different run).
-
-    Attributes:
-      steps: optimizer steps in total (the schedule's length).
-      batch_size: blocks per step.
-      learning_rate: peak learning rate (reached after ``warmup_steps``).
-      warmup_steps: linear warmup from 0; None (default): ``min(100, steps // 10)``.
-      final_lr_fraction: the cosine decay ends at ``learning_rate * final_lr_fraction``.
-      weight_decay: AdamW's decoupled weight decay.
-      clip_norm: global gradient-norm clip.
-      param_dtype: ``"float32"`` or ``"bfloat16"``.
-      kpass_weight: weight of the optional loss on the head's own K-pass inputs (0: off).
-      kpass_passes: K for that loss (>= 1; K = 1 is the drafter's own block as input).
-      seed: the params' init and the data stream.
-      checkpoint_every: write the train state every this many steps (0: only at the end),
-        when a checkpoint directory is given.
-    """
+    """Training hyperparameters (a changed value is a different run). ``steps`` is the schedule's length;
+    the learning rate warms up linearly to ``learning_rate`` over ``warmup_steps`` (None: ``min(100, steps //
+    10)``), then decays (cosine) to ``learning_rate * final_lr_fraction``. ``kpass_weight`` weighs the loss on
+    the head's own inputs after ``kpass_passes - 1`` passes (0: off). ``seed`` sets the init and the data.
+    ``checkpoint_every``: write the train state every this many steps (0: only at the end)."""
 
     steps: int = 1500
     batch_size: int = 256
