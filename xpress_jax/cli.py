@@ -143,7 +143,7 @@ def demo(args: argparse.Namespace, error) -> int:
 
     opts = _demo_options(args, error)
     try:
-        result = run_demo(opts, say=lambda line: print(line, flush=True), progress=_Progress(opts.progress))
+        result = run_demo(opts, say=lambda line: print(line, flush=True), progress=_progress(opts.progress))
     except ResumeError as e:  # --resume with other options than the checkpoint's
         error(f"--resume: {e}")
     print("OK" if result["ok"] else "FAILED")
@@ -200,16 +200,10 @@ def _median_ms(fn, reps: int) -> float:
     return statistics.median(times) * 1e3
 
 
-class _Progress:
+def _progress(enabled: bool):
     """One line per step on stderr, with the time since the start (so a long step is visibly running)."""
-
-    def __init__(self, enabled: bool):
-        self.enabled = enabled
-        self.t0 = time.perf_counter()
-
-    def __call__(self, msg: str) -> None:
-        if self.enabled:
-            print(f"[{time.perf_counter() - self.t0:6.1f} s] {msg}", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    return lambda msg: enabled and print(f"[{time.perf_counter() - t0:6.1f} s] {msg}", file=sys.stderr, flush=True)
 
 
 def _resolve(args: argparse.Namespace, error) -> tuple:
@@ -262,11 +256,10 @@ def _resolve(args: argparse.Namespace, error) -> tuple:
 
 def bench(args: argparse.Namespace, error) -> int:
     """Run ``xpress bench``; ``error(msg)`` reports a usage error."""
-    progress = _Progress(not args.quiet)
+    progress = _progress(not args.quiet)
     cfg, head, dtype_name = _resolve(args, error)
     dtype = jnp.dtype(dtype_name)
-    key = jax.random.key(args.seed)
-    kp, kl, kh, ka = jax.random.split(key, 4)
+    kp, kl, kh, ka = jax.random.split(jax.random.key(args.seed), 4)
     if head is None:
         progress(f"building a synthetic head (V={cfg.vocab_size}, H={cfg.hidden_size}, std={args.std or _DEFAULT_STD})")
         # Weights strong enough that refinement changes many of the drafter's tokens.
@@ -274,9 +267,7 @@ def bench(args: argparse.Namespace, error) -> int:
         source = "synthetic head"
     else:
         source = f"checkpoint {args.checkpoint}"
-        head = xj.Head(cfg, head.params)  # the run's C and K (--topc/--passes) on the checkpoint's weights
-        if head.dtype != dtype:
-            head = head.astype(dtype)
+        head = xj.Head(cfg, head.params).astype(dtype)  # the run's C and K (--topc/--passes), the checkpoint's weights
     N, B, V = args.n, cfg.block_size, cfg.vocab_size
     logits = (jax.random.normal(kl, (N, B, V), jnp.float32) * 2).astype(dtype)
     h = jax.random.normal(kh, (N, B, cfg.hidden_size), jnp.float32).astype(dtype)
@@ -290,12 +281,10 @@ def bench(args: argparse.Namespace, error) -> int:
     print(f"xpress bench: {source}: V={V} H={cfg.hidden_size} B={B} r={cfg.rank} M={cfg.mlp_hidden} "
           f"C={cfg.topc} K={cfg.num_passes} N={N} dtype={dtype.name} backend={args.backend}"
           f"{' (interpret mode)' if interpret else ''}")
-    print(f"jax {jax.__version__} on {jax.devices()[0].platform} ({jax.devices()[0].device_kind})")
-    print()
+    print(f"jax {jax.__version__} on {jax.devices()[0].platform} ({jax.devices()[0].device_kind})\n")
     call_col = f"call ms (median of {args.reps})"
     print(f"{'mode':<12} {'K':>3} {'compile+1st s':>13} {call_col:>{max(len(call_col), 9)}} "
           f"{'tokens changed vs drafter':>27}")
-    ok = True
     modes = [("full-vocab", 0)] + ([(f"top-{cfg.topc}", cfg.topc)] if cfg.topc else [])
     for mode, topc in modes:
         kw = dict(topc=topc, backend=args.backend, interpret=interpret)
@@ -310,18 +299,14 @@ def bench(args: argparse.Namespace, error) -> int:
 
     # Fixed point: with K >= B-1 full-vocab passes the block is the sequential greedy decode,
     # so one more pass changes nothing.
-    kw = dict(topc=0, backend=args.backend, interpret=interpret)
     progress(f"fixed-point check: full vocab with K={B - 1}, K={B} and K={cfg.num_passes} passes (3 compiles)")
-    a = np.asarray(refine(head, logits, h, anchors, num_passes=B - 1, **kw))
-    b = np.asarray(refine(head, logits, h, anchors, num_passes=B, **kw))
+    a, b, early = (np.asarray(refine(head, logits, h, anchors, num_passes=k, topc=0, backend=args.backend,
+                                     interpret=interpret)) for k in (B - 1, B, cfg.num_passes))
     same = bool(np.array_equal(a, b))
-    ok &= same
-    print()
-    print(f"fixed point: full vocab K=B-1={B - 1} vs K={B}: {'identical' if same else 'DIFFERENT'} "
-          f"({int(np.sum(a != b))} of {a.size} tokens differ)")
-    early = np.asarray(refine(head, logits, h, anchors, num_passes=cfg.num_passes, **kw))
     settled = bool(np.array_equal(early[:, : cfg.num_passes], a[:, : cfg.num_passes]))
-    ok &= settled
+    ok = same and settled
+    print(f"\nfixed point: full vocab K=B-1={B - 1} vs K={B}: {'identical' if same else 'DIFFERENT'} "
+          f"({int(np.sum(a != b))} of {a.size} tokens differ)")
     print(f"after K={cfg.num_passes} passes slots 1..{min(cfg.num_passes, B - 1)} are final: "
           f"{'yes' if settled else 'NO'}; slots still moving after K: {int(np.sum(early != a))} of {a.size}")
     progress("done")
