@@ -125,28 +125,20 @@ def latent(params: Params, xh: jax.Array, prev: jax.Array, *, split: bool = Fals
     uc = round_to(u, cd)
     if barrier:
         u, uc = jax.lax.optimization_barrier((u, uc))
-    gate = _dot(uc, params["mlp_gate"], acc)
-    up = _dot(uc, params["mlp_up"], acc)
-    act = round_to(jax.nn.silu(gate) * up, cd)
+    act = round_to(jax.nn.silu(_dot(uc, params["mlp_gate"], acc)) * _dot(uc, params["mlp_up"], acc), cd)
     d = _dot(act, params["mlp_down"], acc)
     return (u, d) if split else round_to(u + d, cd)
 
 
-def _attr_of(source: str) -> str:
-    target = HYBRID_KEY_MAP[source]
-    return "mix_L" if target == "__raw_mix_L__" else target.removesuffix(".weight")
-
-
 #: `XPressHead` attribute -> its checkpoint name in `HYBRID_KEY_MAP` (one to one, PyTorch layouts).
-MODULE_PARAM_NAMES = {_attr_of(source): source for source in HYBRID_KEY_MAP}
+MODULE_PARAM_NAMES = {("mix_L" if target == "__raw_mix_L__" else target.removesuffix(".weight")): source
+                      for source, target in HYBRID_KEY_MAP.items()}
 
 
 def _check_static_int(name: str, value: Any, minimum: int) -> int:
     if isinstance(value, jax.core.Tracer):
-        raise TypeError(
-            f"{name} must be a static Python int, got a traced value; under jit mark it static: "
-            f"nnx.jit(XPressHead.refine, static_argnames=('num_passes', 'topc')) (or jax.jit with static_argnames)"
-        )
+        raise TypeError(f"{name} must be a static Python int, got a traced value; under jit mark it static: "
+                        "nnx.jit(XPressHead.refine, static_argnames=('num_passes', 'topc'))")
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
     return int(value)

@@ -22,6 +22,7 @@ weights into `refine` and through ``jax.jit``.
 
 from __future__ import annotations
 
+import collections
 from typing import Any, Mapping
 
 import jax
@@ -214,40 +215,25 @@ def params_from_state_dict(tensors: Mapping[str, Any], config: HeadConfig, *, dt
     problems += [f"{what}: {'; '.join(items)}" for what, items in
                  (("shape mismatch", bad_shape), ("non-floating tensors", bad_dtype)) if items]
     if problems:
-        hint = _prefix_hint(missing, given, prefix)
-        raise ValueError("params_from_state_dict: " + " | ".join(problems) + hint)
-
+        raise ValueError("params_from_state_dict: " + " | ".join(problems) + _prefix_hint(missing, given, prefix))
     if dtype is None:
         dtypes = {a.dtype for a in arrays.values()}
         if len(dtypes) != 1:
             raise ValueError(f"source tensors have mixed dtypes {sorted(map(str, dtypes))}; pass dtype= explicitly")
         dtype = dtypes.pop()
     dtype = jnp.dtype(dtype)
-    r = config.rank
-    in_proj = arrays["in_proj.weight"]
-    out = {
-        "w1": arrays["w1.weight"],
-        "down_h": arrays["down_h.weight"].T,
-        "down_g": arrays["down_g.weight"].T,
-        "in_proj_hidden": in_proj[:, : 2 * r].T,
-        "in_proj_token": in_proj[:, 2 * r :].T,
-        "mix": _fold_np(arrays["mix.L"]).transpose(1, 2, 0),
-        "mlp_gate": arrays["mlp.gate_proj.weight"].T,
-        "mlp_up": arrays["mlp.up_proj.weight"].T,
-        "mlp_down": arrays["mlp.down_proj.weight"].T,
-        "w2": arrays["w2.weight"],
-    }
+    r, a = config.rank, arrays
+    out = {"w1": a["w1.weight"], "down_h": a["down_h.weight"].T, "down_g": a["down_g.weight"].T,
+           "in_proj_hidden": a["in_proj.weight"][:, : 2 * r].T, "in_proj_token": a["in_proj.weight"][:, 2 * r :].T,
+           "mix": _fold_np(a["mix.L"]).transpose(1, 2, 0), "mlp_gate": a["mlp.gate_proj.weight"].T,
+           "mlp_up": a["mlp.up_proj.weight"].T, "mlp_down": a["mlp.down_proj.weight"].T, "w2": a["w2.weight"]}
     return {k: jnp.asarray(np.ascontiguousarray(v).astype(dtype)) for k, v in out.items()}
 
 
 def _prefix_hint(missing: list[str], keys: list[str], prefix: str) -> str:
     """When the given keys are the missing names behind a common prefix: say which prefix to pass."""
-    found: dict[str, int] = {}
-    for k in keys:
-        for name in missing:
-            if k.endswith("." + name) and k != prefix + name:
-                p = k[: len(k) - len(name)]
-                found[p] = found.get(p, 0) + 1
+    found = collections.Counter(k[: len(k) - len(name)] for k in keys for name in missing
+                                if k.endswith("." + name) and k != prefix + name)
     if not found:
         return ""
     best = max(found, key=lambda p: (found[p], -len(p)))
