@@ -97,34 +97,24 @@ def _add_demo_parser(sub) -> None:
 
 
 def _demo_options(args: argparse.Namespace, error):
-    values = dict(TINY) if args.tiny else {}
-    for _, field, _, _ in _DEMO_INTS:
-        if getattr(args, field) is not None:
-            values[field] = getattr(args, field)
+    given = [f for _, f, _, _ in _DEMO_INTS] + ["learning_rate", "param_dtype"]
+    values = (dict(TINY) if args.tiny else {}) | {k: getattr(args, k) for k in given if getattr(args, k) is not None}
     for opt, field, minimum, _ in _DEMO_INTS:
         if field in values and values[field] < minimum:
             error(f"{opt} must be >= {minimum}, got {values[field]}")
     if values.get("vocab_size", 0) > 256:
         error(f"--vocab must be <= 256 (the task's tables hold V^3 floats), got {values['vocab_size']}")
-    if args.learning_rate is not None:
-        if not args.learning_rate > 0 or args.learning_rate == float("inf"):
-            error(f"--lr must be a finite number > 0, got {args.learning_rate}")
-        values["learning_rate"] = args.learning_rate
-    if args.param_dtype is not None:
-        values["param_dtype"] = args.param_dtype
+    if args.learning_rate is not None and not 0 < args.learning_rate < float("inf"):  # also refuses nan
+        error(f"--lr must be a finite number > 0, got {args.learning_rate}")
     V = values.get("vocab_size", DemoOptions.vocab_size)
+    values["topcs"] = tuple(c for c in values.get("topcs", DemoOptions.topcs) if c <= V)
     if args.topcs is not None:
         try:
-            topcs = tuple(int(c) for c in args.topcs.split(",") if c.strip())
+            values["topcs"] = tuple(int(c) for c in args.topcs.split(",") if c.strip())
         except ValueError:
             error(f"--topc must be comma-separated ints, got {args.topcs!r}")
-        bad = [c for c in topcs if not 1 <= c <= V]
-        if bad or not topcs:
+        if not values["topcs"] or any(not 1 <= c <= V for c in values["topcs"]):
             error(f"--topc values must be in [1, V={V}] (full vocabulary is always measured), got {args.topcs!r}")
-        values["topcs"] = topcs
-    else:
-        topcs = values.get("topcs", DemoOptions.topcs)
-        values["topcs"] = tuple(c for c in topcs if c <= V)
     out = Path(args.out).expanduser()
     if out.exists() and not out.is_dir():
         error(f"--out {args.out}: exists and is not a folder; name a folder (it is created if missing)")
