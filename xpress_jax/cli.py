@@ -143,8 +143,9 @@ def demo(args: argparse.Namespace, error) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="xpress", description="XPress refiner head in JAX.", epilog=_EPILOG,
                                      formatter_class=_Formatter)
-    parser.add_argument("--version", action="version", help="print the versions of xpress-jax, JAX and Python",
-                        version=f"xpress-jax {xj.__version__} (jax {jax.__version__}, python {platform.python_version()})")
+    version = f"xpress-jax {xj.__version__} (jax {jax.__version__}, python {platform.python_version()})"
+    parser.add_argument("--version", action="version", version=version, help="print the versions of xpress-jax, "
+                        "JAX and Python")
     sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
     _add_demo_parser(sub)
     d = sub.add_parser("bench", formatter_class=_Formatter, epilog=_EPILOG, help="time the jitted refine on a "
@@ -163,7 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"C, candidates per draft slot; 0 = run full vocabulary only (default: {_DEFAULT_TOPC}, "
                         "clamped to V as vLLM does; with --checkpoint: the checkpoint's). An explicit C > V is refused")
     d.add_argument("--passes", type=int, metavar="K",
-                   help=f"K, Jacobi passes per call, >= 1 (default: {_DEFAULT_PASSES}; with --checkpoint: the checkpoint's)")
+                   help=f"K, Jacobi passes per call, >= 1 (default: {_DEFAULT_PASSES}; with --checkpoint: the "
+                        "checkpoint's)")
     d.add_argument("--n", type=int, default=_DEFAULT_N, metavar="N",
                    help="blocks (requests) per call, >= 1 (and <= the checkpoint's max_num_reqs)")
     d.add_argument("--dtype", choices=["float32", "bfloat16"],

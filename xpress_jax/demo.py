@@ -134,11 +134,9 @@ def run_demo(opts: DemoOptions, say: Callable[[str], None] = print,
                 task_meta=dataclasses.asdict(toy_cfg), progress=opts.progress)
     last = res.history[-1] if res.history else None
     resumed = f", resumed from step {res.resumed_from}" if res.resumed_from is not None else ""
-    if last is not None:
-        say(f"train : {len(res.history)} steps in {res.seconds:.1f} s after compile ({res.tokens_per_s:,.0f} draft "
-            f"tokens/s){resumed}; final loss {last['loss']:.4f}, teacher-forced slot accuracy {last['accuracy']:.3f}")
-    else:
-        say(f"train : nothing to do{resumed} (the checkpoint is at the last step)")
+    say(f"train : {len(res.history)} steps in {res.seconds:.1f} s after compile ({res.tokens_per_s:,.0f} draft "
+        f"tokens/s){resumed}; final loss {last['loss']:.4f}, teacher-forced slot accuracy {last['accuracy']:.3f}"
+        if last else f"train : nothing to do{resumed} (the checkpoint is at the last step)")
 
     note("exporting (Orbax serving checkpoint, vLLM folder)")
     export_serving(out / "head_orbax", res.model)
@@ -163,16 +161,13 @@ def run_demo(opts: DemoOptions, say: Callable[[str], None] = print,
     note(f"measuring: refine on the converted head, K = 1..{B - 1}, modes {['full'] + list(opts.topcs)}")
     topcs = (0, *[c for c in opts.topcs if c])
     result = evaluate(task, head, n_blocks=opts.eval_blocks, seed=1000 + opts.seed, topcs=topcs)
-    say("")
-    say(f"Mean accepted length per block: draft tokens (of B-1 = {B - 1}) that the target's greedy check accepts, "
+    say(f"\nMean accepted length per block: draft tokens (of B-1 = {B - 1}) that the target's greedy check accepts, "
         f"i.e. the longest prefix of the draft equal to the target's greedy continuation; {opts.eval_blocks} "
         f"blocks (contexts from the chain's stationary distribution, seed {result['seed']}); K = 0 is the drafter "
-        "alone; refined = the jitted xpress_jax.refine on the converted checkpoint.")
-    say("")
-    for line in format_table(result):
+        "alone; refined = the jitted xpress_jax.refine on the converted checkpoint.\n")
+    for line in format_table(result) + [""]:
         say(line)
     best = max(result["refined"][0])
-    say("")
     if opts.smoke:
         say("smoke run: every step ran. These numbers are no result: run `xpress demo` without --tiny to measure.")
     else:

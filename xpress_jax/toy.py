@@ -53,7 +53,8 @@ class ToyConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name, minimum in (("vocab_size", 2), ("block_size", 2), ("hidden_size", 1), ("target_rank", 1), ("seed", 0)):
+        for name, minimum in (("vocab_size", 2), ("block_size", 2), ("hidden_size", 1), ("target_rank", 1),
+                              ("seed", 0)):
             _positive_int(name, getattr(self, name), minimum)
         if self.vocab_size > 256:
             raise ValueError(f"vocab_size must be <= 256 (the tables hold V^3 floats), got {self.vocab_size}")

@@ -149,11 +149,10 @@ def _make_step(graphdef, tc: TrainConfig, sample: Callable):
 
 # ---------------------------------------------------------------------------- checkpoints
 def _save(mngr, state: dict, meta: dict) -> None:
-    step = int(state["step"])
-    if mngr.latest_step() == step:
-        return
-    mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
-    mngr.wait_until_finished()
+    if mngr.latest_step() != int(state["step"]):
+        mngr.save(int(state["step"]), args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                              meta=ocp.args.JsonSave(meta)))
+        mngr.wait_until_finished()
 
 
 def _restore(mngr, step: int, abstract: dict, meta: dict) -> dict:
@@ -161,7 +160,8 @@ def _restore(mngr, step: int, abstract: dict, meta: dict) -> dict:
     if saved_meta != json.loads(json.dumps(meta)):
         diff = [k for k in meta if saved_meta.get(k) != json.loads(json.dumps(meta[k]))]
         raise ResumeError(f"cannot resume: the checkpoint at step {step} was written by a different run "
-                          f"({', '.join(diff)} differ); resume with the same settings, or start fresh in another directory")
+                          f"({', '.join(diff)} differ); resume with the same settings, or start fresh in another "
+                          "directory")
     return mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))["state"]
 
 
