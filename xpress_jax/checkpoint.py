@@ -44,15 +44,11 @@ def _ocp():
     return ocp
 
 
-@contextlib.contextmanager
 def _checkpointer():
+    """An Orbax checkpointer of the two items (a context manager: closed on exit)."""
     ocp = _ocp()
-    handlers = {_PARAMS: ocp.StandardCheckpointHandler(), _INFO: ocp.JsonCheckpointHandler()}
-    ckptr = ocp.Checkpointer(ocp.CompositeCheckpointHandler(**handlers))
-    try:
-        yield ckptr
-    finally:
-        ckptr.close()
+    return ocp.Checkpointer(ocp.CompositeCheckpointHandler(**{_PARAMS: ocp.StandardCheckpointHandler(),
+                                                              _INFO: ocp.JsonCheckpointHandler()}))
 
 
 @contextlib.contextmanager

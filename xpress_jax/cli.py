@@ -208,9 +208,7 @@ def _resolve(args: argparse.Namespace, error) -> tuple:
     if args.std is not None and not args.std > 0:  # also refuses nan
         error(f"--std must be > 0, got {args.std}")
 
-    run = {}
-    if args.passes is not None:
-        run["num_passes"] = args.passes
+    run = {k: v for k, v in (("num_passes", args.passes), ("topc", args.topc)) if v is not None}
     if args.checkpoint is not None:
         if args.std is not None:
             error("--std sets the synthetic head's weights; it cannot be used with --checkpoint")
@@ -226,23 +224,17 @@ def _resolve(args: argparse.Namespace, error) -> tuple:
             error("size options conflict with --checkpoint: " + ", ".join(clash) + "; leave them out")
         if args.n > cfg.max_num_reqs:
             error(f"--n {args.n} exceeds the checkpoint's max_num_reqs={cfg.max_num_reqs}")
-        if args.topc is not None:
-            run["topc"] = args.topc
         dtype = args.dtype or head.dtype.name
     else:
-        head = None
+        head, dtype = None, args.dtype or "float32"
         sizes = {field: default if getattr(args, field) is None else getattr(args, field)
                  for _, field, default, _, _ in _SIZES}
-        if args.topc is not None:
-            run["topc"] = args.topc
         cfg = xj.HeadConfig(**sizes, max_num_reqs=args.n)  # valid: checked above
-        dtype = args.dtype or "float32"
     if run.get("topc", 0) > cfg.vocab_size:
         error(f"--topc {run['topc']} exceeds the vocabulary (V={cfg.vocab_size}); leave it out to use "
               f"min({_DEFAULT_TOPC}, V), or pass 0 for full vocabulary only")
     if head is None:
-        run.setdefault("topc", min(_DEFAULT_TOPC, cfg.vocab_size))
-        run.setdefault("num_passes", _DEFAULT_PASSES)
+        run = {"topc": min(_DEFAULT_TOPC, cfg.vocab_size), "num_passes": _DEFAULT_PASSES} | run
     return dataclasses.replace(cfg, **run), head, dtype
 
 

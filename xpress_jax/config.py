@@ -23,31 +23,18 @@ def _check_int(name: str, value: Any, *, minimum: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class HeadConfig:
-    """Static configuration of an XPress refiner head (hashable: usable as a jit static arg).
+    """Static configuration of an XPress refiner head (hashable: usable as a jit static arg). It gives
+    `refine` its ``num_passes``, ``topc`` and ``max_num_reqs`` (through a `xpress_jax.Head` or ``config=``).
+    A ``topc`` larger than V is clamped to V, as vLLM does (C = V gives topc=0's tokens, more slowly)."""
 
-    Attributes:
-      vocab_size:   V, vocabulary size (rows of ``w1`` and ``w2``).
-      hidden_size:  H, the drafter's hidden size (input of ``down_h``/``down_g``).
-      block_size:   B, slots per block (slot 0 = anchor, slots 1..B-1 = draft).
-      rank:         r, latent width.
-      mlp_hidden:   M, SwiGLU hidden width.
-      topc:         C, candidates per draft slot; 0 = exact full-vocabulary scoring. A C larger than V
-                    is clamped to V, as vLLM does (C = V gives topc=0's tokens by a slower route).
-      num_passes:   K, Jacobi passes per call.
-      max_num_reqs: the largest N (blocks per call) the head accepts.
-
-    It gives `refine` its ``num_passes``, ``topc`` and ``max_num_reqs`` (through a `xpress_jax.Head`
-    or ``config=``).
-    """
-
-    vocab_size: int
-    hidden_size: int
-    block_size: int = 16
-    rank: int = 256
-    mlp_hidden: int = 512
-    topc: int = 512
-    num_passes: int = 6
-    max_num_reqs: int = 256
+    vocab_size: int  # V: rows of w1 and w2
+    hidden_size: int  # H: the drafter's hidden size
+    block_size: int = 16  # B: slot 0 = anchor, slots 1..B-1 = draft
+    rank: int = 256  # r: latent width
+    mlp_hidden: int = 512  # M: SwiGLU hidden width
+    topc: int = 512  # C: candidates per draft slot; 0 = exact full-vocabulary scoring
+    num_passes: int = 6  # K: Jacobi passes per call
+    max_num_reqs: int = 256  # the largest N (blocks per call) the head accepts
 
     def __post_init__(self) -> None:
         for field, minimum in (("vocab_size", 1), ("hidden_size", 1), ("block_size", 2), ("rank", 1),
