@@ -163,22 +163,17 @@ def evaluate(task: ToyTask, head, *, n_blocks: int = 4096, seed: int = 1234, top
     `xpress_jax.Head`) with the jitted `xpress_jax.refine` for K = 1..B-1, on ``n_blocks`` blocks drawn with
     ``seed``. Returns ``{"n_blocks", "seed", "drafter", "refined": {C: [at K = 1, 2, ...]}}`` (C = 0: full
     vocabulary)."""
-
     _positive_int("n_blocks", n_blocks)
-    B = task.config.block_size
-    K_max = B - 1 if max_passes is None else max_passes
+    K_max = task.config.block_size - 1 if max_passes is None else max_passes
     _positive_int("max_passes", K_max)
     batch = ToyTask.sample(task.tables, jax.random.key(seed), n_blocks)
-    dtype = head.dtype
-    logits, h = batch.logits.astype(dtype), batch.h.astype(dtype)
+    x = (batch.logits.astype(head.dtype), batch.h.astype(head.dtype), batch.anchors, batch.prev_ids)
     run = jax.jit(refine, static_argnames=STATIC)
-    out = {"n_blocks": n_blocks, "seed": seed,
-           "drafter": float(jnp.mean(accepted_length(task.drafter_tokens(batch), batch.target))), "refined": {}}
-    for c in topcs:
-        row = []
-        for K in range(1, K_max + 1):
-            draft = run(head, logits, h, batch.anchors, batch.prev_ids, num_passes=K, topc=c,
-                        max_num_reqs=n_blocks, backend=backend)
-            row.append(float(jnp.mean(accepted_length(draft, batch.target))))
-        out["refined"][int(c)] = row
-    return out
+
+    def mean_accepted(draft):
+        return float(jnp.mean(accepted_length(draft, batch.target)))
+
+    refined = {int(c): [mean_accepted(run(head, *x, num_passes=K, topc=c, max_num_reqs=n_blocks, backend=backend))
+                        for K in range(1, K_max + 1)] for c in topcs}
+    drafter = mean_accepted(task.drafter_tokens(batch))
+    return {"n_blocks": n_blocks, "seed": seed, "drafter": drafter, "refined": refined}
