@@ -1,19 +1,12 @@
 """XLA compile options for the executables that run `refine`.
 
-On a GPU, XLA runs a refine as a CUDA graph (a "command buffer") whose kernels it orders one after
-another by default. With ``xla_gpu_command_buffer_scheduling_mode=CONCURRENT`` it derives the graph's
-edges from the buffers each kernel reads and writes, so independent kernels run at once (the top-C
-selection beside the hidden-input GEMMs, the token-table gathers beside the mixer). The kernels and
-sums are the same, so the tokens are the same; top-C refines get faster, full-vocabulary ones (one chain
-of dependent kernels) do not, and overlapping kernels hold more temporary memory at once
-(docs/performance.md; H200: ``python -m benchmarks.bench_refine``).
-
-`RefineServer` compiles with `compiler_options()` unless told otherwise. In your own jit::
-
-    refine = jax.jit(xj.refine, static_argnames=xj.STATIC_ARGNAMES, compiler_options=xj.compiler_options())
-
-The options act on the top-level jit only: when refine is part of a larger jitted step, pass them to
-that step's jit, or set ``XLA_FLAGS=--xla_gpu_command_buffer_scheduling_mode=CONCURRENT``.
+On a GPU, XLA runs a refine as a CUDA graph whose kernels it orders one after another by default. With
+``xla_gpu_command_buffer_scheduling_mode=CONCURRENT`` it derives the graph's edges from the buffers each
+kernel reads and writes, so independent kernels run at once: the same kernels and sums (the same tokens),
+faster top-C refines, more temporary memory (docs/performance.md; H200: ``python -m
+benchmarks.bench_refine --xla-options both``). `RefineServer` compiles with `compiler_options()`; in your
+own jit pass ``compiler_options=xj.compiler_options()`` to the top-level ``jax.jit`` (or set ``XLA_FLAGS=
+--xla_gpu_command_buffer_scheduling_mode=CONCURRENT`` when refine is part of a larger jitted step).
 """
 
 from __future__ import annotations

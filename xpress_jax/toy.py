@@ -112,9 +112,8 @@ class ToyTask:
         greedy[:, 0] = b
         prev, cur = a, b
         for k in range(1, B):
-            nxt = self.greedy_next[prev, cur]
-            greedy[:, k] = nxt
-            prev, cur = cur, nxt
+            prev, cur = cur, self.greedy_next[prev, cur]
+            greedy[:, k] = cur
 
         # The drafter: exact k-step marginals, propagating each context's distribution over pairs.
         dist = np.zeros((V * V, V, V))
@@ -127,12 +126,9 @@ class ToyTask:
         E1, E2, S = rng.standard_normal((V, H)), rng.standard_normal((V, H)), rng.standard_normal((B, H))
         hidden = np.tanh(E1[a][:, None, :] + E2[b][:, None, :] + S[None, :, :]).astype(np.float32)
 
-        self.tables = {
-            "context_logp": np.log(ctx_p + 1e-30).astype(np.float32),  # [V*V]
-            "drafter_logits": drafter,  # [V*V, B, V]
-            "hidden": hidden,  # [V*V, B, H]
-            "greedy": greedy,  # [V*V, B]
-        }
+        # [V*V], [V*V, B, V], [V*V, B, H], [V*V, B]
+        self.tables = {"context_logp": np.log(ctx_p + 1e-30).astype(np.float32), "drafter_logits": drafter,
+                       "hidden": hidden, "greedy": greedy}
 
     def head_config(self, *, rank: int = 32, mlp_hidden: int = 64, topc: int = 8, num_passes: int | None = None,
                     max_num_reqs: int = 4096) -> HeadConfig:
