@@ -26,6 +26,7 @@ def test_bench_refine_small_runs_on_cpu_and_writes_as_it_goes(tmp_path, capsys):
     assert "results stream to" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_bench_refine_certified_backends(tmp_path):
     """``@certified[-c<C>][-s<S>]`` backends time refine(full_vocab=Certified(...)) at topc=0 only, agree with the
     first backend, and carry the call's certification stats; a bad spelling exits naming it."""
@@ -49,6 +50,7 @@ def test_bench_refine_certified_backends(tmp_path):
     assert 0 <= cert[0]["rows_certified"] <= 1 and "passes_full_scan" in cert[0]
 
 
+@pytest.mark.slow
 def test_bench_refine_table_backends(tmp_path):
     """``@table`` (and ``-table`` after another flag) times refine with a prepared token table: the same tokens
     as the first backend, in both modes."""

@@ -129,11 +129,8 @@ def test_a_failed_check_exits_1(capsys, monkeypatch):
     assert code == 1 and "DIFFERENT" in out and out.strip().endswith("FAILED")
 
 
-def test_console_entry_point_version():
-    """The one subprocess check: `python -m xpress_jax.cli` exits with main's code (0 here, 2 on usage)."""
-    res = subprocess.run([sys.executable, "-m", "xpress_jax.cli", "--version"], capture_output=True, text=True,
-                         timeout=120)
-    assert res.returncode == 0 and re.match(r"xpress-jax \S+ \(jax ", res.stdout), res.stderr
+def test_console_entry_point_exits_with_mains_code():
+    """The one subprocess check: `python -m xpress_jax.cli` exits with main's code (2 on usage)."""
     res = subprocess.run([sys.executable, "-m", "xpress_jax.cli", "bench", "--n", "0"], capture_output=True,
                          text=True, timeout=120)
     assert res.returncode == 2 and "--n" in res.stderr
