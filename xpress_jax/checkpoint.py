@@ -1,16 +1,7 @@
-"""Orbax checkpoints of the head: params plus the `HeadConfig` that sizes them.
-
-Layout (one Orbax composite checkpoint, restorable with plain Orbax too)::
-
-    DST/
-      _CHECKPOINT_METADATA
-      params/      StandardSave of the params dict (serving form, one dtype)
-      xpress/      JsonSave: {"format", "format_version", "config", "dtype", "metadata"}
-
-`load_params` reads the JSON item first and restores the arrays against the abstract target of the
-stored config and dtype, so arrays that disagree with their config are refused. `save_params` is atomic
-(a temporary folder beside ``path``, renamed into place). Orbax is imported lazily (``import xpress_jax``
-stays light).
+"""Orbax checkpoints of the head: one composite checkpoint of two items, ``params/`` (StandardSave of the
+serving params) and ``xpress/`` (JsonSave: format, version, the `HeadConfig`, dtype, metadata); see
+docs/semantics.md. `load_params` restores the arrays against the abstract target of the stored config and
+dtype, so arrays that disagree with their config are refused. `save_params` is atomic.
 """
 
 from __future__ import annotations

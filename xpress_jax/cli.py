@@ -40,15 +40,6 @@ _DEFAULT_TOPC, _DEFAULT_PASSES, _DEFAULT_N, _DEFAULT_STD = 512, 6, 4, 0.05
 _EPILOG = "Exit codes: 0 ok, 1 a check failed, 2 bad usage, 3 internal error."
 
 
-class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows ``(default: X)`` for every option that has a fixed default; the others say theirs in words."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        if action.default is None or isinstance(action.default, bool):
-            return action.help or ""
-        return super()._get_help_string(action)
-
-
 #: ``xpress demo``'s options: (option, DemoOptions field, type, minimum, help). Defaults: `DemoOptions`.
 _DEMO_INTS = (
     ("--steps", "steps", 1, "optimizer steps"),
@@ -66,7 +57,7 @@ _DEMO_INTS = (
 
 def _add_demo_parser(sub) -> None:
     defaults = DemoOptions()
-    d = sub.add_parser("demo", formatter_class=_Formatter, epilog=_EPILOG, help="the main command: train a head on "
+    d = sub.add_parser("demo", epilog=_EPILOG, help="the main command: train a head on "
                        "the embedded task, export, convert, refine, and measure the accepted length", description=(
         "Train an XPress refiner head on the embedded task (a 2nd-order Markov target, a drafter that predicts "
         "every slot independently), export it (Orbax + a vLLM folder), convert the vLLM folder with "
@@ -74,8 +65,8 @@ def _add_demo_parser(sub) -> None:
         "block of the drafter alone and refined with K = 1..B-1 passes, full vocabulary and top-C. Prints the "
         "table, writes OUT/accepted_length.png and OUT/results.json. Seeded. Exits 1 if a check fails."))
     d.add_argument("--out", metavar="DIR", default=defaults.out,
-                   help="folder for the outputs (train_state/, head_orbax/, vllm_head/, converted/, the PNG, "
-                        "results.json; these are replaced on a re-run, nothing else is touched)")
+                   help=f"folder for the outputs (default: {defaults.out}): train_state/, head_orbax/, vllm_head/, "
+                        "converted/, the PNG, results.json (replaced on a re-run; nothing else is touched)")
     for opt, field, minimum, what in _DEMO_INTS:
         d.add_argument(opt, type=int, metavar="N", dest=field,
                        help=f"{what}, >= {minimum} (default: {getattr(defaults, field)}; "
@@ -90,7 +81,8 @@ def _add_demo_parser(sub) -> None:
                    help="the params' dtype in training and export (default: float32)")
     d.add_argument("--resume", action="store_true",
                    help="continue training from OUT/train_state (same options) instead of starting over")
-    d.add_argument("--tiny", action="store_true", help="a smoke-test size (seconds): the sizes marked 'with --tiny'")
+    d.add_argument("--tiny", action="store_true",
+                   help="a smoke run (seconds; its numbers are no result): the sizes marked 'with --tiny'")
     d.add_argument("--no-plot", action="store_true", help="do not write the PNG")
     d.add_argument("-q", "--quiet", action="store_true", help="no progress bar or progress lines on stderr")
     d.set_defaults(_parser=d, _run=demo)
@@ -141,14 +133,13 @@ def demo(args: argparse.Namespace, error) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="xpress", description="XPress refiner head in JAX.", epilog=_EPILOG,
-                                     formatter_class=_Formatter)
+    parser = argparse.ArgumentParser(prog="xpress", description="XPress refiner head in JAX.", epilog=_EPILOG)
     version = f"xpress-jax {xj.__version__} (jax {jax.__version__}, python {platform.python_version()})"
     parser.add_argument("--version", action="version", version=version, help="print the versions of xpress-jax, "
                         "JAX and Python")
     sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
     _add_demo_parser(sub)
-    d = sub.add_parser("bench", formatter_class=_Formatter, epilog=_EPILOG, help="time the jitted refine on a "
+    d = sub.add_parser("bench", epilog=_EPILOG, help="time the jitted refine on a "
                        "synthetic or converted head, and check its fixed point", description=(
         "Build a synthetic head (or load a converted one with --checkpoint) and synthetic drafter logits, run the "
         "jitted refine in full-vocabulary and top-C mode, report compile + first-call time, call latency and how "
@@ -167,17 +158,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"K, Jacobi passes per call, >= 1 (default: {_DEFAULT_PASSES}; with --checkpoint: the "
                         "checkpoint's)")
     d.add_argument("--n", type=int, default=_DEFAULT_N, metavar="N",
-                   help="blocks (requests) per call, >= 1 (and <= the checkpoint's max_num_reqs)")
+                   help=f"blocks (requests) per call, >= 1, <= the checkpoint's max_num_reqs (default: {_DEFAULT_N})")
     d.add_argument("--dtype", choices=["float32", "bfloat16"],
                    help="params and logits dtype (default: float32; with --checkpoint: the stored dtype)")
     d.add_argument("--std", type=float,
                    help=f"weight std of the synthetic head, > 0 (default: {_DEFAULT_STD}: strong enough that "
                         "refinement changes many drafter tokens); not with --checkpoint")
-    d.add_argument("--seed", type=int, default=0, help="random seed of the head and the inputs, >= 0")
-    d.add_argument("--reps", type=int, default=5, help="timed calls per mode (the median is reported), >= 1")
+    d.add_argument("--seed", type=int, default=0, help="random seed of the head and the inputs, >= 0 (default: 0)")
+    d.add_argument("--reps", type=int, default=5, help="timed calls per mode (the median is reported), >= 1 "
+                   "(default: 5)")
     d.add_argument("--backend", default="auto", choices=["auto", "xla", "pallas"],
                    help="auto = Pallas kernels on a supported GPU, else the XLA (jnp) path; pallas on a CPU runs "
-                        "the kernels in (slow) interpret mode")
+                        "the kernels in (slow) interpret mode (default: auto)")
     d.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
     d.set_defaults(_parser=d, _run=bench)
     return parser

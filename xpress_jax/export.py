@@ -3,9 +3,7 @@
 - `export_serving`: ``xpress_jax.save_params`` of ``model.to_serving()``: what `xpress_jax.load_params`
   restores and `refine` runs.
 - `export_vllm`: the head as vLLM's XPress drafter loads it: ``model.safetensors`` (every tensor under
-  ``xpress_head.`` by its `HYBRID_KEY_MAP` name, PyTorch layouts, the RAW ``mix.L``) and ``config.json``
-  (`HeadConfig.to_hf_config`). The folder holds the head only; ``xpress-convert`` reads it as it reads a
-  whole drafter checkpoint.
+  ``xpress_head.`` by its `HYBRID_KEY_MAP` name, PyTorch layouts, the RAW ``mix.L``) and ``config.json``.
 
 Both writes are atomic (a temporary folder beside the destination, renamed at the end).
 """

@@ -96,10 +96,8 @@ def token_table(params: Params | Head) -> jax.Array:
     Pass it as ``refine(..., token_table=...)``; `RefineServer` keeps one. Memory: V * r * 4 bytes
     (155.6 MB at V=151936, r=256). It must come from the very weights passed to refine.
     """
-    if isinstance(params, Head):
-        params = params.params
-    acc = acc_dtype(params["w1"].dtype)
-    return _dot(params["w1"], params["in_proj_token"], acc)
+    params = params.params if isinstance(params, Head) else params
+    return _dot(params["w1"], params["in_proj_token"], acc_dtype(params["w1"].dtype))
 
 
 def latent(params: Params, xh: jax.Array, prev: jax.Array, *, split: bool = False, barrier: bool = False):

@@ -1,22 +1,12 @@
 """The embedded task: a small target language model, a block drafter, and the accepted-length metric.
 
-Small enough to train a head on a 2-core CPU in about a minute; every table comes from one seed.
-
-**Target.** A fixed random second-order Markov chain over V tokens: the logits of the token after
-``(a, b)`` are ``sharpness * (O[c] . (P[b] + 0.7 Q[a])) / sqrt(d) + noise * G[a, b, c]`` (a rank-``d``
-part plus an unstructured one). Its *greedy continuation* of ``(a, b)`` is ``g1 = argmax next(a, b)``,
-``g2 = argmax next(b, g1)``, ...
-
-**Contexts.** A block's context is (token before the anchor, anchor), drawn from the chain's stationary
-distribution. There are V^2 contexts, so every per-context quantity is a table row and a batch is a
-gather; training and evaluation draw from the same distribution.
-
-**Drafter.** Predicts every slot independently: slot ``k``'s logits are the log of the target's exact
-``k``-step marginal, the best an independent per-slot predictor can do, and still incoherent. Its hidden
-states are ``h[k] = tanh(E1[x_{t-1}] + E2[x_t] + S[k])`` (fixed random tables).
-
-**Accepted length.** The longest prefix of the draft (slots 1..B-1) equal to the target's greedy
-continuation, 0..B-1 per block (tokens gained per verification step = accepted length + 1).
+Every table comes from one seed. **Target**: a random second-order Markov chain over V tokens (the logits
+after ``(a, b)``: ``sharpness * (O[c] . (P[b] + 0.7 Q[a])) / sqrt(d) + noise * G[a, b, c]``); its greedy
+continuation of ``(a, b)`` is ``g1 = argmax next(a, b)``, ``g2 = argmax next(b, g1)``, ... **Contexts**:
+(token before the anchor, anchor) from the chain's stationary distribution; V^2 of them, so a batch is a
+gather of table rows. **Drafter**: every slot independently, the log of the target's exact k-step marginal
+(the best an independent predictor can do, still incoherent); hidden states ``tanh(E1[x_{t-1}] + E2[x_t] +
+S[k])``. **Accepted length**: the longest prefix of the draft equal to the greedy continuation (0..B-1).
 """
 
 from __future__ import annotations

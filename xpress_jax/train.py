@@ -6,11 +6,10 @@ cross-entropy against the target's tokens. With ``kpass_weight > 0`` a second te
 head's own tokens after ``kpass_passes - 1`` greedy passes (no gradient through the picks). The optimizer
 is ``clip_by_global_norm`` then ``optax.adamw`` (params in ``param_dtype``, loss in float32).
 
-**State and resume.** The train state is one pytree: params, optimizer state, step, PRNG key data. The
-batch of step ``s`` is drawn with ``fold_in(key, s)``, so the data position is the step. With
-``checkpoint_dir`` an Orbax ``CheckpointManager`` writes it every ``checkpoint_every`` steps and at the
-end; ``resume=True`` continues from the latest step with bit-identical losses (on GPUs with
-``XLA_FLAGS=--xla_gpu_deterministic_ops=true``: the ``w1`` gather's gradient is a scatter-add).
+**State and resume.** The train state is one pytree (params, optimizer state, step, PRNG key data); step
+``s`` draws its batch with ``fold_in(key, s)``. Orbax writes it every ``checkpoint_every`` steps;
+``resume=True`` continues with bit-identical losses (on GPUs with ``XLA_FLAGS=--xla_gpu_deterministic_ops=
+true``: the ``w1`` gather's gradient is a scatter-add).
 """
 
 from __future__ import annotations
