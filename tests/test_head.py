@@ -87,7 +87,7 @@ def test_head_is_a_pytree_with_static_config(head):
     assert isinstance(abstract, xj.Head) and abstract.params["w2"].shape == (CFG.vocab_size, CFG.rank)
     # Backward compatible with load_params' old (config, params) tuple.
     config, params = head
-    assert config is head.config and params is head.params and head[0] is CFG and len(head) == 2
+    assert config is head.config and params is head.params and head[0] is CFG
     assert head.dtype == jnp.float32 and head.astype(jnp.bfloat16).dtype == jnp.bfloat16
     assert "Head(" in repr(head) and "float32" in repr(head)
     with pytest.raises(ValueError, match="mlp_up"):

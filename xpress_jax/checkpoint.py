@@ -44,11 +44,8 @@ def _checkpointer():
 
 @contextlib.contextmanager
 def staged_directory(path: str | os.PathLike, *, overwrite: bool = False) -> Iterator[Path]:
-    """Yield a not-yet-existing path to write a directory into; rename it to ``path`` on success.
-
-    The staging area is a hidden temporary folder beside ``path``; on an exception it is removed and
-    ``path`` is untouched. With ``overwrite`` an existing ``path`` is replaced once the new one is complete.
-    """
+    """Yield a not-yet-existing path (in a hidden temporary folder beside ``path``) to write a directory into;
+    rename it to ``path`` on success. On an exception ``path`` is untouched; ``overwrite`` replaces it."""
     path = Path(path).expanduser().absolute()
     if (path.exists() or path.is_symlink()) and not overwrite:
         raise FileExistsError(f"{path} already exists (pass overwrite=True / --force to replace it)")

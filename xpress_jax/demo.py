@@ -105,15 +105,11 @@ def run_demo(opts: DemoOptions, say: Callable[[str], None] = print,
     out = Path(opts.out).expanduser().absolute()
     out.mkdir(parents=True, exist_ok=True)
     for p in (out / name for name in OUTPUTS if not (name == "train_state" and opts.resume)):
-        if p.is_dir():
-            shutil.rmtree(p)
-        elif p.exists():
-            p.unlink()
+        shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
 
     t_all = time.perf_counter()
     note("building the task (target chain, drafter tables)")
-    toy_cfg = ToyConfig(vocab_size=opts.vocab_size, block_size=opts.block_size, hidden_size=opts.hidden_size,
-                        seed=opts.seed)
+    toy_cfg = ToyConfig(opts.vocab_size, opts.block_size, opts.hidden_size, seed=opts.seed)
     task = ToyTask(toy_cfg)
     head_cfg = task.head_config(rank=opts.rank, mlp_hidden=opts.mlp_hidden, topc=opts.topcs[0] if opts.topcs else 0,
                                 max_num_reqs=max(opts.eval_blocks, 1))

@@ -39,11 +39,8 @@ def precision_for(dtype: Any) -> jax.lax.Precision | None:
 
 
 def round_to(x: jax.Array, dtype: Any) -> jax.Array:
-    """``x`` rounded to ``dtype`` (round to nearest even), a rounding XLA may not skip.
-
-    XLA on GPUs removes an ``f32 -> bf16 -> f32`` pair by default (``xla_allow_excess_precision``), so a
-    plain ``astype`` converted back later might never round. ``reduce_precision`` first is always kept.
-    """
+    """``x`` rounded to ``dtype`` (to nearest even), a rounding XLA may not skip: XLA on GPUs drops an ``f32 ->
+    bf16 -> f32`` pair (``xla_allow_excess_precision``), but keeps ``reduce_precision``."""
     dtype = jnp.dtype(dtype)
     if jnp.dtype(x.dtype) == dtype:
         return x
@@ -62,11 +59,9 @@ def _dot(a: jax.Array, b: jax.Array, acc: jnp.dtype) -> jax.Array:
 
 
 def hidden_cache(params: Params, h: jax.Array, *, pad_rows: int = 0) -> jax.Array:
-    """``concat(h @ down_h, mean_slots(h) @ down_g)``: [N, B, H] -> [N, B, 2r] (pass-invariant).
-
-    ``pad_rows`` (a spelling for XLA:GPU, the same values): with N < pad_rows, ``mean_slots(h)`` is padded
-    with zero rows behind an optimization barrier, so XLA cannot turn an N = 1 dot into a multiply + reduce.
-    """
+    """``concat(h @ down_h, mean_slots(h) @ down_g)``: [N, B, H] -> [N, B, 2r] (pass-invariant). ``pad_rows``
+    (XLA:GPU, the same values): N < pad_rows rows are zero-padded behind an optimization barrier before the
+    dot, so that XLA cannot turn an N = 1 dot into a multiply + reduce."""
     cd = params["w1"].dtype
     acc = acc_dtype(cd)
     n = h.shape[0]
@@ -89,13 +84,10 @@ TOKEN_TABLE = "token_table"
 
 
 def token_table(params: Params | Head) -> jax.Array:
-    """``w1 @ in_proj_token`` for every vocab id: [V, r] in the accumulation dtype, once per set of weights.
-
-    `latent` then reads ``table[prev]`` instead of a gather of ``w1`` rows and a small GEMM every pass:
-    the same sums of the same products, three kernels fewer per pass on a GPU (docs/performance.md).
-    Pass it as ``refine(..., token_table=...)``; `RefineServer` keeps one. Memory: V * r * 4 bytes
-    (155.6 MB at V=151936, r=256). It must come from the very weights passed to refine.
-    """
+    """``w1 @ in_proj_token`` for every vocab id: [V, r] in the accumulation dtype, once per set of weights:
+    `latent` reads ``table[prev]`` instead of a gather and a small GEMM every pass (the same sums; three
+    kernels fewer per pass on a GPU: docs/performance.md). Pass it as ``refine(..., token_table=...)``
+    (`RefineServer` keeps one); V * r * 4 bytes; it must come from the very weights passed to refine."""
     params = params.params if isinstance(params, Head) else params
     return _dot(params["w1"], params["in_proj_token"], acc_dtype(params["w1"].dtype))
 
@@ -103,14 +95,11 @@ def token_table(params: Params | Head) -> jax.Array:
 def latent(params: Params, xh: jax.Array, prev: jax.Array, *, split: bool = False, barrier: bool = False):
     """One pass's latents for the draft slots: [N, B, r], [N, B] int -> [N, B-1, r]: ``x = xh + w1[prev] @
     in_proj_token``, ``u[n,k,c] = sum_j mix[k,j,c] x[n,j,c]``, ``lat = u + down(silu(u @ gate) * (u @ up))``.
-    ``prev`` must already be a valid index (callers clamp). With ``params[TOKEN_TABLE]`` (added by
-    `xpress_jax.refine`) ``w1[prev] @ in_proj_token`` is read from it as ``table[prev]``.
-
-    ``split=True`` returns the residual's two terms ``(u, d)`` before their sum, in the accumulation
-    dtype (the latent is ``round_to(u + d, dtype)``, which the top-C pick kernel forms as it loads them).
-    ``barrier=True`` puts ``u`` and its rounding behind an optimization barrier: the same values, but
-    XLA:GPU computes the gather and the mixer once instead of inside the residual's fusion.
-    """
+    ``prev`` must be valid indices (callers clamp); ``params[TOKEN_TABLE]`` (added by `xpress_jax.refine`)
+    replaces ``w1[prev] @ in_proj_token`` by ``table[prev]``. ``split=True`` returns ``(u, d)`` before their
+    sum (the latent is ``round_to(u + d, dtype)``, which the top-C pick kernel forms as it loads them).
+    ``barrier=True``: ``u`` behind an optimization barrier (the same values; XLA:GPU computes the gather and
+    the mixer once instead of inside the residual's fusion)."""
     cd = params["w1"].dtype
     acc = acc_dtype(cd)
     table = params.get(TOKEN_TABLE)

@@ -15,9 +15,6 @@ one floating dtype. With V vocab, H hidden, B block, r rank, M mlp hidden (PyTor
 ``mlp_down``       [M, r]     ``mlp.down_proj.weight``.T
 ``w2``             [V, r]     readout (``w2.weight``): bias = lat @ w2.T
 =================  =========  =====================================================================
-
-`Head` pairs such a dict with the `HeadConfig` that sizes it, so that the config travels with the
-weights into `refine` and through ``jax.jit``.
 """
 
 from __future__ import annotations
@@ -131,11 +128,7 @@ class Head:
         return Head(self.config, {k: v.astype(dtype) for k, v in self.params.items()})
 
     def __iter__(self):
-        yield self.config
-        yield self.params
-
-    def __len__(self) -> int:
-        return 2
+        return iter((self.config, self.params))
 
     def __getitem__(self, i: int):
         if isinstance(i, str):

@@ -220,17 +220,11 @@ def train(head_config: HeadConfig, tables: Mapping[str, Any],
           log: Callable[[dict], None] | None = None) -> TrainResult:
     """Train a head from scratch (or resume one) on batches from ``sample(tables, key, n)``.
 
-    Args:
-      head_config: the head's sizes (and its C, K, max N, which travel to export).
-      tables: arrays ``sample`` reads (e.g. `xpress_jax.toy.ToyTask.tables`), passed into the jitted step.
-      sample: ``(tables, key, n) -> Batch``, jit-able (e.g. ``ToyTask.sample``).
-      tc: hyperparameters.
-      checkpoint_dir: where to write Orbax train-state checkpoints (None: none).
-      resume: continue from the latest checkpoint in ``checkpoint_dir`` (a fresh start if it holds none);
-        without it, a directory that already holds checkpoints is refused.
-      task_meta: JSON-able description of the data (stored with the checkpoints; must match on resume).
-      progress: a progress bar on stderr.
-      log: called with each step's metrics dict.
+    ``tables`` (e.g. `xpress_jax.toy.ToyTask.tables`) enter the jitted step as arguments; ``sample`` is
+    jit-able (e.g. ``ToyTask.sample``). ``checkpoint_dir``: where Orbax writes the train state; ``resume``
+    continues from its latest step (without it, a directory holding checkpoints is refused).
+    ``task_meta``: JSON-able description of the data, stored with the checkpoints (must match on resume).
+    ``progress``: a progress bar on stderr; ``log``: called with each step's metrics.
     """
     if not isinstance(head_config, HeadConfig):
         raise TypeError(f"head_config must be a HeadConfig, got {type(head_config).__name__}")
