@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 import subprocess
 import sys
@@ -137,12 +138,15 @@ def test_console_entry_point_exits_with_mains_code():
 
 
 # ---------------------------------------------------------------- xpress demo (the main command)
-def test_demo_tiny_runs_end_to_end_and_is_reproducible(tmp_path, capsys):
-    import json
-
+def _demo_tiny(tmp_path, capsys):
     out_dir = tmp_path / "out"
     code, out, err = run(capsys, "demo", "--tiny", "--out", str(out_dir))
     assert code == 0, err
+    return out_dir, out, err
+
+
+def test_demo_tiny_runs_end_to_end(tmp_path, capsys):
+    out_dir, out, err = _demo_tiny(tmp_path, capsys)
     assert out.strip().endswith("OK")
     # A smoke run says so and shows no ratio as if it were a result.
     assert "smoke run (--tiny)" in out and "These numbers are no result" in out
@@ -166,14 +170,20 @@ def test_demo_tiny_runs_end_to_end_and_is_reproducible(tmp_path, capsys):
     assert float(rows[0][0]) == round(acc["drafter"], 2)
     for k in range(1, B):
         assert [float(v) for v in rows[k]] == [round(acc["refined"][c][k - 1], 2) for c in ("0", "4")]
-    # Seeded: resuming from the final checkpoint trains nothing and measures the same numbers.
+    # Resuming with other training options would not continue the same run: refused, naming --resume.
+    code, out3, err3 = run(capsys, "demo", "--tiny", "--out", str(out_dir), "--resume", "-q", "--lr", "0.01")
+    assert code == 2 and "--resume" in err3.splitlines()[-1] and "different run" in err3, err3
+
+
+@pytest.mark.slow
+def test_demo_tiny_resumed_measures_the_same(tmp_path, capsys):
+    """Seeded: resuming from the final checkpoint trains nothing and measures the same numbers."""
+    out_dir, _, _ = _demo_tiny(tmp_path, capsys)
+    acc = json.loads((out_dir / "results.json").read_text())["accepted_length"]
     code, out2, err2 = run(capsys, "demo", "--tiny", "--out", str(out_dir), "--resume", "-q", "--no-plot")
     assert code == 0, err2
     assert "resumed from step" in out2 and err2 == ""
     assert json.loads((out_dir / "results.json").read_text())["accepted_length"] == acc
-    # Resuming with other training options would not continue the same run: refused, naming --resume.
-    code, out3, err3 = run(capsys, "demo", "--tiny", "--out", str(out_dir), "--resume", "-q", "--lr", "0.01")
-    assert code == 2 and "--resume" in err3.splitlines()[-1] and "different run" in err3, err3
 
 
 @pytest.mark.parametrize(

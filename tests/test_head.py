@@ -139,7 +139,7 @@ def test_refine_server_takes_a_head_with_its_own_c_and_k(head):
 
 def test_pallas_on_cpu_without_interpret_names_the_fix(head):
     if jax.default_backend() != "cpu":
-        pytest.skip("a CPU-only property: on a GPU backend='pallas' compiles the kernels")
+        pytest.skip("CPU only: a CPU property (on a GPU backend='pallas' compiles the kernels)")
     x = make_inputs(CFG, 1)
     for f in (xj.refine, refine_jit):
         with pytest.raises(ValueError, match=r"interpret=True") as e:

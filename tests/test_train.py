@@ -88,6 +88,7 @@ def test_readme_snippet_refined_beats_the_drafter(task):
     assert full[0] < full[-1]  # more passes help on the learned head
 
 
+@pytest.mark.slow  # the fast path: test_cli's demo (export, convert --verify, load, refine)
 def test_export_round_trip_gives_the_trained_heads_tokens(tmp_path, task, trained):
     from xpress_jax.convert import convert_checkpoint, load_file
 

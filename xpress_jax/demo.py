@@ -56,7 +56,7 @@ class DemoOptions:
 
 
 #: ``--tiny``: the smoke-run size (a few seconds).
-TINY = dict(vocab_size=16, block_size=5, hidden_size=8, rank=8, mlp_hidden=16, steps=40, batch_size=32,
+TINY = dict(vocab_size=16, block_size=4, hidden_size=8, rank=8, mlp_hidden=16, steps=40, batch_size=32,
             topcs=(4,), eval_blocks=64, checkpoint_every=20)
 
 
