@@ -111,10 +111,10 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-#: The end-of-run summary's skip categories: (pattern in the reason, label). A reason starts with its
-#: category ("slow sweep: ...", "GPU only: ...", "needs torch: ...", "CPU only: ...").
-SKIP_CATEGORIES = (("slow sweep", "slow sweeps (run with -m slow)"), ("GPU", "GPU only"),
-                   ("torch", "need torch"), ("CPU only", "CPU only"))
+#: The end-of-run summary's skip categories: (pattern in the reason, label), the first match wins. A
+#: reason starts with its category: "slow sweep: ...", "GPU only: ...", "needs torch: ...", "CPU only: ...".
+SKIP_CATEGORIES = (("slow sweep", "slow sweeps (run with -m slow)"), ("GPU", "GPU only"), ("CUDA", "GPU only"),
+                   ("compiled kernel", "GPU only"), ("torch", "need torch"), ("CPU", "CPU only"))
 
 
 def skip_summary(reasons: list[str]) -> str:
