@@ -92,13 +92,23 @@ def pytest_report_teststatus(report, config):
         return "rerun", "R", ("RERUN", {"yellow": True})
 
 
+_SKIP_LINE = pytest.StashKey[str]()
+
+
 def pytest_terminal_summary(terminalreporter):
     for nodeid, n in sorted(_crash_reruns.items()):
         terminalreporter.write_line(f"worker crashed, test run again ({n}x): {nodeid}", yellow=True)
     reasons = [rep.longrepr[2] for rep in terminalreporter.stats.get("skipped", [])
                if isinstance(rep.longrepr, tuple) and len(rep.longrepr) == 3]
-    if reasons:
-        terminalreporter.write_line(skip_summary(reasons))
+    if reasons:  # written after pytest's own final line (pytest_unconfigure)
+        terminalreporter.config.stash[_SKIP_LINE] = skip_summary(reasons)
+
+
+def pytest_unconfigure(config):
+    line = config.stash.get(_SKIP_LINE, None)
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if line and reporter is not None:
+        reporter.write_line(line)
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest's own `-m` selection reads the markers
