@@ -231,7 +231,7 @@ def test_train_progress_eta_starts_after_the_first_step():
     for step in range(1, 11):
         bar(step, 1.0, 0.5, 0.0, final=step == 10)
     lines = stream.getvalue().splitlines()
-    assert "eta" not in lines[0] and all("eta" in line for line in lines[1:]), lines
+    assert "eta" not in lines[0] and "compile" in lines[0] and all("eta" in line for line in lines[1:]), lines
 
 
 def test_demo_help_names_every_option_and_its_default(capsys):

@@ -182,7 +182,7 @@ class _Bar:
         now = time.perf_counter()
         if self.first is None:
             self.first = (step, now)
-        eta = "" if step == self.first[0] else \
+        eta = " (the first step: with the compile)" if step == self.first[0] else \
             f" eta {(now - self.first[1]) / (step - self.first[0]) * (self.total - step):4.0f} s"
         text = (f"train {step:>6}/{self.total} [{'#' * int(step / self.total * 24):<24}] loss {loss:.4f} "
                 f"acc {acc:.3f} {tok_s:,.0f} tok/s{eta}")
