@@ -253,7 +253,7 @@ def explain_main(argv=None):
 def torch_refine(params, logits, h, anchors, *, num_passes, topc, spelling="fused", ties="sorted"):
     """vLLM's head spelled in PyTorch on the GPU, from our serving params (bf16).
 
-    ``spelling="fused"``: the precision choices of vLLM's fused path (SEMANTICS.md): bf16
+    ``spelling="fused"``: the precision choices of vLLM's fused path (docs/semantics.md): bf16
     operands, float32 accumulation (exact products: float32 matmuls with TF32 off), the hidden
     cache, xh, the latent and the readout bias rounded to bf16, the latent's elementwise work in
     float32, ``s = bf16(float32(base) + float32(bias))``. ``spelling="eager"``: the plain bf16
@@ -261,7 +261,7 @@ def torch_refine(params, logits, h, anchors, *, num_passes, topc, spelling="fuse
     fused one is the reference's self-agreement.
 
     Top-C candidates: sorted as ``torch.topk(..., sorted=True)`` (largest base logit first; equal
-    logits in vocab order, as SEMANTICS.md states, by a stable sort); ``ties="sorted"``
+    logits in vocab order, as docs/semantics.md states, by a stable sort); ``ties="sorted"``
     picks the first position holding the largest s (vLLM); ``ties="lowest_id"`` the lowest vocab id
     among equal s (the rule refine used before; for comparison). Returns [N, B-1] int64 numpy.
     """
@@ -300,7 +300,7 @@ def torch_refine(params, logits, h, anchors, *, num_passes, topc, spelling="fuse
         blk[:, 1:] = slots.argmax(dim=-1).view(N, B - 1)
         mix = P["mix"].to(f32) if fused else P["mix"]  # [B(k), B(j), r]
         if topc:
-            # torch.topk(sorted=True) order, with equal logits in vocab order (SEMANTICS.md: lowest id
+            # torch.topk(sorted=True) order, with equal logits in vocab order (docs/semantics.md: lowest id
             # first, and the C-th place's ties keep the lowest ids): a stable descending sort.
             cand = torch.sort(slots, dim=-1, descending=True, stable=True).indices[:, : min(topc, V)]
             base_c = torch.gather(slots, 1, cand)
@@ -332,7 +332,7 @@ def torch_refine(params, logits, h, anchors, *, num_passes, topc, spelling="fuse
 
 
 def vllm_main(argv=None):
-    """Top-C (and full-vocab) token agreement with PyTorch spellings of vLLM (issue 9's measurement)."""
+    """Top-C (and full-vocab) token agreement with PyTorch spellings of vLLM."""
     ap = argparse.ArgumentParser(description="agreement with a PyTorch spelling of vLLM's fused path")
     ap.add_argument("--n", default="1,4,16,64,256")
     ap.add_argument("--topc", default="512,0")

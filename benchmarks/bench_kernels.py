@@ -1,6 +1,6 @@
 """Per-kernel benchmark: every step refine runs, the served Pallas kernel vs its jnp reference.
 
-    PYTHONPATH=$PWD python -m benchmarks.bench_kernels --out results/          # on a GPU
+    PYTHONPATH=$PWD python -m benchmarks.bench_kernels --out kernels_out/      # on a GPU
     PYTHONPATH=$PWD python -m benchmarks.bench_kernels --small --n 1 --reps 1  # CPU smoke (interpret mode)
 
 Steps (serving shapes V=151936, H=4096, B=16, r=256, M=512, C=512, bf16): ``select`` (top-C

@@ -1,6 +1,6 @@
 """Refine benchmark: device time per refine and one call's wall latency, per backend and mode.
 
-    PYTHONPATH=$PWD python3 -m benchmarks.bench_refine --out results/   # on a GPU
+    PYTHONPATH=$PWD python3 -m benchmarks.bench_refine --out bench_out/  # on a GPU
     PYTHONPATH=$PWD python3 -m benchmarks.bench_refine --small           # smoke test on a CPU (XLA backend)
     PYTHONPATH=$PWD python3 -m benchmarks.bench_refine --n 1 --wall-only --walls 5 --no-select   # CPU, serving shapes
 
@@ -73,9 +73,8 @@ def chained(cfg, m, empty=False, refine_fn=None, compiler_options=None, **kw):
                 out = xj.refine(params, logits, h, anchors, config=cfg, **kw)
             tok = out[:, -1]
             # logits and h pass through a barrier with the last output, so XLA cannot treat them as
-            # loop invariants (no step is hoisted out of the chain) and nothing is copied. (Until
-            # 2026-12-01 a tiny in-place write did this; XLA copied the logits and h for it every
-            # iteration: +920 µs per refine at N=256 top-512, +58 µs at N=16; RESULTS.md.)
+            # loop invariants (no step is hoisted out of the chain) and nothing is copied (an in-place
+            # write instead would make XLA copy the logits and h every iteration).
             logits, h, tok = jax.lax.optimization_barrier((logits, h, tok))
             return logits, h, tok, acc + out.sum()
 
@@ -135,8 +134,8 @@ def host_walls(single, refine_fn, args, want, walls, compiler_options=None):
     ``wall_host_us`` = the same refine jitted with its output in pinned host memory
     (``RefineServer(output="host")``), then ``np.asarray``. Asserts both give ``want``."""
     dev = jax.devices()[0]
-    host = jax.jit(refine_fn, out_shardings=jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host"),
-                   compiler_options=compiler_options)
+    pinned = jax.sharding.make_single_device_sharding(dev, memory_kind="pinned_host")
+    host = jax.jit(refine_fn, out_shardings=pinned, compiler_options=compiler_options)
     got = np.asarray(host(*args))
     if not np.array_equal(got, want):
         raise AssertionError(f"pinned-host output gave other tokens: {int(np.sum(got != want))} differ")
@@ -190,21 +189,9 @@ def bench_ops(name, interpret):
 
 def certified_flag(flag):
     """"certified" / "certified-c2048" / "certified-c2048-s4" -> `xpress_jax.exact.Certified` (C candidates,
-    scan_blocks S); "pruned" / "pruned-prev" / "pruned-c1024-x50" -> `xpress_jax.exact.Pruned` (guess from the
-    previous tokens, C candidates, max_exact X percent); anything else -> None (neither)."""
-    from xpress_jax.exact import Certified, Pruned
+    scan_blocks S); anything else -> None."""
+    from xpress_jax.exact import Certified
 
-    if flag.startswith("pruned"):
-        kw = {}
-        for part in flag.removeprefix("pruned").split("-")[1:]:
-            if part == "prev":
-                kw["guess"] = "previous"
-            elif part[:1] in ("c", "x") and part[1:].isdigit():
-                kw["candidates" if part[0] == "c" else "max_exact"] = (int(part[1:]) if part[0] == "c"
-                                                                      else int(part[1:]) / 100)
-            else:
-                raise SystemExit(f"bench_refine: {flag!r} must look like pruned, pruned-prev or pruned-c1024-x50")
-        return Pruned(**kw)
     if not flag.startswith("certified"):
         return None
     kw = {}
@@ -248,8 +235,7 @@ def main(argv=None):
                          "devices, inputs and weights placed as it expects) or "
                          "@loop (passes in a lax.fori_loop instead of unrolled) or @certified[-c<C>][-s<S>] (full "
                          "vocab as refine(full_vocab=Certified(candidates=C, scan_blocks=S)): same tokens; top-C rows "
-                         "skip it; adds its stats to the row) or @pruned[-prev][-c<C>][-x<percent>] (full vocab as "
-                         "refine(full_vocab=Pruned(...)), likewise) or @table (refine with a prepared "
+                         "skip it; adds its stats to the row) or @table (refine with a prepared "
                          "xj.token_table, as RefineServer keeps; '-table' after another flag adds it to that one). "
                          "Default: xla,pallas on a GPU, "
                          "xla elsewhere (pallas off a GPU runs in interpret mode: slow)")
@@ -331,8 +317,7 @@ def main(argv=None):
                 placed = ((problem[0], xj.token_table(problem[0])), *problem[1:]) if table else problem
                 # The bound's weight-only data, computed once as a server does (RefineServer: at
                 # start-up and reload), not inside every timed call.
-                prep = (None if cert is None else exact.prepare_pruned(problem[0]["w2"])
-                        if isinstance(cert, exact.Pruned) else exact.prepare_certified(problem[0]["w2"]))
+                prep = None if cert is None else exact.prepare_certified(problem[0]["w2"])
 
                 def refine_fn(p, l, h, a, ops=ops, topc=topc, unroll=unroll, cert=cert, stats=False, prep=prep,
                               table=table):
@@ -437,10 +422,7 @@ def to_markdown(meta, rows, backends):
                           else " | -")
             if r and "agree" in r:
                 agree.append(f"{b}: {r['agree']:.2%} ({r['disagree_tokens']} differ)")
-            if r and "tiles_exact" in r:  # a pruned backend: its stats
-                agree.append(f"{b}: rows certified {r['rows_certified']:.1%}, ids excluded {r['ids_excluded']:.4%}, "
-                             f"scored exactly {r['tiles_exact']:.2%}, passes full {r['passes_full_scan']:.2f}")
-            elif r and "rows_certified" in r:  # a certified backend: its stats
+            if r and "rows_certified" in r:  # a certified backend: its stats
                 agree.append(f"{b}: rows certified {r['rows_certified']:.1%}, passes certified / row scan / full "
                              f"{r['passes_certified']:.2f} / {r['passes_row_scan']:.2f} / {r['passes_full_scan']:.2f}")
         mode = "full vocab" if topc == 0 else f"top-{topc}"

@@ -66,8 +66,7 @@ def main(argv=None):
     task = ToyTask(ToyConfig(block_size=args.block_size))
     cfg = task.head_config(num_passes=args.num_passes)
     t0 = time.perf_counter()
-    res = train(cfg, task.tables, ToyTask.sample, TrainConfig(steps=args.steps, batch_size=64,
-                                                               warmup_steps=min(100, args.steps // 10)), progress=False)
+    res = train(cfg, task.tables, ToyTask.sample, TrainConfig(steps=args.steps, batch_size=64), progress=False)
     train_s = time.perf_counter() - t0
     heads = {"trained": res.model.to_serving(), "untrained (std 0.02)": xj.init_head(cfg, jax.random.key(7))}
     batch = ToyTask.sample(task.tables, jax.random.key(1234), args.blocks)

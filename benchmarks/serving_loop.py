@@ -60,7 +60,7 @@ def measure(cfg, params, drafter, n: int, topc: int, steps: int, rounds: int, re
     tok = jax.random.randint(jax.random.key(n), (n, cfg.block_size), 0, cfg.vocab_size)
     logits, h, anchors = drafter(tok)
     fn = lambda p, l, hh, a: xj.refine(p, l, hh, a, config=cfg, topc=topc, backend=backend)
-    host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+    host = jax.sharding.make_single_device_sharding(jax.devices()[0], memory_kind="pinned_host")
     ref_dev = jax.jit(fn).lower(params, logits, h, anchors).compile()
     ref_host = jax.jit(fn, out_shardings=host).lower(params, logits, h, anchors).compile()
     server = xj.RefineServer(xj.Head(cfg, params), buckets=(n,), topc=topc, backend=backend, output="host",

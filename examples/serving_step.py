@@ -236,7 +236,7 @@ def trained_head(task: ToyTask, steps: int, seed: int, requests: int) -> tuple[x
 
     # topc=0 and K = B-1 in the config; the step passes --num-passes and --topc to refine explicitly.
     cfg = task.head_config(rank=RANK, mlp_hidden=MLP_HIDDEN, topc=0, max_num_reqs=requests)
-    tc = TrainConfig(steps=steps, batch_size=64, warmup_steps=min(100, steps // 10), seed=seed)
+    tc = TrainConfig(steps=steps, batch_size=64, seed=seed)  # warmup: min(100, steps // 10)
     res = train(cfg, task.tables, ToyTask.sample, tc, progress=sys.stderr.isatty())
     return res.model.to_serving(), (f"trained here: {steps} steps x 64 blocks (xpress_jax.train), "
                                     f"final loss {res.history[-1]['loss']:.3f}")

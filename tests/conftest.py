@@ -60,7 +60,7 @@ def _interpret_mode_on_the_cpu_device(request):
     comparison is not the CPU oracle; there `test_kernel_shapes.py`'s compiled refine tests run.
     """
     if request.node.get_closest_marker("interpret_refine") and jax.default_backend() != "cpu":
-        pytest.skip("interpret-mode refine comparison: CPU only (the compiled refine is tested on the GPU)")
+        pytest.skip("CPU only: an interpret-mode refine comparison (the compiled refine is tested on the GPU)")
     cls = request.cls
     interp = bool(cls is not None and getattr(cls, "INTERPRET", False)) or request.node.get_closest_marker("interpret")
     if interp and jax.default_backend() != "cpu":
@@ -92,32 +92,50 @@ def pytest_report_teststatus(report, config):
         return "rerun", "R", ("RERUN", {"yellow": True})
 
 
+_SKIP_LINE = pytest.StashKey[str]()
+
+
 def pytest_terminal_summary(terminalreporter):
     for nodeid, n in sorted(_crash_reruns.items()):
         terminalreporter.write_line(f"worker crashed, test run again ({n}x): {nodeid}", yellow=True)
+    reasons = [rep.longrepr[2] for rep in terminalreporter.stats.get("skipped", [])
+               if isinstance(rep.longrepr, tuple) and len(rep.longrepr) == 3]
+    if reasons:  # written after pytest's own final line (pytest_unconfigure)
+        terminalreporter.config.stash[_SKIP_LINE] = skip_summary(reasons)
 
 
-#: Node ids that get the `slow` marker for their run time (tests/slow_list.txt says how they were chosen).
-SLOW_LIST = os.path.join(os.path.dirname(__file__), "slow_list.txt")
-
-
-def slow_list() -> set[str]:
-    with open(SLOW_LIST) as f:
-        return {line.strip() for line in f if line.strip() and not line.startswith("#")}
+def pytest_unconfigure(config):
+    line = config.stash.get(_SKIP_LINE, None)
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if line and reporter is not None:
+        reporter.write_line(line)
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest's own `-m` selection reads the markers
 def pytest_collection_modifyitems(config, items):
-    listed = slow_list()
-    for item in items:
-        if item.nodeid in listed:
-            item.add_marker(pytest.mark.slow)
     if os.environ.get("XPRESS_SLOW") == "1" or "slow" in (config.getoption("markexpr", "") or ""):
         return
     skip = pytest.mark.skip(reason="slow sweep: run with `-m slow` or XPRESS_SLOW=1")
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+#: The end-of-run summary's skip categories: (pattern in the reason, label), the first match wins. A
+#: reason starts with its category: "slow sweep: ...", "GPU only: ...", "needs torch: ...", "CPU only: ...".
+SKIP_CATEGORIES = (("slow sweep", "slow sweeps (run with -m slow)"), ("GPU", "GPU only"), ("CUDA", "GPU only"),
+                   ("compiled kernel", "GPU only"), ("torch", "need torch"), ("CPU", "CPU only"))
+
+
+def skip_summary(reasons: list[str]) -> str:
+    """One line: how many tests were skipped for what, grouped by category, largest first."""
+    counts: dict[str, int] = {}
+    for reason in reasons:
+        reason = reason.removeprefix("Skipped: ")
+        label = next((lab for pat, lab in SKIP_CATEGORIES if pat in reason), reason.split(":")[0].strip())
+        counts[label] = counts.get(label, 0) + 1
+    return "skipped: " + ", ".join(f"{n} {label}" for label, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+
 
 # Small enough for 2 CPU cores, large enough that refinement changes most draft tokens.
 SMALL = dict(vocab_size=611, hidden_size=48, block_size=8, rank=24, mlp_hidden=40, topc=37, max_num_reqs=8)

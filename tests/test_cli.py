@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
+import json
 import re
 import subprocess
 import sys
@@ -23,7 +25,9 @@ def run(capsys, *argv):
     return code, out, err
 
 
-@pytest.mark.parametrize("backend", ["xla", "pallas"])
+# slow: the synthetic head's bench runs fast in test_bench_default_topc_is_clamped_to_a_small_vocab
+@pytest.mark.parametrize("backend", [pytest.param("xla", marks=pytest.mark.slow),
+                                     pytest.param("pallas", marks=pytest.mark.slow)])
 def test_bench_tiny_runs_both_modes_and_checks(capsys, backend):
     code, out, err = run(capsys, "bench", *TINY, "--topc", "11", "--passes", "3", "--backend", backend)
     assert code == 0, err
@@ -107,8 +111,8 @@ def test_bench_on_a_converted_checkpoint(tmp_path, capsys):
     assert f"checkpoint {path}" in out and "V=61" in out and "C=7 K=3" in out and "top-7" in out
     assert out.strip().endswith("OK")
     # Same sizes as the checkpoint: fine. Other sizes, --std, N above max_num_reqs: refused, naming the option.
-    assert cli.main(["bench", "--checkpoint", str(path), "--vocab", "61", "--n", "1", "--reps", "1", "-q"]) == 0
-    capsys.readouterr()
+    args = cli.build_parser().parse_args(["bench", "--checkpoint", str(path), "--vocab", "61", "--topc", "5"])
+    assert cli._resolve(args, pytest.fail)[0] == dataclasses.replace(cfg, topc=5)
     for argv, option in ((["--vocab", "62"], "--vocab 62"), (["--std", "0.1"], "--std"), (["--n", "5"], "--n 5"),
                          (["--topc", "62"], "--topc 62")):
         code, out, err = run(capsys, "bench", "--checkpoint", str(path), *argv)
@@ -129,24 +133,27 @@ def test_a_failed_check_exits_1(capsys, monkeypatch):
     assert code == 1 and "DIFFERENT" in out and out.strip().endswith("FAILED")
 
 
-def test_console_entry_point_version():
-    """The one subprocess check: `python -m xpress_jax.cli` exits with main's code (0 here, 2 on usage)."""
-    res = subprocess.run([sys.executable, "-m", "xpress_jax.cli", "--version"], capture_output=True, text=True,
-                         timeout=120)
-    assert res.returncode == 0 and re.match(r"xpress-jax \S+ \(jax ", res.stdout), res.stderr
+def test_console_entry_point_exits_with_mains_code():
+    """The one subprocess check: `python -m xpress_jax.cli` exits with main's code (2 on usage)."""
     res = subprocess.run([sys.executable, "-m", "xpress_jax.cli", "bench", "--n", "0"], capture_output=True,
                          text=True, timeout=120)
     assert res.returncode == 2 and "--n" in res.stderr
 
 
 # ---------------------------------------------------------------- xpress demo (the main command)
-def test_demo_tiny_runs_end_to_end_and_is_reproducible(tmp_path, capsys):
-    import json
-
+def _demo_tiny(tmp_path, capsys):
     out_dir = tmp_path / "out"
     code, out, err = run(capsys, "demo", "--tiny", "--out", str(out_dir))
     assert code == 0, err
+    return out_dir, out, err
+
+
+def test_demo_tiny_runs_end_to_end(tmp_path, capsys):
+    out_dir, out, err = _demo_tiny(tmp_path, capsys)
     assert out.strip().endswith("OK")
+    # A smoke run says so and shows no ratio as if it were a result.
+    assert "smoke run (--tiny)" in out and "These numbers are no result" in out
+    assert not re.search(r"\d\.\d\dx", out) and "for the drafter alone" not in out
     assert "100.00%" in out and "bitwise identical to the Orbax export" in out  # convert --verify, both exports
     assert "train " in err and "training" in err  # progress on stderr
     for name in ("train_state", "head_orbax", "vllm_head", "converted", "results.json"):
@@ -166,14 +173,20 @@ def test_demo_tiny_runs_end_to_end_and_is_reproducible(tmp_path, capsys):
     assert float(rows[0][0]) == round(acc["drafter"], 2)
     for k in range(1, B):
         assert [float(v) for v in rows[k]] == [round(acc["refined"][c][k - 1], 2) for c in ("0", "4")]
-    # Seeded: resuming from the final checkpoint trains nothing and measures the same numbers.
+    # Resuming with other training options would not continue the same run: refused, naming --resume.
+    code, out3, err3 = run(capsys, "demo", "--tiny", "--out", str(out_dir), "--resume", "-q", "--lr", "0.01")
+    assert code == 2 and "--resume" in err3.splitlines()[-1] and "different run" in err3, err3
+
+
+@pytest.mark.slow
+def test_demo_tiny_resumed_measures_the_same(tmp_path, capsys):
+    """Seeded: resuming from the final checkpoint trains nothing and measures the same numbers."""
+    out_dir, _, _ = _demo_tiny(tmp_path, capsys)
+    acc = json.loads((out_dir / "results.json").read_text())["accepted_length"]
     code, out2, err2 = run(capsys, "demo", "--tiny", "--out", str(out_dir), "--resume", "-q", "--no-plot")
     assert code == 0, err2
     assert "resumed from step" in out2 and err2 == ""
     assert json.loads((out_dir / "results.json").read_text())["accepted_length"] == acc
-    # Resuming with other training options would not continue the same run: refused, naming --resume.
-    code, out3, err3 = run(capsys, "demo", "--tiny", "--out", str(out_dir), "--resume", "-q", "--lr", "0.01")
-    assert code == 2 and "--resume" in err3.splitlines()[-1] and "different run" in err3, err3
 
 
 @pytest.mark.parametrize(
@@ -195,6 +208,30 @@ def test_demo_refuses_nonsense_with_exit_2_naming_the_option(tmp_path, capsys, a
     assert code == 2, (out, err)
     assert option in err.splitlines()[-1], err
     assert not (tmp_path / "o").exists()  # refused before anything is written
+
+
+@pytest.mark.parametrize("where", ["file", "unwritable"])
+def test_demo_refuses_a_bad_out_with_exit_2_naming_it(tmp_path, capsys, where):
+    out = tmp_path / "a_file" if where == "file" else "/proc/nope"
+    if where == "file":
+        out.write_text("not a folder")
+    code, stdout, err = run(capsys, "demo", "--tiny", "--out", str(out))
+    assert code == 2, (stdout, err)
+    assert err.splitlines()[-1].startswith("xpress demo: error: --out "), err
+    assert "Traceback" not in err and "internal error" not in err
+
+
+def test_train_progress_eta_starts_after_the_first_step():
+    import io
+
+    from xpress_jax.train import _Bar
+
+    stream = io.StringIO()
+    bar = _Bar(10, True, stream)
+    for step in range(1, 11):
+        bar(step, 1.0, 0.5, 0.0, final=step == 10)
+    lines = stream.getvalue().splitlines()
+    assert "eta" not in lines[0] and "compile" in lines[0] and all("eta" in line for line in lines[1:]), lines
 
 
 def test_demo_help_names_every_option_and_its_default(capsys):

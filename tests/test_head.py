@@ -87,7 +87,7 @@ def test_head_is_a_pytree_with_static_config(head):
     assert isinstance(abstract, xj.Head) and abstract.params["w2"].shape == (CFG.vocab_size, CFG.rank)
     # Backward compatible with load_params' old (config, params) tuple.
     config, params = head
-    assert config is head.config and params is head.params and head[0] is CFG and len(head) == 2
+    assert config is head.config and params is head.params and head[0] is CFG
     assert head.dtype == jnp.float32 and head.astype(jnp.bfloat16).dtype == jnp.bfloat16
     assert "Head(" in repr(head) and "float32" in repr(head)
     with pytest.raises(ValueError, match="mlp_up"):
@@ -139,7 +139,7 @@ def test_refine_server_takes_a_head_with_its_own_c_and_k(head):
 
 def test_pallas_on_cpu_without_interpret_names_the_fix(head):
     if jax.default_backend() != "cpu":
-        pytest.skip("a CPU-only property: on a GPU backend='pallas' compiles the kernels")
+        pytest.skip("CPU only: a CPU property (on a GPU backend='pallas' compiles the kernels)")
     x = make_inputs(CFG, 1)
     for f in (xj.refine, refine_jit):
         with pytest.raises(ValueError, match=r"interpret=True") as e:
@@ -166,13 +166,13 @@ def test_params_from_state_dict_suggests_the_prefix(small_cfg):
 def test_load_params_places_the_arrays_where_asked(tmp_path, head):
     path = xj.save_params(tmp_path / "ck", head)
     cpu = jax.devices("cpu")[0]
-    for sharding in (None, cpu, jax.sharding.SingleDeviceSharding(cpu)):
+    for sharding in (None, cpu, jax.sharding.make_single_device_sharding(cpu)):
         loaded = xj.load_params(path, sharding=sharding)
         assert isinstance(loaded, xj.Head) and loaded.config == CFG
         where = jax.devices()[0] if sharding is None else cpu  # None: JAX's default device
         for k, v in loaded.params.items():
             assert v.devices() == {where}, k
-            assert v.sharding == jax.sharding.SingleDeviceSharding(where), k
+            assert v.sharding == jax.sharding.make_single_device_sharding(where), k
             np.testing.assert_array_equal(np.asarray(v), np.asarray(head.params[k]))
     mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")[:1]), ("x",))
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())

@@ -63,7 +63,7 @@ def test_fold_identity_module_latents_equal_serving_latents():
         np.testing.assert_array_equal(folded, raw * np.tril(np.ones(raw.shape[1:])) + np.eye(raw.shape[1]))
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("float64", marks=pytest.mark.slow)])
 def test_serving_refine_gives_the_modules_tokens(dtype):
     with jax.enable_x64(dtype == "float64"):
         dt = jnp.dtype(dtype)
@@ -73,7 +73,7 @@ def test_serving_refine_gives_the_modules_tokens(dtype):
         logits, h, a, p = make_inputs(CFG, 6, dtype=dt)
         drafter = np.asarray(jnp.argmax(logits[:, 1:], axis=-1))
         for topc in (0, CFG.topc):
-            for K in (1, 3, CFG.block_size - 1):
+            for K in (1, CFG.block_size - 1):
                 ours = np.asarray(m.refine(logits, h, a, p, num_passes=K, topc=topc))
                 serving = np.asarray(xj.refine(head, logits, h, a, p, num_passes=K, topc=topc))
                 np.testing.assert_array_equal(serving, ours, err_msg=f"{dtype} topc={topc} K={K}")

@@ -1,10 +1,9 @@
 """`round_to`: the roundings of the reference, kept where XLA may drop ``f32 -> bf16 -> f32`` pairs.
 
-XLA on GPUs removes convert pairs by default (``xla_allow_excess_precision``); measured on an
-H200 this flipped near-tied tokens of the XLA backend against exact arithmetic
-(benchmarks/RESULTS.md, Agreement). ``reduce_precision`` is kept. These CPU tests check the
-values (round to nearest even, like a convert) and that every rounding of the jnp path is
-spelled with ``reduce_precision`` in the lowered program, so a plain ``astype`` cannot creep back.
+XLA on GPUs removes convert pairs by default (``xla_allow_excess_precision``), which flips near-tied
+tokens of the XLA backend against exact arithmetic (docs/semantics.md); ``reduce_precision`` is kept.
+These CPU tests check the values (round to nearest even, like a convert) and that every rounding of the
+jnp path is spelled with ``reduce_precision`` in the lowered program, so a plain ``astype`` cannot creep back.
 """
 
 from __future__ import annotations

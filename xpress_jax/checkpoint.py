@@ -1,21 +1,7 @@
-"""Orbax checkpoints of the head: params plus the `HeadConfig` that sizes them.
-
-Layout (one Orbax composite checkpoint, restorable with plain Orbax too)::
-
-    DST/
-      _CHECKPOINT_METADATA
-      params/      StandardSave of the params dict (serving form, one dtype)
-      xpress/      JsonSave: {"format", "format_version", "config", "dtype", "metadata"}
-
-`load_params` reads the JSON item first, builds the abstract target
-(``jax.ShapeDtypeStruct`` per param from `param_shapes` of the stored config and
-the stored dtype) and restores the arrays against it, so a checkpoint whose
-arrays disagree with its config is refused instead of restored as stored.
-
-Writes are atomic: `save_params` writes into a temporary folder beside ``path``
-and renames it into place at the end; on any exception the temporary folder
-is removed and an existing ``path`` is left as it was. Orbax is imported
-lazily, so ``import xpress_jax`` stays light.
+"""Orbax checkpoints of the head: one composite checkpoint of two items, ``params/`` (StandardSave of the
+serving params) and ``xpress/`` (JsonSave: format, version, the `HeadConfig`, dtype, metadata); see
+docs/semantics.md. `load_params` restores the arrays against the abstract target of the stored config and
+dtype, so arrays that disagree with their config are refused. `save_params` is atomic.
 """
 
 from __future__ import annotations
@@ -34,17 +20,8 @@ import jax.numpy as jnp
 from .config import HeadConfig
 from .params import PARAM_NAMES, Head, check_params, param_shapes
 
-__all__ = [
-    "FORMAT",
-    "FORMAT_VERSION",
-    "save_params",
-    "load_params",
-    "read_checkpoint_info",
-    "staged_directory",
-    "write_checkpoint",
-    "is_checkpoint",
-    "stored_param_metadata",
-]
+__all__ = ["FORMAT", "FORMAT_VERSION", "save_params", "load_params", "read_checkpoint_info", "staged_directory",
+           "write_checkpoint", "is_checkpoint", "stored_param_metadata"]
 
 FORMAT = "xpress-jax/refiner-head"
 FORMAT_VERSION = 1
@@ -53,31 +30,22 @@ _INFO = "xpress"
 
 
 def _ocp():
-    import orbax.checkpoint as ocp
+    import orbax.checkpoint as ocp  # lazily: `import xpress_jax` stays light
 
     return ocp
 
 
-@contextlib.contextmanager
 def _checkpointer():
+    """An Orbax checkpointer of the two items (a context manager: closed on exit)."""
     ocp = _ocp()
-    handlers = {_PARAMS: ocp.StandardCheckpointHandler(), _INFO: ocp.JsonCheckpointHandler()}
-    ckptr = ocp.Checkpointer(ocp.CompositeCheckpointHandler(**handlers))
-    try:
-        yield ckptr
-    finally:
-        ckptr.close()
+    return ocp.Checkpointer(ocp.CompositeCheckpointHandler(**{_PARAMS: ocp.StandardCheckpointHandler(),
+                                                              _INFO: ocp.JsonCheckpointHandler()}))
 
 
 @contextlib.contextmanager
 def staged_directory(path: str | os.PathLike, *, overwrite: bool = False) -> Iterator[Path]:
-    """Yield a not-yet-existing path to write a directory into; move it to ``path`` on success.
-
-    The staging area is a hidden temporary folder beside ``path`` (same
-    filesystem, so the final step is a rename). On an exception inside the
-    block it is removed and ``path`` is untouched. With ``overwrite`` an
-    existing ``path`` is replaced only after the new directory is complete.
-    """
+    """Yield a not-yet-existing path (in a hidden temporary folder beside ``path``) to write a directory into;
+    rename it to ``path`` on success. On an exception ``path`` is untouched; ``overwrite`` replaces it."""
     path = Path(path).expanduser().absolute()
     if (path.exists() or path.is_symlink()) and not overwrite:
         raise FileExistsError(f"{path} already exists (pass overwrite=True / --force to replace it)")
@@ -107,25 +75,13 @@ def staged_directory(path: str | os.PathLike, *, overwrite: bool = False) -> Ite
 def _info(config: HeadConfig, dtype: Any, metadata: Mapping[str, Any] | None) -> dict:
     from . import __version__
 
-    return {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "config": dataclasses.asdict(config),
-        "hf_config": config.to_hf_config(),
-        "dtype": jnp.dtype(dtype).name,
-        "param_names": list(PARAM_NAMES),
-        "xpress_jax_version": __version__,
-        "metadata": dict(metadata or {}),
-    }
+    return {"format": FORMAT, "format_version": FORMAT_VERSION, "config": dataclasses.asdict(config),
+            "hf_config": config.to_hf_config(), "dtype": jnp.dtype(dtype).name, "param_names": list(PARAM_NAMES),
+            "xpress_jax_version": __version__, "metadata": dict(metadata or {})}
 
 
-def write_checkpoint(
-    path: str | os.PathLike,
-    config: HeadConfig,
-    params: Mapping[str, Any],
-    *,
-    metadata: Mapping[str, Any] | None = None,
-) -> Path:
+def write_checkpoint(path: str | os.PathLike, config: HeadConfig, params: Mapping[str, Any], *,
+                     metadata: Mapping[str, Any] | None = None) -> Path:
     """Write the checkpoint at ``path``, which must not exist (not atomic: see `save_params`)."""
     if not isinstance(config, HeadConfig):
         raise TypeError(f"config must be a HeadConfig, got {type(config).__name__}")
@@ -135,42 +91,24 @@ def write_checkpoint(
         raise FileExistsError(f"{path} already exists")
     arrays = {k: jnp.asarray(params[k]) for k in PARAM_NAMES}
     ocp = _ocp()
+    info = _info(config, arrays["w1"].dtype, metadata)
     with _checkpointer() as ckptr:
-        ckptr.save(
-            path,
-            args=ocp.args.Composite(
-                **{
-                    _PARAMS: ocp.args.StandardSave(arrays),
-                    _INFO: ocp.args.JsonSave(_info(config, arrays["w1"].dtype, metadata)),
-                }
-            ),
-        )
+        ckptr.save(path, args=ocp.args.Composite(**{_PARAMS: ocp.args.StandardSave(arrays),
+                                                    _INFO: ocp.args.JsonSave(info)}))
     return path
 
 
-def save_params(
-    path: str | os.PathLike,
-    config: HeadConfig | Head,
-    params: Mapping[str, Any] | None = None,
-    *,
-    metadata: Mapping[str, Any] | None = None,
-    overwrite: bool = False,
-) -> Path:
-    """Save ``params`` (serving form, checked against ``config``) and ``config`` as an Orbax checkpoint.
-
-    ``save_params(path, head)`` saves a `Head` (its config and params). ``metadata``
-    (JSON-serialisable) is stored beside the config, e.g. where the params came from.
-    Atomic: see `staged_directory`. Returns the absolute path.
-    """
+def save_params(path: str | os.PathLike, config: HeadConfig | Head, params: Mapping[str, Any] | None = None, *,
+                metadata: Mapping[str, Any] | None = None, overwrite: bool = False) -> Path:
+    """Save ``params`` (serving form, checked against ``config``) and ``config`` as an Orbax checkpoint, or
+    ``save_params(path, head)``. ``metadata`` (JSON-able) is stored beside the config. Atomic; returns the
+    absolute path."""
     if isinstance(config, Head):
         if params is not None:
             raise TypeError("save_params(path, head) takes no params: the Head holds them")
         config, params = config.config, config.params
     if params is None:
         raise TypeError("save_params(path, config, params): params missing (or pass a Head: save_params(path, head))")
-    if not isinstance(config, HeadConfig):
-        raise TypeError(f"config must be a HeadConfig, got {type(config).__name__}")
-    check_params(params, config)
     with staged_directory(path, overwrite=overwrite) as staged:
         write_checkpoint(staged, config, params, metadata=metadata)
     return Path(path).expanduser().absolute()
@@ -188,10 +126,8 @@ def read_checkpoint_info(path: str | os.PathLike) -> tuple[HeadConfig, dict]:
     if not path.exists():
         raise FileNotFoundError(f"no checkpoint at {path}")
     if not is_checkpoint(path):
-        raise ValueError(
-            f"{path} is not an xpress-jax head checkpoint (expected the Orbax items {_PARAMS!r} and {_INFO!r}); "
-            "convert a PyTorch checkpoint with `xpress-convert SRC DST`"
-        )
+        raise ValueError(f"{path} is not an xpress-jax head checkpoint (expected the Orbax items {_PARAMS!r} and "
+                         f"{_INFO!r}); convert a PyTorch checkpoint with `xpress-convert SRC DST`")
     ocp = _ocp()
     try:
         with _checkpointer() as ckptr:
@@ -199,12 +135,11 @@ def read_checkpoint_info(path: str | os.PathLike) -> tuple[HeadConfig, dict]:
     except Exception as e:
         raise ValueError(f"{path}: cannot read the checkpoint's {_INFO!r} item: {e}") from e
     if not isinstance(info, dict) or info.get("format") != FORMAT:
-        raise ValueError(f"{path}: unknown checkpoint format {info.get('format') if isinstance(info, dict) else info!r}")
+        fmt = info.get("format") if isinstance(info, dict) else info
+        raise ValueError(f"{path}: unknown checkpoint format {fmt!r}")
     if info.get("format_version", 0) > FORMAT_VERSION:
-        raise ValueError(
-            f"{path}: checkpoint format version {info['format_version']} is newer than this xpress-jax reads "
-            f"({FORMAT_VERSION}); upgrade xpress-jax"
-        )
+        raise ValueError(f"{path}: checkpoint format version {info['format_version']} is newer than this "
+                         f"xpress-jax reads ({FORMAT_VERSION}); upgrade xpress-jax")
     try:
         config = HeadConfig(**info["config"])
     except (KeyError, TypeError, ValueError) as e:
@@ -216,15 +151,13 @@ def _shardings(sharding: Any) -> dict[str, jax.sharding.Sharding]:
     """``sharding=`` of `load_params` as one `jax.sharding.Sharding` per param name."""
     def one(s: Any, what: str) -> jax.sharding.Sharding:
         if s is None:
-            return jax.sharding.SingleDeviceSharding(jax.devices()[0])
+            return jax.sharding.make_single_device_sharding(jax.devices()[0])
         if isinstance(s, jax.sharding.Sharding):
             return s
         if isinstance(s, jax.Device):
-            return jax.sharding.SingleDeviceSharding(s)
-        raise TypeError(
-            f"{what} must be None (the default device), a jax.Device, a jax.sharding.Sharding, or a dict "
-            f"{{param name: Device | Sharding}}, got {type(s).__name__}"
-        )
+            return jax.sharding.make_single_device_sharding(s)
+        raise TypeError(f"{what} must be None (the default device), a jax.Device, a jax.sharding.Sharding, or a "
+                        f"dict {{param name: Device | Sharding}}, got {type(s).__name__}")
 
     if isinstance(sharding, Mapping):
         unknown = sorted(set(sharding) - set(PARAM_NAMES))
@@ -238,38 +171,24 @@ def _shardings(sharding: Any) -> dict[str, jax.sharding.Sharding]:
 def load_params(path: str | os.PathLike, dtype: Any = None, sharding: Any = None) -> Head:
     """Restore the `Head` (config + params) from a checkpoint written by `save_params` / ``xpress-convert``.
 
-    The params are restored against an abstract target built from the stored
-    config (shapes) and dtype, straight onto the devices ``sharding`` names:
-
-    - ``None``: the default device (``jax.devices()[0]``);
-    - a ``jax.Device``: that device;
-    - a ``jax.sharding.Sharding`` (e.g. a ``NamedSharding`` over a mesh): every param laid
-      out by it (it must fit every param's rank; ``PartitionSpec()`` replicates);
-    - a dict ``{param name: Device | Sharding}``: per param (names left out: the default device).
-
-    ``dtype`` (optional) casts the params afterwards (on the same devices). The result
-    runs as ``refine(head, logits, h, anchors)``; it also unpacks as
-    ``config, params = load_params(path)`` (the form earlier versions returned).
+    The params are restored straight onto the devices ``sharding`` names: ``None`` (the default device),
+    a ``jax.Device``, a ``jax.sharding.Sharding`` for every param (e.g. a ``NamedSharding``;
+    ``PartitionSpec()`` replicates), or a dict ``{param name: Device | Sharding}`` (names left out: the
+    default device). ``dtype`` casts them afterwards.
     """
     shardings = _shardings(sharding)
     config, info = read_checkpoint_info(path)
     path = Path(path).expanduser().absolute()
     stored = jnp.dtype(info["dtype"])
-    abstract = {
-        name: jax.ShapeDtypeStruct(shape, stored, sharding=shardings[name])
-        for name, shape in param_shapes(config).items()
-    }
+    abstract = {name: jax.ShapeDtypeStruct(shape, stored, sharding=shardings[name])
+                for name, shape in param_shapes(config).items()}
     # Compare the abstract target with Orbax's metadata first: a clear message, and no failed restore.
     try:
         on_disk = stored_param_metadata(path)
     except Exception as e:
         raise ValueError(f"{path}: cannot read the params' metadata: {e}") from e
-    bad = [
-        f"{k}: stored {on_disk[k][0] if k in on_disk else 'nothing'} {on_disk[k][1] if k in on_disk else ''}, "
-        f"expected {a.shape} {stored.name}"
-        for k, a in abstract.items()
-        if k not in on_disk or on_disk[k] != (tuple(a.shape), stored.name)
-    ]
+    bad = [f"{k}: stored {' '.join(map(str, on_disk.get(k, ('nothing', ''))))}, expected {a.shape} {stored.name}"
+           for k, a in abstract.items() if on_disk.get(k) != (tuple(a.shape), stored.name)]
     if bad:
         raise ValueError(f"{path}: cannot restore the params against the stored config {config}: " + "; ".join(bad))
     ocp = _ocp()
@@ -278,15 +197,10 @@ def load_params(path: str | os.PathLike, dtype: Any = None, sharding: Any = None
             restored = ckptr.restore(path, args=ocp.args.Composite(**{_PARAMS: ocp.args.StandardRestore(abstract)}))
     except Exception as e:
         raise ValueError(f"{path}: cannot restore the params: {e}") from e
-    restored = restored[_PARAMS]
-    params = {k: restored[k] for k in PARAM_NAMES}
-    check_params(params, config)
-    if dtype is not None:
-        dtype = jnp.dtype(dtype)
-        if not jnp.issubdtype(dtype, jnp.floating):
-            raise TypeError(f"dtype must be a floating dtype, got {dtype}")
-        params = {k: v.astype(dtype) for k, v in params.items()}
-    return Head(config, params)
+    head = Head(config, {k: restored[_PARAMS][k] for k in PARAM_NAMES})
+    if dtype is not None and not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
+        raise TypeError(f"dtype must be a floating dtype, got {jnp.dtype(dtype)}")
+    return head if dtype is None else head.astype(dtype)
 
 
 def stored_param_metadata(path: str | os.PathLike) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -296,5 +210,4 @@ def stored_param_metadata(path: str | os.PathLike) -> dict[str, tuple[tuple[int,
         meta = ckptr.metadata(path).item_metadata[_PARAMS]
     if meta is None:
         raise ValueError(f"{path}: the checkpoint has no readable {_PARAMS!r} metadata")
-    tree = meta.tree
-    return {k: (tuple(v.shape), jnp.dtype(v.dtype).name) for k, v in tree.items()}
+    return {k: (tuple(v.shape), jnp.dtype(v.dtype).name) for k, v in meta.tree.items()}

@@ -1,28 +1,28 @@
-"""`xpress` console command.
-
-``xpress demo`` (the main command, `xpress_jax.demo`): trains a head on the embedded task,
-exports it, converts it with ``xpress-convert --verify``, refines with the converted
-checkpoint, and prints the mean accepted length per block against K and top-C (plus a PNG).
-
-``xpress bench`` builds a synthetic head (or loads a converted one with
-``--checkpoint``) and synthetic drafter logits, runs the jitted `refine` in
-full-vocabulary and top-C mode, prints compile + first-call time, call latency
-and how many drafter tokens refinement changed, and checks the fixed-point
-property. Progress goes to stderr, the report to stdout.
-
-Exit codes: 0 every check passed; 1 a check failed; 2 bad usage (the message
-names the option); 3 an unexpected error (a bug: a traceback is printed).
+"""The ``xpress`` command: ``xpress demo`` (`xpress_jax.demo`) and ``xpress bench`` (the jitted `refine` on a
+synthetic or converted head: compile and call times, tokens changed, the fixed point). Progress goes to
+stderr, the report to stdout. Exit codes: 0 ok; 1 a check failed; 2 bad usage (the message names the
+option); 3 an unexpected error (a bug: a traceback is printed).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import platform
 import statistics
 import sys
+import tempfile
 import time
 import traceback
+from pathlib import Path
 from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import xpress_jax as xj
+from .demo import TINY, DemoOptions, run_demo
 
 __all__ = ["main", "demo", "bench", "build_parser"]
 
@@ -37,32 +37,7 @@ _SIZES = (
     ("--mlp", "mlp_hidden", 512, "M, SwiGLU hidden width", 1),
 )
 _DEFAULT_TOPC, _DEFAULT_PASSES, _DEFAULT_N, _DEFAULT_STD = 512, 6, 4, 0.05
-_OPTION_OF = {field: opt for opt, field, *_ in _SIZES} | {"topc": "--topc", "num_passes": "--passes",
-                                                          "max_num_reqs": "--n"}
-
-
-class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows ``(default: X)`` for every option that has a fixed default; the others say theirs in words."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        if action.default is None or isinstance(action.default, bool):
-            return action.help or ""
-        return super()._get_help_string(action)
-
-
-class _VersionAction(argparse.Action):
-    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
-        super().__init__(option_strings=option_strings, dest=dest, default=default, nargs=0, help=help)
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        import platform
-
-        import jax
-
-        from . import __version__
-
-        print(f"xpress-jax {__version__} (jax {jax.__version__}, python {platform.python_version()})")
-        parser.exit()
+_EPILOG = "Exit codes: 0 ok, 1 a check failed, 2 bad usage, 3 internal error."
 
 
 #: ``xpress demo``'s options: (option, DemoOptions field, type, minimum, help). Defaults: `DemoOptions`.
@@ -81,26 +56,17 @@ _DEMO_INTS = (
 
 
 def _add_demo_parser(sub) -> None:
-    from .demo import DemoOptions, TINY
-
     defaults = DemoOptions()
-    d = sub.add_parser(
-        "demo", formatter_class=_Formatter,
-        help="the main command: train a head on the embedded task, export, convert, refine, and measure "
-             "the accepted length",
-        description=(
-            "Train an XPress refiner head on the embedded task (a 2nd-order Markov target, a drafter that predicts "
-            "every slot independently), export it (Orbax + a vLLM folder), convert the vLLM folder with "
-            "xpress-convert --verify, and measure with refine on the converted head the mean accepted length "
-            "per block of the drafter alone and refined with K = 1..B-1 passes, full vocabulary and top-C. "
-            "Prints the table, writes OUT/accepted_length.png and OUT/results.json. Seeded: the same options "
-            "give the same numbers. Exits 1 if a check fails."
-        ),
-        epilog="Exit codes: 0 ok, 1 a check failed, 2 bad usage, 3 internal error.",
-    )
+    d = sub.add_parser("demo", epilog=_EPILOG, help="the main command: train a head on "
+                       "the embedded task, export, convert, refine, and measure the accepted length", description=(
+        "Train an XPress refiner head on the embedded task (a 2nd-order Markov target, a drafter that predicts "
+        "every slot independently), export it (Orbax + a vLLM folder), convert the vLLM folder with "
+        "xpress-convert --verify, and measure with refine on the converted head the mean accepted length per "
+        "block of the drafter alone and refined with K = 1..B-1 passes, full vocabulary and top-C. Prints the "
+        "table, writes OUT/accepted_length.png and OUT/results.json. Seeded. Exits 1 if a check fails."))
     d.add_argument("--out", metavar="DIR", default=defaults.out,
-                   help="folder for the outputs (train_state/, head_orbax/, vllm_head/, converted/, the PNG, "
-                        "results.json; these are replaced on a re-run, nothing else is touched)")
+                   help=f"folder for the outputs (default: {defaults.out}): train_state/, head_orbax/, vllm_head/, "
+                        "converted/, the PNG, results.json (replaced on a re-run; nothing else is touched)")
     for opt, field, minimum, what in _DEMO_INTS:
         d.add_argument(opt, type=int, metavar="N", dest=field,
                        help=f"{what}, >= {minimum} (default: {getattr(defaults, field)}; "
@@ -115,60 +81,51 @@ def _add_demo_parser(sub) -> None:
                    help="the params' dtype in training and export (default: float32)")
     d.add_argument("--resume", action="store_true",
                    help="continue training from OUT/train_state (same options) instead of starting over")
-    d.add_argument("--tiny", action="store_true", help="a smoke-test size (seconds): the sizes marked 'with --tiny'")
+    d.add_argument("--tiny", action="store_true",
+                   help="a smoke run (seconds; its numbers are no result): the sizes marked 'with --tiny'")
     d.add_argument("--no-plot", action="store_true", help="do not write the PNG")
     d.add_argument("-q", "--quiet", action="store_true", help="no progress bar or progress lines on stderr")
     d.set_defaults(_parser=d, _run=demo)
 
 
 def _demo_options(args: argparse.Namespace, error):
-    from .demo import DemoOptions, TINY
-
-    values = dict(TINY) if args.tiny else {}
-    for _, field, _, _ in _DEMO_INTS:
-        if getattr(args, field) is not None:
-            values[field] = getattr(args, field)
+    given = [f for _, f, _, _ in _DEMO_INTS] + ["learning_rate", "param_dtype"]
+    values = (dict(TINY) if args.tiny else {}) | {k: getattr(args, k) for k in given if getattr(args, k) is not None}
     for opt, field, minimum, _ in _DEMO_INTS:
         if field in values and values[field] < minimum:
             error(f"{opt} must be >= {minimum}, got {values[field]}")
     if values.get("vocab_size", 0) > 256:
         error(f"--vocab must be <= 256 (the task's tables hold V^3 floats), got {values['vocab_size']}")
-    if args.learning_rate is not None:
-        if not args.learning_rate > 0 or args.learning_rate == float("inf"):
-            error(f"--lr must be a finite number > 0, got {args.learning_rate}")
-        values["learning_rate"] = args.learning_rate
-    if args.param_dtype is not None:
-        values["param_dtype"] = args.param_dtype
+    if args.learning_rate is not None and not 0 < args.learning_rate < float("inf"):  # also refuses nan
+        error(f"--lr must be a finite number > 0, got {args.learning_rate}")
     V = values.get("vocab_size", DemoOptions.vocab_size)
+    values["topcs"] = tuple(c for c in values.get("topcs", DemoOptions.topcs) if c <= V)
     if args.topcs is not None:
         try:
-            topcs = tuple(int(c) for c in args.topcs.split(",") if c.strip())
+            values["topcs"] = tuple(int(c) for c in args.topcs.split(",") if c.strip())
         except ValueError:
             error(f"--topc must be comma-separated ints, got {args.topcs!r}")
-        bad = [c for c in topcs if not 1 <= c <= V]
-        if bad or not topcs:
+        if not values["topcs"] or any(not 1 <= c <= V for c in values["topcs"]):
             error(f"--topc values must be in [1, V={V}] (full vocabulary is always measured), got {args.topcs!r}")
-        values["topcs"] = topcs
-    else:
-        topcs = values.get("topcs", DemoOptions.topcs)
-        values["topcs"] = tuple(c for c in topcs if c <= V)
-    return DemoOptions(out=args.out, resume=args.resume, plot=not args.no_plot, progress=not args.quiet, **values)
-
-
-def demo(args: argparse.Namespace, error=None) -> int:
-    """Run ``xpress demo`` (`xpress_jax.demo.run_demo`); ``error(msg)`` reports a usage error."""
-    def _raise(msg):
-        raise ValueError(msg)
-
-    error = error or _raise
-    opts = _demo_options(args, error)
-    from .demo import run_demo
-
-    from .train import ResumeError
-
-    progress = _Progress(opts.progress)
+    out = Path(args.out).expanduser()
+    if out.exists() and not out.is_dir():
+        error(f"--out {args.out}: exists and is not a folder; name a folder (it is created if missing)")
     try:
-        result = run_demo(opts, say=lambda line: print(line, flush=True), progress=progress)
+        out.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=out).close()
+    except OSError as e:
+        error(f"--out {args.out}: cannot write there ({e.strerror or e})")
+    return DemoOptions(out=args.out, resume=args.resume, plot=not args.no_plot, progress=not args.quiet,
+                       smoke=args.tiny, **values)
+
+
+def demo(args: argparse.Namespace, error) -> int:
+    """Run ``xpress demo`` (`xpress_jax.demo.run_demo`); ``error(msg)`` reports a usage error."""
+    from .train import ResumeError  # optax and orbax: only for the demo
+
+    opts = _demo_options(args, error)
+    try:
+        result = run_demo(opts, say=lambda line: print(line, flush=True), progress=_progress(opts.progress))
     except ResumeError as e:  # --resume with other options than the checkpoint's
         error(f"--resume: {e}")
     print("OK" if result["ok"] else "FAILED")
@@ -176,24 +133,18 @@ def demo(args: argparse.Namespace, error=None) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="xpress", description="XPress refiner head in JAX.", formatter_class=_Formatter,
-        epilog="Exit codes: 0 ok, 1 a check failed, 2 bad usage, 3 internal error.",
-    )
-    parser.add_argument("--version", action=_VersionAction, help="print the versions of xpress-jax, JAX and Python")
+    parser = argparse.ArgumentParser(prog="xpress", description="XPress refiner head in JAX.", epilog=_EPILOG)
+    version = f"xpress-jax {xj.__version__} (jax {jax.__version__}, python {platform.python_version()})"
+    parser.add_argument("--version", action="version", version=version, help="print the versions of xpress-jax, "
+                        "JAX and Python")
     sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
     _add_demo_parser(sub)
-    d = sub.add_parser(
-        "bench", formatter_class=_Formatter,
-        help="time the jitted refine on a synthetic or converted head, and check its fixed point",
-        description=(
-            "Build a synthetic head (or load a converted one with --checkpoint) and synthetic drafter "
-            "logits, run the jitted refine in full-vocabulary and top-C mode, report compile + first-call "
-            "time, call latency and how many drafter tokens refinement changed, and check the fixed point "
-            "(full vocab: K=B-1 passes == K=B passes; slots 1..K final after K passes). Exits 1 if a check fails."
-        ),
-        epilog="Exit codes: 0 ok, 1 a check failed, 2 bad usage, 3 internal error.",
-    )
+    d = sub.add_parser("bench", epilog=_EPILOG, help="time the jitted refine on a "
+                       "synthetic or converted head, and check its fixed point", description=(
+        "Build a synthetic head (or load a converted one with --checkpoint) and synthetic drafter logits, run the "
+        "jitted refine in full-vocabulary and top-C mode, report compile + first-call time, call latency and how "
+        "many drafter tokens refinement changed, and check the fixed point (full vocab: K=B-1 passes == K=B "
+        "passes; slots 1..K final after K passes). Exits 1 if a check fails."))
     d.add_argument("--checkpoint", metavar="PATH",
                    help="a converted head (xpress-convert output, or xpress_jax.save_params); its config gives the "
                         "sizes, C and K (default: a synthetic head)")
@@ -204,19 +155,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"C, candidates per draft slot; 0 = run full vocabulary only (default: {_DEFAULT_TOPC}, "
                         "clamped to V as vLLM does; with --checkpoint: the checkpoint's). An explicit C > V is refused")
     d.add_argument("--passes", type=int, metavar="K",
-                   help=f"K, Jacobi passes per call, >= 1 (default: {_DEFAULT_PASSES}; with --checkpoint: the checkpoint's)")
+                   help=f"K, Jacobi passes per call, >= 1 (default: {_DEFAULT_PASSES}; with --checkpoint: the "
+                        "checkpoint's)")
     d.add_argument("--n", type=int, default=_DEFAULT_N, metavar="N",
-                   help="blocks (requests) per call, >= 1 (and <= the checkpoint's max_num_reqs)")
+                   help=f"blocks (requests) per call, >= 1, <= the checkpoint's max_num_reqs (default: {_DEFAULT_N})")
     d.add_argument("--dtype", choices=["float32", "bfloat16"],
                    help="params and logits dtype (default: float32; with --checkpoint: the stored dtype)")
     d.add_argument("--std", type=float,
                    help=f"weight std of the synthetic head, > 0 (default: {_DEFAULT_STD}: strong enough that "
                         "refinement changes many drafter tokens); not with --checkpoint")
-    d.add_argument("--seed", type=int, default=0, help="random seed of the head and the inputs, >= 0")
-    d.add_argument("--reps", type=int, default=5, help="timed calls per mode (the median is reported), >= 1")
+    d.add_argument("--seed", type=int, default=0, help="random seed of the head and the inputs, >= 0 (default: 0)")
+    d.add_argument("--reps", type=int, default=5, help="timed calls per mode (the median is reported), >= 1 "
+                   "(default: 5)")
     d.add_argument("--backend", default="auto", choices=["auto", "xla", "pallas"],
                    help="auto = Pallas kernels on a supported GPU, else the XLA (jnp) path; pallas on a CPU runs "
-                        "the kernels in (slow) interpret mode")
+                        "the kernels in (slow) interpret mode (default: auto)")
     d.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
     d.set_defaults(_parser=d, _run=bench)
     return parser
@@ -227,46 +180,27 @@ def _median_ms(fn, reps: int) -> float:
     for _ in range(reps):
         t0 = time.perf_counter()
         fn().block_until_ready()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
 
 
-class _Progress:
+def _progress(enabled: bool):
     """One line per step on stderr, with the time since the start (so a long step is visibly running)."""
-
-    def __init__(self, enabled: bool):
-        self.enabled = enabled
-        self.t0 = time.perf_counter()
-
-    def __call__(self, msg: str) -> None:
-        if self.enabled:
-            print(f"[{time.perf_counter() - self.t0:6.1f} s] {msg}", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    return lambda msg: enabled and print(f"[{time.perf_counter() - t0:6.1f} s] {msg}", file=sys.stderr, flush=True)
 
 
 def _resolve(args: argparse.Namespace, error) -> tuple:
-    """(config, head or None, dtype name): the head's config from the options or the checkpoint; errors name the option."""
-    import xpress_jax as xj
-
-    for opt, field, _, _, minimum in _SIZES:
-        v = getattr(args, field)
+    """(config, head or None, dtype name) from the options or the checkpoint; errors name the option."""
+    ints = [(opt, getattr(args, field), minimum) for opt, field, _, _, minimum in _SIZES]
+    for opt, v, minimum in ints + [("--topc", args.topc, 0), ("--passes", args.passes, 1), ("--n", args.n, 1),
+                                   ("--reps", args.reps, 1), ("--seed", args.seed, 0)]:
         if v is not None and v < minimum:
             error(f"{opt} must be >= {minimum}, got {v}")
-    if args.topc is not None and args.topc < 0:
-        error(f"--topc must be >= 0 (0 = full vocabulary only), got {args.topc}")
-    if args.passes is not None and args.passes < 1:
-        error(f"--passes must be >= 1, got {args.passes}")
-    if args.n < 1:
-        error(f"--n must be >= 1 (blocks per call), got {args.n}")
-    if args.reps < 1:
-        error(f"--reps must be >= 1, got {args.reps}")
-    if args.seed < 0:
-        error(f"--seed must be >= 0, got {args.seed}")
     if args.std is not None and not args.std > 0:  # also refuses nan
         error(f"--std must be > 0, got {args.std}")
 
-    run = {}
-    if args.passes is not None:
-        run["num_passes"] = args.passes
+    run = {k: v for k, v in (("num_passes", args.passes), ("topc", args.topc)) if v is not None}
     if args.checkpoint is not None:
         if args.std is not None:
             error("--std sets the synthetic head's weights; it cannot be used with --checkpoint")
@@ -282,49 +216,26 @@ def _resolve(args: argparse.Namespace, error) -> tuple:
             error("size options conflict with --checkpoint: " + ", ".join(clash) + "; leave them out")
         if args.n > cfg.max_num_reqs:
             error(f"--n {args.n} exceeds the checkpoint's max_num_reqs={cfg.max_num_reqs}")
-        if args.topc is not None:
-            run["topc"] = args.topc
         dtype = args.dtype or head.dtype.name
     else:
-        head = None
+        head, dtype = None, args.dtype or "float32"
         sizes = {field: default if getattr(args, field) is None else getattr(args, field)
                  for _, field, default, _, _ in _SIZES}
-        if args.topc is not None:
-            run["topc"] = args.topc
-        try:
-            cfg = xj.HeadConfig(**sizes, max_num_reqs=args.n)
-        except (TypeError, ValueError) as e:  # unreachable after the checks above; named anyway
-            msg = str(e)
-            for field, opt in _OPTION_OF.items():
-                msg = msg.replace(field, opt)
-            error(msg)
-        dtype = args.dtype or "float32"
+        cfg = xj.HeadConfig(**sizes, max_num_reqs=args.n)  # valid: checked above
     if run.get("topc", 0) > cfg.vocab_size:
         error(f"--topc {run['topc']} exceeds the vocabulary (V={cfg.vocab_size}); leave it out to use "
               f"min({_DEFAULT_TOPC}, V), or pass 0 for full vocabulary only")
     if head is None:
-        run.setdefault("topc", min(_DEFAULT_TOPC, cfg.vocab_size))
-        run.setdefault("num_passes", _DEFAULT_PASSES)
+        run = {"topc": min(_DEFAULT_TOPC, cfg.vocab_size), "num_passes": _DEFAULT_PASSES} | run
     return dataclasses.replace(cfg, **run), head, dtype
 
 
-def bench(args: argparse.Namespace, error=None) -> int:
-    """Run ``xpress bench``; ``error(msg)`` reports a usage error (default: raise ValueError)."""
-    def _raise(msg):
-        raise ValueError(msg)
-
-    error = error or _raise
-    progress = _Progress(not getattr(args, "quiet", False))
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    import xpress_jax as xj
-
+def bench(args: argparse.Namespace, error) -> int:
+    """Run ``xpress bench``; ``error(msg)`` reports a usage error."""
+    progress = _progress(not args.quiet)
     cfg, head, dtype_name = _resolve(args, error)
     dtype = jnp.dtype(dtype_name)
-    key = jax.random.key(args.seed)
-    kp, kl, kh, ka = jax.random.split(key, 4)
+    kp, kl, kh, ka = jax.random.split(jax.random.key(args.seed), 4)
     if head is None:
         progress(f"building a synthetic head (V={cfg.vocab_size}, H={cfg.hidden_size}, std={args.std or _DEFAULT_STD})")
         # Weights strong enough that refinement changes many of the drafter's tokens.
@@ -332,9 +243,7 @@ def bench(args: argparse.Namespace, error=None) -> int:
         source = "synthetic head"
     else:
         source = f"checkpoint {args.checkpoint}"
-        head = xj.Head(cfg, head.params)  # the run's C and K (--topc/--passes) on the checkpoint's weights
-        if head.dtype != dtype:
-            head = head.astype(dtype)
+        head = xj.Head(cfg, head.params).astype(dtype)  # the run's C and K (--topc/--passes), the checkpoint's weights
     N, B, V = args.n, cfg.block_size, cfg.vocab_size
     logits = (jax.random.normal(kl, (N, B, V), jnp.float32) * 2).astype(dtype)
     h = jax.random.normal(kh, (N, B, cfg.hidden_size), jnp.float32).astype(dtype)
@@ -348,12 +257,10 @@ def bench(args: argparse.Namespace, error=None) -> int:
     print(f"xpress bench: {source}: V={V} H={cfg.hidden_size} B={B} r={cfg.rank} M={cfg.mlp_hidden} "
           f"C={cfg.topc} K={cfg.num_passes} N={N} dtype={dtype.name} backend={args.backend}"
           f"{' (interpret mode)' if interpret else ''}")
-    print(f"jax {jax.__version__} on {jax.devices()[0].platform} ({jax.devices()[0].device_kind})")
-    print()
+    print(f"jax {jax.__version__} on {jax.devices()[0].platform} ({jax.devices()[0].device_kind})\n")
     call_col = f"call ms (median of {args.reps})"
     print(f"{'mode':<12} {'K':>3} {'compile+1st s':>13} {call_col:>{max(len(call_col), 9)}} "
           f"{'tokens changed vs drafter':>27}")
-    ok = True
     modes = [("full-vocab", 0)] + ([(f"top-{cfg.topc}", cfg.topc)] if cfg.topc else [])
     for mode, topc in modes:
         kw = dict(topc=topc, backend=args.backend, interpret=interpret)
@@ -368,18 +275,14 @@ def bench(args: argparse.Namespace, error=None) -> int:
 
     # Fixed point: with K >= B-1 full-vocab passes the block is the sequential greedy decode,
     # so one more pass changes nothing.
-    kw = dict(topc=0, backend=args.backend, interpret=interpret)
     progress(f"fixed-point check: full vocab with K={B - 1}, K={B} and K={cfg.num_passes} passes (3 compiles)")
-    a = np.asarray(refine(head, logits, h, anchors, num_passes=B - 1, **kw))
-    b = np.asarray(refine(head, logits, h, anchors, num_passes=B, **kw))
+    a, b, early = (np.asarray(refine(head, logits, h, anchors, num_passes=k, topc=0, backend=args.backend,
+                                     interpret=interpret)) for k in (B - 1, B, cfg.num_passes))
     same = bool(np.array_equal(a, b))
-    ok &= same
-    print()
-    print(f"fixed point: full vocab K=B-1={B - 1} vs K={B}: {'identical' if same else 'DIFFERENT'} "
-          f"({int(np.sum(a != b))} of {a.size} tokens differ)")
-    early = np.asarray(refine(head, logits, h, anchors, num_passes=cfg.num_passes, **kw))
     settled = bool(np.array_equal(early[:, : cfg.num_passes], a[:, : cfg.num_passes]))
-    ok &= settled
+    ok = same and settled
+    print(f"\nfixed point: full vocab K=B-1={B - 1} vs K={B}: {'identical' if same else 'DIFFERENT'} "
+          f"({int(np.sum(a != b))} of {a.size} tokens differ)")
     print(f"after K={cfg.num_passes} passes slots 1..{min(cfg.num_passes, B - 1)} are final: "
           f"{'yes' if settled else 'NO'}; slots still moving after K: {int(np.sum(early != a))} of {a.size}")
     progress("done")

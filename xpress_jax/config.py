@@ -1,8 +1,5 @@
-"""`HeadConfig`: the static shape of an XPress refiner head.
-
-The fields and their defaults are the ones vLLM reads from a drafter's
-``config.json`` (see ``HeadConfig.from_hf_config``).
-"""
+"""`HeadConfig`: the static shape of an XPress refiner head (the fields and defaults vLLM reads from a
+drafter's ``config.json``: `HeadConfig.from_hf_config`)."""
 
 from __future__ import annotations
 
@@ -13,9 +10,8 @@ __all__ = ["HeadConfig"]
 
 
 def _check_int(name: str, value: Any, *, minimum: int) -> int:
-    # bool is an int subclass; a config saying `true` for a size is a bug.
+    """An int (or an integral float from JSON, e.g. 16.0; never a bool) >= ``minimum``."""
     if isinstance(value, bool) or not isinstance(value, int):
-        # Accept integral floats from JSON (e.g. 16.0) but nothing else.
         if isinstance(value, float) and value.is_integer():
             value = int(value)
         else:
@@ -27,61 +23,31 @@ def _check_int(name: str, value: Any, *, minimum: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class HeadConfig:
-    """Static configuration of an XPress refiner head (hashable: usable as a jit static arg).
+    """Static configuration of an XPress refiner head (hashable: usable as a jit static arg). It gives
+    `refine` its ``num_passes``, ``topc`` and ``max_num_reqs`` (through a `xpress_jax.Head` or ``config=``).
+    A ``topc`` larger than V is clamped to V, as vLLM does (C = V gives topc=0's tokens, more slowly)."""
 
-    Attributes:
-      vocab_size:   V, vocabulary size (rows of ``w1`` and ``w2``).
-      hidden_size:  H, the drafter's hidden size (input of ``down_h``/``down_g``).
-      block_size:   B, slots per block (slot 0 = anchor, slots 1..B-1 = draft).
-      rank:         r, latent width.
-      mlp_hidden:   M, SwiGLU hidden width.
-      topc:         C, candidates per draft slot; 0 = exact full-vocabulary scoring.
-                    A C larger than V is clamped to V, as vLLM does (``min(topc, V)``):
-                    ``HeadConfig(vocab_size=97, hidden_size=24).topc == 97``. (C = V scores
-                    every token, so it gives the same tokens as topc=0, by a slower route.)
-      num_passes:   K, Jacobi passes per call.
-      max_num_reqs: the largest N (blocks per call) the head accepts.
-
-    A config is what gives `refine` its ``num_passes``, ``topc`` and ``max_num_reqs``:
-    pass a `xpress_jax.Head` (params with their config) or ``config=``.
-    """
-
-    vocab_size: int
-    hidden_size: int
-    block_size: int = 16
-    rank: int = 256
-    mlp_hidden: int = 512
-    topc: int = 512
-    num_passes: int = 6
-    max_num_reqs: int = 256
+    vocab_size: int  # V: rows of w1 and w2
+    hidden_size: int  # H: the drafter's hidden size
+    block_size: int = 16  # B: slot 0 = anchor, slots 1..B-1 = draft
+    rank: int = 256  # r: latent width
+    mlp_hidden: int = 512  # M: SwiGLU hidden width
+    topc: int = 512  # C: candidates per draft slot; 0 = exact full-vocabulary scoring
+    num_passes: int = 6  # K: Jacobi passes per call
+    max_num_reqs: int = 256  # the largest N (blocks per call) the head accepts
 
     def __post_init__(self) -> None:
-        for field, minimum in (
-            ("vocab_size", 1),
-            ("hidden_size", 1),
-            ("block_size", 2),
-            ("rank", 1),
-            ("mlp_hidden", 1),
-            ("topc", 0),
-            ("num_passes", 1),
-            ("max_num_reqs", 1),
-        ):
+        for field, minimum in (("vocab_size", 1), ("hidden_size", 1), ("block_size", 2), ("rank", 1),
+                               ("mlp_hidden", 1), ("topc", 0), ("num_passes", 1), ("max_num_reqs", 1)):
             object.__setattr__(self, field, _check_int(field, getattr(self, field), minimum=minimum))
-        if self.topc > self.vocab_size:
-            # vLLM's rule: a top-C larger than the vocabulary is the whole vocabulary (min(topc, V)).
-            object.__setattr__(self, "topc", self.vocab_size)
+        object.__setattr__(self, "topc", min(self.topc, self.vocab_size))  # vLLM's rule
 
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any], **overrides: Any) -> "HeadConfig":
-        """Build a config from a drafter's ``config.json`` dict, reading what vLLM reads.
-
-        ``xpress_block_size`` (else ``num_speculative_steps + 1``, default 16),
-        ``xpress_rank``, ``xpress_mlp_hidden``, ``xpress_topc``,
-        ``xpress_num_passes``, ``vocab_size``, ``hidden_size``, and
-        ``max_num_seqs`` (vLLM's scheduler limit) for ``max_num_reqs``.
-        Keyword ``overrides`` win over the dict. An ``xpress_topc`` above ``vocab_size``
-        is clamped to ``vocab_size``, as vLLM does.
-        """
+        """Build a config from a drafter's ``config.json`` dict, reading what vLLM reads: ``vocab_size``,
+        ``hidden_size``, ``xpress_block_size`` (else ``num_speculative_steps + 1``, default 16),
+        ``xpress_rank``, ``xpress_mlp_hidden``, ``xpress_topc``, ``xpress_num_passes``, and ``max_num_seqs``
+        (vLLM's scheduler limit) for ``max_num_reqs``. Keyword ``overrides`` win over the dict."""
         if not isinstance(config, Mapping):
             raise TypeError(f"config must be a mapping (a parsed config.json), got {type(config).__name__}")
         for key in ("vocab_size", "hidden_size"):
@@ -92,16 +58,10 @@ class HeadConfig:
         else:
             steps = config.get("num_speculative_steps", 15)
             block_size = _check_int("num_speculative_steps", steps, minimum=1) + 1
-        kwargs = dict(
-            vocab_size=config.get("vocab_size"),
-            hidden_size=config.get("hidden_size"),
-            block_size=block_size,
-            rank=config.get("xpress_rank", 256),
-            mlp_hidden=config.get("xpress_mlp_hidden", 512),
-            topc=config.get("xpress_topc", 512),
-            num_passes=config.get("xpress_num_passes", 6),
-            max_num_reqs=config.get("max_num_seqs", 256),
-        )
+        kwargs = dict(vocab_size=config.get("vocab_size"), hidden_size=config.get("hidden_size"), block_size=block_size,
+                      rank=config.get("xpress_rank", 256), mlp_hidden=config.get("xpress_mlp_hidden", 512),
+                      topc=config.get("xpress_topc", 512), num_passes=config.get("xpress_num_passes", 6),
+                      max_num_reqs=config.get("max_num_seqs", 256))
         unknown = set(overrides) - set(kwargs)
         if unknown:
             raise TypeError(f"unknown HeadConfig override(s): {sorted(unknown)}")
@@ -110,13 +70,6 @@ class HeadConfig:
 
     def to_hf_config(self) -> dict[str, int]:
         """The inverse of `from_hf_config` (``config.json`` field names)."""
-        return {
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "xpress_block_size": self.block_size,
-            "xpress_rank": self.rank,
-            "xpress_mlp_hidden": self.mlp_hidden,
-            "xpress_topc": self.topc,
-            "xpress_num_passes": self.num_passes,
-            "max_num_seqs": self.max_num_reqs,
-        }
+        return {"vocab_size": self.vocab_size, "hidden_size": self.hidden_size, "xpress_block_size": self.block_size,
+                "xpress_rank": self.rank, "xpress_mlp_hidden": self.mlp_hidden, "xpress_topc": self.topc,
+                "xpress_num_passes": self.num_passes, "max_num_seqs": self.max_num_reqs}

@@ -1,16 +1,12 @@
 """``xpress demo``: what the refiner is for, end to end on the embedded task (`xpress_jax.toy`).
 
-1. Build the task (a second-order Markov target over V tokens, an independent-per-slot block
-   drafter) and train an `XPressHead` on it with optax (`xpress_jax.train`), with Orbax
-   train-state checkpoints in ``OUT/train_state``.
-2. Export it both ways (`xpress_jax.export`): ``OUT/head_orbax`` (the Orbax serving
-   checkpoint) and ``OUT/vllm_head`` (``model.safetensors`` + ``config.json`` as vLLM loads it).
-3. Convert the vLLM folder with ``xpress-convert --verify`` into ``OUT/converted``, load it
-   with `xpress_jax.load_params`, and check that its params are bitwise the Orbax export's.
-4. Measure, with the jitted `xpress_jax.refine` on the converted head: the mean accepted length
-   per block (`xpress_jax.toy.accepted_length`) of the drafter alone (K = 0) and refined with
-   K = 1..B-1 passes, in full-vocabulary mode and for each top-C; print the table, write
-   ``OUT/accepted_length.png`` and ``OUT/results.json``.
+1. Train an `XPressHead` on the task (`xpress_jax.train`; train-state checkpoints in ``OUT/train_state``).
+2. Export it both ways (`xpress_jax.export`): ``OUT/head_orbax`` and ``OUT/vllm_head``.
+3. Convert the vLLM folder with ``xpress-convert --verify`` into ``OUT/converted`` and check that its
+   params are bitwise the Orbax export's.
+4. Measure with the jitted `xpress_jax.refine` on the converted head the mean accepted length per block
+   of the drafter alone (K = 0) and refined with K = 1..B-1 passes, full vocabulary and each top-C;
+   print the table, write ``OUT/accepted_length.png`` and ``OUT/results.json``.
 """
 
 from __future__ import annotations
@@ -21,6 +17,13 @@ import shutil
 import time
 from pathlib import Path
 from typing import Callable
+
+import jax
+import numpy as np
+
+import xpress_jax as xj
+from .export import export_serving, export_vllm
+from .toy import ToyConfig, ToyTask, evaluate
 
 __all__ = ["DemoOptions", "TINY", "run_demo", "format_table"]
 
@@ -49,10 +52,11 @@ class DemoOptions:
     resume: bool = False
     plot: bool = True
     progress: bool = True
+    smoke: bool = False  # --tiny: a smoke run (every step runs; the numbers are not a result)
 
 
-#: The smoke size the tests use (a few seconds).
-TINY = dict(vocab_size=16, block_size=5, hidden_size=8, rank=8, mlp_hidden=16, steps=40, batch_size=32,
+#: ``--tiny``: the smoke-run size (a few seconds).
+TINY = dict(vocab_size=16, block_size=4, hidden_size=8, rank=8, mlp_hidden=16, steps=40, batch_size=32,
             topcs=(4,), eval_blocks=64, checkpoint_every=20)
 
 
@@ -92,44 +96,30 @@ def _plot(path: Path, result: dict, block_size: int, title: str) -> None:
 
 def run_demo(opts: DemoOptions, say: Callable[[str], None] = print,
              progress: Callable[[str], None] | None = None) -> dict:
-    """Run the whole demo; ``say`` gets the report's lines, ``progress`` the stderr progress lines.
-
-    Returns the results dict (also written to ``OUT/results.json``); ``results["ok"]`` is False
-    when a check failed (the converter's verification, or the two exports disagreeing).
-    """
-    import jax
-    import numpy as np
-
-    import xpress_jax as xj
-    from .convert import VerificationError, convert_checkpoint
-    from .export import export_serving, export_vllm
-    from .toy import ToyConfig, ToyTask, evaluate
+    """Run the whole demo; ``say`` gets the report's lines, ``progress`` the stderr progress lines. Returns
+    the results dict (also ``OUT/results.json``); ``results["ok"]`` is False when a check failed."""
+    from .convert import VerificationError, convert_checkpoint  # the converter and optax/orbax: only here
     from .train import TrainConfig, train
 
     note = progress or (lambda _m: None)
     out = Path(opts.out).expanduser().absolute()
     out.mkdir(parents=True, exist_ok=True)
-    for name in OUTPUTS:
-        p = out / name
-        if name == "train_state" and opts.resume:
-            continue
-        if p.is_dir():
-            shutil.rmtree(p)
-        elif p.exists():
-            p.unlink()
+    for p in (out / name for name in OUTPUTS if not (name == "train_state" and opts.resume)):
+        shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
 
     t_all = time.perf_counter()
     note("building the task (target chain, drafter tables)")
-    toy_cfg = ToyConfig(vocab_size=opts.vocab_size, block_size=opts.block_size, hidden_size=opts.hidden_size,
-                        seed=opts.seed)
+    toy_cfg = ToyConfig(opts.vocab_size, opts.block_size, opts.hidden_size, seed=opts.seed)
     task = ToyTask(toy_cfg)
     head_cfg = task.head_config(rank=opts.rank, mlp_hidden=opts.mlp_hidden, topc=opts.topcs[0] if opts.topcs else 0,
                                 max_num_reqs=max(opts.eval_blocks, 1))
     tc = TrainConfig(steps=opts.steps, batch_size=opts.batch_size, learning_rate=opts.learning_rate,
-                     warmup_steps=min(100, opts.steps // 10), param_dtype=opts.param_dtype, seed=opts.seed,
-                     checkpoint_every=opts.checkpoint_every)
+                     param_dtype=opts.param_dtype, seed=opts.seed, checkpoint_every=opts.checkpoint_every)
     V, B = toy_cfg.vocab_size, toy_cfg.block_size
     say("xpress demo: train an XPress refiner head on the embedded task, export it, convert it, refine")
+    if opts.smoke:
+        say("smoke run (--tiny): checks that every step runs, on a head too small and too briefly trained for its "
+            "numbers to mean anything")
     say(f"task  : target = 2nd-order Markov chain over V={V} tokens; drafter = each of the B-1={B - 1} draft "
         f"slots predicted independently (its exact k-step marginal); seed {opts.seed}")
     say(f"head  : H={toy_cfg.hidden_size} r={opts.rank} M={opts.mlp_hidden} B={B}, {opts.param_dtype} params; "
@@ -140,11 +130,9 @@ def run_demo(opts: DemoOptions, say: Callable[[str], None] = print,
                 task_meta=dataclasses.asdict(toy_cfg), progress=opts.progress)
     last = res.history[-1] if res.history else None
     resumed = f", resumed from step {res.resumed_from}" if res.resumed_from is not None else ""
-    if last is not None:
-        say(f"train : {len(res.history)} steps in {res.seconds:.1f} s after compile ({res.tokens_per_s:,.0f} draft "
-            f"tokens/s){resumed}; final loss {last['loss']:.4f}, teacher-forced slot accuracy {last['accuracy']:.3f}")
-    else:
-        say(f"train : nothing to do{resumed} (the checkpoint is at the last step)")
+    say(f"train : {len(res.history)} steps in {res.seconds:.1f} s after compile ({res.tokens_per_s:,.0f} draft "
+        f"tokens/s){resumed}; final loss {last['loss']:.4f}, teacher-forced slot accuracy {last['accuracy']:.3f}"
+        if last else f"train : nothing to do{resumed} (the checkpoint is at the last step)")
 
     note("exporting (Orbax serving checkpoint, vLLM folder)")
     export_serving(out / "head_orbax", res.model)
@@ -153,39 +141,36 @@ def run_demo(opts: DemoOptions, say: Callable[[str], None] = print,
         f"'xpress_head.', raw mix.L, + config.json)")
 
     note("converting the vLLM folder with xpress-convert --verify")
-    ok = True
     try:
         report = convert_checkpoint(out / "vllm_head", out / "converted", verify=True, seed=opts.seed)
-        verify = report.verify
         say(f"convert: xpress-convert {out / 'vllm_head'} {out / 'converted'} --verify: "
-            + "; ".join(verify.lines()))
+            + "; ".join(report.verify.lines()))
     except VerificationError as e:  # exactness required (float32 in, float32 out) and not met
         say(f"convert: FAILED verification: {e}")
         return {"ok": False}
     head = xj.load_params(out / "converted")
     orbax_head = xj.load_params(out / "head_orbax")
-    same = all(np.array_equal(np.asarray(head.params[k]), np.asarray(orbax_head.params[k])) for k in xj.PARAM_NAMES)
-    ok &= same
-    say(f"check : the converted checkpoint's params are {'bitwise identical to' if same else 'DIFFERENT from'} "
+    ok = all(np.array_equal(np.asarray(head.params[k]), np.asarray(orbax_head.params[k])) for k in xj.PARAM_NAMES)
+    say(f"check : the converted checkpoint's params are {'bitwise identical to' if ok else 'DIFFERENT from'} "
         "the Orbax export's")
 
     note(f"measuring: refine on the converted head, K = 1..{B - 1}, modes {['full'] + list(opts.topcs)}")
     topcs = (0, *[c for c in opts.topcs if c])
     result = evaluate(task, head, n_blocks=opts.eval_blocks, seed=1000 + opts.seed, topcs=topcs)
-    say("")
-    say(f"Mean accepted length per block: draft tokens (of B-1 = {B - 1}) that the target's greedy check accepts, "
+    say(f"\nMean accepted length per block: draft tokens (of B-1 = {B - 1}) that the target's greedy check accepts, "
         f"i.e. the longest prefix of the draft equal to the target's greedy continuation; {opts.eval_blocks} "
         f"blocks (contexts from the chain's stationary distribution, seed {result['seed']}); K = 0 is the drafter "
-        "alone; refined = the jitted xpress_jax.refine on the converted checkpoint.")
-    say("")
-    for line in format_table(result):
+        "alone; refined = the jitted xpress_jax.refine on the converted checkpoint.\n")
+    for line in format_table(result) + [""]:
         say(line)
     best = max(result["refined"][0])
-    say("")
-    say(f"Full vocabulary, K = {B - 1}: {best:.2f} accepted tokens per block vs {result['drafter']:.2f} for the drafter "
-        f"alone ({best / max(result['drafter'], 1e-9):.2f}x); with the target's own next token, "
-        f"{best + 1:.2f} vs {result['drafter'] + 1:.2f} tokens per verification step. Top-C cannot pick a token "
-        "outside the drafter's C best, which caps it below full vocabulary.")
+    if opts.smoke:
+        say("smoke run: every step ran. These numbers are no result: run `xpress demo` without --tiny to measure.")
+    else:
+        say(f"Full vocabulary, K = {B - 1}: {best:.2f} accepted tokens per block vs {result['drafter']:.2f} for the "
+            f"drafter alone ({best / max(result['drafter'], 1e-9):.2f}x); with the target's own next token, "
+            f"{best + 1:.2f} vs {result['drafter'] + 1:.2f} tokens per verification step. Top-C cannot pick a "
+            "token outside the drafter's C best, which caps it below full vocabulary.")
     if opts.plot:
         try:
             _plot(out / "accepted_length.png", result, B,
@@ -193,18 +178,12 @@ def run_demo(opts: DemoOptions, say: Callable[[str], None] = print,
             say(f"plot  : {out / 'accepted_length.png'}")
         except ImportError:
             say("plot  : skipped (matplotlib is not installed: pip install matplotlib)")
-    result = {
-        "ok": bool(ok),
-        "options": {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(opts).items()},
-        "task": dataclasses.asdict(toy_cfg),
-        "head_config": dataclasses.asdict(head_cfg),
-        "train": {"steps_run": len(res.history), "seconds": res.seconds, "tokens_per_s": res.tokens_per_s,
-                  "final": last, "resumed_from": res.resumed_from},
-        "accepted_length": {"drafter": result["drafter"], "refined": {str(k): v for k, v in result["refined"].items()},
-                            "n_blocks": result["n_blocks"], "seed": result["seed"]},
-        "jax": jax.__version__,
-        "seconds_total": time.perf_counter() - t_all,
-    }
+    result = {"ok": bool(ok), "options": json.loads(json.dumps(dataclasses.asdict(opts))),
+              "task": dataclasses.asdict(toy_cfg), "head_config": dataclasses.asdict(head_cfg),
+              "train": {"steps_run": len(res.history), "seconds": res.seconds, "tokens_per_s": res.tokens_per_s,
+                        "final": last, "resumed_from": res.resumed_from},
+              "accepted_length": {**result, "refined": {str(k): v for k, v in result["refined"].items()}},
+              "jax": jax.__version__, "seconds_total": time.perf_counter() - t_all}
     (out / "results.json").write_text(json.dumps(result, indent=1) + "\n")
     say(f"results: {out / 'results.json'}; total {result['seconds_total']:.1f} s")
     return result

@@ -1,15 +1,9 @@
-"""Export a trained `XPressHead` both ways: the project's Orbax checkpoint, and a vLLM-style folder.
+"""Export a trained `XPressHead` both ways.
 
-- `export_serving`: ``xpress_jax.save_params`` of ``model.to_serving()`` (folded mixer, split
-  ``in_proj``): what `xpress_jax.load_params` restores and `refine` runs.
-- `export_vllm`: the head as vLLM's XPress drafter loads it: ``model.safetensors`` with every
-  tensor under ``xpress_head.`` by its `HYBRID_KEY_MAP` name, in PyTorch layouts, with the RAW
-  ``mix.L`` (vLLM folds it on load), and ``config.json`` with the fields vLLM (and
-  ``xpress-convert``) read: ``vocab_size``, ``hidden_size``, ``xpress_block_size``,
-  ``xpress_rank``, ``xpress_mlp_hidden``, ``xpress_topc``, ``xpress_num_passes``,
-  ``max_num_seqs``. The folder holds the head only: a drafter's backbone (layers, norms,
-  embeddings), when there is one, is merged in by whoever assembles the drafter checkpoint;
-  ``xpress-convert`` reads the head from it as it is.
+- `export_serving`: ``xpress_jax.save_params`` of ``model.to_serving()``: what `xpress_jax.load_params`
+  restores and `refine` runs.
+- `export_vllm`: the head as vLLM's XPress drafter loads it: ``model.safetensors`` (every tensor under
+  ``xpress_head.`` by its `HYBRID_KEY_MAP` name, PyTorch layouts, the RAW ``mix.L``) and ``config.json``.
 
 Both writes are atomic (a temporary folder beside the destination, renamed at the end).
 """
@@ -49,12 +43,9 @@ def export_serving(path: str | os.PathLike, model: XPressHead, *, config: HeadCo
 
 def export_vllm(folder: str | os.PathLike, model: XPressHead, *, config: HeadConfig | None = None,
                 dtype: Any = None, overwrite: bool = False, extra_config: Mapping[str, Any] | None = None) -> Path:
-    """Write ``model.safetensors`` + ``config.json`` (module docstring) into ``folder``; returns its path.
-
-    ``config`` (default: the module's) supplies C, K and ``max_num_seqs``; its sizes must be the
-    module's. ``dtype`` casts the tensors (e.g. ``"bfloat16"``; default: the params' dtype).
-    ``extra_config`` adds fields to config.json (they may not replace the head's own).
-    """
+    """Write ``model.safetensors`` + ``config.json`` into ``folder``; returns its path. ``config`` (default: the
+    module's) supplies C, K and ``max_num_seqs`` (its sizes must be the module's); ``dtype`` casts the
+    tensors; ``extra_config`` adds fields to config.json (not replacing the head's own)."""
     import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy)
 
     from .convert import save_file
@@ -66,10 +57,8 @@ def export_vllm(folder: str | os.PathLike, model: XPressHead, *, config: HeadCon
     if clash:
         raise ValueError(f"extra_config may not replace the head's own config.json fields: {clash}")
     hf = {**hf, **dict(extra_config or {})}
-    tensors = {}
-    for name, value in model.state_dict().items():
-        a = np.asarray(value)
-        tensors[VLLM_PREFIX + name] = a if dtype is None else a.astype(np.dtype(dtype))
+    tensors = {VLLM_PREFIX + name: np.asarray(v) if dtype is None else np.asarray(v).astype(np.dtype(dtype))
+               for name, v in model.state_dict().items()}
     folder = Path(folder).expanduser().absolute()
     with staged_directory(folder, overwrite=overwrite) as staged:
         staged.mkdir()

@@ -1,14 +1,12 @@
 """The XPress refiner head: the serving form's pure-jnp pieces, and the training form (`XPressHead`).
 
-Serving form (`hidden_input`, `latent`; what `xpress_jax.refine` and the kernels
-run). Precision (matches the reference's fused path): every matmul takes operands in
-the params' dtype ``cd`` and accumulates in ``acc`` (float32, or float64 for
-float64 params); elementwise work inside the latent pass stays in ``acc``; the
-hidden cache, ``xh``, the latent and the readout bias are rounded to ``cd``.
+Serving form (`hidden_input`, `latent`: what `xpress_jax.refine` and the kernels run). Every matmul
+takes operands in the params' dtype ``cd`` and accumulates in ``acc`` (float32; float64 for float64
+params); elementwise work in the latent pass stays in ``acc``; the hidden cache, ``xh``, the latent
+and the readout bias are rounded to ``cd`` (docs/semantics.md).
 
-Training form (`XPressHead`, a Flax NNX module): the reference's parameters as
-they are trained and checkpointed (raw mixer, whole ``in_proj``, PyTorch layouts);
-`XPressHead.to_serving` turns them into the serving params.
+Training form (`XPressHead`, a Flax NNX module): the parameters as they are trained and checkpointed
+(raw mixer, whole ``in_proj``, PyTorch layouts); `XPressHead.to_serving` turns them into serving params.
 """
 
 from __future__ import annotations
@@ -35,23 +33,14 @@ def acc_dtype(dtype: Any) -> jnp.dtype:
 
 
 def precision_for(dtype: Any) -> jax.lax.Precision | None:
-    """HIGHEST for float32/64 operands (no TF32 on GPUs); default for 16-bit operands.
-
-    HIGHEST on bf16 operands can make XLA pick a slower float32 GEMM; bf16 products
-    are exact in float32 anyway.
-    """
+    """HIGHEST for float32/64 operands (no TF32 on GPUs); default for 16-bit operands (whose products are
+    exact in float32 anyway, and HIGHEST could pick a slower float32 GEMM)."""
     return jax.lax.Precision.HIGHEST if jnp.dtype(dtype).itemsize >= 4 else None
 
 
 def round_to(x: jax.Array, dtype: Any) -> jax.Array:
-    """``x`` rounded to ``dtype`` (round to nearest even), a rounding XLA may not skip.
-
-    A plain ``x.astype(bf16)`` whose result is converted back to float32 later (inside a
-    fusion, or by XLA's own bf16 normalisation) is an ``f32 -> bf16 -> f32`` pair that XLA
-    on GPUs removes by default (``xla_allow_excess_precision``): the value is then never
-    rounded, and near-tied tokens can differ from the reference. ``reduce_precision`` to
-    the target format first is kept by XLA and makes the rounding real on every backend.
-    """
+    """``x`` rounded to ``dtype`` (to nearest even), a rounding XLA may not skip: XLA on GPUs drops an ``f32 ->
+    bf16 -> f32`` pair (``xla_allow_excess_precision``), but keeps ``reduce_precision``."""
     dtype = jnp.dtype(dtype)
     if jnp.dtype(x.dtype) == dtype:
         return x
@@ -70,12 +59,9 @@ def _dot(a: jax.Array, b: jax.Array, acc: jnp.dtype) -> jax.Array:
 
 
 def hidden_cache(params: Params, h: jax.Array, *, pad_rows: int = 0) -> jax.Array:
-    """``concat(h @ down_h, mean_slots(h) @ down_g)``: [N, B, H] -> [N, B, 2r] (pass-invariant).
-
-    ``pad_rows`` (a spelling for XLA:GPU, same values: `xpress_jax.reference.hidden_input_gpu`): with
-    N < pad_rows, ``mean_slots(h)`` is padded with zero rows to ``pad_rows`` behind an optimization
-    barrier before its dot, so that XLA cannot strength-reduce an N = 1 dot into a multiply + reduce.
-    """
+    """``concat(h @ down_h, mean_slots(h) @ down_g)``: [N, B, H] -> [N, B, 2r] (pass-invariant). ``pad_rows``
+    (XLA:GPU, the same values): N < pad_rows rows are zero-padded behind an optimization barrier before the
+    dot, so that XLA cannot turn an N = 1 dot into a multiply + reduce."""
     cd = params["w1"].dtype
     acc = acc_dtype(cd)
     n = h.shape[0]
@@ -88,56 +74,32 @@ def hidden_cache(params: Params, h: jax.Array, *, pad_rows: int = 0) -> jax.Arra
 
 
 def hidden_input(params: Params, h: jax.Array, *, pad_rows: int = 0) -> jax.Array:
-    """``xh = hidden_cache(h) @ in_proj_hidden``: the pass-invariant half of ``in_proj``, [N, B, r].
-    ``pad_rows``: see `hidden_cache` (the same values)."""
+    """``xh = hidden_cache(h) @ in_proj_hidden``: the pass-invariant half of ``in_proj``, [N, B, r]."""
     cd = params["w1"].dtype
     return round_to(_dot(hidden_cache(params, h, pad_rows=pad_rows), params["in_proj_hidden"], acc_dtype(cd)), cd)
 
 
-#: The key under which `xpress_jax.refine` hands a `token_table` to `latent` inside its params dict
-#: (internal: refine adds it after validating the user's params; a user passes ``token_table=``).
+#: The params key under which `xpress_jax.refine` hands a `token_table` to `latent` (users pass ``token_table=``).
 TOKEN_TABLE = "token_table"
 
 
 def token_table(params: Params | Head) -> jax.Array:
-    """``w1 @ in_proj_token`` for every vocab id: [V, r] in the accumulation dtype (float32; float64
-    for float64 params), computed once per set of weights.
-
-    `latent` adds ``w1[prev] @ in_proj_token`` to the hidden input every pass: a gather of ``w1`` rows
-    and a small GEMM. With this table it is one gather of rows already multiplied,
-    ``table[prev]``, which XLA fuses with the add and the mixer: on an H200 three kernels fewer per
-    pass (benchmarks/RESULTS.md, "One call's floor, PDL, refine inside a serving loop, a prepared token
-    table"). The values are the same sums of the same products (bf16 x bf16 products are exact in
-    float32; each row is summed over ``r`` in the accumulation dtype, as the per-pass GEMM does), their
-    order being the GEMM's choice either way, as for any dot. Pass it as ``refine(..., token_table=...)``;
-    `RefineServer` keeps one per set of weights. (The Pallas latent kernel, which the Pallas backend uses
-    above N=128 at B=16, does not read it.) Memory: V * r * 4 bytes (155.6 MB at V=151936, r=256), twice
-    ``w1`` in bfloat16. It must come from the very weights passed to refine.
-    """
-    if isinstance(params, Head):
-        params = params.params
-    acc = acc_dtype(params["w1"].dtype)
-    return _dot(params["w1"], params["in_proj_token"], acc)
+    """``w1 @ in_proj_token`` for every vocab id: [V, r] in the accumulation dtype, once per set of weights:
+    `latent` reads ``table[prev]`` instead of a gather and a small GEMM every pass (the same sums; three
+    kernels fewer per pass on a GPU: docs/performance.md). Pass it as ``refine(..., token_table=...)``
+    (`RefineServer` keeps one); V * r * 4 bytes; it must come from the very weights passed to refine."""
+    params = params.params if isinstance(params, Head) else params
+    return _dot(params["w1"], params["in_proj_token"], acc_dtype(params["w1"].dtype))
 
 
 def latent(params: Params, xh: jax.Array, prev: jax.Array, *, split: bool = False, barrier: bool = False):
-    """One pass's latents for the draft slots: [N, B, r], [N, B] int -> [N, B-1, r].
-
-    ``x = xh + w1[prev] @ in_proj_token``; ``u[n,k,c] = sum_j mix[k,j,c] x[n,j,c]``
-    (causal: mix is lower-triangular in (k, j)); ``lat = u + down(silu(u @ gate) * (u @ up))``.
-    ``prev`` must already be a valid index (callers clamp). With ``params[TOKEN_TABLE]`` (a
-    `token_table` of these weights, added by `xpress_jax.refine`), ``w1[prev] @ in_proj_token``
-    is read from it: ``table[prev]``.
-
-    ``split=True`` returns the residual's two terms before their sum, ``(u, d)`` with ``d =
-    down(...)``, both [N, B-1, r] in the accumulation dtype: the latent is ``round_to(u + d, dtype)``
-    (what the top-C pick kernel forms itself as it loads it, saving the residual's own kernel:
-    `xpress_jax.reference.LatentSum`).
-
-    ``barrier=True`` puts ``u`` and its rounding behind one ``lax.optimization_barrier``: the same
-    values (the barrier is the identity), but XLA:GPU then computes the gather and the mixer once, where
-    it otherwise recomputes them inside the residual's fusion (`xpress_jax.dispatch.MIXER_BARRIER_MAX_ROWS`).
-    """
+    """One pass's latents for the draft slots: [N, B, r], [N, B] int -> [N, B-1, r]: ``x = xh + w1[prev] @
+    in_proj_token``, ``u[n,k,c] = sum_j mix[k,j,c] x[n,j,c]``, ``lat = u + down(silu(u @ gate) * (u @ up))``.
+    ``prev`` must be valid indices (callers clamp); ``params[TOKEN_TABLE]`` (added by `xpress_jax.refine`)
+    replaces ``w1[prev] @ in_proj_token`` by ``table[prev]``. ``split=True`` returns ``(u, d)`` before their
+    sum (the latent is ``round_to(u + d, dtype)``, which the top-C pick kernel forms as it loads them).
+    ``barrier=True``: ``u`` behind an optimization barrier (the same values; XLA:GPU computes the gather and
+    the mixer once instead of inside the residual's fusion)."""
     cd = params["w1"].dtype
     acc = acc_dtype(cd)
     table = params.get(TOKEN_TABLE)
@@ -150,28 +112,20 @@ def latent(params: Params, xh: jax.Array, prev: jax.Array, *, split: bool = Fals
     uc = round_to(u, cd)
     if barrier:
         u, uc = jax.lax.optimization_barrier((u, uc))
-    gate = _dot(uc, params["mlp_gate"], acc)
-    up = _dot(uc, params["mlp_up"], acc)
-    act = round_to(jax.nn.silu(gate) * up, cd)
+    act = round_to(jax.nn.silu(_dot(uc, params["mlp_gate"], acc)) * _dot(uc, params["mlp_up"], acc), cd)
     d = _dot(act, params["mlp_down"], acc)
     return (u, d) if split else round_to(u + d, cd)
 
 
-def _attr_of(source: str) -> str:
-    target = HYBRID_KEY_MAP[source]
-    return "mix_L" if target == "__raw_mix_L__" else target.removesuffix(".weight")
-
-
 #: `XPressHead` attribute -> its checkpoint name in `HYBRID_KEY_MAP` (one to one, PyTorch layouts).
-MODULE_PARAM_NAMES = {_attr_of(source): source for source in HYBRID_KEY_MAP}
+MODULE_PARAM_NAMES = {("mix_L" if target == "__raw_mix_L__" else target.removesuffix(".weight")): source
+                      for source, target in HYBRID_KEY_MAP.items()}
 
 
 def _check_static_int(name: str, value: Any, minimum: int) -> int:
     if isinstance(value, jax.core.Tracer):
-        raise TypeError(
-            f"{name} must be a static Python int, got a traced value; under jit mark it static: "
-            f"nnx.jit(XPressHead.refine, static_argnames=('num_passes', 'topc')) (or jax.jit with static_argnames)"
-        )
+        raise TypeError(f"{name} must be a static Python int, got a traced value; under jit mark it static: "
+                        "nnx.jit(XPressHead.refine, static_argnames=('num_passes', 'topc'))")
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
     return int(value)
@@ -180,46 +134,17 @@ def _check_static_int(name: str, value: Any, minimum: int) -> int:
 class XPressHead(nnx.Module):
     """The XPress refiner head in training form: a Flax NNX module.
 
-    Its params are the reference's, one to one with `HYBRID_KEY_MAP` and in its PyTorch
-    layouts (`MODULE_PARAM_NAMES`: attribute -> checkpoint name): ``w1`` [V, r],
-    ``down_h``/``down_g`` [r, H], ``in_proj`` [r, 3r] (whole: hidden cache, then token),
-    ``mix_L`` [r, B, B] (the RAW mixer), ``mlp_gate``/``mlp_up`` [M, r], ``mlp_down``
-    [r, M], ``w2`` [V, r]. `state_dict` returns them under their checkpoint names, which is
-    what a vLLM checkpoint holds under ``xpress_head.``.
+    Its params are the checkpoint's tensors one to one, in PyTorch layouts (`MODULE_PARAM_NAMES`:
+    attribute -> `HYBRID_KEY_MAP` name; ``in_proj`` whole, ``mix_L`` raw); `state_dict` returns them under
+    those names. `__call__` scores the draft slots (``base + bias``; teacher-forced: what training fits),
+    `refine` runs K greedy Jacobi passes, and `to_serving` builds the serving `xpress_jax.Head` with the code
+    that loads a converted checkpoint, so ``xpress_jax.refine(head.to_serving(), ...)`` gives `refine`'s
+    tokens. The pass is docs/semantics.md's training form: the mixer as ``u = x + (raw_L * tril) x``.
+    Matmul operands in the params' dtype, accumulation and activations in float32 (float64 for float64).
 
-    Forward (one pass over a block, in the training form of SEMANTICS.md): with ``prev[:, 0]``
-    the token before the anchor and ``prev[:, b]`` the token in slot ``b-1``,
-    ``x = in_proj(concat(hidden_cache(h), w1[prev]))``, then the mixer with the sublayer
-    residual ``u = x + (raw_L * tril) x`` per rank channel (causal), then
-    ``lat = u + down(silu(gate(u)) * up(u))`` and ``bias = lat @ w2.T``. `__call__` returns the
-    draft slots' scores ``base + bias``; with the target's tokens as ``prev`` (teacher forcing)
-    this is what training fits. `refine` runs K greedy Jacobi passes of that forward pass.
-    `to_serving` folds the mixer (``raw * tril + I``) and splits ``in_proj`` with the same code
-    that loads a converted checkpoint (`params_from_state_dict`), so that
-    ``xpress_jax.refine(head.to_serving(), ...)`` gives this module's `refine` tokens.
-
-    Why NNX and not linen: the head is trained, exported and refined as one object whose
-    params are plain attributes with fixed names, and NNX gives exactly that (a linen module
-    has no params until ``init`` runs a forward pass, and its methods take the variables
-    dict on every call). Under transforms it is still functional: ``graphdef, params =
-    nnx.split(head)``, ``nnx.merge(graphdef, params)`` (what `xpress_jax.train` does, with
-    ``params`` a plain ``{attribute: array}`` dict), or ``nnx.jit`` directly:
-    ``nnx.jit(XPressHead.refine, static_argnames=("num_passes", "topc"))(head, logits, h, anchors,
-    num_passes=2, topc=0)``.
-
-    Precision: matmul operands in the params' dtype (float32 or bfloat16; float64 with x64),
-    accumulation and all activations in float32 (float64 for float64 params).
-
-    Args:
-      config: the head's sizes; its ``topc``, ``num_passes`` and ``max_num_reqs`` travel to
-        `to_serving`.
-      rngs: ``nnx.Rngs`` for the initial weights.
-      param_dtype: the params' dtype.
-      std: ``None`` (default): the training init: normal weights scaled by 1/sqrt(fan in)
-        (``w1``: std 1), and ``w2``, ``mlp_down`` and the raw mixer's causal part zero, so a fresh
-        head leaves the drafter's tokens unchanged and mixes nothing (the masked upper triangle
-        is small noise, so that the raw mixer never looks folded). A float: every param (the raw mixer
-        too) normal with that std: a random head that changes tokens (tests, demos).
+    ``std=None`` (default) is the training init: normal weights scaled by 1/sqrt(fan in) (``w1``: std 1);
+    ``w2``, ``mlp_down`` and the raw mixer's causal part zero, so a fresh head leaves the drafter's tokens
+    unchanged. A float: every param normal with that std (a random head that changes tokens).
     """
 
     def __init__(self, config: HeadConfig, *, rngs: nnx.Rngs, param_dtype: Any = jnp.float32,
@@ -237,10 +162,8 @@ class XPressHead(nnx.Module):
         for attr, source in MODULE_PARAM_NAMES.items():
             shape = shapes[source]
             if std is None and attr == "mix_L":
-                # Zero on and below the diagonal (no mixing yet). The upper triangle, which the causal
-                # mask hides from training, holds small random values: a checkpoint of this raw mixer then
-                # cannot be mistaken for a folded one (`xpress-convert --mixer auto` looks for a zero upper
-                # triangle and a diagonal near 1).
+                # Zero causal part; small noise in the masked upper triangle, so that `xpress-convert
+                # --mixer auto` (which looks for a zero upper triangle) never takes it for a folded mixer.
                 B = shape[-1]
                 upper = jnp.triu(jnp.ones((B, B), jnp.float32), 1)
                 value = jax.random.normal(rngs.params(), shape, jnp.float32) * 0.02 * upper
@@ -269,10 +192,8 @@ class XPressHead(nnx.Module):
         return jnp.concatenate([hh, jnp.broadcast_to(hg[:, None, :], hh.shape)], axis=-1)
 
     def latents(self, hcache: jax.Array, prev: jax.Array) -> jax.Array:
-        """Latents of every slot: [N, B, 2r] hidden cache, [N, B] int prev tokens -> [N, B, r].
-
-        ``prev[:, 0]`` is the token before the anchor, ``prev[:, b]`` the token in slot ``b-1``.
-        """
+        """Latents of every slot: [N, B, 2r] hidden cache, [N, B] int prev tokens (``prev[:, 0]``: the token
+        before the anchor, ``prev[:, b]``: the token in slot ``b-1``) -> [N, B, r]."""
         acc = acc_dtype(self.dtype)
         e = jnp.take(self.w1[...], prev, axis=0, mode="clip").astype(acc)  # [N, B, r]
         x = self._mm(jnp.concatenate([hcache, e], axis=-1), self.in_proj[...])  # [N, B, r]
@@ -292,23 +213,16 @@ class XPressHead(nnx.Module):
         return jnp.concatenate([prev_ids[:, None], blk[:, :-1]], axis=1).astype(jnp.int32)
 
     def __call__(self, logits: jax.Array, h: jax.Array, prev: jax.Array) -> jax.Array:
-        """Scores of the draft slots, ``base + bias``: [N, B, V], [N, B, H], [N, B] int -> [N, B-1, V].
-
-        ``prev`` as in `latents`; teacher forcing: ``prev_tokens(target_block, prev_ids)``.
-        Returned in the accumulation dtype (float32; float64 for float64 params).
-        """
+        """Scores of the draft slots, ``base + bias``, in the accumulation dtype: [N, B, V], [N, B, H], [N, B]
+        int -> [N, B-1, V]. ``prev`` as in `latents`; teacher forcing: ``prev_tokens(target_block, prev_ids)``."""
         lat = self.latents(self.hidden_cache(h), prev)[:, 1:]
         return logits[:, 1:].astype(acc_dtype(self.dtype)) + self.bias(lat)
 
     def refine(self, logits: jax.Array, h: jax.Array, anchors: jax.Array, prev_ids: jax.Array | None = None, *,
                num_passes: int, topc: int = 0) -> jax.Array:
-        """K greedy Jacobi passes of the training-form forward pass: [N, B-1] int32 draft tokens.
-
-        The block starts as ``[anchor, argmax base]``; each pass re-scores every draft slot from
-        the previous pass's tokens. ``topc=0``: argmax over the vocabulary (lowest id on ties);
-        ``topc=C``: over each slot's C largest base logits, taken in ``lax.top_k``'s order
-        (largest first), the first largest score winning. Both are static under jit.
-        """
+        """K greedy Jacobi passes from ``[anchor, argmax base]``: [N, B-1] int32 draft tokens. ``topc=0``:
+        argmax over the vocabulary (lowest id on ties); ``topc=C``: over each slot's C largest base logits
+        in ``lax.top_k``'s order. Both are static under jit."""
         num_passes = _check_static_int("num_passes", num_passes, 1)
         topc = _check_static_int("topc", topc, 0)
         N, B, V = logits.shape
@@ -340,14 +254,9 @@ class XPressHead(nnx.Module):
         return {source: getattr(self, attr)[...] for attr, source in MODULE_PARAM_NAMES.items()}
 
     def to_serving(self, config: HeadConfig | None = None, *, dtype: Any = None) -> Head:
-        """The serving params (folded mixer, split ``in_proj``, ``x @ W`` layouts) with their config.
-
-        Returns a `xpress_jax.Head`: ``head.params`` is the serving params dict, and
-        ``xpress_jax.refine(head, logits, h, anchors)`` runs it. Built by `params_from_state_dict`
-        from `state_dict`, the code that loads a converted PyTorch checkpoint. ``config``
-        (default: the module's) may change ``topc``, ``num_passes`` and ``max_num_reqs``, not the
-        sizes; ``dtype`` casts (default: the params' dtype).
-        """
+        """The serving `xpress_jax.Head` (folded mixer, split ``in_proj``), built by `params_from_state_dict`
+        from `state_dict`. ``config`` (default: the module's) may change ``topc``, ``num_passes`` and
+        ``max_num_reqs``, not the sizes; ``dtype`` casts (default: the params' dtype)."""
         config = self.config if config is None else config
         if not isinstance(config, HeadConfig):
             raise TypeError(f"config must be a HeadConfig, got {type(config).__name__}")

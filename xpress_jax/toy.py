@@ -1,32 +1,12 @@
 """The embedded task: a small target language model, a block drafter, and the accepted-length metric.
 
-Small enough to train a head on a 2-core CPU in about a minute; every table is built
-from one seed, so every number is reproducible.
-
-**Target.** A fixed random second-order Markov chain over V tokens: the logits of the next
-token after ``(a, b)`` (``a`` the older) are ``sharpness * (O[c] . (P[b] + 0.7 Q[a])) / sqrt(d)
-+ noise * G[a, b, c]``: a rank-``d`` part shared by all contexts plus an unstructured random
-part, so the next token depends on both predecessors. Its *greedy continuation* of a context
-``(a, b)`` is ``g1 = argmax next(a, b)``, ``g2 = argmax next(b, g1)``, ...
-
-**Contexts.** A block's context is the pair (token before the anchor, anchor), drawn from the
-chain's stationary distribution (sampling at temperature 1). There are V^2 contexts, so every
-per-context quantity is a table row, and a batch is a gather: training and evaluation draw
-from the same distribution (this task measures how well the head learns the target's
-dependence between neighbouring tokens, not generalisation to unseen contexts).
-
-**Drafter.** A block drafter that predicts every slot independently from the context: slot
-``k``'s logits are the log of the target's ``k``-step marginal ``P(x_{t+k} | x_{t-1}, x_t)``
-(computed exactly): the best any independent per-slot predictor can do, and still
-incoherent, because the most likely token at each position need not follow the most likely
-one before it. Its hidden states come from a fixed feature map:
-``h[k] = tanh(E1[x_{t-1}] + E2[x_t] + S[k])`` (random fixed tables).
-
-**Accepted length.** The target's greedy check accepts the longest prefix of the draft
-(slots 1..B-1) that equals its greedy continuation of the context; `accepted_length` counts
-those accepted draft tokens, 0..B-1 per block (slot 0, the anchor, is already verified and is
-not counted; the target's own next token, emitted at the first mismatch, is not counted either,
-so tokens gained per verification step = accepted length + 1).
+Every table comes from one seed. **Target**: a random second-order Markov chain over V tokens (the logits
+after ``(a, b)``: ``sharpness * (O[c] . (P[b] + 0.7 Q[a])) / sqrt(d) + noise * G[a, b, c]``); its greedy
+continuation of ``(a, b)`` is ``g1 = argmax next(a, b)``, ``g2 = argmax next(b, g1)``, ... **Contexts**:
+(token before the anchor, anchor) from the chain's stationary distribution; V^2 of them, so a batch is a
+gather of table rows. **Drafter**: every slot independently, the log of the target's exact k-step marginal
+(the best an independent predictor can do, still incoherent); hidden states ``tanh(E1[x_{t-1}] + E2[x_t] +
+S[k])``. **Accepted length**: the longest prefix of the draft equal to the greedy continuation (0..B-1).
 """
 
 from __future__ import annotations
@@ -39,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .config import HeadConfig
+from .refine import STATIC, refine
 
 __all__ = ["ToyConfig", "ToyTask", "Batch", "accepted_length", "evaluate"]
 
@@ -50,17 +31,8 @@ def _positive_int(name: str, value: Any, minimum: int = 1) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class ToyConfig:
-    """The task's sizes and seed (see the module docstring for what each table means).
-
-    Attributes:
-      vocab_size: V, the target's vocabulary (contexts: V^2 pairs).
-      block_size: B, slots per block (slot 0 = anchor).
-      hidden_size: H, width of the drafter's hidden states.
-      target_rank: d, rank of the structured part of the target's logits.
-      sharpness: scale of that part (larger: a more deterministic target).
-      noise: std of the unstructured part of the target's logits.
-      seed: every table is drawn from ``numpy.random.default_rng(seed)``.
-    """
+    """The task's sizes and seed: V (at most 256), B, the drafter's H, the target's rank ``d``, the scales
+    ``sharpness`` (of the rank-d part) and ``noise`` (of the unstructured part), ``seed`` (of every table)."""
 
     vocab_size: int = 64
     block_size: int = 8
@@ -71,11 +43,9 @@ class ToyConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        _positive_int("vocab_size", self.vocab_size, 2)
-        _positive_int("block_size", self.block_size, 2)
-        _positive_int("hidden_size", self.hidden_size)
-        _positive_int("target_rank", self.target_rank)
-        _positive_int("seed", self.seed, 0)
+        for name, minimum in (("vocab_size", 2), ("block_size", 2), ("hidden_size", 1), ("target_rank", 1),
+                              ("seed", 0)):
+            _positive_int(name, getattr(self, name), minimum)
         if self.vocab_size > 256:
             raise ValueError(f"vocab_size must be <= 256 (the tables hold V^3 floats), got {self.vocab_size}")
         for name in ("sharpness", "noise"):
@@ -101,11 +71,8 @@ def accepted_length(draft: jax.Array, target: jax.Array) -> jax.Array:
 
 
 class ToyTask:
-    """The tables of one `ToyConfig` (numpy, float32) and jit-able batch sampling.
-
-    ``task.tables`` is a dict of arrays that `sample` takes as an argument (so a jitted
-    caller passes them in rather than baking them in as constants).
-    """
+    """The tables of one `ToyConfig` (numpy) and jit-able batch sampling: ``task.tables`` is the dict of
+    arrays that `sample` takes as an argument (a jitted caller passes them in, not as constants)."""
 
     def __init__(self, config: ToyConfig = ToyConfig()):
         if not isinstance(config, ToyConfig):
@@ -135,9 +102,8 @@ class ToyTask:
         greedy[:, 0] = b
         prev, cur = a, b
         for k in range(1, B):
-            nxt = self.greedy_next[prev, cur]
-            greedy[:, k] = nxt
-            prev, cur = cur, nxt
+            prev, cur = cur, self.greedy_next[prev, cur]
+            greedy[:, k] = cur
 
         # The drafter: exact k-step marginals, propagating each context's distribution over pairs.
         dist = np.zeros((V * V, V, V))
@@ -150,21 +116,17 @@ class ToyTask:
         E1, E2, S = rng.standard_normal((V, H)), rng.standard_normal((V, H)), rng.standard_normal((B, H))
         hidden = np.tanh(E1[a][:, None, :] + E2[b][:, None, :] + S[None, :, :]).astype(np.float32)
 
-        self.tables = {
-            "context_logp": np.log(ctx_p + 1e-30).astype(np.float32),  # [V*V]
-            "drafter_logits": drafter,  # [V*V, B, V]
-            "hidden": hidden,  # [V*V, B, H]
-            "greedy": greedy,  # [V*V, B]
-        }
+        # [V*V], [V*V, B, V], [V*V, B, H], [V*V, B]
+        self.tables = {"context_logp": np.log(ctx_p + 1e-30).astype(np.float32), "drafter_logits": drafter,
+                       "hidden": hidden, "greedy": greedy}
 
     def head_config(self, *, rank: int = 32, mlp_hidden: int = 64, topc: int = 8, num_passes: int | None = None,
                     max_num_reqs: int = 4096) -> HeadConfig:
         """A `HeadConfig` sized for this task (V, H, B from the task; default K = B-1)."""
         c = self.config
         return HeadConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, block_size=c.block_size, rank=rank,
-                          mlp_hidden=mlp_hidden, topc=topc,
-                          num_passes=c.block_size - 1 if num_passes is None else num_passes,
-                          max_num_reqs=max_num_reqs)
+                          mlp_hidden=mlp_hidden, topc=topc, max_num_reqs=max_num_reqs,
+                          num_passes=c.block_size - 1 if num_passes is None else num_passes)
 
     @staticmethod
     def sample(tables: dict, key: jax.Array, n: int) -> Batch:
@@ -172,13 +134,9 @@ class ToyTask:
         ctx = jax.random.categorical(key, jnp.asarray(tables["context_logp"]), shape=(n,))
         V = tables["drafter_logits"].shape[-1]
         greedy = jnp.take(jnp.asarray(tables["greedy"]), ctx, axis=0)
-        return Batch(
-            logits=jnp.take(jnp.asarray(tables["drafter_logits"]), ctx, axis=0),
-            h=jnp.take(jnp.asarray(tables["hidden"]), ctx, axis=0),
-            anchors=greedy[:, 0],
-            prev_ids=(ctx // V).astype(jnp.int32),
-            target=greedy[:, 1:],
-        )
+        return Batch(logits=jnp.take(jnp.asarray(tables["drafter_logits"]), ctx, axis=0),
+                     h=jnp.take(jnp.asarray(tables["hidden"]), ctx, axis=0), anchors=greedy[:, 0],
+                     prev_ids=(ctx // V).astype(jnp.int32), target=greedy[:, 1:])
 
     def drafter_tokens(self, batch: Batch) -> jax.Array:
         """The drafter alone: each slot's argmax, [N, B-1]."""
@@ -187,30 +145,21 @@ class ToyTask:
 
 def evaluate(task: ToyTask, head, *, n_blocks: int = 4096, seed: int = 1234, topcs: tuple[int, ...] = (0,),
              max_passes: int | None = None, backend: str = "auto") -> dict:
-    """Mean accepted length per block of the drafter alone and refined by ``head`` for K = 1..B-1.
-
-    ``head`` is a serving `xpress_jax.Head` (e.g. loaded from a converted checkpoint); every
-    refined number comes from the jitted `xpress_jax.refine` on it, one call per (C, K), on the
-    same ``n_blocks`` blocks drawn with ``seed``. Returns ``{"n_blocks", "seed", "drafter",
-    "refined": {C: [mean accepted length at K = 1, 2, ...]}}`` (C = 0: full vocabulary).
-    """
-    from .refine import STATIC, refine
-
+    """Mean accepted length per block of the drafter alone and refined by ``head`` (a serving
+    `xpress_jax.Head`) with the jitted `xpress_jax.refine` for K = 1..B-1, on ``n_blocks`` blocks drawn with
+    ``seed``. Returns ``{"n_blocks", "seed", "drafter", "refined": {C: [at K = 1, 2, ...]}}`` (C = 0: full
+    vocabulary)."""
     _positive_int("n_blocks", n_blocks)
-    B = task.config.block_size
-    K_max = B - 1 if max_passes is None else max_passes
+    K_max = task.config.block_size - 1 if max_passes is None else max_passes
     _positive_int("max_passes", K_max)
     batch = ToyTask.sample(task.tables, jax.random.key(seed), n_blocks)
-    dtype = head.dtype
-    logits, h = batch.logits.astype(dtype), batch.h.astype(dtype)
+    x = (batch.logits.astype(head.dtype), batch.h.astype(head.dtype), batch.anchors, batch.prev_ids)
     run = jax.jit(refine, static_argnames=STATIC)
-    out = {"n_blocks": n_blocks, "seed": seed,
-           "drafter": float(jnp.mean(accepted_length(task.drafter_tokens(batch), batch.target))), "refined": {}}
-    for c in topcs:
-        row = []
-        for K in range(1, K_max + 1):
-            draft = run(head, logits, h, batch.anchors, batch.prev_ids, num_passes=K, topc=c,
-                        max_num_reqs=n_blocks, backend=backend)
-            row.append(float(jnp.mean(accepted_length(draft, batch.target))))
-        out["refined"][int(c)] = row
-    return out
+
+    def mean_accepted(draft):
+        return float(jnp.mean(accepted_length(draft, batch.target)))
+
+    refined = {int(c): [mean_accepted(run(head, *x, num_passes=K, topc=c, max_num_reqs=n_blocks, backend=backend))
+                        for K in range(1, K_max + 1)] for c in topcs}
+    drafter = mean_accepted(task.drafter_tokens(batch))
+    return {"n_blocks": n_blocks, "seed": seed, "drafter": drafter, "refined": refined}

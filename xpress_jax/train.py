@@ -1,27 +1,15 @@
 """Train an `XPressHead` with optax: teacher-forced cross-entropy, AdamW, Orbax train-state checkpoints.
 
-**Loss.** For a block with anchor ``x_t`` and the target's tokens ``y_1..y_{B-1}`` (its greedy
-continuation), every draft slot ``b`` is scored as at serving time, ``base[b] + bias[b]``, with
-its predecessors teacher-forced to the target's tokens (``prev = [x_{t-1}, x_t, y_1, ...,
-y_{B-2}]``): the Jacobi fixed-point condition, since a block that equals the target's
-continuation must reproduce itself in one more pass. The loss is the mean over slots and blocks
-of the cross-entropy of those scores against ``y_b``. Optionally (``kpass_weight > 0``) a second
-term: the same cross-entropy with the predecessors the head itself produced after
-``kpass_passes - 1`` greedy passes from the drafter's block (no gradient through the picks),
-i.e. on the inputs the K-th pass really sees.
+**Loss.** Every draft slot is scored as at serving time, ``base + bias``, with its predecessors
+teacher-forced to the target's tokens (the Jacobi fixed-point condition); the loss is the mean
+cross-entropy against the target's tokens. With ``kpass_weight > 0`` a second term scores them from the
+head's own tokens after ``kpass_passes - 1`` greedy passes (no gradient through the picks). The optimizer
+is ``clip_by_global_norm`` then ``optax.adamw`` (params in ``param_dtype``, loss in float32).
 
-**Optimizer.** ``optax.adamw`` on a linear-warmup + cosine-decay schedule, after
-``clip_by_global_norm``. Params are stored and updated in ``param_dtype`` (float32 or
-bfloat16; activations and the loss are float32 either way).
-
-**State and resume.** The whole train state is one pytree: the params (``{attribute: array}``,
-see `XPressHead`), the optimizer state, the step and the PRNG key (raw ``uint32`` key data). The
-batch of step ``s`` is drawn with ``fold_in(key, s)``, so the data position is the step itself.
-With ``checkpoint_dir`` the state is written every ``checkpoint_every`` steps (and at the end)
-by an Orbax ``CheckpointManager`` (atomic: a half-written step is never restored), with the
-configs as JSON beside it; ``resume=True`` restores the latest step and continues: the losses
-after it are bit-identical to an uninterrupted run's (on GPUs with ``XLA_FLAGS=--xla_gpu_deterministic_ops=true``:
-the ``w1`` gather's gradient is a scatter-add, which GPUs otherwise sum in a varying order).
+**State and resume.** The train state is one pytree (params, optimizer state, step, PRNG key data); step
+``s`` draws its batch with ``fold_in(key, s)``. Orbax writes it every ``checkpoint_every`` steps;
+``resume=True`` continues with bit-identical losses (on GPUs with ``XLA_FLAGS=--xla_gpu_deterministic_ops=
+true``: the ``w1`` gather's gradient is a scatter-add).
 """
 
 from __future__ import annotations
@@ -38,6 +26,8 @@ from typing import Any, Callable, Mapping
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
+import orbax.checkpoint as ocp
 from flax import nnx
 
 from .config import HeadConfig
@@ -53,28 +43,16 @@ class ResumeError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    """Training hyperparameters (all static: a changed value is a different run).
-
-    Attributes:
-      steps: optimizer steps in total (the schedule's length).
-      batch_size: blocks per step.
-      learning_rate: peak learning rate (reached after ``warmup_steps``).
-      warmup_steps: linear warmup from 0.
-      final_lr_fraction: the cosine decay ends at ``learning_rate * final_lr_fraction``.
-      weight_decay: AdamW's decoupled weight decay.
-      clip_norm: global gradient-norm clip.
-      param_dtype: ``"float32"`` or ``"bfloat16"``.
-      kpass_weight: weight of the optional loss on the head's own K-pass inputs (0: off).
-      kpass_passes: K for that loss (>= 1; K = 1 is the drafter's own block as input).
-      seed: the params' init and the data stream.
-      checkpoint_every: write the train state every this many steps (0: only at the end),
-        when a checkpoint directory is given.
-    """
+    """Training hyperparameters (a changed value is a different run). ``steps`` is the schedule's length;
+    the learning rate warms up linearly to ``learning_rate`` over ``warmup_steps`` (None: ``min(100, steps //
+    10)``), then decays (cosine) to ``learning_rate * final_lr_fraction``. ``kpass_weight`` weighs the loss on
+    the head's own inputs after ``kpass_passes - 1`` passes (0: off). ``seed`` sets the init and the data.
+    ``checkpoint_every``: write the train state every this many steps (0: only at the end)."""
 
     steps: int = 1500
     batch_size: int = 256
     learning_rate: float = 3e-3
-    warmup_steps: int = 100
+    warmup_steps: int | None = None
     final_lr_fraction: float = 0.05
     weight_decay: float = 1e-4
     clip_norm: float = 1.0
@@ -85,6 +63,8 @@ class TrainConfig:
     checkpoint_every: int = 0
 
     def __post_init__(self) -> None:
+        if self.warmup_steps is None and isinstance(self.steps, int):
+            object.__setattr__(self, "warmup_steps", min(100, self.steps // 10))
         for name, minimum in (("steps", 1), ("batch_size", 1), ("warmup_steps", 0), ("kpass_passes", 1),
                               ("seed", 0), ("checkpoint_every", 0)):
             v = getattr(self, name)
@@ -102,8 +82,6 @@ class TrainConfig:
 
 def make_optimizer(tc: TrainConfig):
     """``clip_by_global_norm`` then AdamW on linear warmup + cosine decay (optax)."""
-    import optax
-
     schedule = optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=tc.learning_rate, warmup_steps=tc.warmup_steps,
         decay_steps=max(tc.steps, tc.warmup_steps + 1), end_value=tc.learning_rate * tc.final_lr_fraction,
@@ -126,21 +104,17 @@ def loss_and_metrics(model: XPressHead, batch: Batch, *, kpass_weight: float = 0
     scores = model(batch.logits, batch.h, XPressHead.prev_tokens(blk, batch.prev_ids))  # [N, B-1, V]
     ce = jnp.mean(_ce(scores, batch.target))
     slot_acc = jnp.mean((jnp.argmax(scores, axis=-1) == batch.target).astype(jnp.float32), axis=0)
-    loss = ce
-    metrics = {"ce": ce, "slot_accuracy": slot_acc}
+    metrics = {"ce": ce, "slot_accuracy": slot_acc, "loss": ce}
     if kpass_weight:
-        own = batch.anchors, batch.prev_ids
         if kpass_passes > 1:
-            draft = model.refine(batch.logits, batch.h, *own, num_passes=kpass_passes - 1, topc=0)
+            draft = model.refine(batch.logits, batch.h, batch.anchors, batch.prev_ids, num_passes=kpass_passes - 1)
         else:
             draft = jnp.argmax(batch.logits[:, 1:], axis=-1).astype(jnp.int32)
         own_blk = jax.lax.stop_gradient(jnp.concatenate([batch.anchors[:, None], draft], axis=1))
         kscores = model(batch.logits, batch.h, XPressHead.prev_tokens(own_blk, batch.prev_ids))
-        kce = jnp.mean(_ce(kscores, batch.target))
-        loss = loss + kpass_weight * kce
-        metrics["kpass_ce"] = kce
-    metrics["loss"] = loss
-    return loss, metrics
+        metrics["kpass_ce"] = jnp.mean(_ce(kscores, batch.target))
+        metrics["loss"] = ce + kpass_weight * metrics["kpass_ce"]
+    return metrics["loss"], metrics
 
 
 def init_state(head_config: HeadConfig, tc: TrainConfig) -> tuple[Any, dict]:
@@ -148,18 +122,11 @@ def init_state(head_config: HeadConfig, tc: TrainConfig) -> tuple[Any, dict]:
     model = XPressHead(head_config, rngs=nnx.Rngs(tc.seed), param_dtype=jnp.dtype(tc.param_dtype))
     graphdef, params = nnx.split(model, nnx.Param)
     params = nnx.to_pure_dict(params)
-    state = {
-        "params": params,
-        "opt_state": make_optimizer(tc).init(params),
-        "step": jnp.zeros((), jnp.int32),
-        "key": jax.random.key_data(jax.random.fold_in(jax.random.key(tc.seed), 1)),
-    }
-    return graphdef, state
+    return graphdef, {"params": params, "opt_state": make_optimizer(tc).init(params), "step": jnp.zeros((), jnp.int32),
+                      "key": jax.random.key_data(jax.random.fold_in(jax.random.key(tc.seed), 1))}
 
 
 def _make_step(graphdef, tc: TrainConfig, sample: Callable):
-    import optax
-
     tx = make_optimizer(tc)
 
     def step(state: dict, tables: Mapping[str, jax.Array]) -> tuple[dict, dict]:
@@ -180,66 +147,49 @@ def _make_step(graphdef, tc: TrainConfig, sample: Callable):
 
 
 # ---------------------------------------------------------------------------- checkpoints
-def _manager(directory: Path):
-    import orbax.checkpoint as ocp
-
-    options = ocp.CheckpointManagerOptions(max_to_keep=2, create=True, enable_async_checkpointing=False)
-    return ocp.CheckpointManager(directory, options=options)
-
-
-def _run_meta(head_config: HeadConfig, tc: TrainConfig, task_meta: Mapping[str, Any]) -> dict:
-    return {"head_config": dataclasses.asdict(head_config), "train_config": dataclasses.asdict(tc),
-            "task": dict(task_meta)}
-
-
 def _save(mngr, state: dict, meta: dict) -> None:
-    import orbax.checkpoint as ocp
-
-    step = int(state["step"])
-    if mngr.latest_step() == step:
-        return
-    mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
-    mngr.wait_until_finished()
+    if mngr.latest_step() != int(state["step"]):
+        mngr.save(int(state["step"]), args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                              meta=ocp.args.JsonSave(meta)))
+        mngr.wait_until_finished()
 
 
 def _restore(mngr, step: int, abstract: dict, meta: dict) -> dict:
-    import orbax.checkpoint as ocp
-
     saved_meta = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
     if saved_meta != json.loads(json.dumps(meta)):
         diff = [k for k in meta if saved_meta.get(k) != json.loads(json.dumps(meta[k]))]
-        raise ResumeError(
-            f"cannot resume: the checkpoint at step {step} was written by a different run ({', '.join(diff)} differ); "
-            "resume with the same settings, or start fresh in another directory"
-        )
+        raise ResumeError(f"cannot resume: the checkpoint at step {step} was written by a different run "
+                          f"({', '.join(diff)} differ); resume with the same settings, or start fresh in another "
+                          "directory")
     return mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))["state"]
 
 
 # ---------------------------------------------------------------------------- progress
 class _Bar:
-    """Training progress on stderr: a redrawn bar on a terminal, else a line every 10%."""
+    """Training progress on stderr: a redrawn bar on a terminal, else a line every 10%. The ETA is
+    timed from the end of the first step (which includes the compile)."""
 
-    def __init__(self, total: int, start: int, enabled: bool, stream=None):
+    def __init__(self, total: int, enabled: bool, stream=None):
         self.stream = stream if stream is not None else sys.stderr
-        self.enabled = enabled
+        self.enabled, self.total = enabled, total
         self.tty = enabled and hasattr(self.stream, "isatty") and self.stream.isatty()
-        self.total, self.start = total, start
-        self.t0 = time.perf_counter()
-        self._last = 0.0
-        self._next_line = start
+        self.first = None  # (step, time) at the end of the first step
+        self._last, self._next_line = 0.0, 0
 
     def __call__(self, step: int, loss: float, acc: float, tok_s: float, final: bool = False) -> None:
         if not self.enabled:
             return
         now = time.perf_counter()
-        done = step / self.total
-        eta = (now - self.t0) / max(step - self.start, 1) * (self.total - step)
-        text = (f"train {step:>6}/{self.total} [{'#' * int(done * 24):<24}] loss {loss:.4f} "
-                f"acc {acc:.3f} {tok_s:,.0f} tok/s eta {eta:4.0f} s")
+        if self.first is None:
+            self.first = (step, now)
+        eta = " (the first step: with the compile)" if step == self.first[0] else \
+            f" eta {(now - self.first[1]) / (step - self.first[0]) * (self.total - step):4.0f} s"
+        text = (f"train {step:>6}/{self.total} [{'#' * int(step / self.total * 24):<24}] loss {loss:.4f} "
+                f"acc {acc:.3f} {tok_s:,.0f} tok/s{eta}")
         if self.tty:
             if final or now - self._last > 0.1:
                 self._last = now
-                self.stream.write("\r" + text + ("\n" if final else ""))
+                self.stream.write("\r" + text + ("\n" if final else "\x1b[K"))
                 self.stream.flush()
         elif final or step >= self._next_line:
             self._next_line = step + max(self.total // 10, 1)
@@ -249,18 +199,11 @@ class _Bar:
 # ---------------------------------------------------------------------------- the loop
 @dataclasses.dataclass
 class TrainResult:
-    """What `train` returns.
-
-    Attributes:
-      model: the trained `XPressHead`.
-      state: the final train state (params, opt_state, step, key).
-      history: one dict per step run by this call: ``step`` (1-based: the step just taken),
-        ``loss``, ``ce``, ``accuracy`` (mean over draft slots), ``slot_accuracy`` (per slot),
-        ``grad_norm`` (and ``kpass_ce`` with the K-pass loss).
-      resumed_from: the checkpoint step this call started from (None: a fresh start).
-      seconds: wall time of the steps after the first (compile and checkpoint writes excluded).
-      tokens_per_s: draft-slot predictions trained per second over those steps.
-    """
+    """What `train` returns: the trained ``model``, the final train ``state``, ``history`` (one dict per step
+    run by this call: ``step`` (1-based), ``loss``, ``ce``, ``accuracy`` (mean over draft slots),
+    ``slot_accuracy``, ``grad_norm``, and ``kpass_ce`` with the K-pass loss), ``resumed_from`` (the checkpoint
+    step, None for a fresh start), ``seconds`` (wall time of the steps after the first, checkpoint writes
+    excluded) and ``tokens_per_s`` (draft-slot predictions trained per second over those steps)."""
 
     model: XPressHead
     state: dict
@@ -270,33 +213,18 @@ class TrainResult:
     tokens_per_s: float
 
 
-def train(
-    head_config: HeadConfig,
-    tables: Mapping[str, Any],
-    sample: Callable[[Mapping[str, jax.Array], jax.Array, int], Batch],
-    tc: TrainConfig = TrainConfig(),
-    *,
-    checkpoint_dir: str | os.PathLike | None = None,
-    resume: bool = False,
-    task_meta: Mapping[str, Any] | None = None,
-    progress: bool = True,
-    log: Callable[[dict], None] | None = None,
-) -> TrainResult:
+def train(head_config: HeadConfig, tables: Mapping[str, Any],
+          sample: Callable[[Mapping[str, jax.Array], jax.Array, int], Batch], tc: TrainConfig = TrainConfig(), *,
+          checkpoint_dir: str | os.PathLike | None = None, resume: bool = False,
+          task_meta: Mapping[str, Any] | None = None, progress: bool = True,
+          log: Callable[[dict], None] | None = None) -> TrainResult:
     """Train a head from scratch (or resume one) on batches from ``sample(tables, key, n)``.
 
-    Args:
-      head_config: the head's sizes (and its C, K, max N, which travel to export).
-      tables: arrays ``sample`` reads (e.g. `xpress_jax.toy.ToyTask.tables`); passed into the
-        jitted step as arguments.
-      sample: ``(tables, key, n) -> Batch``, jit-able (e.g. ``ToyTask.sample``).
-      tc: hyperparameters.
-      checkpoint_dir: where to write Orbax train-state checkpoints (None: none).
-      resume: continue from the latest checkpoint in ``checkpoint_dir`` (a fresh start if it
-        holds none). Without it, a directory that already holds checkpoints is refused.
-      task_meta: JSON-able description of the data (stored with the checkpoints; resuming with
-        different metadata is refused).
-      progress: a progress bar on stderr.
-      log: called with each step's metrics dict.
+    ``tables`` (e.g. `xpress_jax.toy.ToyTask.tables`) enter the jitted step as arguments; ``sample`` is
+    jit-able (e.g. ``ToyTask.sample``). ``checkpoint_dir``: where Orbax writes the train state; ``resume``
+    continues from its latest step (without it, a directory holding checkpoints is refused).
+    ``task_meta``: JSON-able description of the data, stored with the checkpoints (must match on resume).
+    ``progress``: a progress bar on stderr; ``log``: called with each step's metrics.
     """
     if not isinstance(head_config, HeadConfig):
         raise TypeError(f"head_config must be a HeadConfig, got {type(head_config).__name__}")
@@ -306,27 +234,26 @@ def train(
         raise ValueError("resume=True needs checkpoint_dir")
     end = tc.steps
     graphdef, state = init_state(head_config, tc)
-    meta = _run_meta(head_config, tc, task_meta or {})
+    meta = {"head_config": dataclasses.asdict(head_config), "train_config": dataclasses.asdict(tc),
+            "task": dict(task_meta or {})}
     tables = {k: jnp.asarray(v) for k, v in tables.items()}
-    mngr = None
-    resumed_from = None
+    mngr = resumed_from = None
     if checkpoint_dir is not None:
         directory = Path(checkpoint_dir).expanduser().absolute()
-        mngr = _manager(directory)
+        mngr = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(
+            max_to_keep=2, create=True, enable_async_checkpointing=False))
         latest = mngr.latest_step()
         if latest is not None:
             if not resume:
                 mngr.close()
-                raise FileExistsError(
-                    f"{directory} already holds train checkpoints (latest step {latest}); pass resume=True "
-                    "(--resume) to continue, or use another directory"
-                )
+                raise FileExistsError(f"{directory} already holds train checkpoints (latest step {latest}); pass "
+                                      "resume=True (--resume) to continue, or use another directory")
             abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
             state = _restore(mngr, latest, abstract, meta)
             resumed_from = latest
     step_fn = _make_step(graphdef, tc, sample)
     start = int(state["step"])
-    bar = _Bar(tc.steps, start, progress)
+    bar = _Bar(tc.steps, progress)
     history: list[dict] = []
     tokens_per_step = tc.batch_size * (head_config.block_size - 1)
     t_first = None
@@ -334,22 +261,19 @@ def train(
         for s in range(start, end):
             state, metrics = step_fn(state, tables)
             m = jax.device_get(metrics)
-            if t_first is None:
-                t_first = time.perf_counter()  # after the first (compiling) step
+            t_first = t_first or time.perf_counter()  # after the first (compiling) step
             slot_acc = [float(a) for a in m.pop("slot_accuracy")]
             rec = {"step": s + 1, **{k: float(v) for k, v in m.items()},
                    "accuracy": float(np.mean(slot_acc)), "slot_accuracy": slot_acc}
             history.append(rec)
             if log is not None:
                 log(rec)
-            done = s + 1 - start - 1
-            tok_s = done * tokens_per_step / max(time.perf_counter() - t_first, 1e-9) if done else 0.0
+            tok_s = (s - start) * tokens_per_step / max(time.perf_counter() - t_first, 1e-9)
             bar(s + 1, rec["loss"], rec["accuracy"], tok_s, final=s + 1 == end)
             if mngr is not None and tc.checkpoint_every and (s + 1) % tc.checkpoint_every == 0:
                 t_save = time.perf_counter()
                 _save(mngr, state, meta)
-                if t_first is not None:
-                    t_first += time.perf_counter() - t_save  # throughput counts training, not checkpoint writes
+                t_first += time.perf_counter() - t_save  # throughput counts training, not checkpoint writes
         if mngr is not None and end > start:
             _save(mngr, state, meta)
     finally:
