@@ -341,12 +341,12 @@ class TestFullVocabPick:
     def test_active_capacity(self, capacity):
         """``capacity``: the first ``capacity`` active rows (in row order) get the plain pick's tokens, on a
         grid of only ``ceil(capacity / row_tile)`` row tiles; active rows beyond it read BIG; partials agree. With
-        `dispatch.capacity_config`'s fewer vocabulary tiles per program the tokens equal the all-rows
+        `dispatch.Table.capacity_config`'s fewer vocabulary tiles per program the tokens equal the all-rows
         config's BIT FOR BIT on random (not dyadic) bf16 inputs: only the vocabulary split differs."""
         n, B, vocab, rank = 8, 6, 4099, 40  # 40 draft rows (B not a power of two), a rank tail chunk
         rows = n * (B - 1)
         cfg = fv.FullVocabConfig(row_tile=16, v_tile=128, v_steps=4, k_tile=16)
-        cap_cfg = dispatch.capacity_config(cfg, vocab)
+        cap_cfg = dispatch.TABLE.capacity_config(cfg, vocab)
         assert cap_cfg.v_steps == 1 and dataclasses.replace(cap_cfg, v_steps=cfg.v_steps) == cfg
         base, lat, w2 = pick_inputs(n * B, vocab, rank, jnp.bfloat16, seed=capacity)
         lat = lat[:rows]
@@ -439,18 +439,17 @@ class TestFullVocabPick:
         with pytest.raises(ValueError, match="fallen must be"):
             fv.pack_active(fail, jnp.zeros((2,), bool), limit=1, interpret=self.INTERPRET)
 
-    @pytest.mark.parametrize("counted", [False, True], ids=["combine", "counted"])
-    def test_scan_failing(self, counted):
+    def test_scan_failing(self):
         """`scan_failing`: the failing rows (every row once the pass is full: more than ``limit`` fail, or the call
         has fallen back) get the all-rows pick's tokens BIT FOR BIT on random bf16 inputs (`capacity_config`'s
         split when few rows fail, the all-rows split when the pass is full), the others ``fallback``; the flags
         [full, n_fail] as `pack_active` counts them. 40 draft rows (B=6), V=4099, a rank with a tail chunk.
-        ``counted``: the same in two launches (the last program of a row tile combines its parts and writes
-        through the packed order; with the run-time split only the live parts arrive)."""
+        Two launches: the last program of a row tile combines its parts and writes through the packed order; with
+        the run-time split only the live parts arrive."""
         n, B, vocab, rank = 8, 6, 4099, 40
         rows = n * (B - 1)
         cfg = fv.FullVocabConfig(row_tile=16, v_tile=128, v_steps=4, k_tile=16)
-        cap_cfg = dispatch.capacity_config(cfg, vocab)
+        cap_cfg = dispatch.TABLE.capacity_config(cfg, vocab)
         base, lat, w2 = pick_inputs(n * B, vocab, rank, jnp.bfloat16, seed=5)
         lat = lat[:rows]
         want = np.asarray(fv.full_vocab_pick(base, lat, w2, interpret=self.INTERPRET, config=cfg, slot_stride=B))
@@ -462,22 +461,22 @@ class TestFullVocabPick:
             fail = rng.random(rows) < frac
             tok, flags = fv.scan_failing(base, lat, w2, jnp.asarray(fail), jnp.asarray(fallen), jnp.asarray(fb),
                                          limit=limit, interpret=self.INTERPRET, config=cap_cfg, slot_stride=B,
-                                         v_steps_full=split, counted=counted)
+                                         v_steps_full=split)
             is_full = fallen or fail.sum() > limit
             msg = f"frac {frac} fallen {fallen} v_steps_full {split}"
             assert int(flags[1]) == fail.sum() and bool(flags[0]) == is_full, msg
             expect = want if is_full else np.where(fail, want, fb)
             np.testing.assert_array_equal(np.asarray(tok), expect, err_msg=msg)
-        # the certified mode's passes that know their number: final slots skipped (even in a full pass) and the
-        # loop split (``keep``) over the run-time split; the other rows' tokens as above
+        # the certified mode's passes that know their number: final slots skipped (even in a full pass); the other
+        # rows' tokens as above
         slot = np.arange(rows) % (B - 1)
-        for (frac, fallen), keep, skip in zip(cases, ("split", "split", None, "split", "last"), (2, 1, 3, 4, 2)):
+        for (frac, fallen), skip in zip(cases, (2, 1, 3, 4, 2)):
             fail = rng.random(rows) < frac
             tok, flags = fv.scan_failing(base, lat, w2, jnp.asarray(fail), jnp.asarray(fallen), jnp.asarray(fb),
                                          limit=limit, interpret=self.INTERPRET, config=cap_cfg, slot_stride=B,
-                                         v_steps_full=cfg.v_steps, skip_slots=skip, keep=keep, counted=counted)
+                                         v_steps_full=cfg.v_steps, skip_slots=skip)
             is_full = fallen or fail.sum() > limit
-            msg = f"frac {frac} fallen {fallen} keep {keep} skip {skip}"
+            msg = f"frac {frac} fallen {fallen} skip {skip}"
             assert int(flags[1]) == fail.sum() and bool(flags[0]) == is_full, msg
             scanned = (fail | is_full) & (slot >= skip)
             np.testing.assert_array_equal(np.asarray(tok), np.where(scanned, want, fb), err_msg=msg)
@@ -518,7 +517,7 @@ class TestFullVocabLowering:
                 jax.ShapeDtypeStruct((V, r), jnp.bfloat16))
         f = functools.partial(fv.full_vocab_pick, config=cfg, slot_stride=B)
         assert common.lower_triton(f, *args).as_text().count(TRITON_CALL) == 2
-        if lazy and n * (B - 1) <= (dispatch.FULL_VOCAB_ALTERNATE_MAX_ROWS or rows):  # what refine alternates
+        if lazy and dispatch.TABLE.entry(rows).alternate:  # what refine alternates
             f = functools.partial(fv.full_vocab_pick, config=cfg, slot_stride=B, reverse=True)
             assert common.lower_triton(f, *args).as_text().count(TRITON_CALL) == 2
         if lazy and n <= 4:  # the L2 hints (`KEEP_POLICIES`) where refine may serve them
@@ -573,9 +572,9 @@ class TestFullVocabLowering:
         row tile alone gets a whole wave of programs (or every vocabulary tile)."""
         V, r, B = 151936, 256, 16
         rows, cap = n * (B - 1), -(-n // 8) * (B - 1)
-        cfg = dispatch.capacity_config(dispatch.plan(n, B, V, r, 0, jnp.bfloat16).full_vocab, V)
+        cfg = dispatch.TABLE.capacity_config(dispatch.plan(n, B, V, r, 0, jnp.bfloat16).full_vocab, V)
         vtiles = -(-V // cfg.v_tile)
-        assert -(-vtiles // cfg.v_steps) >= min(dispatch.SMS, vtiles)
+        assert -(-vtiles // cfg.v_steps) >= min(dispatch.TABLE.sms, vtiles)
         S = jax.ShapeDtypeStruct
         args = (S((n * B, V), jnp.bfloat16), S((rows, r), jnp.bfloat16), S((V, r), jnp.bfloat16), S((rows,), jnp.bool_))
         f = lambda b, l, w, a: fv.full_vocab_pick(b, l, w, config=cfg, slot_stride=B, active=a, capacity=cap)
@@ -586,29 +585,23 @@ class TestFullVocabLowering:
 
     @pytest.mark.parametrize("n", [16, 64, 256])
     def test_scan_failing_lowers(self, n):
-        """The certified mode's scan of its failing rows builds for an H200 from the served configs: the packing
-        launch (fail, fallen), one fused pick (base, lat, w2, row map, active, the full flag) and the combine
-        that reads each row's partials at its packed position (partials, pos, active, fallback)."""
+        """The certified mode's scan of its failing rows builds for an H200 from the served configs: two launches,
+        the packing (fail, fallen) and the counted pick (base, lat, w2, row map, active, the full flag where the
+        splits differ, the tokens and the row-tile counters, both aliased): no combine launch."""
         V, r, B = 151936, 256, 16
         rows = n * (B - 1)
         served = dispatch.plan(n, B, V, r, 0, jnp.bfloat16).full_vocab
-        cfg = dispatch.capacity_config(served, V)
+        cfg = dispatch.TABLE.capacity_config(served, V)
         S = jax.ShapeDtypeStruct
         args = (S((n * B, V), jnp.bfloat16), S((rows, r), jnp.bfloat16), S((V, r), jnp.bfloat16), S((rows,), jnp.bool_),
                 S((), jnp.bool_), S((rows,), jnp.int32))
         f = lambda b, l, w, fail, fallen, fb, **kw: fv.scan_failing(b, l, w, fail, fallen, fb, limit=-(-n // 8) * (B - 1),
                                                                     config=cfg, slot_stride=B,
                                                                     v_steps_full=served.v_steps, **kw)
-        for kw in ({}, dict(skip_slots=3, keep=dispatch.full_vocab_keep(served, rows))):  # + the passes that know their number
-            g = functools.partial(f, **kw)
-            hlo = common.lower_triton(g, *args).as_text()
-            assert hlo.count(TRITON_CALL) == 3
-            assert _triton_operands(hlo, "xpress_pack_active") == 2
-            assert _triton_operands(hlo, "xpress_full_vocab_fused") == (6 if served.v_steps != cfg.v_steps else 5)
-            assert _triton_operands(hlo, "xpress_pick_combine") == 5
-            # counted: two launches, the pick with the tokens and the row-tile counters aliased in (no combine)
-            hlo = common.lower_triton(functools.partial(g, counted=True), *args).as_text()
+        for kw in ({}, dict(skip_slots=3)):  # + the passes that know their number
+            hlo = common.lower_triton(functools.partial(f, **kw), *args).as_text()
             assert hlo.count(TRITON_CALL) == 2 and "xpress_pick_combine" not in hlo
+            assert _triton_operands(hlo, "xpress_pack_active") == 2
             assert _triton_operands(hlo, "xpress_full_vocab_counted") == (8 if served.v_steps != cfg.v_steps else 7)
 
 

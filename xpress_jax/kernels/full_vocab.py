@@ -205,15 +205,11 @@ def _base_index(r0, row_tile: int, v0, v_tile: int, rows: int, slot_stride: int)
     return (src[:, None], (v0 + iota(v_tile))[None, :])
 
 
-#: ``keep`` (the fused pick's L2 hint for its ``w2`` loads) -> (policy of the part's last visited tile,
-#: policy of the others). "last": keep the rows a pass reads last in L2, where the next pass, visiting
-#: in the other order, reads them first (`xpress_jax.refine` alternates the order at small N).
+#: ``keep`` (the fused pick's L2 hint for its ``w2`` loads) -> (policy of the part's last visited tile, policy of
+#: the others). "split": the tile loop split before its last tile, no hint (served where the config holds the latent).
 KEEP_POLICIES = {
     None: (None, None),
-    "last": ("evict_last", "evict_first"),
-    "last_only": ("evict_last", None),
-    "first": ("evict_first", "evict_first"),
-    "split": ("evict_normal", None),  # the loop split alone, no hint: served where the config holds the latent
+    "split": ("evict_normal", None),
 }
 
 
@@ -225,36 +221,51 @@ def _keep_segments(keep, v_steps):
     return [(0, v_steps - 1, rest), (v_steps - 1, v_steps, last)]  # v_steps may be traced (`scan_failing`)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Launch:
+    """The static facts of one `_fused_kernel` launch (besides its `FullVocabConfig`).
+
+    rows, vocab, rank, dtype: the kernel rows (packed or picked rows where a row map is given), V, r, the dtype.
+    slot_stride: 0, or B where base is the whole logits [N*B, V] (`_base_index`).
+    has_active: an int32 [rows] active operand follows (the row map, if any, first).
+    row_map: an int32 [rows] operand maps kernel rows to base rows; lat_map: to draft rows (base and lat).
+    v_steps_full: a run-time split: the flags operand's element 0 set means this many vocab tiles per part.
+    reverse, keep: the vocabulary visit order and L2 hint (`full_vocab_pick`).
+    counted: the counted launch's parts (0: the plain launch), its counters from ``counter_at``, and
+      ``barrier`` (compiled: a CTA barrier before the arrival count, volatile loads after it).
+    """
+
+    rows: int
+    vocab: int
+    rank: int
+    dtype: jnp.dtype
+    slot_stride: int = 0
+    has_active: bool = False
+    row_map: bool = False
+    lat_map: bool = False
+    v_steps_full: int = 0
+    reverse: bool = False
+    keep: str | None = None
+    counted: int = 0
+    counter_at: int = 0
+    barrier: bool = False
+
+
 def _fused_kernel(
     base_ref,  # [rows, V] whole array
     lat_ref,  # [rows, r] whole array
     w2_ref,  # [V, r] whole array
-    *refs,  # in order: map_ref [rows] int32 whole array (row_map only): the base row of each kernel row;
-    #   active_ref [rows] int32 whole array (has_active only); mv_ref [row_tile] block of
-    #   [parts, rows_pad] float32; mi_ref [row_tile] block of [parts, rows_pad] int32
-    rows: int,
-    vocab: int,
-    rank: int,
-    row_tile: int,
-    v_tile: int,
-    v_steps: int,
-    k_tile: int,
-    hold_lat: bool,
-    flat: bool,
-    prefetch_base: bool,
-    dtype,
-    slot_stride: int = 0,
-    lazy: bool = False,
-    has_active: bool = False,
-    row_map: bool = False,
-    lat_map: bool = False,
-    v_steps_full: int = 0,
-    reverse: bool = False,
-    keep: str | None = None,
-    counted: int = 0,
-    counter_at: int = 0,
-    barrier: bool = False,
+    *refs,  # in order: map_ref [rows] int32 (row_map); active_ref [rows] int32 (has_active); flags (v_steps_full);
+    #   then mv_ref, mi_ref: [row_tile] blocks of [parts, rows_pad] (counted: whole arrays, then tok_ref, cnt_ref)
+    cfg: FullVocabConfig,
+    launch: _Launch,
 ):
+    rows, vocab, rank, dtype, slot_stride = launch.rows, launch.vocab, launch.rank, launch.dtype, launch.slot_stride
+    has_active, row_map, lat_map, reverse = launch.has_active, launch.row_map, launch.lat_map, launch.reverse
+    v_steps_full, counted = launch.v_steps_full, launch.counted
+    row_tile, v_tile, v_steps, hold_lat = cfg.row_tile, cfg.v_tile, cfg.v_steps, cfg.hold_lat
+    flat, prefetch_base, lazy = cfg.flat, cfg.prefetch_base, cfg.lazy
+    k_tile = k_chunk(cfg.k_tile, rank, MIN_DOT)
     refs = list(refs)
     map_ref = refs.pop(0) if row_map else None
     active_ref = refs.pop(0) if has_active else None
@@ -385,7 +396,7 @@ def _fused_kernel(
                 return jax.lax.cond(kk == n_k - 1, finish, lambda ops: ops, (acc, best, bidx, b))
 
             carry = (zeros, *init, b0)
-            for lo, hi, evict in _keep_segments(keep, v_steps):  # the visits that share one eviction policy
+            for lo, hi, evict in _keep_segments(launch.keep, v_steps):  # the visits sharing one eviction policy
                 carry = jax.lax.fori_loop(lo * n_k, hi * n_k, functools.partial(flat_step, evict=evict), carry)
             _, best, bidx, _ = carry
         else:
@@ -408,7 +419,7 @@ def _fused_kernel(
                 return best, bidx, b_next
 
             carry = (*init, b0)
-            for lo, hi, evict in _keep_segments(keep, v_steps):
+            for lo, hi, evict in _keep_segments(launch.keep, v_steps):
                 carry = jax.lax.fori_loop(lo, hi, functools.partial(step, evict=evict), carry)
             best, bidx, _ = carry
         if lazy:  # one reduction over the lanes per part
@@ -436,7 +447,7 @@ def _fused_kernel(
             # write where they share a row (a GPU skips masked lanes).
             out_rows = jnp.where(row_ok, lat_rows, rows + iota(row_tile)) if row_map else None
             _combine_if_last(mv_ref, mi_ref, tok_ref, cnt_ref, i, r0, (act != 0) & row_ok, parts=counted,
-                             row_tile=row_tile, counter_at=counter_at, barrier=barrier, live_parts=live_parts,
+                             row_tile=row_tile, counter_at=launch.counter_at, barrier=launch.barrier, live_parts=live_parts,
                              out_rows=out_rows)
         return
     if not has_active:
@@ -518,26 +529,18 @@ def _reduce_parts(load, *, parts: int, part_tile: int, row_tile: int):
 def _combine_kernel(
     mv_ref,  # [parts, rows_pad] float32, whole array
     mi_ref,  # [parts, rows_pad] int32, whole array
-    *refs,  # pos_ref [rows] int32 whole array (pos_map only); act_ref, fb_ref [rows] int32 whole arrays
-    #   (fallback only); o_ref [row_tile] block of [rows_pad] int32
+    *refs,  # act_ref, fb_ref [rows] int32 whole arrays (fallback only); o_ref [row_tile] block of [rows_pad] int32
     parts: int,
     row_tile: int,
     part_tile: int,
     fallback_rows: int = 0,
-    pos_map: bool = False,
 ):
-    refs = list(refs)
-    o_ref = refs.pop()
-    pos_ref = refs.pop(0) if pos_map else None
+    o_ref = refs[-1]
     r0 = pl.program_id(0) * row_tile
     rix = r0 + iota(row_tile)
-    # pos_map: output row q combines the partials of column pos[q] (`scan_failing`'s packed rows).
-    cols = plt.load(pos_ref.at[rix], mask=rix < fallback_rows, other=0) if pos_map else None
 
     def load(p0, _, ok):
-        if pos_map:
-            idx = ((p0 + iota(part_tile))[:, None], cols[None, :])
-        elif isinstance(p0, int) and p0 + part_tile > parts:
+        if isinstance(p0, int) and p0 + part_tile > parts:
             # A static slice past the end (one masked tile): JAX >= 0.12 refuses it at trace time,
             # so index with arrays (the same addresses).
             idx = ((p0 + iota(part_tile))[:, None], rix[None, :])
@@ -566,21 +569,10 @@ def _combine_row_tile(rows_pad: int) -> int:
 
 
 def combine_partials(mv: jax.Array, mi: jax.Array, *, interpret: bool = False, active: jax.Array | None = None,
-                     fallback: jax.Array | None = None, pos: jax.Array | None = None, row_tile: int | None = None,
-                     num_warps: int | None = None) -> jax.Array:
-    """[parts, rows_pad] float32 best values + int32 ids -> [rows_pad] int32.
-
-    The largest value wins, the lowest id among equal values (so "earliest vocab
-    tile" in full-vocab mode and "lowest vocab id" in top-C mode alike).
-    ``active``, ``fallback`` ([rows] each, rows <= rows_pad; both or neither; ``active`` bool or int,
-    nonzero = active, int32 read as it is): row q gets ``fallback[q]`` where ``active[q]`` is false
-    (rows past ``rows`` keep the winner).
-    ``pos`` ([rows] int32 in [0, rows_pad), with ``active`` and ``fallback``): row q combines the
-    partials of column ``pos[q]`` (`scan_failing`: the kernel ran on the rows in packed order); the
-    output has one entry per row (``[rows_pad]`` rounded up to the combine's tile, the tail unspecified).
-    ``row_tile`` / ``num_warps`` (benchmarks): rows per program (a power of two dividing ``rows_pad``) and its
-    warps; None: `_combine_row_tile` and 4 or 8 by the tile's size.
-    """
+                     fallback: jax.Array | None = None) -> jax.Array:
+    """[parts, rows_pad] float32 best values + int32 ids -> [rows_pad] int32: the largest value, the lowest id
+    among equal values. ``active``, ``fallback`` ([rows] each, rows <= rows_pad; both or neither; ``active`` bool
+    or int, nonzero = active): row q gets ``fallback[q]`` where ``active[q]`` is false."""
     parts, rows_pad = mv.shape
     extra, operands = {}, (mv, mi)
     if (active is None) != (fallback is None):
@@ -588,33 +580,21 @@ def combine_partials(mv: jax.Array, mi: jax.Array, *, interpret: bool = False, a
     if active is not None:
         n = active.shape[0]
         if fallback.shape != (n,) or n > rows_pad:
-            raise ValueError(f"combine_partials: active {active.shape} and fallback {fallback.shape} must be [rows <= {rows_pad}]")
-        if pos is not None:
-            if pos.shape != (n,):
-                raise ValueError(f"combine_partials: pos {pos.shape} must be [rows={n}]")
-            if parts == 1:
-                return jnp.where(active, mi[0, pos], fallback.astype(jnp.int32))
-        elif parts == 1:
+            raise ValueError(f"combine_partials: active {active.shape} and fallback {fallback.shape} must be "
+                             f"[rows <= {rows_pad}]")
+        if parts == 1:
             return jnp.concatenate([jnp.where(active, mi[0, :n], fallback.astype(jnp.int32)), mi[0, n:]])
         operands = (mv, mi, active.astype(jnp.int32), fallback.astype(jnp.int32))
         extra["fallback_rows"] = n
-        if pos is not None:
-            operands = (mv, mi, pos.astype(jnp.int32), *operands[2:])
-            extra["pos_map"] = True
-    elif pos is not None:
-        raise ValueError("combine_partials: pos needs active and fallback")
     if parts == 1:
         return mi[0]
-    row_tile = _combine_row_tile(rows_pad) if row_tile is None else row_tile
-    if row_tile < 1 or row_tile & (row_tile - 1) or rows_pad % row_tile:
-        raise ValueError(f"combine_partials: row_tile={row_tile} must be a power of two dividing rows_pad={rows_pad}")
+    row_tile = _combine_row_tile(rows_pad)
     # Up to 16K partials per load: few sequential steps even for ~2K parts (N=1, 64-wide tiles).
     part_tile = min(next_pow2(parts), max(1, 16384 // row_tile))
-    kernel = functools.partial(_combine_kernel, parts=parts, row_tile=row_tile, part_tile=part_tile, **extra)
     return common.pallas_call(
-        kernel,
+        functools.partial(_combine_kernel, parts=parts, row_tile=row_tile, part_tile=part_tile, **extra),
         name="xpress_pick_combine",
-        num_warps=num_warps or (8 if part_tile * row_tile >= 8192 else 4),
+        num_warps=8 if part_tile * row_tile >= 8192 else 4,
         num_stages=1,
         interpret=interpret,
         grid=(rows_pad // row_tile,),
@@ -655,19 +635,15 @@ def _check_inputs(base, lat, w2, slot_stride: int, who: str):
     return dtype
 
 
-def _fused_launch(operands, cfg: FullVocabConfig, *, rows: int, vocab: int, rank: int, dtype, slot_stride: int,
-                  interpret: bool, parts: int | None = None, reverse: bool = False, **switches):
-    """One launch of `_fused_kernel` over ``rows`` kernel rows with ``cfg``: the [parts, rows_pad] float32
-    best values and int32 ids (``parts`` default: one per ``cfg.v_steps`` vocabulary tiles).
-    ``switches``: the kernel's operand switches (``has_active``, ``row_map``, ``lat_map``, ``v_steps_full``)."""
-    parts = cdiv(vocab, cfg.v_tile * cfg.v_steps) if parts is None else parts
-    row_tiles = cdiv(rows, cfg.row_tile)
+def _fused_launch(operands, cfg: FullVocabConfig, launch: _Launch, *, interpret: bool, parts: int | None = None):
+    """One launch of `_fused_kernel` over ``launch.rows`` kernel rows: the [parts, rows_pad] float32 best values
+    and int32 ids (``parts`` default: one per ``cfg.v_steps`` vocabulary tiles)."""
+    parts = cdiv(launch.vocab, cfg.v_tile * cfg.v_steps) if parts is None else parts
+    row_tiles = cdiv(launch.rows, cfg.row_tile)
     out_spec = pl.BlockSpec((None, cfg.row_tile), lambda i, j: (j, i))
-    kernel = _kernel(cfg, rows=rows, vocab=vocab, rank=rank, dtype=dtype, slot_stride=slot_stride, reverse=reverse,
-                     **switches)
     shape = (parts, row_tiles * cfg.row_tile)
     return common.pallas_call(
-        kernel,
+        functools.partial(_fused_kernel, cfg=cfg, launch=launch),
         name="xpress_full_vocab_fused",
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
@@ -679,32 +655,19 @@ def _fused_launch(operands, cfg: FullVocabConfig, *, rows: int, vocab: int, rank
     )(*operands)
 
 
-def _kernel(cfg: FullVocabConfig, *, rows: int, vocab: int, rank: int, dtype, slot_stride: int, reverse: bool,
-            **switches):
-    """`_fused_kernel` with ``cfg``'s tiles and the given switches."""
-    return functools.partial(_fused_kernel, rank=rank, k_tile=k_chunk(cfg.k_tile, rank, MIN_DOT), hold_lat=cfg.hold_lat,
-                             flat=cfg.flat, prefetch_base=cfg.prefetch_base, lazy=cfg.lazy, rows=rows, vocab=vocab,
-                             row_tile=cfg.row_tile, v_tile=cfg.v_tile, v_steps=cfg.v_steps, dtype=dtype,
-                             slot_stride=slot_stride, reverse=reverse, **switches)
-
-
-def _counted_launch(operands, fallback, counter, cfg: FullVocabConfig, *, rows: int, vocab: int, rank: int, dtype,
-                    counter_at: int, slot_stride: int, interpret: bool, reverse: bool = False, keep: str | None = None,
-                    parts: int | None = None, **switches):
-    """The counted pick (`full_vocab_pick`'s ``counter``, `scan_failing`'s ``counted``): one launch, grid
-    (row tiles, parts); the last program of each row tile with an active row combines its parts
-    (`_combine_if_last`). ``operands``: the kernel's inputs before the tokens (base, lat, w2, then the
-    ``switches``' operands: the row map, the active rows, the run-time split's flags). The parts' winners
-    are scratch outputs; ``fallback`` (the tokens) and ``counter`` are aliased in and out."""
-    parts = cdiv(vocab, cfg.v_tile * cfg.v_steps) if parts is None else parts
-    row_tiles = cdiv(rows, cfg.row_tile)
-    kernel = _kernel(cfg, rows=rows, vocab=vocab, rank=rank, dtype=dtype, slot_stride=slot_stride,
-                     reverse=reverse, keep=keep, has_active=True, counted=parts, counter_at=counter_at,
-                     barrier=not interpret, **switches)
+def _counted_launch(operands, fallback, counter, cfg: FullVocabConfig, launch: _Launch, *, interpret: bool,
+                    parts: int | None = None):
+    """The counted pick (`full_vocab_pick`'s ``counter``, `scan_failing`): one launch, grid (row tiles, parts);
+    the last program of each row tile with an active row combines its parts (`_combine_if_last`). ``operands``:
+    the kernel's inputs before the tokens. The parts' winners are scratch outputs; ``fallback`` (the tokens) and
+    ``counter`` are aliased in and out."""
+    parts = cdiv(launch.vocab, cfg.v_tile * cfg.v_steps) if parts is None else parts
+    row_tiles = cdiv(launch.rows, cfg.row_tile)
+    launch = dataclasses.replace(launch, has_active=True, counted=parts, barrier=not interpret)
     shape = (parts, row_tiles * cfg.row_tile)
     n = len(operands)
     _, _, tok, cnt = common.pallas_call(
-        kernel,
+        functools.partial(_fused_kernel, cfg=cfg, launch=launch),
         name="xpress_full_vocab_counted",
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
@@ -820,9 +783,9 @@ def full_vocab_pick(
             raise ValueError(f"counter must be int32 [k >= counter_at + row tiles = {counter_at} + {tiles}]; got "
                              f"{counter.shape} {counter.dtype}, counter_at={counter_at!r}")
         act = active if active.dtype == jnp.int32 else (active != 0).astype(jnp.int32)
-        return _counted_launch((base, lat, w2, act), fallback.astype(jnp.int32), counter, cfg, rows=rows, vocab=vocab,
-                               rank=rank, dtype=dtype, counter_at=counter_at, slot_stride=slot_stride,
-                               interpret=interpret, reverse=reverse, keep=keep)
+        launch = _Launch(rows, vocab, rank, dtype, slot_stride, reverse=reverse, keep=keep, counter_at=counter_at)
+        return _counted_launch((base, lat, w2, act), fallback.astype(jnp.int32), counter, cfg, launch,
+                               interpret=interpret)
     if row_ids is not None:
         if (capacity is not None or fallback is not None or row_ids.ndim != 1 or row_ids.shape[0] < 1
                 or row_ids.dtype != jnp.int32):
@@ -834,9 +797,9 @@ def full_vocab_pick(
         operands = (base, lat, w2, row_ids)
         if active is not None:
             operands = (*operands, active if active.dtype == jnp.int32 else (active != 0).astype(jnp.int32))
-        mv, mi = _fused_launch(operands, cfg, rows=cap, vocab=vocab, rank=rank, dtype=dtype,
-                               slot_stride=slot_stride, interpret=interpret, reverse=reverse, row_map=True,
-                               lat_map=True, keep=keep, has_active=active is not None)
+        launch = _Launch(cap, vocab, rank, dtype, slot_stride, has_active=active is not None, row_map=True,
+                         lat_map=True, reverse=reverse, keep=keep)
+        mv, mi = _fused_launch(operands, cfg, launch, interpret=interpret)
         if partials:
             return mv[:, :cap], mi[:, :cap]
         return combine_partials(mv, mi, interpret=interpret)[:cap]
@@ -856,8 +819,8 @@ def full_vocab_pick(
             extra["row_map"] = True
         operands = (*operands, act if act.dtype == jnp.int32 else (act != 0).astype(jnp.int32))
         extra["has_active"] = True
-    mv, mi = _fused_launch(operands, cfg, rows=cap, vocab=vocab, rank=rank, dtype=dtype, slot_stride=slot_stride,
-                           interpret=interpret, reverse=reverse, keep=keep, **extra)
+    launch = _Launch(cap, vocab, rank, dtype, slot_stride, reverse=reverse, keep=keep, **extra)
+    mv, mi = _fused_launch(operands, cfg, launch, interpret=interpret)
     if partials:
         mv, mi = mv[:, :cap], mi[:, :cap]
         if pos is None:
@@ -968,38 +931,25 @@ def pack_active_ref(fail: jax.Array, fallen: jax.Array, *, limit: int, skip_slot
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "config", "slot_stride", "limit", "v_steps_full",
-                                             "skip_slots", "keep", "counted"))
+                                             "skip_slots"))
 def scan_failing(base: jax.Array, lat: jax.Array, w2: jax.Array, fail: jax.Array, fallen: jax.Array,
                  fallback: jax.Array, *, limit: int, interpret: bool = False, config: FullVocabConfig | None = None,
-                 slot_stride: int = 0, v_steps_full: int | None = None, skip_slots: int = 0,
-                 keep: str | None = None, counted: bool = False):
-    """The certified mode's scan of the rows its bound did not certify: three launches (two ``counted``), no XLA op.
+                 slot_stride: int = 0, v_steps_full: int | None = None, skip_slots: int = 0):
+    """The certified mode's scan of the rows its bound did not certify: two launches, no XLA op.
 
-    ``full = fallen | (sum(fail) > limit)``; the rows to scan are ``fail | full``. (1) `pack_active`
-    orders them first; (2) the fused pick runs on every row in that order (it reads each base and
-    latent row through the packed index map: nothing is copied), so the active rows fill the leading
-    row tiles and every program of a tile without one returns at once; (3) the combine reads each
-    row's partials at its packed position and writes ``fallback`` for the inactive rows. Returns
-    ``(tokens [rows] int32, flags [8] int32)``, ``flags`` = [full, sum(fail), 0, ...] as `pack_active`
-    writes it (the next pass's ``fallen``): an active row's token is the one
-    `full_vocab_pick` gives it with the same ``config`` (the same per-row computation: the rows a row
-    shares a tile with change no operation on its own row); a config with a smaller ``v_steps`` than
-    the all-rows one (`xpress_jax.dispatch.capacity_config`) spreads a few active rows over a whole
-    wave of programs and still gives the same scores bit for bit. ``v_steps_full`` (static; default
-    ``config.v_steps``): the vocab tiles per part when the pass is full (every row scanned): the
-    all-rows config's split, read at run time, so that a full pass costs what the all-rows pick costs
-    (its parts past the vocabulary return at once; the split changes no token).
-    ``base``/``slot_stride`` as in `full_vocab_pick`; ``fail`` [rows] bool or int32 (nonzero: failed),
-    ``fallen`` a flag (a bool scalar or int32 flags, `common.flag_operand`), ``fallback`` [rows] int.
-    ``skip_slots`` (static, with ``slot_stride`` = B): draft slots ``< skip_slots`` of every block (final in
-    this pass) are never scanned, not even in a full pass; their tokens are ``fallback`` (`pack_active`).
-    ``keep`` (static): the pick's L2 hint / loop split (`full_vocab_pick`), over the split read at run time.
-    ``counted`` (static): **two launches**: the packing also writes one zero counter per row tile, and the
-    pick is a counted launch (`full_vocab_pick`'s ``counter``): each live program of a row tile with an
-    active row stores its part's winners and counts its arrival, and the last to arrive combines the tile's
-    parts (the combine launch's rule) and writes each active row's token to the draft row the packed order
-    names; ``fallback`` is aliased in as the tokens, so where no row is active nothing is read or written
-    and no combine launch runs. The same tokens (only which program reduces the parts differs).
+    ``full = fallen | (sum(fail) > limit)``; the rows to scan are ``fail | full``. (1) `pack_active` orders them
+    first and zeroes one counter per row tile; (2) a counted pick (`full_vocab_pick`'s ``counter``) runs on every
+    row in that order (reading each base and latent row through the packed index map: nothing is copied), so the
+    active rows fill the leading row tiles and a tile without one returns at once; the last program of a tile
+    combines its parts and writes each active row's token to the draft row it holds. ``fallback`` is aliased in
+    as the tokens: where no row is active nothing is written. Returns ``(tokens [rows] int32, flags [8] int32)``,
+    ``flags`` = [full, sum(fail), 0, ...] (the next pass's ``fallen``). An active row's token is the one
+    `full_vocab_pick` gives it with ``config``; a smaller ``v_steps`` (`xpress_jax.dispatch.Table.capacity_config`)
+    gives the same scores bit for bit. ``v_steps_full`` (static; default ``config.v_steps``): the vocab tiles per
+    part when the pass is full, read at run time (a full pass then costs what the all-rows pick costs).
+    ``base``/``slot_stride`` as in `full_vocab_pick`; ``fail`` [rows] bool or int32, ``fallen`` a flag
+    (`common.flag_operand`), ``fallback`` [rows] int. ``skip_slots`` (static, with ``slot_stride`` = B): draft
+    slots ``< skip_slots`` of every block are never scanned; their tokens are ``fallback``.
     """
     dtype = _check_inputs(base, lat, w2, slot_stride, "scan_failing")
     vocab = base.shape[1]
@@ -1011,9 +961,9 @@ def scan_failing(base: jax.Array, lat: jax.Array, w2: jax.Array, fail: jax.Array
         raise ValueError("scan_failing: skip_slots needs slot_stride (the draft rows per block)")
     cfg = config or default_config(rows, vocab, rank, dtype)
     cfg.check_shape(rows, vocab, rank, dtype)
-    packed = pack_active(fail, fallen, limit=limit, interpret=interpret, skip_slots=skip_slots,
-                         slots=max(slot_stride - 1, 1), counters=cdiv(rows, cfg.row_tile) if counted else 0)
-    pos, src, act_p, act, flags = packed[:5]
+    _, src, act_p, _, flags, counters = pack_active(fail, fallen, limit=limit, interpret=interpret,
+                                                    skip_slots=skip_slots, slots=max(slot_stride - 1, 1),
+                                                    counters=cdiv(rows, cfg.row_tile))
     vs_full = cfg.v_steps if v_steps_full is None else int(v_steps_full)
     if vs_full < 1:
         raise ValueError(f"scan_failing: v_steps_full must be >= 1, got {v_steps_full!r}")
@@ -1022,13 +972,9 @@ def scan_failing(base: jax.Array, lat: jax.Array, w2: jax.Array, fail: jax.Array
     parts = cdiv(vocab, cfg.v_tile * min(cfg.v_steps, vs_full or cfg.v_steps))  # the finer split's parts
     # The kernel reads rows < `rows` of src and act_p ([n_pad]) and element 0 of flags (the pass's full).
     operands = (base, lat, w2, src, act_p, *((flags,) if vs_full else ()))
-    launch = dict(rows=rows, vocab=vocab, rank=rank, dtype=dtype, slot_stride=slot_stride, interpret=interpret,
-                  parts=parts, keep=keep, row_map=True, lat_map=True, v_steps_full=vs_full)
-    if counted:
-        tok, _ = _counted_launch(operands, fallback.astype(jnp.int32), packed[5], cfg, counter_at=0, **launch)
-        return tok, flags
-    mv, mi = _fused_launch(operands, cfg, has_active=True, **launch)
-    tok = combine_partials(mv, mi, interpret=interpret, active=act, fallback=fallback, pos=pos)[:rows]
+    launch = _Launch(rows, vocab, rank, dtype, slot_stride, row_map=True, lat_map=True, v_steps_full=vs_full)
+    tok, _ = _counted_launch(operands, fallback.astype(jnp.int32), counters, cfg, launch, interpret=interpret,
+                             parts=parts)
     return tok, flags
 
 
