@@ -91,10 +91,10 @@ def _serving_rows(rows: int = 4, seed: int = 3) -> np.ndarray:
 def test_dispatch_keeps_the_fast_finish_above_512(c):
     """The dispatch's selection config for C > 512 keeps smooth serving rows on the fast finish (numpy
     model of the bound), where the kernel's defaults (cap 1024, 2048 groups) send every row to the
-    whole-row slow path from C = 1024 on (measured 10-20x slower: RESULTS.md "Selection above C=512")."""
+    whole-row slow path from C = 1024 on (10-20x slower: docs/performance.md)."""
     x = _serving_rows()
-    for row in dispatch.TABLE:
-        cfg = dataclasses.replace(sel.SelectConfig(), **dispatch.select_config(row, c))
+    for row in dispatch.TABLE.entries:
+        cfg = dataclasses.replace(sel.SelectConfig(), **dispatch.TABLE.select_config(row, c))
         assert _paths(x, c, cfg.groups, cfg.cap, cfg.block) == ["fast"] * len(x), (row.max_rows, cfg)
     d = sel.SelectConfig()
     if c >= 1024:
@@ -234,10 +234,10 @@ class TestSelect:
 
     @pytest.mark.parametrize("c", [1024, 3000])
     def test_dispatch_configs_above_512(self, c):
-        """The configs `dispatch.select_config` serves for large C (bigger cap, more groups, smaller
+        """The configs `dispatch.Table.select_config` serves for large C (bigger cap, more groups, smaller
         blocks) give the oracle's candidates at V = 151936."""
         base = jnp.asarray(_serving_rows(rows=2), BF16)
-        self.run(base, c, **dispatch.select_config(dispatch.TABLE[0], c))
+        self.run(base, c, **dispatch.TABLE.select_config(dispatch.TABLE.entries[0], c))
 
     def test_small_vocab_one_chunk(self):
         base = jnp.asarray(np.random.default_rng(8).standard_normal((15, 37)), F32)
@@ -317,8 +317,7 @@ def test_large_c_configs_lower_to_triton(rows, c):
     """The large-C configs (cap up to 8192) lower at every row count: with few rows the segments per row
     are capped so that the finish's [segments, cap] mask stays inside Triton's 2^20-element tensor
     limit (2 rows at cap 8192 failed to build on the H200 before)."""
-    row = next(r for r in dispatch.TABLE if r.max_rows is None or rows <= r.max_rows)
-    f = functools.partial(sel.select_candidates, c=c, **dispatch.select_config(row, c))
+    f = functools.partial(sel.select_candidates, c=c, **dispatch.TABLE.select_config(dispatch.TABLE.entry(rows), c))
     hlo = common.lower_triton(f, jax.ShapeDtypeStruct((rows, 151936), BF16)).as_text()
     assert hlo.count("__gpu$xla.gpu.triton") >= 3
 

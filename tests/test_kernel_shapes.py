@@ -62,7 +62,7 @@ def rank_dtype_params():
 
 def _table_limits():
     """Draft-row limits of `dispatch.TABLE` where the full-vocab config changes."""
-    t = dispatch.TABLE
+    t = dispatch.TABLE.entries
     return [a.max_rows for a, b in zip(t, t[1:]) if a.full_vocab != b.full_vocab]
 
 
@@ -73,13 +73,12 @@ def fv_config(rows, vocab, rank, dtype):
 
 def _latent_limits(kind):
     """The last draft-row count at which the table's latent is ``kind``."""
-    return max(r.max_rows for r in dispatch.TABLE if r.latent == kind)
+    return max(r.max_rows for r in dispatch.TABLE.entries if r.latent == kind)
 
 
 LAT_XLA_ROWS = _latent_limits("xla")  # 960 (N = 64 at B = 16); above it the fused kernel
-# No 16-bit row serves the split variant since 2026-12-01 (XLA's latent measured faster inside refine up to
-# N = 64, RESULTS.md "Small-N latency"); interpret-mode plans (`kernels_everywhere`) run it wherever the
-# table says XLA, so the split kernel is still what the tests below exercise up to LAT_XLA_ROWS.
+# No 16-bit entry serves the split variant (XLA's latent is faster up to N = 64); interpret-mode plans
+# (`kernels_everywhere`) run it wherever the table says XLA, so the tests below exercise it up to LAT_XLA_ROWS.
 
 
 # (N, B) with N*(B-1) draft rows on both sides of every full-vocab table boundary (15/30/60/240/960),

@@ -84,9 +84,9 @@ class TestTopCPick:
         args = _inputs(rows, vocab, c, rank, dtype, seed=rows, dyadic=True)
         np.testing.assert_array_equal(np.asarray(self.pick(*args, config)), _reference(*args))
 
-    @pytest.mark.parametrize("rows", [dispatch.TOPC_SMALL_TILE_MAX_ROWS, dispatch.TOPC_SMALL_TILE_MAX_ROWS + 1])
+    @pytest.mark.parametrize("rows", [30, 31])
     def test_served_configs_at_their_boundary(self, rows):
-        """The configs refine serves (`dispatch.plan`) on either side of `TOPC_SMALL_TILE_MAX_ROWS`, at C = 1, a C
+        """The configs refine serves (`dispatch.plan`) on either side of the small-tile entries (30 rows), at C = 1, a C
         that is not a multiple of the tile, and C = V, with a rank that needs a masked tail chunk: the ids of
         the jnp oracle on every row that is not a near tie, and on every row of dyadic inputs."""
         vocab, rank, dtype = 300, 20, jnp.bfloat16

@@ -1,6 +1,6 @@
 """The residual inside the top-C pick (`xpress_jax.reference.LatentSum`, the kernel's ``lat_add``).
 
-Where XLA computes a top-C pass's latent (up to `dispatch.SPLIT_LATENT_MAX_ROWS` draft rows), the
+Where XLA computes a top-C pass's latent (where the dispatch entry's ``split_latent`` says so), the
 Pallas backend hands the pick the residual's two float32 terms ``(u, d)`` and the kernel forms
 ``round(u + d)`` as it loads the latent, instead of an XLA kernel doing it. The claim: the same latent,
 so the same tokens. Checked:
@@ -12,7 +12,7 @@ so the same tokens. Checked:
   missing rounding picks another id;
 - refine with the split latent against refine without it, for top-C (C = 1, 11, V), in float32,
   bfloat16 and float16 (full-vocab passes are not split: the fused pick measured slower with the terms);
-- the Pallas steps split exactly up to `dispatch.SPLIT_LATENT_MAX_ROWS` draft rows.
+- the Pallas steps split exactly where the entries' ``split_latent`` says so.
 
 `TestLatentSum` runs the kernel compiled (GPU only); `TestLatentSumInterpret` runs the same tests in
 interpret mode on the CPU.
@@ -172,13 +172,15 @@ def test_split_latent_terms_sum_to_the_latent():
 
 def test_pallas_steps_split_up_to_the_dispatch_bound():
     """The compiled Pallas steps' latent (XLA's where the plan says so: jnp, runs on a CPU too) is split
-    at `dispatch.SPLIT_LATENT_MAX_ROWS` draft rows and not one block above; never without ``split``."""
+    up to the table's last ``split_latent`` draft-row count and not one block above; never without ``split``."""
     from xpress_jax import dispatch
 
     cfg = dataclasses.replace(CFG, block_size=16)
     params = make_head(cfg, seed=29, dtype=jnp.bfloat16)
     ops = Ops.pallas()
-    n_in = dispatch.SPLIT_LATENT_MAX_ROWS // (cfg.block_size - 1)
+    last = max(e.max_rows for e in dispatch.TABLE.entries if e.split_latent)
+    n_in = last // (cfg.block_size - 1)
+    assert not dispatch.TABLE.entry(last + 1).split_latent
     for n, want in ((n_in, True), (n_in + 1, False)):
         assert dispatch.plan(n, cfg.block_size, cfg.vocab_size, cfg.rank, 0, jnp.bfloat16).latent is None
         _, h, _, _ = make_inputs(cfg, n, seed=30, dtype=jnp.bfloat16)
@@ -192,12 +194,14 @@ def test_pallas_steps_split_up_to_the_dispatch_bound():
 def test_mixer_barrier_same_latent_up_to_the_dispatch_bound(dtype):
     """`head.latent(barrier=True)` (the mixer's output behind an optimization barrier) is the latent bit for
     bit, jitted, split or not; the compiled Pallas steps use it for an unsplit latent up to
-    `dispatch.MIXER_BARRIER_MAX_ROWS` draft rows and not one block above (the barrier is in the HLO)."""
+    the table's last ``mixer_barrier`` draft-row count and not one block above (the barrier is in the HLO)."""
     from xpress_jax import dispatch
 
     cfg = dataclasses.replace(CFG, block_size=16)
     params = make_head(cfg, seed=31, dtype=dtype, std=0.5)
-    n_in = dispatch.MIXER_BARRIER_MAX_ROWS // (cfg.block_size - 1)
+    last = max(e.max_rows for e in dispatch.TABLE.entries if e.mixer_barrier)
+    n_in = last // (cfg.block_size - 1)
+    assert not dispatch.TABLE.entry(last + 1).mixer_barrier
     assert n_in >= 1
     for n in (n_in, n_in + 1):
         _, h, _, _ = make_inputs(cfg, n, seed=32, dtype=dtype)

@@ -119,7 +119,7 @@ def test_bad_tables_are_refused():
 
 @pytest.mark.parametrize("rows_n", [(1, True), (274, True), (275, False)])  # B=8: 7 rows a block; 274*7 = 1918
 def test_with_a_table_the_latent_is_xlas_up_to_the_dispatch_bound(rows_n, monkeypatch):
-    """`dispatch.TABLE_XLA_LATENT_MAX_ROWS`: with a table, the Pallas ops run XLA's latent (which reads the
+    """The entries' ``table_latent``: with a table, the Pallas ops run XLA's latent (which reads the
     table) up to that many draft rows, the Pallas latent kernel above it; without a table, the plan decides
     (in interpret mode: the kernel everywhere)."""
     from xpress_jax import dispatch, reference
@@ -127,7 +127,8 @@ def test_with_a_table_the_latent_is_xlas_up_to_the_dispatch_bound(rows_n, monkey
     from xpress_jax.ops import Ops
 
     n, xla = rows_n
-    assert dispatch.TABLE_XLA_LATENT_MAX_ROWS == 1920  # at B=8: 274 blocks = 1918 rows <= 1920 < 275 blocks
+    # at B=8: 274 blocks = 1918 rows <= 1920 < 275 blocks
+    assert dispatch.TABLE.entry(1920).table_latent and not dispatch.TABLE.entry(1921).table_latent
     cfg = xj.HeadConfig(vocab_size=64, hidden_size=16, block_size=8, rank=8, mlp_hidden=8, topc=4, num_passes=2)
     params = make_head(cfg, seed=14)
     calls = []
