@@ -1,27 +1,14 @@
 """Full-vocabulary pick: ``argmax_v float(dtype(base + dtype(lat @ w2.T)))``, lowest vocab id on ties.
 
-Reference (the spec): `xpress_jax.reference.full_vocab_pick`. Value rules: the bias is accumulated in float32 and
-rounded to the logits' dtype, the sum ``base + bias`` is formed in float32 and
-rounded to the logits' dtype *before* comparing, NaN counts as -inf, the
-largest score wins, ties go to the lowest vocab id. The [rows, V] sum is never
-stored.
+Reference (the spec): `xpress_jax.reference.full_vocab_pick`: the bias accumulated in float32 and rounded to the
+logits' dtype, ``base + bias`` formed in float32 and rounded before comparing, NaN as -inf, the largest score
+wins, ties to the lowest id. The [rows, V] sum is never stored.
 
-The Pallas-Triton kernel computes ``lat_tile @ w2_tile.T`` on the tensor cores (float32
-accumulation), rounds it, adds base, rounds again and keeps the per-row best of its tiles; the
-bias never exists in HBM. Its float32 dot may sum in another order than XLA's, so a score within
-an ulp of a rounding boundary can round differently (tokens differ only at such near ties).
-(An ``add_argmax`` variant, an XLA dot then a Pallas add+argmax, and a jnp combine were measured
-slower and removed: benchmarks/RESULTS.md "Full-vocab pick".)
-
-Two launches: stage 1 (grid ``(row tiles, vocab parts)``; dim 0 is
-launched fastest, so the row tiles that share a w2 tile run together and w2 is
-read from HBM about once) writes each part's best value and its lowest vocab id
-to ``[parts, rows_pad]``; stage 2 (`combine_partials`, shared with the top-C
-pick) keeps the largest value, lowest id on ties. A part is ``v_steps``
-consecutive vocab tiles of ``v_tile`` columns looped inside one program.
-
-Float64 is refused (``TypeError``): Triton's argmax-style reductions and float64 dots are not
-worth supporting for a dtype nobody serves in; `xpress_jax` routes float64 to its jnp reference.
+Stage 1 (`_fused_kernel`, grid ``(row tiles, vocab parts)``; dim 0 fastest, so the row tiles sharing a w2 tile
+run together) computes ``lat_tile @ w2_tile.T`` on the tensor cores, rounds, adds base, rounds again and writes
+each part's best value and lowest id to ``[parts, rows_pad]``; a part is ``v_steps`` tiles of ``v_tile`` ids.
+Stage 2 (`combine_partials`) keeps the largest value, lowest id. The float32 dot may sum in another order than
+XLA's, so tokens differ only at near ties. Float64 is refused (``TypeError``).
 """
 
 from __future__ import annotations
@@ -36,7 +23,7 @@ from jax.experimental.pallas import triton as plt
 
 
 from . import common
-from .common import BIG, cdiv, iota, k_chunk, next_pow2, score
+from .common import BIG, MIN_DOT, SMEM_LIMIT, cdiv, iota, k_chunk, next_pow2, score
 
 __all__ = [
     "FullVocabConfig",
@@ -47,13 +34,6 @@ __all__ = [
     "scan_failing",
 ]
 
-#: Smallest dimension of a tensor-core dot the kernels issue: Triton's ``tl.dot`` wants M, N and
-#: K >= 16 on NVIDIA GPUs, so the fused kernel's row, vocab and rank tiles are at least this.
-MIN_DOT = 16
-
-#: Shared memory one program may use on an H100/H200 (227 KB, the opt-in maximum per block).
-SMEM_LIMIT = 227 * 1024
-
 _KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
 
@@ -61,31 +41,18 @@ _KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp
 class FullVocabConfig:
     """Static block sizes of the full-vocab pick (hashable: a jit static arg).
 
-    row_tile: rows per program (power of two; rows are masked to the real count).
-    v_tile: vocab columns per step (power of two; the vocab tail is masked).
+    row_tile, v_tile: rows per program and vocab ids per step (powers of two; tails masked).
     v_steps: vocab tiles looped inside one program (a "part"); parts = cdiv(V, v_tile * v_steps).
-    k_tile: rank columns per dot step (0 = the whole rank; else a power of two >= 16).
-      The chunk used is ``min(k_tile, max(16, next_pow2(rank)))`` (`k_chunk`); a rank it does not
-      divide ends in a masked tail chunk (masked lanes load 0 on both operands, adding nothing
-      to the float32 sum), so any rank works (r = 256 in serving: 4 chunks of 64 or one of 256).
+    k_tile: rank columns per dot step (0 = the whole rank; else a power of two >= 16); the chunk is
+      `k_chunk`'s, a rank it does not divide ends in a masked tail chunk (zeros add nothing).
     num_warps, num_stages: Triton launch parameters of stage 1.
-    hold_lat: load the program's latent tile once, before the vocab loop (it is
-      loop-invariant; Triton keeps it in shared memory, row_tile * r values), instead of once
-      per vocab tile (then the rank loop is a `fori_loop` that Triton can pipeline).
-    flat: fused only, needs ``hold_lat=False``: one loop over (vocab tile, rank chunk) pairs,
-      the add/argmax epilogue under a `lax.cond` on the last rank chunk (Triton's persistent
-      matmul pattern), so the pipelined loads run across vocab tiles instead of restarting
-      every ``r / k_tile`` chunks.
-    prefetch_base: load the next vocab tile's base block one step ahead (carried
-      in registers), so its HBM latency hides behind the tile's dots.
-    lazy: keep a running best per (row, column lane) of the tile, elementwise across
-      the part's vocab tiles (``s > best``: strict, so a lane keeps its earliest = lowest id on
-      ties; NaN never wins), and reduce the lanes to each row's (max, lowest id) once per part,
-      instead of two cross-thread reductions per tile. Base columns past V load as -inf, so no
-      per-element vocab mask either. Same result: the row max is the max of lane maxima, and
-      the lowest id attaining it is the lowest of the lanes' lowest ids attaining it; a row of
-      only -inf/NaN keeps the first tile's ids and so picks the part's lowest id.
-    """
+    hold_lat: load the latent tile once, before the vocab loop (else once per vocab tile, the rank loop a
+      `fori_loop` Triton can pipeline).
+    flat: needs ``hold_lat=False``: one loop over (vocab tile, rank chunk) pairs, the epilogue under a `lax.cond`
+      on the last chunk, so the pipelined loads run across vocab tiles.
+    prefetch_base: load the next vocab tile's base block one step ahead (its latency hides behind the dots).
+    lazy: keep a running best per (row, lane) across the part's tiles (``s > best``: strict, so a lane keeps its
+      lowest id on ties; NaN never wins) and reduce the lanes once per part: the same winner."""
 
     row_tile: int = 16
     v_tile: int = 128
@@ -447,8 +414,8 @@ def _fused_kernel(
             # write where they share a row (a GPU skips masked lanes).
             out_rows = jnp.where(row_ok, lat_rows, rows + iota(row_tile)) if row_map else None
             _combine_if_last(mv_ref, mi_ref, tok_ref, cnt_ref, i, r0, (act != 0) & row_ok, parts=counted,
-                             row_tile=row_tile, counter_at=launch.counter_at, barrier=launch.barrier, live_parts=live_parts,
-                             out_rows=out_rows)
+                             row_tile=row_tile, counter_at=launch.counter_at, barrier=launch.barrier,
+                             live_parts=live_parts, out_rows=out_rows)
         return
     if not has_active:
         best, bidx = part()
@@ -465,21 +432,12 @@ def _fused_kernel(
 
 def _combine_if_last(mv_ref, mi_ref, tok_ref, cnt_ref, i, r0, write, *, parts: int, row_tile: int, counter_at: int,
                      barrier: bool, live_parts=None, out_rows=None):
-    """The counted launch's end of program (i, j), after it stored its part's winners at [j, tile i]:
-    count the arrival on tile i's counter (``cnt[counter_at + i]``); the program that arrives last
-    (``parts - 1`` arrivals before it) reads the tile's ``parts`` winners, keeps the largest value, lowest
-    id (`common.best`, `common.merge`: the combine launch's rule), writes it to the rows in ``write`` and
-    sets the counter back to 0. ``live_parts`` (traced, <= ``parts``; `scan_failing`'s run-time split):
-    only parts ``0 .. live_parts - 1`` run, so that many arrive and are read. ``out_rows`` ([row_tile]
-    int32): the token rows of the tile's kernel rows (packed rows: the draft rows they hold; default the
-    kernel rows themselves).
-
-    Why the last arrival sees every part: each program's stores come before its counter increment, a CTA
-    barrier orders the stores of all its threads before the increment, and the increment is an
-    acquire-release atomic at GPU scope (Pallas-Triton's ``atomic_rmw``), so the last incrementer's
-    acquire reads after every earlier release; its loads are volatile (not served from a possibly stale
-    L1 line). The top-C pick's counted launch (RESULTS, fourteenth session) ran this way compiled with up
-    to 64 programs racing on one counter. Interpret mode runs the programs one after another."""
+    """The counted launch's end of program (i, j), after it stored its part's winners at [j, tile i]: count the
+    arrival on ``cnt[counter_at + i]``; the last to arrive (of ``parts``, or the traced ``live_parts``) reduces the
+    tile's parts by the combine launch's rule, writes the rows in ``write`` (to ``out_rows`` where given) and sets
+    the counter back to 0. It sees every part: each program's stores precede a CTA barrier and its GPU-scope
+    acquire-release atomic increment, and the last program's loads are volatile. Interpret mode runs the programs
+    one after another."""
     if barrier:
         plt.debug_barrier()
     old = plt.atomic_add(cnt_ref, (counter_at + i,), jnp.int32(1))
@@ -704,57 +662,26 @@ def full_vocab_pick(
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """[rows,V], [rows,r], [V,r] -> [rows] int32: argmax_v float(dtype(base + dtype(lat @ w2.T))).
 
-    Lowest vocab id on ties, NaN counts as -inf (a row of -inf/NaN picks id 0).
-    One Pallas matmul with an add/argmax epilogue, then the combine launch. ``config``: block
-    sizes (default: `default_config`). Float64 raises ``TypeError``.
-    ``slot_stride=B``: ``base`` is the whole logits reshaped to [N*B, V]; draft row
-    n*(B-1) + b reads logits row n*B + 1 + b (no copy of ``logits[:, 1:]``).
-    ``partials=True``: skip the combine launch and return stage 1's per-part winners
-    ``(score [parts, rows] float32, id [parts, rows] int32)`` (each part's best rounded score
-    and its lowest id; the caller combines them, e.g. across vocabulary shards).
-    ``active`` ([rows] bool or int, a device value; None = every row, the plain kernel with no
-    extra operand): only these rows' results are wanted. A program whose row tile holds no active
-    row reads nothing and writes "no winner" partials (score -inf, id `BIG`); an inactive row's
-    result is unspecified (often `BIG`, never used). An active row's result is the one it gets
-    without ``active`` (same config, same per-row computation).
-    ``capacity`` (static int, with ``active``): the active rows are first packed to the front (a
-    permutation computed on the device; the kernel reads each base row through an index map, the
-    latent rows are gathered) and the kernel runs on only the first ``capacity`` packed rows, a grid
-    of ``ceil(capacity / row_tile)`` row tiles: the first ``capacity`` active rows in row order get
-    their tokens, active rows beyond them read ``BIG`` (partials: -inf, ``BIG``), inactive rows are
-    unspecified. So the kernel reads ``w2`` about ``ceil(active rows / row_tile)`` times. Meant for "a
-    few rows of many" (the certified mode's scan of the rows its bound cannot certify), with a
-    ``config`` whose ``v_steps`` gives each row tile enough programs
-    (`xpress_jax.dispatch.capacity_config`); only ``v_steps`` may differ from the all-rows config if
-    the tokens must match it bit for bit (each (row, id) score is computed the same way for any
-    vocabulary split).
-    ``fallback`` ([rows] int, with ``active``, without ``capacity`` and ``partials``): inactive rows
-    return ``fallback`` (the combine launch writes it: no extra select after the pick).
-    ``reverse`` (static): each program visits its vocabulary tiles from the highest ids down (ascending
-    otherwise). The same scores and the same winners, part by part: every (row, id) score is computed by
-    the same operations, and the running best keeps the lowest id on equal scores in either order
-    (descending: ``>=`` on scores with NaN read as -inf; ascending: ``>``). `xpress_jax.refine` alternates
-    the order between passes so that a pass starts on the ``w2`` rows its predecessor read last.
-    ``keep`` (static, a key of `KEEP_POLICIES`): L2 eviction hints on the ``w2`` loads, by the part's
-    visit order (None: none). Hints only: the same operations on the same values, the same result.
-    ``row_ids`` ([M] int32, M >= 1, each in [0, rows)): pick only these rows, in this order: returns [M]
-    (``partials``: [parts, M]), row ``row_ids[i]``'s result at i. The kernel reads each row's latent and
-    base row through the ids (nothing is copied) and runs ``ceil(M / row_tile)`` row tiles. With the same
-    ``config`` a row's result is the one it gets without ``row_ids``, bit for bit (the rows a row shares a
-    tile with change no operation on its own row; `xpress_jax.refine` skips the draft slots that are final
-    this way). With ``row_ids``, ``active`` is [M] (by position in ``row_ids``; without ``capacity`` and
-    ``fallback``): the certified mode's fallback scan of the slots that are not final, whose programs return
-    at once in a pass that is not full.
-    ``counter`` (int32 [k], with ``active`` and ``fallback``, without ``capacity``, ``partials`` and
-    ``row_ids``; entries ``counter_at`` .. ``counter_at + row tiles - 1`` zero): pick in **one launch** and
-    return ``(tokens [rows] int32, counter)``, the counter entries zero again and the others unchanged
-    (the certified mode passes its pass flags, whose entries from 2 are zero). Each program of a row tile
-    with an active row counts its arrival and the last to arrive combines the tile's parts
-    (`_combine_if_last`); a row tile without an active row runs nothing, so where no row is active the
-    launch writes nothing at all: the tokens are ``fallback`` as it came in (aliased: no copy, no combine
-    launch). The same tokens as with ``fallback`` alone. A counter whose entries are not zero gives wrong
-    tokens.
-    """
+    Lowest vocab id on ties, NaN as -inf (a row of -inf/NaN picks id 0). ``config``: block sizes (default
+    `default_config`). Float64 raises ``TypeError``.
+    ``slot_stride=B``: ``base`` is the whole logits [N*B, V]; draft row n*(B-1) + b reads row n*B + 1 + b.
+    ``partials=True``: stage 1's per-part winners ``(score [parts, rows] float32, id [parts, rows] int32)``.
+    ``active`` ([rows] bool or int, a device value): only these rows' results are wanted; a row tile without an
+    active row reads nothing and writes "no winner" partials (-inf, `BIG`). An active row's result is the one it
+    gets without ``active``.
+    ``capacity`` (static int, with ``active``): the active rows are packed to the front and the kernel runs on the
+    first ``capacity`` of them (``ceil(capacity / row_tile)`` row tiles); active rows beyond read ``BIG``. With a
+    ``config`` that differs from the all-rows one only in ``v_steps`` the tokens match it bit for bit.
+    ``fallback`` ([rows] int, with ``active``, without ``capacity`` and ``partials``): inactive rows return it.
+    ``reverse`` (static): each program visits its tiles from the highest ids down (``>=`` with NaN as -inf keeps the
+    lowest id): the same winners. ``keep`` (static, a key of `KEEP_POLICIES`): the L2 hints / loop split on the
+    ``w2`` loads; the same result.
+    ``row_ids`` ([M] int32 in [0, rows)): pick only these rows, in this order ([M]; ``active`` then by position);
+    a row's result is the one it gets without ``row_ids``.
+    ``counter`` (int32 [k], with ``active`` and ``fallback``, without ``capacity``, ``partials``, ``row_ids``;
+    entries ``counter_at`` .. ``counter_at + row tiles - 1`` zero): one launch, returning ``(tokens, counter)``; the
+    last program of a row tile with an active row combines its parts (`_combine_if_last`), so where no row is active
+    nothing is written (``fallback`` is aliased in as the tokens). The counter entries come back zero."""
     dtype = _check_inputs(base, lat, w2, slot_stride, "full-vocab pick kernel")
     vocab = base.shape[1]
     rows, rank = lat.shape
@@ -867,21 +794,15 @@ def _pack_kernel(fail_ref, fallen_ref, pos_ref, src_ref, actp_ref, act_ref, flag
 
 def pack_active(fail: jax.Array, fallen: jax.Array, *, limit: int, interpret: bool = False, skip_slots: int = 0,
                 slots: int = 1, counters: int = 0):
-    """[rows] ``fail`` (bool or int32, nonzero: failed), a flag ``fallen`` -> the certified mode's rows to
-    scan, in one launch.
+    """[rows] ``fail`` (bool or int32, nonzero: failed), a flag ``fallen`` -> the certified mode's rows to scan,
+    in one launch.
 
-    ``full = fallen | (sum(fail) > limit)``; the active rows are ``act = fail | full``. Returns int32
-    ``(pos [rows], src [n_pad], act_p [n_pad], act [rows], flags [8])`` with ``n_pad`` = the next power
-    of two >= rows. ``skip_slots`` (static; with ``slots``, the draft rows per block): rows ``q`` with
-    ``q % slots < skip_slots`` (the draft slots that are final) are never active, not even in a full pass
-    (where ``fail`` names them they still count in ``sum(fail)``). ``pos[q]`` is row q's packed position
-    (active rows first, in row order, then the others), ``src[p]`` the row at packed position p
-    (``src[pos[q]] = q``; positions past ``rows`` hold padding ids >= rows), ``act_p[p]`` = p < the number of active rows, ``act`` 0/1 and
-    ``flags`` = [full, sum(fail), 0, ...] (the next pass's ``fallen``, `common.flag_operand`). The
-    kernels downstream read them as they are (no XLA op in between). ``fallen``: a bool scalar or
-    int32 flags. The jnp spelling is `pack_active_ref`. ``counters`` (static int >= 0): where > 0, a sixth output,
-    int32 zeros [the next power of two >= counters] (the counted scan's row-tile counters, `scan_failing`'s
-    ``counted``: written by the same launch, so no XLA op runs before the pick)."""
+    ``full = fallen | (sum(fail) > limit)``; the active rows are ``act = fail | full``, except rows ``q`` with
+    ``q % slots < skip_slots`` (final draft slots; they still count in ``sum(fail)``). Returns int32 ``(pos [rows],
+    src [n_pad], act_p [n_pad], act [rows], flags [8])``, ``n_pad`` the next power of two >= rows: ``pos[q]`` row
+    q's packed position (active rows first, in row order), ``src[p]`` the row at position p, ``act_p[p]`` = p < the
+    number of active rows, ``flags`` = [full, sum(fail), 0, ...]. ``counters`` (static int >= 0): a sixth output,
+    int32 zeros [next_pow2(counters)] (the counted scan's row-tile counters). The jnp spelling is `pack_active_ref`."""
     rows = fail.shape[0]
     if fail.ndim != 1:
         raise ValueError(f"pack_active: need fail [rows]; got {fail.shape}")
