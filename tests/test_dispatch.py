@@ -142,7 +142,7 @@ def test_float64_plans_the_reference():
 
 
 @pytest.mark.interpret_refine
-@pytest.mark.parametrize("topc", [0, 7])
+@pytest.mark.parametrize("topc", [pytest.param(0, marks=pytest.mark.slow), 7])
 def test_float64_refine_with_pallas_backend_is_the_reference(topc):
     """backend="pallas" routes float64 to the jnp reference (the kernels refuse it): same tokens as XLA."""
     cfg = xj.HeadConfig(vocab_size=97, hidden_size=16, block_size=5, rank=24, mlp_hidden=32, topc=topc)
@@ -182,7 +182,8 @@ def test_refine_with_refuses_what_is_not_ops():
         refine_with("pallas", head, *make_inputs(cfg, 1))
 
 
-@pytest.mark.parametrize("n,topc", [(3, 0), (1, 0), pytest.param(1, 7, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("n,topc", [(3, 0), pytest.param(1, 0, marks=pytest.mark.slow),
+                                    pytest.param(1, 7, marks=pytest.mark.slow)])
 def test_xla_gpu_spelling_gives_the_same_tokens(n, topc):
     """Ops.xla("gpu") only changes how the readout dot (the 16-bit result written directly) and the hidden
     input (`reference.hidden_input_gpu`: N=1 padded, xh behind a barrier) are spelled."""
@@ -196,7 +197,8 @@ def test_xla_gpu_spelling_gives_the_same_tokens(n, topc):
 
 
 @pytest.mark.interpret_refine
-@pytest.mark.parametrize("early_exit", [False, (2,)], ids=["plain", "early-exit"])
+@pytest.mark.parametrize("early_exit", [pytest.param(False, id="plain", marks=pytest.mark.slow),
+                                        pytest.param((2,), id="early-exit")])
 def test_full_vocab_pass_pick(monkeypatch, early_exit):
     """An unrolled full-vocab refine runs `Ops.full_vocab_pass_pick` for every pass: pass q (0-based) picks only
     the draft slots from min(q, B-1) on (interpret mode skips wherever it can; at B=5, K=6 the last two passes
@@ -246,7 +248,8 @@ def test_full_vocab_pass_pick(monkeypatch, early_exit):
 
 
 @pytest.mark.interpret_refine
-@pytest.mark.parametrize("early_exit", [False, (2,)], ids=["plain", "early-exit"])
+@pytest.mark.parametrize("early_exit", [pytest.param(False, id="plain", marks=pytest.mark.slow),
+                                        pytest.param((2,), id="early-exit")])
 def test_topc_pass_pick(monkeypatch, early_exit):
     """The same for top-C passes (`Ops.topc_pass_pick`): pass q's top-C pick runs only draft slots min(q, B-1)..
     (interpret mode), the residual's terms included, with the tokens of the plain pick of every row."""
@@ -358,14 +361,14 @@ def test_served_keeps_are_the_same_tokens(monkeypatch, topc):
 
     monkeypatch.setattr(mod, name, spy)
     P = Ops.pallas(interpret, table=dispatch.TABLE.replace(topc_keep_bytes=(0, 1 << 40)))
-    tok = np.asarray(refine_with(P, head, *x, num_passes=6, unroll=True))
+    tok = np.asarray(refine_with(P, head, *x, num_passes=3, unroll=True))
     splits = -(-topc // dispatch.plan(n * 4, 2, 611, 40, topc, jnp.bfloat16).topc.c_tile) if topc else 0
     want_keep = (splits // 2, "evict_last", "evict_first") if topc else "split"
     assert not topc or splits == 3
     assert seen and all(k == want_keep for k in seen), (seen, want_keep)
     seen.clear()
     P = Ops.pallas(interpret, table=dispatch.TABLE.replace(topc_keep_bytes=None).with_columns(full_vocab_keep=None))
-    want = np.asarray(refine_with(P, head, *x, num_passes=6, unroll=True))
+    want = np.asarray(refine_with(P, head, *x, num_passes=3, unroll=True))
     assert seen and not any(seen)
     np.testing.assert_array_equal(tok, want)
     assert len(set(map(tuple, want))) > 1
@@ -389,8 +392,13 @@ def _start_logits(n, b, v, dtype, seed):
     return jnp.asarray(x, dtype)
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-@pytest.mark.parametrize("n,b,v", [(3, 5, 301), (2, 4, 7), (1, 16, 4099), (5, 3, 1)])
+@pytest.mark.parametrize("n,b,v,dtype", [
+    pytest.param(2, 4, 7, jnp.float32, id="2-4-7-float32"),
+    pytest.param(5, 3, 1, jnp.bfloat16, id="5-3-1-bfloat16"),
+    *(pytest.param(n, b, v, dt, id=f"{n}-{b}-{v}-{jnp.dtype(dt).name}", marks=pytest.mark.slow)
+      for n, b, v, dt in ((3, 5, 301, jnp.bfloat16), (3, 5, 301, jnp.float32), (2, 4, 7, jnp.bfloat16),
+                          (1, 16, 4099, jnp.bfloat16), (1, 16, 4099, jnp.float32), (5, 3, 1, jnp.float32))),
+])
 def test_full_vocab_start_through_the_selection(monkeypatch, n, b, v, dtype):
     """Where the entry's ``start_select`` says so a Pallas full-vocab refine starts with the
     selection's argmax output (c=1): equal to `reference.full_vocab_start` on every kind of row (NaN, -inf,
@@ -413,6 +421,7 @@ def test_full_vocab_start_through_the_selection(monkeypatch, n, b, v, dtype):
     np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.slow
 def test_full_vocab_refine_starting_through_the_selection(monkeypatch):
     """A full-vocab refine that starts through the selection gives the tokens of one that starts with XLA's
     argmax, bit for bit (compiled on a GPU; on a CPU, interpreted, also the XLA backend's)."""
@@ -459,8 +468,11 @@ def test_pass_pick_rows():
             assert dispatch.pass_pick_rows(n, 16, 3, 1, skip=skip) == want
 
 
-@pytest.mark.parametrize("n", [1, 2, 8])
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("dtype,n", [
+    pytest.param(jnp.float32, 2, id="float32-2"),
+    *(pytest.param(dt, n, id=f"{jnp.dtype(dt).name}-{n}", marks=pytest.mark.slow)
+      for dt, n in ((jnp.float32, 1), (jnp.float32, 8), (jnp.bfloat16, 1), (jnp.bfloat16, 2), (jnp.bfloat16, 8))),
+])
 def test_hidden_input_gpu_is_the_same_sums(n, dtype):
     """`reference.hidden_input_gpu` == `head.hidden_input` bit for bit where every summation order is exact
     (small dyadic values: the padded row, the slice and the barriers must change nothing), and within float32
@@ -543,8 +555,12 @@ def test_no_import_cycles():
 
 
 @pytest.mark.interpret
-@pytest.mark.parametrize("ops_name", ["xla", "pallas-interpret"])
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("dtype,ops_name", [
+    pytest.param(jnp.float32, "pallas-interpret", id="float32-pallas-interpret"),
+    pytest.param(jnp.float32, "xla", id="float32-xla", marks=pytest.mark.slow),
+    pytest.param(jnp.bfloat16, "xla", id="bfloat16-xla", marks=pytest.mark.slow),
+    pytest.param(jnp.bfloat16, "pallas-interpret", id="bfloat16-pallas-interpret", marks=pytest.mark.slow),
+])
 def test_best_steps_agree_with_the_picks(ops_name, dtype):
     """`full_vocab_best` / `topc_best` (the picks with their winning values, what the vocabulary-sharded
     path combines) give the picks' ids, and the scores the reference computes for those ids."""

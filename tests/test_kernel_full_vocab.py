@@ -46,6 +46,13 @@ SHAPES = [
 ]
 
 
+ACTIVE_SHAPES = [
+    (37, 1001, 24, fv.FullVocabConfig(row_tile=16, v_tile=128, v_steps=3, k_tile=16)),
+    (25, 1337, 64, fv.FullVocabConfig(row_tile=16, v_tile=64, v_steps=4, k_tile=16, hold_lat=False, flat=True,
+                                      prefetch_base=True, lazy=True)),
+]
+
+
 def _mask_kinds(rows: int, t: int, rng) -> dict:
     """Active-row masks of every kind for ``rows`` rows in row tiles of ``t``: all, none, one row, the second
     row tile, the last (partial) tile's last rows, random."""
@@ -54,18 +61,14 @@ def _mask_kinds(rows: int, t: int, rng) -> dict:
             "tile": (r >= t) & (r < 2 * t), "tail": r >= rows - 3, "random": rng.random(rows) < 0.3}
 
 
-def _shape_dtypes():
-    """Every shape (config path) once in the default run, dtypes alternating; the rest `slow` (and
-    tests/slow_list.txt moves more of these cases to `slow` for their run time)."""
+def _shape_dtypes(fast: str):
+    """Every shape (config path) and dtype: the case ``fast`` in the default run, the others `slow`."""
     out = []
     for i, shape in enumerate(SHAPES):
-        for j, dt in enumerate(DTYPES):
+        for dt in DTYPES:
             name = f"rows{shape[0]}-V{shape[1]}-r{shape[2]}_{i}-{jnp.dtype(dt).name}"
-            out.append(pytest.param(shape, dt, id=name, marks=pytest.mark.slow if (i + j) % 2 else ()))
+            out.append(pytest.param(shape, dt, id=name, marks=() if name == fast else pytest.mark.slow))
     return out
-
-
-SHAPE_DTYPES = _shape_dtypes()
 
 
 class TestFullVocabPick:
@@ -78,7 +81,7 @@ class TestFullVocabPick:
     def pick(self, base, lat, w2, config=None, **kw):
         return fv.full_vocab_pick(base, lat, w2, interpret=self.INTERPRET, config=config, **kw)
 
-    @pytest.mark.parametrize("shape,dtype", SHAPE_DTYPES)
+    @pytest.mark.parametrize("shape,dtype", _shape_dtypes("rows25-V1337-r64_4-float32"))
     def test_matches_reference(self, shape, dtype):
         rows, vocab, rank, config = shape
         # Random normal inputs.
@@ -94,7 +97,7 @@ class TestFullVocabPick:
         ref = np.asarray(R.full_vocab_pick(base, lat, w2))
         np.testing.assert_array_equal(np.asarray(self.pick(base, lat, w2, config)), ref)
 
-    @pytest.mark.parametrize("shape,dtype", SHAPE_DTYPES)
+    @pytest.mark.parametrize("shape,dtype", _shape_dtypes("rows15-V1000-r32_0-float32"))
     def test_reverse_order_is_the_same_pick(self, shape, dtype):
         """``reverse=True`` (each program visits its vocab tiles from the highest ids down; refine alternates it
         between passes) computes every (row, id) score as the ascending order does: the same ids on random and
@@ -113,7 +116,9 @@ class TestFullVocabPick:
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
     @pytest.mark.parametrize("keep", [k for k in fv.KEEP_POLICIES if k is not None])
-    @pytest.mark.parametrize("shape", [SHAPES[2], SHAPES[3], SHAPES[5]], ids=["flat", "one-tile", "flat-lazy"])
+    @pytest.mark.parametrize("shape", [pytest.param(SHAPES[2], id="flat"),
+                                       pytest.param(SHAPES[3], id="one-tile", marks=pytest.mark.slow),
+                                       pytest.param(SHAPES[5], id="flat-lazy", marks=pytest.mark.slow)])
     def test_l2_hints_are_the_same_pick(self, shape, keep):
         """``keep`` (L2 eviction hints on the w2 loads; the loop split where the policy changes: the part's last
         visited tile apart) gives the ids and per-part winners of the plain pick, in both orders, on random and
@@ -131,8 +136,12 @@ class TestFullVocabPick:
             np.testing.assert_array_equal(np.asarray(self.pick(base, lat, w2, config, row_ids=ids, keep=keep)),
                                           np.asarray(self.pick(base, lat, w2, config))[np.asarray(ids)])
 
-    @pytest.mark.parametrize("stride", [0, 6], ids=["rows", "slot-stride"])
-    @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+    @pytest.mark.parametrize("dtype,stride", [
+        pytest.param(jnp.float32, 6, id="float32-slot-stride"),
+        pytest.param(jnp.float32, 0, id="float32-rows", marks=pytest.mark.slow),
+        pytest.param(jnp.bfloat16, 0, id="bfloat16-rows", marks=pytest.mark.slow),
+        pytest.param(jnp.bfloat16, 6, id="bfloat16-slot-stride", marks=pytest.mark.slow),
+    ])
     def test_row_ids(self, dtype, stride):
         """``row_ids`` picks only the listed rows (any order, repeats allowed), each the id (and with ``partials``
         the per-part winners) the all-rows pick gives it with the same config, in either vocabulary order;
@@ -176,9 +185,16 @@ class TestFullVocabPick:
             self.pick(base, lat, w2, cfg, row_ids=jnp.asarray(ids), active=jnp.ones(len(ids), bool),
                       fallback=jnp.zeros(len(ids), jnp.int32), **kw)
 
-    @pytest.mark.parametrize("reverse", [False, True], ids=["ascending", "reverse"])
-    @pytest.mark.parametrize("lazy", [False, True], ids=["fused", "fused-lazy"])
-    @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+    @pytest.mark.parametrize("dtype,lazy,reverse", [
+        pytest.param(jnp.bfloat16, True, False, id="bfloat16-fused-lazy-ascending"),
+        pytest.param(jnp.float32, True, True, id="float32-fused-lazy-reverse"),
+        pytest.param(jnp.float32, False, False, id="float32-fused-ascending", marks=pytest.mark.slow),
+        pytest.param(jnp.float32, False, True, id="float32-fused-reverse", marks=pytest.mark.slow),
+        pytest.param(jnp.float32, True, False, id="float32-fused-lazy-ascending", marks=pytest.mark.slow),
+        pytest.param(jnp.bfloat16, False, False, id="bfloat16-fused-ascending", marks=pytest.mark.slow),
+        pytest.param(jnp.bfloat16, False, True, id="bfloat16-fused-reverse", marks=pytest.mark.slow),
+        pytest.param(jnp.bfloat16, True, True, id="bfloat16-fused-lazy-reverse", marks=pytest.mark.slow),
+    ])
     def test_ties_and_nonfinite(self, dtype, lazy, reverse):
         # rows = 5 blocks of B=6; V=1000 is not a multiple of the 128-wide tile;
         # 2 tiles per part -> parts [0,256) [256,512) [512,768) [768,1000).
@@ -230,13 +246,12 @@ class TestFullVocabPick:
             self.pick(base, lat, w2[:-1])
 
 
-    @pytest.mark.parametrize("pack", [True, False], ids=["packed", "tiles"])  # packed: capacity = rows
-    @pytest.mark.parametrize("shape", [
-        (37, 1001, 24, fv.FullVocabConfig(row_tile=16, v_tile=128, v_steps=3, k_tile=16)),
-        pytest.param((25, 1337, 64, fv.FullVocabConfig(row_tile=16, v_tile=64, v_steps=4, k_tile=16, hold_lat=False,
-                                                       flat=True, prefetch_base=True, lazy=True)),
-                     marks=pytest.mark.slow),
-    ], ids=["rows37-V1001", "rows25-flat-lazy"])
+    @pytest.mark.parametrize("shape,pack", [  # packed: capacity = rows
+        pytest.param(ACTIVE_SHAPES[0], False, id="rows37-V1001-tiles"),
+        pytest.param(ACTIVE_SHAPES[0], True, id="rows37-V1001-packed", marks=pytest.mark.slow),
+        pytest.param(ACTIVE_SHAPES[1], False, id="rows25-flat-lazy-tiles", marks=pytest.mark.slow),
+        pytest.param(ACTIVE_SHAPES[1], True, id="rows25-flat-lazy-packed", marks=pytest.mark.slow),
+    ])
     def test_active_rows(self, shape, pack):
         """``active``: the active rows' tokens (and partials' winners) are the plain pick's, for every mask
         kind (all, none, one row, one row tile, the last (partial) tile, random); rows not a multiple of
@@ -337,7 +352,7 @@ class TestFullVocabPick:
         np.testing.assert_array_equal(got[act], want[act])
 
 
-    @pytest.mark.parametrize("capacity", [5, 16, 20, 37, 64])
+    @pytest.mark.parametrize("capacity", [16, *(pytest.param(c, marks=pytest.mark.slow) for c in (5, 20, 37, 64))])
     def test_active_capacity(self, capacity):
         """``capacity``: the first ``capacity`` active rows (in row order) get the plain pick's tokens, on a
         grid of only ``ceil(capacity / row_tile)`` row tiles; active rows beyond it read BIG; partials agree. With
@@ -371,7 +386,7 @@ class TestFullVocabPick:
                                active=jnp.asarray(act), capacity=0)
 
 
-    @pytest.mark.parametrize("rows,slots", [(75, 15), (37, 6)])
+    @pytest.mark.parametrize("rows,slots", [(37, 6), pytest.param(75, 15, marks=pytest.mark.slow)])
     def test_pack_active_skips_final_slots(self, rows, slots):
         """``skip_slots`` (the certified mode's passes that know their number): rows ``q % slots < skip_slots``
         are never active, not even in a full pass or when ``fail`` names them (they still count in sum(fail));
@@ -394,7 +409,7 @@ class TestFullVocabPick:
                 np.testing.assert_array_equal(src[: act.sum()], np.flatnonzero(act))
                 assert act_p.sum() == act.sum()
 
-    @pytest.mark.parametrize("rows", [1, 37, 40, 1000, 3840])
+    @pytest.mark.parametrize("rows", [1, *(pytest.param(r, marks=pytest.mark.slow) for r in (37, 40, 1000, 3840))])
     def test_pack_active(self, rows):
         """`pack_active` == its jnp spelling (the packed order, the inverse map, the counts, the full flag) on
         random failing rows, at both sides of the fallback ``limit`` and with the call fallen back; the packed
@@ -505,8 +520,11 @@ class TestFullVocabLowering:
         assert hlo.count(TRITON_CALL) == 2
         assert "xpress_full_vocab_fused" in hlo
 
-    @pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
-    @pytest.mark.parametrize("n", [1, 4, 16, 64, 256])
+    @pytest.mark.parametrize("n,lazy", [
+        pytest.param(16, True, id="16-lazy"),
+        *(pytest.param(n, lazy, id=f"{n}-{'lazy' if lazy else 'eager'}", marks=pytest.mark.slow)
+          for n in (1, 4, 16, 64, 256) for lazy in (False, True) if (n, lazy) != (16, True)),
+    ])
     def test_served_configs_lower(self, n, lazy):
         """The measured configs refine serves (`xpress_jax.dispatch`), eager and lazy, build for an H200."""
         V, r, B = 151936, 256, 16
@@ -621,7 +639,7 @@ def _triton_operands(hlo: str, name: str) -> int:
     return counts[0]
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("dtype", [jnp.float32, pytest.param(jnp.bfloat16, marks=pytest.mark.slow)])
 def test_slot_stride_reads_draft_rows_of_the_whole_logits(dtype):
     """slot_stride=B on logits.reshape(N*B, V) == the pick on logits[:, 1:] (slot 0 never read)."""
     rng = np.random.default_rng(11)
