@@ -211,8 +211,9 @@ class TestTopCPick:
         with pytest.raises(ValueError, match="skip"):
             tp.topc_pick(base_c, cand, lat, w2, interpret=self.INTERPRET, skip=jnp.zeros(2, bool))
 
+    @pytest.mark.slow  # fast: row_ids with keep and skip in test_l2_hints_are_the_same_pick
     @pytest.mark.parametrize("dtype", [pytest.param(jnp.bfloat16, id="bfloat16"),
-                                       pytest.param(jnp.float32, id="float32", marks=pytest.mark.slow)])
+                                       pytest.param(jnp.float32, id="float32")])
     def test_row_ids(self, dtype):
         """``row_ids`` picks only the listed rows (any order, repeats allowed), each the id (and with ``partials``
         the per-split winners) the all-rows pick gives it with the same config: both tie rules, with the
