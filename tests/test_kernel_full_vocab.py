@@ -456,7 +456,7 @@ class TestFullVocabPick:
 
     def test_scan_failing(self):
         """`scan_failing`: the failing rows (every row once the pass is full: more than ``limit`` fail, or the call
-        has fallen back) get the all-rows pick's tokens BIT FOR BIT on random bf16 inputs (`capacity_config`'s
+        has fallen back) get the all-rows pick's tokens BIT FOR BIT on random bf16 inputs (`Table.capacity_config`'s
         split when few rows fail, the all-rows split when the pass is full), the others ``fallback``; the flags
         [full, n_fail] as `pack_active` counts them. 40 draft rows (B=6), V=4099, a rank with a tail chunk.
         Two launches: the last program of a row tile combines its parts and writes through the packed order; with
@@ -585,7 +585,7 @@ class TestFullVocabLowering:
 
     @pytest.mark.parametrize("n", [16, 64, 256])
     def test_capacity_lowers(self, n):
-        """The certified mode's packed launch (``capacity`` = ceil(N/8) blocks of rows, `capacity_config`)
+        """The certified mode's packed launch (``capacity`` = ceil(N/8) blocks of rows, `Table.capacity_config`)
         builds for an H200 from the served configs: a grid of ceil(capacity / row_tile) row tiles, and one
         row tile alone gets a whole wave of programs (or every vocabulary tile)."""
         V, r, B = 151936, 256, 16

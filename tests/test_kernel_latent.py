@@ -49,6 +49,11 @@ CASES = {
 }
 
 
+def _config(n, dtype, rank, variant=None, **fields):
+    """`latent.default_config` for N blocks of ``dtype`` at ``rank``, with these fields set."""
+    return dataclasses.replace(latent.default_config(n, dtype, variant, rank=rank), **fields)
+
+
 def _params(rng, B, V, r, M, dtype, std=0.2):
     """Head-latent params with non-trivial values: unit-scale activations, std ~0.1-0.3 weights.
 
@@ -116,7 +121,8 @@ class TestLatentKernel:
             pytest.skip("compiled kernel needs a CUDA GPU (sm80+); the Interpret twin runs on CPU")
 
     def run(self, params, xh, blk, prev, **cfg):
-        return latent.latent_pass(params, xh, blk, prev, interpret=self.INTERPRET, **cfg)
+        return latent.latent_pass(params, xh, blk, prev, interpret=self.INTERPRET,
+                                  config=_config(xh.shape[0], xh.dtype, xh.shape[2], **cfg))
 
     # every case and dtype; one in the default run, the rest `slow`
     @pytest.mark.parametrize("case,dtype", [
@@ -239,7 +245,8 @@ SPLIT_NAMES = ("xpress_latent_pass_mix", "xpress_latent_pass_gateup", "xpress_la
 def test_lowers_to_triton_for_h200(N, B, dtype, cfg, names):
     """Serving-like shapes lower to one Triton custom call per kernel, each named after it."""
     args = _abstract(N, B, 1024, 256, 512, dtype)
-    lowered = common.lower_triton(lambda p, x, b, q: latent.latent_pass(p, x, b, q, **cfg), *args)
+    config = _config(N, dtype, 256, **cfg)
+    lowered = common.lower_triton(lambda p, x, b, q: latent.latent_pass(p, x, b, q, config=config), *args)
     text = lowered.as_text()
     assert text.count("custom_call @__gpu$xla.gpu.triton") == len(names)
     for name in names:
@@ -266,7 +273,7 @@ def test_float64_is_refused():
 def test_bad_arguments_raise():
     params, xh, blk, prev = _inputs(0, 2, 6, 40, 16, 32, jnp.float32)
     with pytest.raises(ValueError, match="k_block"):
-        latent.latent_pass(params, xh, blk, prev, interpret=True, k_block=48)
+        latent.latent_pass(params, xh, blk, prev, interpret=True, config=_config(2, jnp.float32, 16, k_block=48))
     with pytest.raises(ValueError, match="h_block"):
         latent.LatentConfig(h_block=8)
     with pytest.raises(ValueError, match="variant"):

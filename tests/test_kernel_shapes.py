@@ -245,7 +245,7 @@ def test_select_at_the_240_row_switch(n, b):
     pytest.param(512, jnp.float32, id="C512-f32", marks=slow), pytest.param(2048, jnp.bfloat16, id="C2048-bf16", marks=slow),
     pytest.param(5003, jnp.bfloat16, id="CV-bf16", marks=slow)])
 def test_select_at_the_large_c_switches(c, dtype):
-    """Both sides of `dispatch.select_config`'s switches (C > 512: bigger cap and more groups; C > 2048:
+    """Both sides of `dispatch.Table.select_config`'s switches (C > 512: bigger cap and more groups; C > 2048:
     8-element blocks) at an odd V=5003, where the groups outnumber the blocks (the bound is loose, the
     finish may take its whole-row path: exact either way)."""
     _check_select(1, 3, 5003, c, dtype, seed=c)

@@ -67,13 +67,9 @@ def pallas_call(kernel: Callable, *, name: str, num_warps: int = 4, num_stages: 
 
 
 def gpu_supported(devices: Sequence[Any] | None = None) -> bool:
-    """True only on an NVIDIA GPU whose compute capability is known and >= 8.0 (what the Triton
-    kernels target and were checked on).
-
-    ``devices``: the devices to judge (default: ``jax.devices()``; the first one decides). A GPU
-    that is not NVIDIA's (ROCm), or reports no compute capability, or one that does not parse,
-    is not supported: the caller then runs the jnp path.
-    """
+    """True only on an NVIDIA GPU whose compute capability is known and >= 8.0 (what the kernels target).
+    ``devices``: the devices to judge (default ``jax.devices()``; the first one decides); otherwise the caller runs
+    the jnp path."""
     if devices is None:
         return _default_gpu_supported()
     return _supported(list(devices))

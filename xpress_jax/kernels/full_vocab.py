@@ -858,20 +858,14 @@ def scan_failing(base: jax.Array, lat: jax.Array, w2: jax.Array, fail: jax.Array
                  slot_stride: int = 0, v_steps_full: int | None = None, skip_slots: int = 0):
     """The certified mode's scan of the rows its bound did not certify: two launches, no XLA op.
 
-    ``full = fallen | (sum(fail) > limit)``; the rows to scan are ``fail | full``. (1) `pack_active` orders them
-    first and zeroes one counter per row tile; (2) a counted pick (`full_vocab_pick`'s ``counter``) runs on every
-    row in that order (reading each base and latent row through the packed index map: nothing is copied), so the
-    active rows fill the leading row tiles and a tile without one returns at once; the last program of a tile
-    combines its parts and writes each active row's token to the draft row it holds. ``fallback`` is aliased in
-    as the tokens: where no row is active nothing is written. Returns ``(tokens [rows] int32, flags [8] int32)``,
-    ``flags`` = [full, sum(fail), 0, ...] (the next pass's ``fallen``). An active row's token is the one
-    `full_vocab_pick` gives it with ``config``; a smaller ``v_steps`` (`xpress_jax.dispatch.Table.capacity_config`)
-    gives the same scores bit for bit. ``v_steps_full`` (static; default ``config.v_steps``): the vocab tiles per
-    part when the pass is full, read at run time (a full pass then costs what the all-rows pick costs).
-    ``base``/``slot_stride`` as in `full_vocab_pick`; ``fail`` [rows] bool or int32, ``fallen`` a flag
-    (`common.flag_operand`), ``fallback`` [rows] int. ``skip_slots`` (static, with ``slot_stride`` = B): draft
-    slots ``< skip_slots`` of every block are never scanned; their tokens are ``fallback``.
-    """
+    ``full = fallen | (sum(fail) > limit)``; the rows ``fail | full`` are scanned: `pack_active` orders them first
+    (and zeroes one counter per row tile), then a counted pick (`full_vocab_pick`'s ``counter``) runs on every row in
+    that order through the packed index map, so a row tile without an active row returns at once and the last program
+    of a tile writes its active rows' tokens to the draft rows they hold; ``fallback`` is aliased in as the tokens.
+    Returns ``(tokens [rows] int32, flags [8] int32 = [full, sum(fail), 0, ...])``. An active row's token is
+    `full_vocab_pick`'s with ``config``; a smaller ``v_steps`` (`xpress_jax.dispatch.Table.capacity_config`) gives
+    the same scores. ``v_steps_full`` (static): the vocab tiles per part when the pass is full, read at run time.
+    ``skip_slots`` (static, with ``slot_stride`` = B): draft slots ``< skip_slots`` are never scanned."""
     dtype = _check_inputs(base, lat, w2, slot_stride, "scan_failing")
     vocab = base.shape[1]
     rows, rank = lat.shape

@@ -520,20 +520,11 @@ def latent_pass(
     interpret: bool = False,
     config: LatentConfig | None = None,
     variant: str | None = None,
-    blocks_per_program: int | None = None,
-    k_block: int | None = None,
-    h_block: int | None = None,
-    num_warps: int | None = None,
-    num_stages: int | None = None,
-    col_block: int | None = None,
-    row_block: int | None = None,
 ) -> jax.Array:
-    """[N,B,r], [N,B] int32, [N] int32 -> [N, B-1, r]: the draft slots' latents (see module doc).
+    """[N,B,r], [N,B] int32, [N] int32 -> [N, B-1, r]: the draft slots' latents (`xpress_jax.reference.latent_pass`).
 
-    Same semantics as `xpress_jax.reference.latent_pass` (the tests compare the two). Block
-    config: a `LatentConfig`, else `default_config` for this N, dtype and ``variant``; the other
-    keyword arguments override single fields. Float64 params raise ``TypeError``.
-    """
+    ``config``: a `LatentConfig`, else `default_config` for this N, dtype and ``variant``. Float64 params raise
+    ``TypeError``."""
     w1 = params["w1"]
     n, b = blk.shape
     v, r = w1.shape
@@ -554,14 +545,6 @@ def latent_pass(
     if config is not None and variant is not None and config.variant != variant:
         raise ValueError(f"variant={variant!r} contradicts config.variant={config.variant!r}")
     cfg = config if config is not None else default_config(n, cd, variant, rank=r)
-    overrides = {
-        k: val for k, val in (("blocks_per_program", blocks_per_program), ("k_block", k_block),
-                              ("h_block", h_block), ("num_warps", num_warps),
-                              ("num_stages", num_stages), ("col_block", col_block),
-                              ("row_block", row_block)) if val is not None
-    }
-    if overrides:
-        cfg = dataclasses.replace(cfg, **overrides)
     cfg.check_shape(r, cd)
     return _latent_pallas(
         xh, blk, prev_ids, w1, params["in_proj_token"], params["mix"], params["mlp_gate"],

@@ -593,15 +593,9 @@ def _blocks_stages(base, *, c, cfg, interpret, want, upto, slot_stride=0):
 def select_candidates(base: jax.Array, c: int, *, interpret: bool = False, slot_stride: int = 0, **config):
     """Per row of ``base`` [rows, V]: (cand [rows, c] int32, base_c [rows, c], argmax [rows] int32).
 
-    Pallas-Triton kernels for bf16/f16/f32 logits (``interpret=True`` runs them on CPU); any other
-    dtype (float64) raises ``TypeError``. ``config``: fields of `SelectConfig`. See the module doc
-    for the rules and the algorithm.
-
-    ``slot_stride=B`` (static, >= 2): ``base`` is the whole logits reshaped to [N*B, V]; the draft
-    rows are slots 1..B-1 of each block of B (row q reads ``base[(q // (B-1)) * B + 1 + q % (B-1)]``;
-    slot 0 is never read), so the result equals that for ``logits[:, 1:].reshape(N*(B-1), V)``
-    without materialising that copy. Outputs have N*(B-1) rows.
-    """
+    bf16/f16/f32 logits (float64 raises ``TypeError``); ``config``: `SelectConfig` fields (rules and algorithm: the
+    module doc). ``slot_stride=B`` (static, >= 2): ``base`` is the whole logits [N*B, V] and the draft rows are slots
+    1..B-1 of each block: the result for ``logits[:, 1:]`` without that copy, N*(B-1) rows."""
     if base.ndim != 2:
         raise ValueError(f"base must be [rows, V], got shape {tuple(base.shape)}")
     if isinstance(slot_stride, bool) or not isinstance(slot_stride, numbers.Integral):
