@@ -53,6 +53,24 @@ ACTIVE_SHAPES = [
 ]
 
 
+def pack_active_ref(fail: jax.Array, fallen: jax.Array, *, limit: int, skip_slots: int = 0, slots: int = 1):
+    """`fv.pack_active` in jnp (the oracle of the tests below)."""
+    rows = fail.shape[0]
+    n_pad = common.next_pow2(rows)
+    f = jnp.zeros((n_pad,), bool).at[:rows].set(fail != 0)
+    n_fail = jnp.sum(f, dtype=jnp.int32)
+    full = jnp.reshape(jnp.asarray(fallen), (-1,))[0] != 0
+    full = full | (n_fail > limit)
+    q = jnp.arange(n_pad)
+    a = (f | full) & (q < rows) & (q % slots >= skip_slots)
+    ai = a.astype(jnp.int32)
+    n_act = jnp.sum(ai)
+    pos = jnp.where(a, jnp.cumsum(ai) - 1, n_act + jnp.cumsum(1 - ai) - 1).astype(jnp.int32)
+    src = jnp.zeros((n_pad,), jnp.int32).at[pos].set(jnp.arange(n_pad, dtype=jnp.int32))
+    flags = jnp.zeros((8,), jnp.int32).at[0].set(full.astype(jnp.int32)).at[1].set(n_fail)
+    return pos[:rows], src, (jnp.arange(n_pad) < n_act).astype(jnp.int32), ai[:rows], flags
+
+
 def _mask_kinds(rows: int, t: int, rng) -> dict:
     """Active-row masks of every kind for ``rows`` rows in row tiles of ``t``: all, none, one row, the second
     row tile, the last (partial) tile's last rows, random."""
@@ -399,7 +417,7 @@ class TestFullVocabPick:
                 fail = jnp.asarray(f)
                 got = fv.pack_active(fail, jnp.asarray(fallen), limit=limit, skip_slots=skip, slots=slots,
                                      interpret=self.INTERPRET)
-                want = fv.pack_active_ref(fail, jnp.asarray(fallen), limit=limit, skip_slots=skip, slots=slots)
+                want = pack_active_ref(fail, jnp.asarray(fallen), limit=limit, skip_slots=skip, slots=slots)
                 for name, g, w in zip(("pos", "src", "act_p", "act", "flags"), got, want):
                     np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=f"{name} skip {skip}")
                 pos, src, act_p, act, flags = (np.asarray(a) for a in got)
@@ -419,7 +437,7 @@ class TestFullVocabPick:
                                     (1.0, False, rows)):
             fail = jnp.asarray(rng.random(rows) < frac)
             got = fv.pack_active(fail, jnp.asarray(fallen), limit=limit, interpret=self.INTERPRET)
-            want = fv.pack_active_ref(fail, jnp.asarray(fallen), limit=limit)
+            want = pack_active_ref(fail, jnp.asarray(fallen), limit=limit)
             for name, g, w in zip(("pos", "src", "act_p", "act", "flags"), got, want):
                 assert g.dtype == jnp.int32 and g.shape == w.shape, name
                 np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=f"{name} frac {frac}")

@@ -31,13 +31,12 @@ The steps (static shapes; ``rows`` = N * (B-1) draft rows):
   accepts. ``split_latent`` (a bool): whether `xpress_jax.refine` asks for it (top-C passes).
 - ``hidden(params, h [N,B,H]) -> xh [N,B,r]``: None means `xpress_jax.head.hidden_input`.
 - ``start(logits) -> [rows] int32``: the full-vocab argmax of the base logits.
-- ``full_vocab_best(logits, lat, prepared) -> (score [rows] f32, id)`` and ``topc_best(base_c, cand, lat,
-  prepared) -> (score, base, id)``: the picks with the winner's values (`xpress_jax.sharded` combines them).
-- ``candidates_best(base_c, cand, lat, prepared, skip=None) -> (score, id)``: the candidates' winner by the
-  full-vocab rule (largest score, lowest id); ``skip`` (a device bool): the result is unspecified.
-- ``certify(base_c, cand, lat, prepared, tau, max_norm, mex, valid, fallen, limit=None) -> (best_id, fail, act,
-  flags)``, ``scan_failing(logits, lat, prepared, fail, fallen, fallback, limit, q=None) -> (tokens, flags)``
-  and ``full_vocab_capacity(N, B, V, r, dtype, limit) -> int | None``: the certified mode's steps
+- ``full_vocab_best(logits, lat, prepared) -> (score [rows] f32, id)``, ``topc_best(base_c, cand, lat, prepared) ->
+  (score, base, id)``: the picks with the winner's values (`xpress_jax.sharded` combines them).
+- ``candidates_best(base_c, cand, lat, prepared, skip=None) -> (score, id)`` (the full-vocab rule on the
+  candidates), ``certify(base_c, cand, lat, prepared, tau, max_norm, mex, valid, fallen, limit=None) -> (best_id,
+  fail, act, flags)``, ``scan_failing(logits, lat, prepared, fail, fallen, fallback, limit, q=None) -> (tokens,
+  flags)``, ``full_vocab_capacity(N, B, V, r, dtype, limit) -> int | None``: the certified mode's steps
   (`xpress_jax.exact`, docs/certified.md); None where an implementation lacks them.
 """
 

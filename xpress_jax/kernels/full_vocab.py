@@ -21,18 +21,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-
 from . import common
 from .common import BIG, MIN_DOT, SMEM_LIMIT, cdiv, iota, k_chunk, next_pow2, score
 
-__all__ = [
-    "FullVocabConfig",
-    "default_config",
-    "full_vocab_pick",
-    "combine_partials",
-    "pack_active",
-    "scan_failing",
-]
+__all__ = ["FullVocabConfig", "default_config", "fit_shared_memory", "full_vocab_pick", "combine_partials",
+           "pack_active", "scan_failing"]
 
 _KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
@@ -802,7 +795,7 @@ def pack_active(fail: jax.Array, fallen: jax.Array, *, limit: int, interpret: bo
     src [n_pad], act_p [n_pad], act [rows], flags [8])``, ``n_pad`` the next power of two >= rows: ``pos[q]`` row
     q's packed position (active rows first, in row order), ``src[p]`` the row at position p, ``act_p[p]`` = p < the
     number of active rows, ``flags`` = [full, sum(fail), 0, ...]. ``counters`` (static int >= 0): a sixth output,
-    int32 zeros [next_pow2(counters)] (the counted scan's row-tile counters). The jnp spelling is `pack_active_ref`."""
+    int32 zeros [next_pow2(counters)] (the counted scan's row-tile counters)."""
     rows = fail.shape[0]
     if fail.ndim != 1:
         raise ValueError(f"pack_active: need fail [rows]; got {fail.shape}")
@@ -831,24 +824,6 @@ def pack_active(fail: jax.Array, fallen: jax.Array, *, limit: int, interpret: bo
         out_specs=(pl.no_block_spec,) * len(shapes),
         out_shape=shapes,
     )(fail if fail.dtype == jnp.int32 else fail.astype(jnp.int32), fallen))
-
-
-def pack_active_ref(fail: jax.Array, fallen: jax.Array, *, limit: int, skip_slots: int = 0, slots: int = 1):
-    """`pack_active` in jnp (the oracle of its tests)."""
-    rows = fail.shape[0]
-    n_pad = next_pow2(rows)
-    f = jnp.zeros((n_pad,), bool).at[:rows].set(fail != 0)
-    n_fail = jnp.sum(f, dtype=jnp.int32)
-    full = jnp.reshape(jnp.asarray(fallen), (-1,))[0] != 0
-    full = full | (n_fail > limit)
-    q = jnp.arange(n_pad)
-    a = (f | full) & (q < rows) & (q % slots >= skip_slots)
-    ai = a.astype(jnp.int32)
-    n_act = jnp.sum(ai)
-    pos = jnp.where(a, jnp.cumsum(ai) - 1, n_act + jnp.cumsum(1 - ai) - 1).astype(jnp.int32)
-    src = jnp.zeros((n_pad,), jnp.int32).at[pos].set(jnp.arange(n_pad, dtype=jnp.int32))
-    flags = jnp.zeros((8,), jnp.int32).at[0].set(full.astype(jnp.int32)).at[1].set(n_fail)
-    return pos[:rows], src, (jnp.arange(n_pad) < n_act).astype(jnp.int32), ai[:rows], flags
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "config", "slot_stride", "limit", "v_steps_full",

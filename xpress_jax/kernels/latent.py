@@ -40,7 +40,6 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-
 from . import common
 from .common import MIN_DOT, SMEM_LIMIT, next_pow2
 
@@ -132,7 +131,6 @@ def default_config(n: int, dtype: Any, variant: str | None = None, rank: int = 2
     return LatentConfig(blocks_per_program=1, k_block=64, h_block=64, num_warps=8, num_stages=2)
 
 
-
 def _dot_bpp(bpp: int, bp: int) -> int:
     """Blocks per program actually used: at least ``MIN_DOT / bp``, so that a program's rows
     (``bpp * bp``, the dots' M) are >= `MIN_DOT` also for small blocks (B <= 8). Unchanged for
@@ -140,10 +138,8 @@ def _dot_bpp(bpp: int, bp: int) -> int:
     return max(bpp, MIN_DOT // bp)
 
 
-# ---------------------------------------------------------------------------
-# In-kernel pieces of the latent pass, shared by the fused kernel, the split variant's first
-# stage. Rows are a program's ``bpp`` blocks
-# of ``bp`` (B padded to a power of two) slots; ``col`` are the rank columns it computes.
+# In-kernel pieces shared by the fused kernel and the split variant's first stage. Rows are a program's ``bpp``
+# blocks of ``bp`` (B padded to a power of two) slots; ``col`` are the rank columns it computes.
 
 
 def _and(a, b):
