@@ -339,7 +339,8 @@ def test_served_keeps_follow_the_measurements():
     assert T.topc_keep(16 * (B - 1), C, R, 4, 4) is None  # float32: twice the bytes, out of the window
 
 
-@pytest.mark.parametrize("topc", [pytest.param(0, marks=pytest.mark.slow), 300])  # C=300: 3 splits per row, 1 hot
+@pytest.mark.slow  # fast: the kernels' keep (test_kernel_*::test_l2_hints_are_the_same_pick), the rule above
+@pytest.mark.parametrize("topc", [0, 300])  # C=300: 3 splits per row, 1 hot
 def test_served_keeps_are_the_same_tokens(monkeypatch, topc):
     """With the served ``keep`` forced on (the top-C window open at any size; the full-vocab shapes in a config
     that holds the latent), an unrolled refine's passes hand the pick its hints, and the tokens are those of the

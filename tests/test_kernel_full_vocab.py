@@ -115,6 +115,7 @@ class TestFullVocabPick:
         ref = np.asarray(R.full_vocab_pick(base, lat, w2))
         np.testing.assert_array_equal(np.asarray(self.pick(base, lat, w2, config)), ref)
 
+    @pytest.mark.slow  # fast: both orders in test_l2_hints_are_the_same_pick
     @pytest.mark.parametrize("shape,dtype", _shape_dtypes("rows15-V1000-r32_0-float32"))
     def test_reverse_order_is_the_same_pick(self, shape, dtype):
         """``reverse=True`` (each program visits its vocab tiles from the highest ids down; refine alternates it
@@ -155,7 +156,7 @@ class TestFullVocabPick:
                                           np.asarray(self.pick(base, lat, w2, config))[np.asarray(ids)])
 
     @pytest.mark.parametrize("dtype,stride", [
-        pytest.param(jnp.float32, 6, id="float32-slot-stride"),
+        pytest.param(jnp.float32, 6, id="float32-slot-stride", marks=pytest.mark.slow),  # fast: l2_hints' row_ids
         pytest.param(jnp.float32, 0, id="float32-rows", marks=pytest.mark.slow),
         pytest.param(jnp.bfloat16, 0, id="bfloat16-rows", marks=pytest.mark.slow),
         pytest.param(jnp.bfloat16, 6, id="bfloat16-slot-stride", marks=pytest.mark.slow),
@@ -427,7 +428,8 @@ class TestFullVocabPick:
                 np.testing.assert_array_equal(src[: act.sum()], np.flatnonzero(act))
                 assert act_p.sum() == act.sum()
 
-    @pytest.mark.parametrize("rows", [1, *(pytest.param(r, marks=pytest.mark.slow) for r in (37, 40, 1000, 3840))])
+    @pytest.mark.slow  # fast: the oracle in test_pack_active_skips_final_slots
+    @pytest.mark.parametrize("rows", [1, 37, 40, 1000, 3840])
     def test_pack_active(self, rows):
         """`pack_active` == its jnp spelling (the packed order, the inverse map, the counts, the full flag) on
         random failing rows, at both sides of the fallback ``limit`` and with the call fallen back; the packed

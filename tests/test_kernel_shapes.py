@@ -126,7 +126,7 @@ def test_full_vocab_at_table_boundaries(n, b, dtype):
     _check_full_vocab(n, b, V_ODD, 24, dtype, seed=n * b)
 
 
-@pytest.mark.parametrize("rank,dtype", rank_dtype_params("192-bfloat16", "37-float32"))
+@pytest.mark.parametrize("rank,dtype", rank_dtype_params("37-float32"))
 @pytest.mark.parametrize("n,b", [pytest.param(1, 16, id="N1-B16"), pytest.param(2, 3, id="N2-B3", marks=slow)])
 def test_full_vocab_ranks(n, b, rank, dtype):
     """Every awkward rank at the configs served for <= 60 draft rows: N=1 holds the latent and dots the whole rank
@@ -200,7 +200,7 @@ def _check_topc(rows, vocab, c, rank, dtype, seed):
             np.testing.assert_array_equal(got[~near], want[~near])
 
 
-@pytest.mark.parametrize("rank,dtype", rank_dtype_params("37-float32", "48-bfloat16"))
+@pytest.mark.parametrize("rank,dtype", rank_dtype_params("37-float32"))
 def test_topc_ranks(rank, dtype):
     """Awkward ranks (64-wide chunks, a masked tail), C=37 (a tail tile), 2 rows (N=2, B=2)."""
     _check_topc(2, 211, 37, rank, dtype, seed=rank)
@@ -234,14 +234,15 @@ def _check_select(n, b, vocab, c, dtype, seed):
 
 
 @pytest.mark.parametrize("n,b", [pytest.param(239, 2, id="rows239-B2", marks=slow),
-                                 pytest.param(40, 7, id="rows240-B7")])
+                                 pytest.param(40, 7, id="rows240-B7", marks=slow)])
 def test_select_at_the_240_row_switch(n, b):
     """Both sides of the dispatch's block=16 switch (rows >= 240), odd V, C no power of two."""
     _check_select(n, b, 301, 37, jnp.bfloat16, seed=n)
 
 
 @pytest.mark.parametrize("c,dtype", [
-    pytest.param(513, jnp.bfloat16, id="C513-bf16"), pytest.param(2049, jnp.float32, id="C2049-f32", marks=slow),
+    pytest.param(513, jnp.bfloat16, id="C513-bf16", marks=slow),
+    pytest.param(2049, jnp.float32, id="C2049-f32", marks=slow),
     pytest.param(512, jnp.float32, id="C512-f32", marks=slow), pytest.param(2048, jnp.bfloat16, id="C2048-bf16", marks=slow),
     pytest.param(5003, jnp.bfloat16, id="CV-bf16", marks=slow)])
 def test_select_at_the_large_c_switches(c, dtype):
@@ -287,7 +288,7 @@ def _check_latent(n, b, rank, dtype, m=40, vocab=97, seed=0):
                                                                                               rank=rank)), want)
 
 
-@pytest.mark.parametrize("rank,dtype", rank_dtype_params("37-float32", "48-bfloat16"))
+@pytest.mark.parametrize("rank,dtype", rank_dtype_params("37-float32"))
 def test_latent_ranks(rank, dtype):
     """The split variant (interpret-mode plans up to LAT_XLA_ROWS draft rows) at every awkward rank, 2 blocks
     of B = 3 (compiled on a GPU, 4 rows take XLA's latent, and the test runs the split kernel itself)."""

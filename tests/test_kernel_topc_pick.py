@@ -92,7 +92,8 @@ class TestTopCPick:
         args = _inputs(rows, vocab, c, rank, dtype, seed=rows, dyadic=True)
         np.testing.assert_array_equal(np.asarray(self.pick(*args, config)), _reference(*args))
 
-    @pytest.mark.parametrize("rows", [pytest.param(30, marks=pytest.mark.slow), 31])
+    @pytest.mark.slow  # fast: the served configs in refine (test_kernel_shapes.py::test_topc_ranks)
+    @pytest.mark.parametrize("rows", [30, 31])
     def test_served_configs_at_their_boundary(self, rows):
         """The configs refine serves (`dispatch.plan`) on either side of the small-tile entries (30 rows), at C = 1, a C
         that is not a multiple of the tile, and C = V, with a rank that needs a masked tail chunk: the ids of
@@ -190,6 +191,7 @@ class TestTopCPick:
         with pytest.raises(ValueError, match="ties"):
             tp.topc_pick(base_c, cand, lat, w2, interpret=self.INTERPRET, ties="lowest")
 
+    @pytest.mark.slow  # fast: the certified mode's candidates step (tests/test_certified.py) passes skip
     def test_skip(self):
         """``skip`` (a device scalar): false (bool or int) gives the plain pick; true makes every program return at
         once with "no winner" partials (-inf, -inf, BIG), so every row's result is BIG; with several splits
