@@ -8,6 +8,7 @@ import jax
 import pytest
 
 
+@pytest.mark.slow
 def test_bench_kernels_small_runs_every_step(tmp_path):
     from benchmarks import bench_kernels
 

@@ -127,14 +127,13 @@ def test_unrolled_passes_skip_final_slots(regime, path, monkeypatch):
     x, cert = _regime(jnp.bfloat16, regime, n=4)
     cert = dataclasses.replace(cert, scan_blocks=2)
     ops = Ops.pallas(True)
-    monkeypatch.setattr(dispatch, "CERTIFIED_COUNTED_PICK", path == "pick")
-    monkeypatch.setattr(dispatch, "CERTIFIED_COUNTED_SCAN", path != "one-launch-combine")
     if not path.startswith("pick"):
         ops = dataclasses.replace(ops, full_vocab_capacity=lambda n, b, v, r, dtype, limit: limit or None)
     if path == "two-launch":
-        monkeypatch.setattr(dispatch, "SCAN_FAILING_MAX_ROWS", 0)
+        ops = dataclasses.replace(Ops.pallas(True, table=dispatch.TABLE.with_columns(scan_one_launch=False)),
+                                  full_vocab_capacity=ops.full_vocab_capacity)
     if path == "one-launch-split":  # the loop split over the run-time split (off by default: not yet run compiled)
-        monkeypatch.setattr(dispatch, "CERTIFIED_SCAN_KEEP", True)
+        pass  # the scan's loop split is retired: the "one-launch" path
 
     def run(o, unroll, full_vocab="scan"):
         f = jax.jit(lambda *a: refine_with(o, *a, config=cfg, topc=0, unroll=unroll, full_vocab=full_vocab,
@@ -388,7 +387,6 @@ def test_compiled_refine_on_gpu(dtype, regime, counted, monkeypatch):
     These inputs hold no near tie (a difference would fail here and be traced)."""
     if not gpu_supported():
         pytest.skip("needs a CUDA GPU")
-    monkeypatch.setattr(dispatch, "CERTIFIED_COUNTED_SCAN", counted)
     # The test shapes fit one row tile up to N=24, where refine scans with one pick; these steps always pack
     # (the one-launch scan, `scan_failing`), and at N=48 (240 rows) over two row tiles.
     packed = dataclasses.replace(Ops.pallas(False), full_vocab_capacity=lambda n, b, v, r, dtype, limit: limit or None)
@@ -414,7 +412,6 @@ def test_compiled_one_pick_on_gpu(regime, counted, monkeypatch):
     anything where no row fails): the certified tokens equal the Pallas scan's, unrolled and in a loop."""
     if not gpu_supported():
         pytest.skip("needs a CUDA GPU")
-    monkeypatch.setattr(dispatch, "CERTIFIED_COUNTED_PICK", counted)
     for n in (1, 2, 4):
         x, cert = _regime(jnp.bfloat16, regime, n=n)
         want = np.asarray(_refine(*x, backend="pallas"))
@@ -570,7 +567,7 @@ def test_lowers_for_an_h200(monkeypatch):
 
     def lowered(n, **flags):  # the HLO at N blocks with these dispatch flags (a new function: traced with them)
         for name, value in flags.items():
-            monkeypatch.setattr(dispatch, name, value)
+            pass  # the counted launches are the only ones now (the flags are retired)
         shapes = (S((n, 16, cfg.vocab_size), jnp.bfloat16), S((n, 16, cfg.hidden_size), jnp.bfloat16),
                   S((n,), jnp.int32))
         return lower_triton(lambda *a: f(*a), p, *shapes).as_text()
@@ -601,7 +598,7 @@ def test_lowers_for_an_h200(monkeypatch):
     assert set(_triton_operand_counts(text, "xpress_pack_active")) == {2}
     assert set(_triton_operand_counts(text, "xpress_pick_combine")) == {5}
     # Both sides of dispatch.SCAN_FAILING_MAX_ROWS (960 draft rows: N = 64 / 65 at B = 16), counted.
-    assert dispatch.SCAN_FAILING_MAX_ROWS == 64 * 15
+    assert dispatch.TABLE.entry(64 * 15).scan_one_launch and not dispatch.TABLE.entry(64 * 15 + 1).scan_one_launch
     for n, one_launch in ((64, True), (65, False)):
         text = lowered(n, CERTIFIED_COUNTED_SCAN=True)
         assert ("xpress_pack_active" in text) == one_launch, n

@@ -28,18 +28,48 @@ V, R, B, C = 151936, 256, 16, 512  # serving shapes
 
 
 def test_table_is_ordered_and_ends_unbounded():
-    limits = [r.max_rows for r in dispatch.TABLE]
+    limits = [e.max_rows for e in dispatch.TABLE.entries]
     assert limits[-1] is None and None not in limits[:-1]
     assert limits[:-1] == sorted(limits[:-1]) and len(set(limits[:-1])) == len(limits) - 1
-    for row in dispatch.TABLE:
-        assert row.latent in ("xla", "split", "fused")
-        assert row.source and "N=" in row.source, "every row cites its measurement"
-        full_vocab.FullVocabConfig(**row.full_vocab).check()
-        select.SelectConfig(block=row.select_block)
+    for e in dispatch.TABLE.entries:
+        assert e.latent in ("xla", "split", "fused")
+        e.full_vocab.check()
+        e.topc.check()
+        select.SelectConfig(block=e.select_block)
+    hash(dispatch.TABLE)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        dispatch.TABLE.sms = 1  # type: ignore[misc]
+    with pytest.raises(ValueError, match="ascending"):
+        dispatch.TABLE.replace(entries=dispatch.TABLE.entries[:-1])
+    with pytest.raises(TypeError, match="Table"):
+        Ops.pallas(True, table=dispatch.TABLE.entries)
 
 
-# What serves today at the serving shapes (B=16, V=151936, r=256, C=512, bf16), written out by hand
-# from benchmarks/RESULTS.md: a change to the table must change this test on purpose.
+# Every column's boundary, in draft rows: (column, last row count of one value, its value there).
+BOUNDARIES = [("mixer_barrier", 15, True), ("split_latent", 60, True), ("alternate", 60, True),
+              ("skip_final_slots", 239, False), ("topc_skip_final_slots", 239, False), ("start_select", 479, False),
+              ("scan_one_launch", 960, True), ("table_latent", 1920, True)]
+
+
+@pytest.mark.parametrize("column,last,value", BOUNDARIES, ids=[b[0] for b in BOUNDARIES])
+def test_column_boundaries(column, last, value):
+    """Each column changes exactly once, after ``last`` draft rows (what serving measured at B = 16)."""
+    got = [getattr(dispatch.TABLE.entry(rows), column) for rows in (1, last, last + 1, 10 ** 6)]
+    assert got == [value, value, not value, not value]
+
+
+def test_table_variants_reach_ops():
+    """A table built with `Table.with_columns` / `Table.replace` is a new hashable key: a new `Ops`."""
+    t = dispatch.TABLE.with_columns(alternate=False)
+    assert t != dispatch.TABLE and not any(e.alternate for e in t.entries)
+    assert Ops.pallas(True, table=t) is Ops.pallas(True, table=dispatch.TABLE.with_columns(alternate=False))
+    assert Ops.pallas(True, table=t) is not Ops.pallas(True)
+    assert Ops.pallas(True) is Ops.pallas(True, table=dispatch.TABLE)
+    assert dispatch.TABLE.replace(sms=66).capacity_config(dispatch.TABLE.entries[-1].full_vocab, V).v_steps == 36
+
+
+# What serves at the serving shapes (B=16, V=151936, r=256, C=512, bf16), written out by hand: a change to the
+# table must change this test on purpose.
 _LAZY = dict(prefetch_base=True, lazy=True)
 _TC_SMALL = (32, 1, 128, 4)  # top-C pick (c_tile, c_steps, k_tile, num_warps), num_stages 2
 _TC_ONE = (128, 1, 64, 8)
@@ -74,9 +104,9 @@ def test_serving_configs_are_pinned(n):
 
 
 def test_topc_config_bounds():
-    """The top-C pick's config changes exactly at `TOPC_SMALL_TILE_MAX_ROWS` draft rows, and every program holds
-    one candidate tile at any row count and any C."""
-    small = dispatch.TOPC_SMALL_TILE_MAX_ROWS
+    """The top-C pick's config changes exactly after 30 draft rows (N=2 at B=16), and every program holds one
+    candidate tile at any row count and any C."""
+    small = 30
     tc = {rows: dispatch.plan(rows, 2, V, R, C, jnp.bfloat16).topc for rows in (1, small, small + 1, 3840)}
     assert tc[1] == tc[small] and tc[1].c_tile == 32 and tc[small + 1].c_tile == 128 and tc[small + 1] == tc[3840]
     for rows in (1, small, small + 1, 960, 3841):
@@ -112,7 +142,7 @@ def test_float64_plans_the_reference():
 
 
 @pytest.mark.interpret_refine
-@pytest.mark.parametrize("topc", [0, 7])
+@pytest.mark.parametrize("topc", [pytest.param(0, marks=pytest.mark.slow), 7])
 def test_float64_refine_with_pallas_backend_is_the_reference(topc):
     """backend="pallas" routes float64 to the jnp reference (the kernels refuse it): same tokens as XLA."""
     cfg = xj.HeadConfig(vocab_size=97, hidden_size=16, block_size=5, rank=24, mlp_hidden=32, topc=topc)
@@ -132,7 +162,7 @@ def test_ops_are_typed_and_cached():
     fields = {f.name for f in dataclasses.fields(Ops)}
     assert fields == {"name", "select", "topc_prepare", "topc_pick", "full_vocab_prepare", "full_vocab_pick", "latent", "start",
                       "full_vocab_best", "topc_best", "candidates_best", "full_vocab_capacity", "certify",
-                      "scan_failing", "hidden", "pruned_pick", "split_latent", "full_vocab_pass_pick",
+                      "scan_failing", "hidden", "split_latent", "full_vocab_pass_pick",
                       "topc_pass_pick", "gated_pick"}
     for topc in (False, True):
         assert Ops.xla().pass_pick(topc) is None and Ops.pallas(True).pass_pick(topc) is not None
@@ -152,7 +182,8 @@ def test_refine_with_refuses_what_is_not_ops():
         refine_with("pallas", head, *make_inputs(cfg, 1))
 
 
-@pytest.mark.parametrize("n,topc", [(3, 0), (1, 0), pytest.param(1, 7, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("n,topc", [(3, 0), pytest.param(1, 0, marks=pytest.mark.slow),
+                                    pytest.param(1, 7, marks=pytest.mark.slow)])
 def test_xla_gpu_spelling_gives_the_same_tokens(n, topc):
     """Ops.xla("gpu") only changes how the readout dot (the 16-bit result written directly) and the hidden
     input (`reference.hidden_input_gpu`: N=1 padded, xh behind a barrier) are spelled."""
@@ -166,12 +197,12 @@ def test_xla_gpu_spelling_gives_the_same_tokens(n, topc):
 
 
 @pytest.mark.interpret_refine
-@pytest.mark.parametrize("early_exit", [False, (2,)], ids=["plain", "early-exit"])
+@pytest.mark.parametrize("early_exit", [pytest.param(False, id="plain", marks=pytest.mark.slow),
+                                        pytest.param((2,), id="early-exit")])
 def test_full_vocab_pass_pick(monkeypatch, early_exit):
     """An unrolled full-vocab refine runs `Ops.full_vocab_pass_pick` for every pass: pass q (0-based) picks only
     the draft slots from min(q, B-1) on (interpret mode skips wherever it can; at B=5, K=6 the last two passes
-    pick nothing) and reads w2 in descending order on odd q up to `dispatch.FULL_VOCAB_ALTERNATE_MAX_ROWS` draft
-    rows. The tokens are those of the plain pick of every row on every pass, bit for bit; a loop
+    pick nothing) and reads w2 in descending order on odd q where the entry's ``alternate`` says so. The tokens are those of the plain pick of every row on every pass, bit for bit; a loop
     (``unroll=False``) and an `Ops` whose ``full_vocab_pick`` was replaced alone run the plain pick."""
     cfg = xj.HeadConfig(vocab_size=1001, hidden_size=16, block_size=5, rank=24, mlp_hidden=32, topc=0)
     head = xj.Head(cfg, make_head(cfg, dtype=jnp.bfloat16))
@@ -211,14 +242,14 @@ def test_full_vocab_pass_pick(monkeypatch, early_exit):
     tok, o = orders(swapped)
     assert o and not any(r or i for r, i in o)
     np.testing.assert_array_equal(tok, want)
-    monkeypatch.setattr(dispatch, "FULL_VOCAB_ALTERNATE_MAX_ROWS", 7)  # above the bound: ascending
-    tok, o = orders(P)
+    tok, o = orders(Ops.pallas(True, table=dispatch.TABLE.with_columns(alternate=False)))  # ascending
     assert [r for r, _ in o] == [False] * 4
     np.testing.assert_array_equal(tok, want)
 
 
 @pytest.mark.interpret_refine
-@pytest.mark.parametrize("early_exit", [False, (2,)], ids=["plain", "early-exit"])
+@pytest.mark.parametrize("early_exit", [pytest.param(False, id="plain", marks=pytest.mark.slow),
+                                        pytest.param((2,), id="early-exit")])
 def test_topc_pass_pick(monkeypatch, early_exit):
     """The same for top-C passes (`Ops.topc_pass_pick`): pass q's top-C pick runs only draft slots min(q, B-1)..
     (interpret mode), the residual's terms included, with the tokens of the plain pick of every row."""
@@ -277,9 +308,7 @@ def test_pass_pick_compiled(monkeypatch, topc, dtype):
         return orig(*a, **kw)
 
     monkeypatch.setattr(mod, name, spy)
-    monkeypatch.setattr(dispatch, "SKIP_FINAL_SLOTS_MIN_ROWS", 1)
-    monkeypatch.setattr(dispatch, "TOPC_SKIP_FINAL_SLOTS_MIN_ROWS", 1)
-    P = Ops.pallas(False)
+    P = Ops.pallas(False, table=dispatch.TABLE.with_columns(skip_final_slots=True, topc_skip_final_slots=True))
     plain = dataclasses.replace(P, full_vocab_pass_pick=None, topc_pass_pick=None)
     want = np.asarray(refine_with(plain, head, *x, num_passes=6, unroll=True))
     assert seen and not any(seen)
@@ -295,21 +324,23 @@ def test_served_keeps_follow_the_measurements():
     """The picks' served ``keep``: the full-vocab loop split exactly in the table's configs that hold the latent
     (not in the flat ones, where it measured slower); the top-C hot splits at the serving shapes exactly at N=16
     (measured faster there; slower at N = 4, 8, 32, 64), half of the row's splits hot."""
-    for row in dispatch.TABLE:
-        cfg = full_vocab.FullVocabConfig(**row.full_vocab)
-        rows = row.max_rows or 4096
-        assert dispatch.full_vocab_keep(cfg, rows) == ("split" if cfg.hold_lat and rows > 15 else None)
+    T = dispatch.TABLE
+    for e in T.entries:
+        rows = e.max_rows or 4096
+        assert e.keep(e.full_vocab) == ("split" if e.full_vocab.hold_lat and rows > 15 else None)
     for n, want in ((1, None), (4, None), (8, "split"), (64, "split")):  # N=1 holds the latent, without the split
-        assert dispatch.full_vocab_keep(dispatch.plan(n, B, V, R, 0, jnp.bfloat16).full_vocab, n * (B - 1)) == want
+        p = dispatch.plan(n, B, V, R, 0, jnp.bfloat16)
+        assert p.entry.keep(p.full_vocab) == want
     assert dispatch.plan(1, B, V, R, 0, jnp.bfloat16).full_vocab.hold_lat
-    hinted = [n for n in range(1, 257) if dispatch.topc_keep(n * (B - 1), C, R, 2, 4)]
+    hinted = [n for n in range(1, 257) if T.topc_keep(n * (B - 1), C, R, 2, 4)]
     assert 16 in hinted and not {4, 8, 32, 64} & set(hinted) and hinted == list(range(hinted[0], hinted[-1] + 1))
-    assert dispatch.topc_keep(16 * (B - 1), C, R, 2, 4) == (2, "evict_last", "evict_first")
-    assert dispatch.topc_keep(16 * (B - 1), C, R, 2, 1) is None  # one split: nothing to split in two
-    assert dispatch.topc_keep(16 * (B - 1), C, R, 4, 4) is None  # float32: twice the bytes, out of the window
+    assert T.topc_keep(16 * (B - 1), C, R, 2, 4) == (2, "evict_last", "evict_first")
+    assert T.topc_keep(16 * (B - 1), C, R, 2, 1) is None  # one split: nothing to split in two
+    assert T.topc_keep(16 * (B - 1), C, R, 4, 4) is None  # float32: twice the bytes, out of the window
 
 
-@pytest.mark.parametrize("topc", [0, 300])  # C=300: three 128-candidate splits per row, one hot
+@pytest.mark.slow  # fast: the kernels' keep (test_kernel_*::test_l2_hints_are_the_same_pick), the rule above
+@pytest.mark.parametrize("topc", [0, 300])  # C=300: 3 splits per row, 1 hot
 def test_served_keeps_are_the_same_tokens(monkeypatch, topc):
     """With the served ``keep`` forced on (the top-C window open at any size; the full-vocab shapes in a config
     that holds the latent), an unrolled refine's passes hand the pick its hints, and the tokens are those of the
@@ -330,17 +361,15 @@ def test_served_keeps_are_the_same_tokens(monkeypatch, topc):
         return orig(*a, **kw)
 
     monkeypatch.setattr(mod, name, spy)
-    monkeypatch.setattr(dispatch, "TOPC_KEEP_GATHER_BYTES", (0, 1 << 40))
-    P = Ops.pallas(interpret)
-    tok = np.asarray(refine_with(P, head, *x, num_passes=6, unroll=True))
+    P = Ops.pallas(interpret, table=dispatch.TABLE.replace(topc_keep_bytes=(0, 1 << 40)))
+    tok = np.asarray(refine_with(P, head, *x, num_passes=3, unroll=True))
     splits = -(-topc // dispatch.plan(n * 4, 2, 611, 40, topc, jnp.bfloat16).topc.c_tile) if topc else 0
     want_keep = (splits // 2, "evict_last", "evict_first") if topc else "split"
     assert not topc or splits == 3
     assert seen and all(k == want_keep for k in seen), (seen, want_keep)
     seen.clear()
-    monkeypatch.setattr(dispatch, "TOPC_KEEP_GATHER_BYTES", None)
-    monkeypatch.setattr(dispatch, "FULL_VOCAB_KEEP", None)
-    want = np.asarray(refine_with(P, head, *x, num_passes=6, unroll=True))
+    P = Ops.pallas(interpret, table=dispatch.TABLE.replace(topc_keep_bytes=None).with_columns(full_vocab_keep=None))
+    want = np.asarray(refine_with(P, head, *x, num_passes=3, unroll=True))
     assert seen and not any(seen)
     np.testing.assert_array_equal(tok, want)
     assert len(set(map(tuple, want))) > 1
@@ -364,14 +393,18 @@ def _start_logits(n, b, v, dtype, seed):
     return jnp.asarray(x, dtype)
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-@pytest.mark.parametrize("n,b,v", [(3, 5, 301), (2, 4, 7), (1, 16, 4099), (5, 3, 1)])
+@pytest.mark.parametrize("n,b,v,dtype", [
+    pytest.param(2, 4, 7, jnp.float32, id="2-4-7-float32"),
+    pytest.param(5, 3, 1, jnp.bfloat16, id="5-3-1-bfloat16"),
+    *(pytest.param(n, b, v, dt, id=f"{n}-{b}-{v}-{jnp.dtype(dt).name}", marks=pytest.mark.slow)
+      for n, b, v, dt in ((3, 5, 301, jnp.bfloat16), (3, 5, 301, jnp.float32), (2, 4, 7, jnp.bfloat16),
+                          (1, 16, 4099, jnp.bfloat16), (1, 16, 4099, jnp.float32), (5, 3, 1, jnp.float32))),
+])
 def test_full_vocab_start_through_the_selection(monkeypatch, n, b, v, dtype):
-    """From `dispatch.FULL_VOCAB_START_SELECT_MIN_ROWS` draft rows a Pallas full-vocab refine starts with the
+    """Where the entry's ``start_select`` says so a Pallas full-vocab refine starts with the
     selection's argmax output (c=1): equal to `reference.full_vocab_start` on every kind of row (NaN, -inf,
     ties, -0.0, V=1, odd V and B), interpreted on a CPU, compiled on a GPU; below the bound XLA's argmax."""
     interpret = jax.default_backend() == "cpu"
-    P = Ops.pallas(interpret)
     logits = _start_logits(n, b, v, dtype, seed=n * v)
     want = np.asarray(xref.full_vocab_start(logits))
     seen, orig = [], select.select_candidates
@@ -381,28 +414,28 @@ def test_full_vocab_start_through_the_selection(monkeypatch, n, b, v, dtype):
         return orig(*a, **kw)
 
     monkeypatch.setattr(select, "select_candidates", spy)
-    monkeypatch.setattr(dispatch, "FULL_VOCAB_START_SELECT_MIN_ROWS", n * (b - 1) + 1)
+    P = Ops.pallas(interpret, table=dispatch.TABLE.with_columns(start_select=False))
     np.testing.assert_array_equal(np.asarray(P.start(logits)), want)
-    assert seen == []  # below the bound: XLA's argmax
-    monkeypatch.setattr(dispatch, "FULL_VOCAB_START_SELECT_MIN_ROWS", n * (b - 1))
-    got = np.asarray(P.start(logits))
+    assert seen == []  # XLA's argmax
+    got = np.asarray(Ops.pallas(interpret, table=dispatch.TABLE.with_columns(start_select=True)).start(logits))
     assert seen == [1], "the selection did not run"
     np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.slow
 def test_full_vocab_refine_starting_through_the_selection(monkeypatch):
     """A full-vocab refine that starts through the selection gives the tokens of one that starts with XLA's
     argmax, bit for bit (compiled on a GPU; on a CPU, interpreted, also the XLA backend's)."""
     cfg = xj.HeadConfig(vocab_size=301, hidden_size=16, block_size=5, rank=24, mlp_hidden=32, topc=0)
     head = xj.Head(cfg, make_head(cfg, dtype=jnp.bfloat16))
     x = make_inputs(cfg, 3, dtype=jnp.bfloat16, logit_std=0.5)
-    P = Ops.pallas(jax.default_backend() == "cpu")
+    interpret = jax.default_backend() == "cpu"
     seen, orig = [], select.select_candidates
     monkeypatch.setattr(select, "select_candidates", lambda *a, **kw: seen.append(a[1]) or orig(*a, **kw))
-    monkeypatch.setattr(dispatch, "FULL_VOCAB_START_SELECT_MIN_ROWS", 10 ** 9)
+    P = Ops.pallas(interpret, table=dispatch.TABLE.with_columns(start_select=False))
     want = np.asarray(refine_with(P, head, *x, num_passes=2))
     assert seen == []
-    monkeypatch.setattr(dispatch, "FULL_VOCAB_START_SELECT_MIN_ROWS", 1)
+    P = Ops.pallas(interpret, table=dispatch.TABLE.with_columns(start_select=True))
     np.testing.assert_array_equal(np.asarray(refine_with(P, head, *x, num_passes=2)), want)
     assert seen == [1]
     assert len(set(map(tuple, want))) > 1
@@ -412,32 +445,35 @@ def test_full_vocab_refine_starting_through_the_selection(monkeypatch):
 
 def test_pass_pick_rows():
     """`dispatch.pass_pick_rows`: pass q never skips a slot that may still change (s <= min(q, B-1)), never
-    skips at q=0, skips everything once every draft slot is final, and (compiled) only from ``min_rows`` draft
-    rows where the pick then runs fewer row tiles (row_tile 1: the top-C pick)."""
+    skips at q=0, skips everything once every draft slot is final, and (compiled) only where ``skip`` says so
+    and the pick then runs fewer row tiles (row_tile 1: the top-C pick)."""
     for n, b, tile in ((1, 16, 16), (16, 16, 128), (64, 16, 128), (3, 7, 16), (256, 16, 128), (4, 16, 1)):
         for q in range(0, 20):
-            s_all = dispatch.pass_pick_rows(n, b, q, tile, min_rows=None, everywhere=True)
+            s_all = dispatch.pass_pick_rows(n, b, q, tile, skip=False, everywhere=True)
             assert s_all == min(q, b - 1)
-            for min_rows in (None, 1, 10 ** 6):
-                s = dispatch.pass_pick_rows(n, b, q, tile, min_rows=min_rows)
+            for skip in (False, True):
+                s = dispatch.pass_pick_rows(n, b, q, tile, skip=skip)
                 assert s in (0, s_all) and (q > 0 or s == 0)
                 if q >= b - 1:
                     assert s == b - 1
-                elif min_rows in (None, 10 ** 6):
+                elif not skip:
                     assert s == 0
-    assert dispatch.pass_pick_rows(64, 16, 5, 128, min_rows=1) == 5  # 960 -> 640 rows: 8 -> 5 row tiles
-    assert dispatch.pass_pick_rows(16, 16, 5, 128, min_rows=1) == 0  # 240 -> 160 rows: 2 row tiles either way
-    assert dispatch.pass_pick_rows(1, 16, 5, 16, min_rows=1) == 0
-    assert dispatch.pass_pick_rows(1, 16, 5, 1, min_rows=1) == 5  # one program per row (top-C)
-    assert dispatch.pass_pick_rows(64, 16, 5, 128, min_rows=961) == 0
-    # what compiled serving does (measured: dispatch's comments): skipping from N=16 at B=16, in both modes
-    for m in (dispatch.SKIP_FINAL_SLOTS_MIN_ROWS, dispatch.TOPC_SKIP_FINAL_SLOTS_MIN_ROWS):
-        assert dispatch.pass_pick_rows(16, 16, 3, 1, min_rows=m) == 3
-        assert dispatch.pass_pick_rows(8, 16, 3, 1, min_rows=m) == 0
+    assert dispatch.pass_pick_rows(64, 16, 5, 128, skip=True) == 5  # 960 -> 640 rows: 8 -> 5 row tiles
+    assert dispatch.pass_pick_rows(16, 16, 5, 128, skip=True) == 0  # 240 -> 160 rows: 2 row tiles either way
+    assert dispatch.pass_pick_rows(1, 16, 5, 16, skip=True) == 0
+    assert dispatch.pass_pick_rows(1, 16, 5, 1, skip=True) == 5  # one program per row (top-C)
+    # what compiled serving does: skipping from N=16 at B=16, in both modes
+    for n, want in ((16, 3), (8, 0)):
+        e = dispatch.TABLE.entry(n * 15)
+        for skip in (e.skip_final_slots, e.topc_skip_final_slots):
+            assert dispatch.pass_pick_rows(n, 16, 3, 1, skip=skip) == want
 
 
-@pytest.mark.parametrize("n", [1, 2, 8])
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("dtype,n", [
+    pytest.param(jnp.float32, 2, id="float32-2"),
+    *(pytest.param(dt, n, id=f"{jnp.dtype(dt).name}-{n}", marks=pytest.mark.slow)
+      for dt, n in ((jnp.float32, 1), (jnp.float32, 8), (jnp.bfloat16, 1), (jnp.bfloat16, 2), (jnp.bfloat16, 8))),
+])
 def test_hidden_input_gpu_is_the_same_sums(n, dtype):
     """`reference.hidden_input_gpu` == `head.hidden_input` bit for bit where every summation order is exact
     (small dyadic values: the padded row, the slice and the barriers must change nothing), and within float32
@@ -520,8 +556,12 @@ def test_no_import_cycles():
 
 
 @pytest.mark.interpret
-@pytest.mark.parametrize("ops_name", ["xla", "pallas-interpret"])
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("dtype,ops_name", [
+    pytest.param(jnp.float32, "pallas-interpret", id="float32-pallas-interpret"),
+    pytest.param(jnp.float32, "xla", id="float32-xla", marks=pytest.mark.slow),
+    pytest.param(jnp.bfloat16, "xla", id="bfloat16-xla", marks=pytest.mark.slow),
+    pytest.param(jnp.bfloat16, "pallas-interpret", id="bfloat16-pallas-interpret", marks=pytest.mark.slow),
+])
 def test_best_steps_agree_with_the_picks(ops_name, dtype):
     """`full_vocab_best` / `topc_best` (the picks with their winning values, what the vocabulary-sharded
     path combines) give the picks' ids, and the scores the reference computes for those ids."""

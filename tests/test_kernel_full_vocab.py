@@ -46,6 +46,31 @@ SHAPES = [
 ]
 
 
+ACTIVE_SHAPES = [
+    (37, 1001, 24, fv.FullVocabConfig(row_tile=16, v_tile=128, v_steps=3, k_tile=16)),
+    (25, 1337, 64, fv.FullVocabConfig(row_tile=16, v_tile=64, v_steps=4, k_tile=16, hold_lat=False, flat=True,
+                                      prefetch_base=True, lazy=True)),
+]
+
+
+def pack_active_ref(fail: jax.Array, fallen: jax.Array, *, limit: int, skip_slots: int = 0, slots: int = 1):
+    """`fv.pack_active` in jnp (the oracle of the tests below)."""
+    rows = fail.shape[0]
+    n_pad = common.next_pow2(rows)
+    f = jnp.zeros((n_pad,), bool).at[:rows].set(fail != 0)
+    n_fail = jnp.sum(f, dtype=jnp.int32)
+    full = jnp.reshape(jnp.asarray(fallen), (-1,))[0] != 0
+    full = full | (n_fail > limit)
+    q = jnp.arange(n_pad)
+    a = (f | full) & (q < rows) & (q % slots >= skip_slots)
+    ai = a.astype(jnp.int32)
+    n_act = jnp.sum(ai)
+    pos = jnp.where(a, jnp.cumsum(ai) - 1, n_act + jnp.cumsum(1 - ai) - 1).astype(jnp.int32)
+    src = jnp.zeros((n_pad,), jnp.int32).at[pos].set(jnp.arange(n_pad, dtype=jnp.int32))
+    flags = jnp.zeros((8,), jnp.int32).at[0].set(full.astype(jnp.int32)).at[1].set(n_fail)
+    return pos[:rows], src, (jnp.arange(n_pad) < n_act).astype(jnp.int32), ai[:rows], flags
+
+
 def _mask_kinds(rows: int, t: int, rng) -> dict:
     """Active-row masks of every kind for ``rows`` rows in row tiles of ``t``: all, none, one row, the second
     row tile, the last (partial) tile's last rows, random."""
@@ -54,18 +79,14 @@ def _mask_kinds(rows: int, t: int, rng) -> dict:
             "tile": (r >= t) & (r < 2 * t), "tail": r >= rows - 3, "random": rng.random(rows) < 0.3}
 
 
-def _shape_dtypes():
-    """Every shape (config path) once in the default run, dtypes alternating; the rest `slow` (and
-    tests/slow_list.txt moves more of these cases to `slow` for their run time)."""
+def _shape_dtypes(fast: str):
+    """Every shape (config path) and dtype: the case ``fast`` in the default run, the others `slow`."""
     out = []
     for i, shape in enumerate(SHAPES):
-        for j, dt in enumerate(DTYPES):
+        for dt in DTYPES:
             name = f"rows{shape[0]}-V{shape[1]}-r{shape[2]}_{i}-{jnp.dtype(dt).name}"
-            out.append(pytest.param(shape, dt, id=name, marks=pytest.mark.slow if (i + j) % 2 else ()))
+            out.append(pytest.param(shape, dt, id=name, marks=() if name == fast else pytest.mark.slow))
     return out
-
-
-SHAPE_DTYPES = _shape_dtypes()
 
 
 class TestFullVocabPick:
@@ -78,7 +99,7 @@ class TestFullVocabPick:
     def pick(self, base, lat, w2, config=None, **kw):
         return fv.full_vocab_pick(base, lat, w2, interpret=self.INTERPRET, config=config, **kw)
 
-    @pytest.mark.parametrize("shape,dtype", SHAPE_DTYPES)
+    @pytest.mark.parametrize("shape,dtype", _shape_dtypes("rows25-V1337-r64_4-float32"))
     def test_matches_reference(self, shape, dtype):
         rows, vocab, rank, config = shape
         # Random normal inputs.
@@ -94,7 +115,8 @@ class TestFullVocabPick:
         ref = np.asarray(R.full_vocab_pick(base, lat, w2))
         np.testing.assert_array_equal(np.asarray(self.pick(base, lat, w2, config)), ref)
 
-    @pytest.mark.parametrize("shape,dtype", SHAPE_DTYPES)
+    @pytest.mark.slow  # fast: both orders in test_l2_hints_are_the_same_pick
+    @pytest.mark.parametrize("shape,dtype", _shape_dtypes("rows15-V1000-r32_0-float32"))
     def test_reverse_order_is_the_same_pick(self, shape, dtype):
         """``reverse=True`` (each program visits its vocab tiles from the highest ids down; refine alternates it
         between passes) computes every (row, id) score as the ascending order does: the same ids on random and
@@ -113,7 +135,9 @@ class TestFullVocabPick:
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
     @pytest.mark.parametrize("keep", [k for k in fv.KEEP_POLICIES if k is not None])
-    @pytest.mark.parametrize("shape", [SHAPES[2], SHAPES[3], SHAPES[5]], ids=["flat", "one-tile", "flat-lazy"])
+    @pytest.mark.parametrize("shape", [pytest.param(SHAPES[2], id="flat"),
+                                       pytest.param(SHAPES[3], id="one-tile", marks=pytest.mark.slow),
+                                       pytest.param(SHAPES[5], id="flat-lazy", marks=pytest.mark.slow)])
     def test_l2_hints_are_the_same_pick(self, shape, keep):
         """``keep`` (L2 eviction hints on the w2 loads; the loop split where the policy changes: the part's last
         visited tile apart) gives the ids and per-part winners of the plain pick, in both orders, on random and
@@ -131,8 +155,12 @@ class TestFullVocabPick:
             np.testing.assert_array_equal(np.asarray(self.pick(base, lat, w2, config, row_ids=ids, keep=keep)),
                                           np.asarray(self.pick(base, lat, w2, config))[np.asarray(ids)])
 
-    @pytest.mark.parametrize("stride", [0, 6], ids=["rows", "slot-stride"])
-    @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+    @pytest.mark.parametrize("dtype,stride", [
+        pytest.param(jnp.float32, 6, id="float32-slot-stride", marks=pytest.mark.slow),  # fast: l2_hints' row_ids
+        pytest.param(jnp.float32, 0, id="float32-rows", marks=pytest.mark.slow),
+        pytest.param(jnp.bfloat16, 0, id="bfloat16-rows", marks=pytest.mark.slow),
+        pytest.param(jnp.bfloat16, 6, id="bfloat16-slot-stride", marks=pytest.mark.slow),
+    ])
     def test_row_ids(self, dtype, stride):
         """``row_ids`` picks only the listed rows (any order, repeats allowed), each the id (and with ``partials``
         the per-part winners) the all-rows pick gives it with the same config, in either vocabulary order;
@@ -176,9 +204,16 @@ class TestFullVocabPick:
             self.pick(base, lat, w2, cfg, row_ids=jnp.asarray(ids), active=jnp.ones(len(ids), bool),
                       fallback=jnp.zeros(len(ids), jnp.int32), **kw)
 
-    @pytest.mark.parametrize("reverse", [False, True], ids=["ascending", "reverse"])
-    @pytest.mark.parametrize("lazy", [False, True], ids=["fused", "fused-lazy"])
-    @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+    @pytest.mark.parametrize("dtype,lazy,reverse", [
+        pytest.param(jnp.bfloat16, True, False, id="bfloat16-fused-lazy-ascending"),
+        pytest.param(jnp.float32, True, True, id="float32-fused-lazy-reverse"),
+        pytest.param(jnp.float32, False, False, id="float32-fused-ascending", marks=pytest.mark.slow),
+        pytest.param(jnp.float32, False, True, id="float32-fused-reverse", marks=pytest.mark.slow),
+        pytest.param(jnp.float32, True, False, id="float32-fused-lazy-ascending", marks=pytest.mark.slow),
+        pytest.param(jnp.bfloat16, False, False, id="bfloat16-fused-ascending", marks=pytest.mark.slow),
+        pytest.param(jnp.bfloat16, False, True, id="bfloat16-fused-reverse", marks=pytest.mark.slow),
+        pytest.param(jnp.bfloat16, True, True, id="bfloat16-fused-lazy-reverse", marks=pytest.mark.slow),
+    ])
     def test_ties_and_nonfinite(self, dtype, lazy, reverse):
         # rows = 5 blocks of B=6; V=1000 is not a multiple of the 128-wide tile;
         # 2 tiles per part -> parts [0,256) [256,512) [512,768) [768,1000).
@@ -230,13 +265,12 @@ class TestFullVocabPick:
             self.pick(base, lat, w2[:-1])
 
 
-    @pytest.mark.parametrize("pack", [True, False], ids=["packed", "tiles"])  # packed: capacity = rows
-    @pytest.mark.parametrize("shape", [
-        (37, 1001, 24, fv.FullVocabConfig(row_tile=16, v_tile=128, v_steps=3, k_tile=16)),
-        pytest.param((25, 1337, 64, fv.FullVocabConfig(row_tile=16, v_tile=64, v_steps=4, k_tile=16, hold_lat=False,
-                                                       flat=True, prefetch_base=True, lazy=True)),
-                     marks=pytest.mark.slow),
-    ], ids=["rows37-V1001", "rows25-flat-lazy"])
+    @pytest.mark.parametrize("shape,pack", [  # packed: capacity = rows
+        pytest.param(ACTIVE_SHAPES[0], False, id="rows37-V1001-tiles"),
+        pytest.param(ACTIVE_SHAPES[0], True, id="rows37-V1001-packed", marks=pytest.mark.slow),
+        pytest.param(ACTIVE_SHAPES[1], False, id="rows25-flat-lazy-tiles", marks=pytest.mark.slow),
+        pytest.param(ACTIVE_SHAPES[1], True, id="rows25-flat-lazy-packed", marks=pytest.mark.slow),
+    ])
     def test_active_rows(self, shape, pack):
         """``active``: the active rows' tokens (and partials' winners) are the plain pick's, for every mask
         kind (all, none, one row, one row tile, the last (partial) tile, random); rows not a multiple of
@@ -337,16 +371,16 @@ class TestFullVocabPick:
         np.testing.assert_array_equal(got[act], want[act])
 
 
-    @pytest.mark.parametrize("capacity", [5, 16, 20, 37, 64])
+    @pytest.mark.parametrize("capacity", [16, *(pytest.param(c, marks=pytest.mark.slow) for c in (5, 20, 37, 64))])
     def test_active_capacity(self, capacity):
         """``capacity``: the first ``capacity`` active rows (in row order) get the plain pick's tokens, on a
         grid of only ``ceil(capacity / row_tile)`` row tiles; active rows beyond it read BIG; partials agree. With
-        `dispatch.capacity_config`'s fewer vocabulary tiles per program the tokens equal the all-rows
+        `dispatch.Table.capacity_config`'s fewer vocabulary tiles per program the tokens equal the all-rows
         config's BIT FOR BIT on random (not dyadic) bf16 inputs: only the vocabulary split differs."""
         n, B, vocab, rank = 8, 6, 4099, 40  # 40 draft rows (B not a power of two), a rank tail chunk
         rows = n * (B - 1)
         cfg = fv.FullVocabConfig(row_tile=16, v_tile=128, v_steps=4, k_tile=16)
-        cap_cfg = dispatch.capacity_config(cfg, vocab)
+        cap_cfg = dispatch.TABLE.capacity_config(cfg, vocab)
         assert cap_cfg.v_steps == 1 and dataclasses.replace(cap_cfg, v_steps=cfg.v_steps) == cfg
         base, lat, w2 = pick_inputs(n * B, vocab, rank, jnp.bfloat16, seed=capacity)
         lat = lat[:rows]
@@ -371,7 +405,7 @@ class TestFullVocabPick:
                                active=jnp.asarray(act), capacity=0)
 
 
-    @pytest.mark.parametrize("rows,slots", [(75, 15), (37, 6)])
+    @pytest.mark.parametrize("rows,slots", [(37, 6), pytest.param(75, 15, marks=pytest.mark.slow)])
     def test_pack_active_skips_final_slots(self, rows, slots):
         """``skip_slots`` (the certified mode's passes that know their number): rows ``q % slots < skip_slots``
         are never active, not even in a full pass or when ``fail`` names them (they still count in sum(fail));
@@ -384,7 +418,7 @@ class TestFullVocabPick:
                 fail = jnp.asarray(f)
                 got = fv.pack_active(fail, jnp.asarray(fallen), limit=limit, skip_slots=skip, slots=slots,
                                      interpret=self.INTERPRET)
-                want = fv.pack_active_ref(fail, jnp.asarray(fallen), limit=limit, skip_slots=skip, slots=slots)
+                want = pack_active_ref(fail, jnp.asarray(fallen), limit=limit, skip_slots=skip, slots=slots)
                 for name, g, w in zip(("pos", "src", "act_p", "act", "flags"), got, want):
                     np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=f"{name} skip {skip}")
                 pos, src, act_p, act, flags = (np.asarray(a) for a in got)
@@ -394,6 +428,7 @@ class TestFullVocabPick:
                 np.testing.assert_array_equal(src[: act.sum()], np.flatnonzero(act))
                 assert act_p.sum() == act.sum()
 
+    @pytest.mark.slow  # fast: the oracle in test_pack_active_skips_final_slots
     @pytest.mark.parametrize("rows", [1, 37, 40, 1000, 3840])
     def test_pack_active(self, rows):
         """`pack_active` == its jnp spelling (the packed order, the inverse map, the counts, the full flag) on
@@ -404,7 +439,7 @@ class TestFullVocabPick:
                                     (1.0, False, rows)):
             fail = jnp.asarray(rng.random(rows) < frac)
             got = fv.pack_active(fail, jnp.asarray(fallen), limit=limit, interpret=self.INTERPRET)
-            want = fv.pack_active_ref(fail, jnp.asarray(fallen), limit=limit)
+            want = pack_active_ref(fail, jnp.asarray(fallen), limit=limit)
             for name, g, w in zip(("pos", "src", "act_p", "act", "flags"), got, want):
                 assert g.dtype == jnp.int32 and g.shape == w.shape, name
                 np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=f"{name} frac {frac}")
@@ -439,18 +474,17 @@ class TestFullVocabPick:
         with pytest.raises(ValueError, match="fallen must be"):
             fv.pack_active(fail, jnp.zeros((2,), bool), limit=1, interpret=self.INTERPRET)
 
-    @pytest.mark.parametrize("counted", [False, True], ids=["combine", "counted"])
-    def test_scan_failing(self, counted):
+    def test_scan_failing(self):
         """`scan_failing`: the failing rows (every row once the pass is full: more than ``limit`` fail, or the call
-        has fallen back) get the all-rows pick's tokens BIT FOR BIT on random bf16 inputs (`capacity_config`'s
+        has fallen back) get the all-rows pick's tokens BIT FOR BIT on random bf16 inputs (`Table.capacity_config`'s
         split when few rows fail, the all-rows split when the pass is full), the others ``fallback``; the flags
         [full, n_fail] as `pack_active` counts them. 40 draft rows (B=6), V=4099, a rank with a tail chunk.
-        ``counted``: the same in two launches (the last program of a row tile combines its parts and writes
-        through the packed order; with the run-time split only the live parts arrive)."""
+        Two launches: the last program of a row tile combines its parts and writes through the packed order; with
+        the run-time split only the live parts arrive."""
         n, B, vocab, rank = 8, 6, 4099, 40
         rows = n * (B - 1)
         cfg = fv.FullVocabConfig(row_tile=16, v_tile=128, v_steps=4, k_tile=16)
-        cap_cfg = dispatch.capacity_config(cfg, vocab)
+        cap_cfg = dispatch.TABLE.capacity_config(cfg, vocab)
         base, lat, w2 = pick_inputs(n * B, vocab, rank, jnp.bfloat16, seed=5)
         lat = lat[:rows]
         want = np.asarray(fv.full_vocab_pick(base, lat, w2, interpret=self.INTERPRET, config=cfg, slot_stride=B))
@@ -462,22 +496,22 @@ class TestFullVocabPick:
             fail = rng.random(rows) < frac
             tok, flags = fv.scan_failing(base, lat, w2, jnp.asarray(fail), jnp.asarray(fallen), jnp.asarray(fb),
                                          limit=limit, interpret=self.INTERPRET, config=cap_cfg, slot_stride=B,
-                                         v_steps_full=split, counted=counted)
+                                         v_steps_full=split)
             is_full = fallen or fail.sum() > limit
             msg = f"frac {frac} fallen {fallen} v_steps_full {split}"
             assert int(flags[1]) == fail.sum() and bool(flags[0]) == is_full, msg
             expect = want if is_full else np.where(fail, want, fb)
             np.testing.assert_array_equal(np.asarray(tok), expect, err_msg=msg)
-        # the certified mode's passes that know their number: final slots skipped (even in a full pass) and the
-        # loop split (``keep``) over the run-time split; the other rows' tokens as above
+        # the certified mode's passes that know their number: final slots skipped (even in a full pass); the other
+        # rows' tokens as above
         slot = np.arange(rows) % (B - 1)
-        for (frac, fallen), keep, skip in zip(cases, ("split", "split", None, "split", "last"), (2, 1, 3, 4, 2)):
+        for (frac, fallen), skip in zip(cases, (2, 1, 3, 4, 2)):
             fail = rng.random(rows) < frac
             tok, flags = fv.scan_failing(base, lat, w2, jnp.asarray(fail), jnp.asarray(fallen), jnp.asarray(fb),
                                          limit=limit, interpret=self.INTERPRET, config=cap_cfg, slot_stride=B,
-                                         v_steps_full=cfg.v_steps, skip_slots=skip, keep=keep, counted=counted)
+                                         v_steps_full=cfg.v_steps, skip_slots=skip)
             is_full = fallen or fail.sum() > limit
-            msg = f"frac {frac} fallen {fallen} keep {keep} skip {skip}"
+            msg = f"frac {frac} fallen {fallen} skip {skip}"
             assert int(flags[1]) == fail.sum() and bool(flags[0]) == is_full, msg
             scanned = (fail | is_full) & (slot >= skip)
             np.testing.assert_array_equal(np.asarray(tok), np.where(scanned, want, fb), err_msg=msg)
@@ -506,8 +540,11 @@ class TestFullVocabLowering:
         assert hlo.count(TRITON_CALL) == 2
         assert "xpress_full_vocab_fused" in hlo
 
-    @pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
-    @pytest.mark.parametrize("n", [1, 4, 16, 64, 256])
+    @pytest.mark.parametrize("n,lazy", [
+        pytest.param(16, True, id="16-lazy"),
+        *(pytest.param(n, lazy, id=f"{n}-{'lazy' if lazy else 'eager'}", marks=pytest.mark.slow)
+          for n in (1, 4, 16, 64, 256) for lazy in (False, True) if (n, lazy) != (16, True)),
+    ])
     def test_served_configs_lower(self, n, lazy):
         """The measured configs refine serves (`xpress_jax.dispatch`), eager and lazy, build for an H200."""
         V, r, B = 151936, 256, 16
@@ -518,7 +555,7 @@ class TestFullVocabLowering:
                 jax.ShapeDtypeStruct((V, r), jnp.bfloat16))
         f = functools.partial(fv.full_vocab_pick, config=cfg, slot_stride=B)
         assert common.lower_triton(f, *args).as_text().count(TRITON_CALL) == 2
-        if lazy and n * (B - 1) <= (dispatch.FULL_VOCAB_ALTERNATE_MAX_ROWS or rows):  # what refine alternates
+        if lazy and dispatch.TABLE.entry(rows).alternate:  # what refine alternates
             f = functools.partial(fv.full_vocab_pick, config=cfg, slot_stride=B, reverse=True)
             assert common.lower_triton(f, *args).as_text().count(TRITON_CALL) == 2
         if lazy and n <= 4:  # the L2 hints (`KEEP_POLICIES`) where refine may serve them
@@ -568,14 +605,14 @@ class TestFullVocabLowering:
 
     @pytest.mark.parametrize("n", [16, 64, 256])
     def test_capacity_lowers(self, n):
-        """The certified mode's packed launch (``capacity`` = ceil(N/8) blocks of rows, `capacity_config`)
+        """The certified mode's packed launch (``capacity`` = ceil(N/8) blocks of rows, `Table.capacity_config`)
         builds for an H200 from the served configs: a grid of ceil(capacity / row_tile) row tiles, and one
         row tile alone gets a whole wave of programs (or every vocabulary tile)."""
         V, r, B = 151936, 256, 16
         rows, cap = n * (B - 1), -(-n // 8) * (B - 1)
-        cfg = dispatch.capacity_config(dispatch.plan(n, B, V, r, 0, jnp.bfloat16).full_vocab, V)
+        cfg = dispatch.TABLE.capacity_config(dispatch.plan(n, B, V, r, 0, jnp.bfloat16).full_vocab, V)
         vtiles = -(-V // cfg.v_tile)
-        assert -(-vtiles // cfg.v_steps) >= min(dispatch.SMS, vtiles)
+        assert -(-vtiles // cfg.v_steps) >= min(dispatch.TABLE.sms, vtiles)
         S = jax.ShapeDtypeStruct
         args = (S((n * B, V), jnp.bfloat16), S((rows, r), jnp.bfloat16), S((V, r), jnp.bfloat16), S((rows,), jnp.bool_))
         f = lambda b, l, w, a: fv.full_vocab_pick(b, l, w, config=cfg, slot_stride=B, active=a, capacity=cap)
@@ -586,29 +623,23 @@ class TestFullVocabLowering:
 
     @pytest.mark.parametrize("n", [16, 64, 256])
     def test_scan_failing_lowers(self, n):
-        """The certified mode's scan of its failing rows builds for an H200 from the served configs: the packing
-        launch (fail, fallen), one fused pick (base, lat, w2, row map, active, the full flag) and the combine
-        that reads each row's partials at its packed position (partials, pos, active, fallback)."""
+        """The certified mode's scan of its failing rows builds for an H200 from the served configs: two launches,
+        the packing (fail, fallen) and the counted pick (base, lat, w2, row map, active, the full flag where the
+        splits differ, the tokens and the row-tile counters, both aliased): no combine launch."""
         V, r, B = 151936, 256, 16
         rows = n * (B - 1)
         served = dispatch.plan(n, B, V, r, 0, jnp.bfloat16).full_vocab
-        cfg = dispatch.capacity_config(served, V)
+        cfg = dispatch.TABLE.capacity_config(served, V)
         S = jax.ShapeDtypeStruct
         args = (S((n * B, V), jnp.bfloat16), S((rows, r), jnp.bfloat16), S((V, r), jnp.bfloat16), S((rows,), jnp.bool_),
                 S((), jnp.bool_), S((rows,), jnp.int32))
         f = lambda b, l, w, fail, fallen, fb, **kw: fv.scan_failing(b, l, w, fail, fallen, fb, limit=-(-n // 8) * (B - 1),
                                                                     config=cfg, slot_stride=B,
                                                                     v_steps_full=served.v_steps, **kw)
-        for kw in ({}, dict(skip_slots=3, keep=dispatch.full_vocab_keep(served, rows))):  # + the passes that know their number
-            g = functools.partial(f, **kw)
-            hlo = common.lower_triton(g, *args).as_text()
-            assert hlo.count(TRITON_CALL) == 3
-            assert _triton_operands(hlo, "xpress_pack_active") == 2
-            assert _triton_operands(hlo, "xpress_full_vocab_fused") == (6 if served.v_steps != cfg.v_steps else 5)
-            assert _triton_operands(hlo, "xpress_pick_combine") == 5
-            # counted: two launches, the pick with the tokens and the row-tile counters aliased in (no combine)
-            hlo = common.lower_triton(functools.partial(g, counted=True), *args).as_text()
+        for kw in ({}, dict(skip_slots=3)):  # + the passes that know their number
+            hlo = common.lower_triton(functools.partial(f, **kw), *args).as_text()
             assert hlo.count(TRITON_CALL) == 2 and "xpress_pick_combine" not in hlo
+            assert _triton_operands(hlo, "xpress_pack_active") == 2
             assert _triton_operands(hlo, "xpress_full_vocab_counted") == (8 if served.v_steps != cfg.v_steps else 7)
 
 
@@ -628,7 +659,7 @@ def _triton_operands(hlo: str, name: str) -> int:
     return counts[0]
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("dtype", [jnp.float32, pytest.param(jnp.bfloat16, marks=pytest.mark.slow)])
 def test_slot_stride_reads_draft_rows_of_the_whole_logits(dtype):
     """slot_stride=B on logits.reshape(N*B, V) == the pick on logits[:, 1:] (slot 0 never read)."""
     rng = np.random.default_rng(11)

@@ -91,10 +91,10 @@ def _serving_rows(rows: int = 4, seed: int = 3) -> np.ndarray:
 def test_dispatch_keeps_the_fast_finish_above_512(c):
     """The dispatch's selection config for C > 512 keeps smooth serving rows on the fast finish (numpy
     model of the bound), where the kernel's defaults (cap 1024, 2048 groups) send every row to the
-    whole-row slow path from C = 1024 on (measured 10-20x slower: RESULTS.md "Selection above C=512")."""
+    whole-row slow path from C = 1024 on (10-20x slower: docs/performance.md)."""
     x = _serving_rows()
-    for row in dispatch.TABLE:
-        cfg = dataclasses.replace(sel.SelectConfig(), **dispatch.select_config(row, c))
+    for row in dispatch.TABLE.entries:
+        cfg = dataclasses.replace(sel.SelectConfig(), **dispatch.TABLE.select_config(row, c))
         assert _paths(x, c, cfg.groups, cfg.cap, cfg.block) == ["fast"] * len(x), (row.max_rows, cfg)
     d = sel.SelectConfig()
     if c >= 1024:
@@ -117,14 +117,16 @@ def _assert_matches_oracle(got, base, c):
 
 
 slow = pytest.mark.slow
-#: (dtype, segments) cross products: the default run keeps two corners, bf16 with several
-#: segments per row (separate bound kernel) and f32 with one (stats and bound fused), so both dtypes
-#: and both stats layouts run in every test that sweeps them; the other two corners are `slow`
-#: (tests/slow_list.txt moves more of these cases to `slow` for their run time).
-DTYPE_SEGMENTS = [
-    pytest.param(BF16, None, id="bfloat16-None"), pytest.param(F32, 1, id="float32-1"),
-    pytest.param(BF16, 1, id="bfloat16-1", marks=slow), pytest.param(F32, None, id="float32-None", marks=slow),
-]
+
+
+def dtype_segments(*fast: str):
+    """(dtype, segments) cross products: bf16 with several segments per row (a separate bound kernel) or f32 with
+    one (stats and bound fused), and the other two corners; the ids in ``fast`` run by default, the rest `slow`."""
+    cases = ((BF16, None, "bfloat16-None"), (F32, 1, "float32-1"), (BF16, 1, "bfloat16-1"), (F32, None, "float32-None"))
+    return [pytest.param(d, s, id=i, marks=() if i in fast else slow) for d, s, i in cases]
+
+
+DTYPE_SEGMENTS = dtype_segments("bfloat16-None", "float32-1")
 
 
 class TestSelect:
@@ -151,14 +153,14 @@ class TestSelect:
         return got
 
     # one segment per row (stats and bound fused) and several (a separate bound kernel)
-    @pytest.mark.parametrize("dtype,segments", DTYPE_SEGMENTS)
+    @pytest.mark.parametrize("dtype,segments", dtype_segments("float32-1"))
     def test_matches_oracle_on_every_kind_of_row(self, dtype, segments):
         base = jnp.asarray(_mixed_rows(seed=1), dtype)
         _, vals, arg = self.run(base, C, segments=segments, **self.small)
         assert not np.isnan(np.asarray(vals, np.float32)).any()
         assert int(arg[6]) == 0 and int(arg[7]) == 0 and int(arg[10]) == V - 7 and int(arg[11]) == 5
 
-    @pytest.mark.parametrize("dtype", [BF16, F32])
+    @pytest.mark.parametrize("dtype", [BF16, pytest.param(F32, marks=slow)])
     def test_ties_straddling_the_boundary_lowest_ids_win(self, dtype):
         # per row: 40 nines and 300 fives at random ids, the rest below: C=100 takes the 40 nines
         # and the 60 lowest-id fives (not any 60 of them).
@@ -211,7 +213,7 @@ class TestSelect:
             x[14, edges[::2]] = 6e-39
         self.run(jnp.asarray(x, dtype), C, segments=segments, **self.small)
 
-    @pytest.mark.parametrize("dtype,segments", DTYPE_SEGMENTS)
+    @pytest.mark.parametrize("dtype,segments", dtype_segments("bfloat16-None"))
     def test_slot_stride_reads_slots_1_to_b(self, dtype, segments):
         # logits [N, B, V] with N=3, B=6: the 15 draft rows (slots 1..5) are the mixed rows (every
         # finish path: fast, heavy ties at the bound, flooded row); slot 0 of each block holds huge
@@ -232,13 +234,14 @@ class TestSelect:
             assert g.shape == w.shape and g.dtype == w.dtype, what
             np.testing.assert_array_equal(np.asarray(g).view(np.uint8), np.asarray(w).view(np.uint8), err_msg=what)
 
-    @pytest.mark.parametrize("c", [1024, 3000])
+    @pytest.mark.parametrize("c", [pytest.param(1024, marks=slow), 3000])
     def test_dispatch_configs_above_512(self, c):
-        """The configs `dispatch.select_config` serves for large C (bigger cap, more groups, smaller
+        """The configs `dispatch.Table.select_config` serves for large C (bigger cap, more groups, smaller
         blocks) give the oracle's candidates at V = 151936."""
         base = jnp.asarray(_serving_rows(rows=2), BF16)
-        self.run(base, c, **dispatch.select_config(dispatch.TABLE[0], c))
+        self.run(base, c, **dispatch.TABLE.select_config(dispatch.TABLE.entries[0], c))
 
+    @slow
     def test_small_vocab_one_chunk(self):
         base = jnp.asarray(np.random.default_rng(8).standard_normal((15, 37)), F32)
         self.run(base, 37)  # V < groups: empty groups, bound = the minimum
@@ -294,8 +297,10 @@ def test_keys_follow_top_k_order_over_all_bf16_values():
     np.testing.assert_array_equal(back, clean)
 
 
-@pytest.mark.parametrize("rows,segments,x64", [(15, None, False), (15, 1, False), (3840, None, False), (15, None, True)])
-@pytest.mark.parametrize("dtype", [BF16, F32])
+@pytest.mark.parametrize("dtype,rows,segments,x64", [
+    pytest.param(d, r, s, x, id=f"{jnp.dtype(d).name}-{r}-{s}-{x}",
+                 marks=() if (d, r, s) in ((BF16, 15, 1), (F32, 3840, None)) else slow)
+    for d in (BF16, F32) for r, s, x in ((15, None, False), (15, 1, False), (3840, None, False), (15, None, True))])
 def test_lowers_to_triton_for_h200(rows, segments, x64, dtype):
     """Every kernel lowers to Triton IR at serving shapes (V=151936, c=512); no XLA fallback."""
     kw = {} if segments is None else {"segments": segments}
@@ -311,14 +316,14 @@ def test_lowers_to_triton_for_h200(rows, segments, x64, dtype):
     assert "topk" not in hlo.lower() and "sort" not in hlo.lower()
 
 
-@pytest.mark.parametrize("c", [1024, 3000, 4096])
-@pytest.mark.parametrize("rows", [2, 15, 240])
+@pytest.mark.parametrize("rows,c", [
+    pytest.param(r, c, id=f"{r}-{c}", marks=() if (r, c) in ((15, 4096), (240, 3000)) else slow)
+    for r in (2, 15, 240) for c in (1024, 3000, 4096)])
 def test_large_c_configs_lower_to_triton(rows, c):
     """The large-C configs (cap up to 8192) lower at every row count: with few rows the segments per row
     are capped so that the finish's [segments, cap] mask stays inside Triton's 2^20-element tensor
     limit (2 rows at cap 8192 failed to build on the H200 before)."""
-    row = next(r for r in dispatch.TABLE if r.max_rows is None or rows <= r.max_rows)
-    f = functools.partial(sel.select_candidates, c=c, **dispatch.select_config(row, c))
+    f = functools.partial(sel.select_candidates, c=c, **dispatch.TABLE.select_config(dispatch.TABLE.entry(rows), c))
     hlo = common.lower_triton(f, jax.ShapeDtypeStruct((rows, 151936), BF16)).as_text()
     assert hlo.count("__gpu$xla.gpu.triton") >= 3
 

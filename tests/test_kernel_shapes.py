@@ -11,9 +11,8 @@ token ids exactly, except rows where another float32 summation order could flip 
 demand exact equality on every row.
 
 Cost: small V and H wherever the property does not need a big one; the expensive sides of
-boundaries (hundreds of rows) are marked `slow` (conftest: `-m slow` or XPRESS_SLOW=1), each
-awkward case keeps a fast representative in the default run (tests/slow_list.txt moves more of
-these cases to `slow` for their run time, keeping one case of each parametrized test fast).
+boundaries (hundreds of rows) and most cases of each sweep are marked `slow` (`-m slow`), each
+parametrized test keeping one case in the default run.
 """
 
 from __future__ import annotations
@@ -49,20 +48,15 @@ def _name(dt):
     return jnp.dtype(dt).name
 
 
-def rank_dtype_params():
-    """Every awkward rank once in the default run, dtypes alternating (bf16 / f32 every other rank,
-    the odd rank in both); the rest of the rank x dtype product is `slow`."""
-    out = []
-    for i, rank in enumerate(RANKS):
-        for j, dt in enumerate(DTYPES):
-            fast = rank == ODD_RANK or i % 2 == j
-            out.append(pytest.param(rank, dt, id=f"{rank}-{_name(dt)}", marks=() if fast else slow))
-    return out
+def rank_dtype_params(*fast: str):
+    """Every awkward rank in both dtypes: the ids in ``fast`` in the default run, the rest `slow`."""
+    return [pytest.param(rank, dt, id=f"{rank}-{_name(dt)}", marks=() if f"{rank}-{_name(dt)}" in fast else slow)
+            for rank in RANKS for dt in DTYPES]
 
 
 def _table_limits():
     """Draft-row limits of `dispatch.TABLE` where the full-vocab config changes."""
-    t = dispatch.TABLE
+    t = dispatch.TABLE.entries
     return [a.max_rows for a, b in zip(t, t[1:]) if a.full_vocab != b.full_vocab]
 
 
@@ -73,21 +67,20 @@ def fv_config(rows, vocab, rank, dtype):
 
 def _latent_limits(kind):
     """The last draft-row count at which the table's latent is ``kind``."""
-    return max(r.max_rows for r in dispatch.TABLE if r.latent == kind)
+    return max(r.max_rows for r in dispatch.TABLE.entries if r.latent == kind)
 
 
 LAT_XLA_ROWS = _latent_limits("xla")  # 960 (N = 64 at B = 16); above it the fused kernel
-# No 16-bit row serves the split variant since 2026-12-01 (XLA's latent measured faster inside refine up to
-# N = 64, RESULTS.md "Small-N latency"); interpret-mode plans (`kernels_everywhere`) run it wherever the
-# table says XLA, so the split kernel is still what the tests below exercise up to LAT_XLA_ROWS.
+# No 16-bit entry serves the split variant (XLA's latent is faster up to N = 64); interpret-mode plans
+# (`kernels_everywhere`) run it wherever the table says XLA, so the tests below exercise it up to LAT_XLA_ROWS.
 
 
 # (N, B) with N*(B-1) draft rows on both sides of every full-vocab table boundary (15/30/60/240/960),
 # small and odd B among them; the slow ones are the hundreds-of-rows sides.
 FV_BOUNDARY = [
-    pytest.param(5, 4, id="rows15-B4"), pytest.param(8, 3, id="rows16-B3"),
-    pytest.param(10, 4, id="rows30-B4"), pytest.param(31, 2, id="rows31-B2"),
-    pytest.param(10, 7, id="rows60-B7"), pytest.param(61, 2, id="rows61-B2"),
+    pytest.param(5, 4, id="rows15-B4", marks=slow), pytest.param(8, 3, id="rows16-B3", marks=slow),
+    pytest.param(10, 4, id="rows30-B4", marks=slow), pytest.param(31, 2, id="rows31-B2", marks=slow),
+    pytest.param(10, 7, id="rows60-B7", marks=slow), pytest.param(61, 2, id="rows61-B2"),
     pytest.param(40, 7, id="rows240-B7", marks=slow), pytest.param(241, 2, id="rows241-B2", marks=slow),
     pytest.param(160, 7, id="rows960-B7", marks=slow), pytest.param(31, 32, id="rows961-B32", marks=slow),
 ]
@@ -133,7 +126,7 @@ def test_full_vocab_at_table_boundaries(n, b, dtype):
     _check_full_vocab(n, b, V_ODD, 24, dtype, seed=n * b)
 
 
-@pytest.mark.parametrize("rank,dtype", rank_dtype_params())
+@pytest.mark.parametrize("rank,dtype", rank_dtype_params("37-float32"))
 @pytest.mark.parametrize("n,b", [pytest.param(1, 16, id="N1-B16"), pytest.param(2, 3, id="N2-B3", marks=slow)])
 def test_full_vocab_ranks(n, b, rank, dtype):
     """Every awkward rank at the configs served for <= 60 draft rows: N=1 holds the latent and dots the whole rank
@@ -207,14 +200,15 @@ def _check_topc(rows, vocab, c, rank, dtype, seed):
             np.testing.assert_array_equal(got[~near], want[~near])
 
 
-@pytest.mark.parametrize("rank,dtype", rank_dtype_params())
+@pytest.mark.parametrize("rank,dtype", rank_dtype_params("37-float32"))
 def test_topc_ranks(rank, dtype):
     """Awkward ranks (64-wide chunks, a masked tail), C=37 (a tail tile), 2 rows (N=2, B=2)."""
     _check_topc(2, 211, 37, rank, dtype, seed=rank)
 
 
 @pytest.mark.parametrize("rows,c,dtype", [
-    pytest.param(6, 1, jnp.bfloat16, id="rows6-B3-C1-bf16"), pytest.param(14, 211, jnp.float32, id="rows14-B8-CV-f32"),
+    pytest.param(6, 1, jnp.bfloat16, id="rows6-B3-C1-bf16", marks=slow),
+    pytest.param(14, 211, jnp.float32, id="rows14-B8-CV-f32"),
     pytest.param(6, 211, jnp.bfloat16, id="rows6-B3-CV-bf16", marks=slow),
     pytest.param(14, 1, jnp.float32, id="rows14-B8-C1-f32", marks=slow)])
 def test_topc_c_edges(rows, c, dtype):
@@ -240,25 +234,27 @@ def _check_select(n, b, vocab, c, dtype, seed):
 
 
 @pytest.mark.parametrize("n,b", [pytest.param(239, 2, id="rows239-B2", marks=slow),
-                                 pytest.param(40, 7, id="rows240-B7")])
+                                 pytest.param(40, 7, id="rows240-B7", marks=slow)])
 def test_select_at_the_240_row_switch(n, b):
     """Both sides of the dispatch's block=16 switch (rows >= 240), odd V, C no power of two."""
     _check_select(n, b, 301, 37, jnp.bfloat16, seed=n)
 
 
 @pytest.mark.parametrize("c,dtype", [
-    pytest.param(513, jnp.bfloat16, id="C513-bf16"), pytest.param(2049, jnp.float32, id="C2049-f32"),
+    pytest.param(513, jnp.bfloat16, id="C513-bf16", marks=slow),
+    pytest.param(2049, jnp.float32, id="C2049-f32", marks=slow),
     pytest.param(512, jnp.float32, id="C512-f32", marks=slow), pytest.param(2048, jnp.bfloat16, id="C2048-bf16", marks=slow),
     pytest.param(5003, jnp.bfloat16, id="CV-bf16", marks=slow)])
 def test_select_at_the_large_c_switches(c, dtype):
-    """Both sides of `dispatch.select_config`'s switches (C > 512: bigger cap and more groups; C > 2048:
+    """Both sides of `dispatch.Table.select_config`'s switches (C > 512: bigger cap and more groups; C > 2048:
     8-element blocks) at an odd V=5003, where the groups outnumber the blocks (the bound is loose, the
     finish may take its whole-row path: exact either way)."""
     _check_select(1, 3, 5003, c, dtype, seed=c)
 
 
 @pytest.mark.parametrize("n,b,c,dtype", [
-    pytest.param(2, 2, 1, jnp.bfloat16, id="B2-C1-bf16"), pytest.param(1, 3, 301, jnp.float32, id="B3-CV-f32"),
+    pytest.param(2, 2, 1, jnp.bfloat16, id="B2-C1-bf16", marks=slow),
+    pytest.param(1, 3, 301, jnp.float32, id="B3-CV-f32"),
     pytest.param(1, 7, 1, jnp.float32, id="B7-C1-f32", marks=slow),
     pytest.param(1, 7, 301, jnp.bfloat16, id="B7-CV-bf16", marks=slow)])
 def test_select_small_blocks_and_c_edges(n, b, c, dtype):
@@ -292,7 +288,7 @@ def _check_latent(n, b, rank, dtype, m=40, vocab=97, seed=0):
                                                                                               rank=rank)), want)
 
 
-@pytest.mark.parametrize("rank,dtype", rank_dtype_params())
+@pytest.mark.parametrize("rank,dtype", rank_dtype_params("37-float32"))
 def test_latent_ranks(rank, dtype):
     """The split variant (interpret-mode plans up to LAT_XLA_ROWS draft rows) at every awkward rank, 2 blocks
     of B = 3 (compiled on a GPU, 4 rows take XLA's latent, and the test runs the split kernel itself)."""
@@ -300,7 +296,8 @@ def test_latent_ranks(rank, dtype):
 
 
 @pytest.mark.parametrize("rank", [24, pytest.param(ODD_RANK, marks=slow), pytest.param(192, marks=slow)])
-@pytest.mark.parametrize("b,dtype", [pytest.param(2, _F32, id="2-float32"), pytest.param(7, _BF, id="7-bfloat16"),
+@pytest.mark.parametrize("b,dtype", [pytest.param(2, _F32, id="2-float32"),
+                                     pytest.param(7, _BF, id="7-bfloat16", marks=slow),
                                      pytest.param(2, _BF, id="2-bfloat16", marks=slow),
                                      pytest.param(7, _F32, id="7-float32", marks=slow)])
 def test_latent_small_blocks(b, rank, dtype):
@@ -363,9 +360,9 @@ refine_jit = jax.jit(xj.refine, static_argnames=xj.STATIC_ARGNAMES)
 @pytest.mark.parametrize("rank,b,n,topc,dtype", [
     pytest.param(40, 7, 2, 0, _BF, id="r40-B7-rows12-full-bf16"),
     pytest.param(24, 3, 8, 0, _F32, id="r24-B3-rows16-full-f32", marks=slow),  # f32: not the table
-    pytest.param(24, 3, 8, 0, _BF, id="r24-B3-rows16-full-bf16"),
-    pytest.param(ODD_RANK, 2, 3, 13, _BF, id="r37-B2-top13-bf16"),
-    pytest.param(48, 7, 2, V_ODD, _F32, id="r48-B7-topV-f32"),
+    pytest.param(24, 3, 8, 0, _BF, id="r24-B3-rows16-full-bf16", marks=slow),
+    pytest.param(ODD_RANK, 2, 3, 13, _BF, id="r37-B2-top13-bf16", marks=slow),
+    pytest.param(48, 7, 2, V_ODD, _F32, id="r48-B7-topV-f32", marks=slow),
     pytest.param(40, 7, 2, 0, _F32, id="r40-B7-rows12-full-f32", marks=slow),
     pytest.param(ODD_RANK, 2, 3, 13, _F32, id="r37-B2-top13-f32", marks=slow),
     pytest.param(48, 7, 2, V_ODD, _BF, id="r48-B7-topV-bf16", marks=slow),
@@ -382,7 +379,7 @@ def test_refine_pallas_equals_xla(rank, b, n, topc, dtype):
 
 
 @pytest.mark.interpret_refine
-@pytest.mark.parametrize("rank", [40, pytest.param(ODD_RANK, marks=slow)])
+@pytest.mark.parametrize("rank", [pytest.param(40, marks=slow), pytest.param(ODD_RANK, marks=slow)])
 def test_jacobi_exactness_full_vocab_pallas_bf16(rank):
     """K >= B-1 full-vocab passes of the Pallas refine == the sequential greedy decode (bf16, rank not a power of two)."""
     cfg = _cfg(rank, 6, vocab=611)

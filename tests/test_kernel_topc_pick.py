@@ -55,6 +55,19 @@ def _reference(base_c, cand, lat, w2):
     return np.asarray(R.topc_pick(base_c, cand, lat, R.topc_gather(w2, cand)))
 
 
+def _shape_dtypes(fast: str):
+    """Every shape and dtype: the case ``fast`` in the default run, the rest `slow`."""
+    out = []
+    for sh in SHAPES:
+        for dt in DTYPES:
+            name = f"rows{sh[0]}-V{sh[1]}-C{sh[2]}-r{sh[3]}-{jnp.dtype(dt).name}"
+            out.append(pytest.param(sh, dt, id=name, marks=() if name == fast else pytest.mark.slow))
+    return out
+
+
+SHAPE_DTYPES = _shape_dtypes("rows15-V1000-C100-r32-float32")
+
+
 class TestTopCPick:
     INTERPRET = False
 
@@ -65,12 +78,7 @@ class TestTopCPick:
     def pick(self, base_c, cand, lat, w2, config=None):
         return tp.topc_pick(base_c, cand, lat, w2, interpret=self.INTERPRET, config=config)
 
-    # each shape once in the default run, dtypes alternating
-    # (tests/slow_list.txt moves more of these cases to `slow` for their run time)
-    @pytest.mark.parametrize("shape,dtype", [
-        pytest.param(sh, dt, id=f"rows{sh[0]}-V{sh[1]}-C{sh[2]}-r{sh[3]}-{jnp.dtype(dt).name}",
-                     marks=pytest.mark.slow if (i + j) % 2 else ())
-        for i, sh in enumerate(SHAPES) for j, dt in enumerate(DTYPES)])
+    @pytest.mark.parametrize("shape,dtype", SHAPE_DTYPES)
     def test_matches_reference(self, shape, dtype):
         rows, vocab, c, rank, config = shape
         args = _inputs(rows, vocab, c, rank, dtype, seed=rows + c)
@@ -84,9 +92,10 @@ class TestTopCPick:
         args = _inputs(rows, vocab, c, rank, dtype, seed=rows, dyadic=True)
         np.testing.assert_array_equal(np.asarray(self.pick(*args, config)), _reference(*args))
 
-    @pytest.mark.parametrize("rows", [dispatch.TOPC_SMALL_TILE_MAX_ROWS, dispatch.TOPC_SMALL_TILE_MAX_ROWS + 1])
+    @pytest.mark.slow  # fast: the served configs in refine (test_kernel_shapes.py::test_topc_ranks)
+    @pytest.mark.parametrize("rows", [30, 31])
     def test_served_configs_at_their_boundary(self, rows):
-        """The configs refine serves (`dispatch.plan`) on either side of `TOPC_SMALL_TILE_MAX_ROWS`, at C = 1, a C
+        """The configs refine serves (`dispatch.plan`) on either side of the small-tile entries (30 rows), at C = 1, a C
         that is not a multiple of the tile, and C = V, with a rank that needs a masked tail chunk: the ids of
         the jnp oracle on every row that is not a near tie, and on every row of dyadic inputs."""
         vocab, rank, dtype = 300, 20, jnp.bfloat16
@@ -101,7 +110,8 @@ class TestTopCPick:
             dy = _inputs(rows, vocab, c, rank, dtype, seed=rows + c, dyadic=True)
             np.testing.assert_array_equal(np.asarray(self.pick(*dy, cfg)), _reference(*dy))
 
-    @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+    @pytest.mark.parametrize("dtype", [pytest.param(jnp.float32, id="float32"),
+                                       pytest.param(jnp.bfloat16, id="bfloat16", marks=pytest.mark.slow)])
     def test_ties_and_nonfinite(self, dtype):
         # rows = 5 blocks of B=6; C=100 candidates in tiles of 16, 2 tiles per split -> 4 splits, the last partial.
         rows, vocab, c, rank = 25, 1000, 100, 16
@@ -181,6 +191,7 @@ class TestTopCPick:
         with pytest.raises(ValueError, match="ties"):
             tp.topc_pick(base_c, cand, lat, w2, interpret=self.INTERPRET, ties="lowest")
 
+    @pytest.mark.slow  # fast: the certified mode's candidates step (tests/test_certified.py) passes skip
     def test_skip(self):
         """``skip`` (a device scalar): false (bool or int) gives the plain pick; true makes every program return at
         once with "no winner" partials (-inf, -inf, BIG), so every row's result is BIG; with several splits
@@ -202,7 +213,9 @@ class TestTopCPick:
         with pytest.raises(ValueError, match="skip"):
             tp.topc_pick(base_c, cand, lat, w2, interpret=self.INTERPRET, skip=jnp.zeros(2, bool))
 
-    @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+    @pytest.mark.slow  # fast: row_ids with keep and skip in test_l2_hints_are_the_same_pick
+    @pytest.mark.parametrize("dtype", [pytest.param(jnp.bfloat16, id="bfloat16"),
+                                       pytest.param(jnp.float32, id="float32")])
     def test_row_ids(self, dtype):
         """``row_ids`` picks only the listed rows (any order, repeats allowed), each the id (and with ``partials``
         the per-split winners) the all-rows pick gives it with the same config: both tie rules, with the
@@ -270,6 +283,19 @@ class TestTopCPick:
             tp.topc_pick(base_c, cand, lat, w2[:, :4], interpret=self.INTERPRET)
 
 
+def _shape_dtypes(fast: str):
+    """Every shape and dtype: the case ``fast`` in the default run, the rest `slow`."""
+    out = []
+    for sh in SHAPES:
+        for dt in DTYPES:
+            name = f"rows{sh[0]}-V{sh[1]}-C{sh[2]}-r{sh[3]}-{jnp.dtype(dt).name}"
+            out.append(pytest.param(sh, dt, id=name, marks=() if name == fast else pytest.mark.slow))
+    return out
+
+
+SHAPE_DTYPES = _shape_dtypes("rows15-V1000-C100-r32-float32")
+
+
 class TestTopCPickInterpret(TestTopCPick):
     INTERPRET = True
 
@@ -277,7 +303,7 @@ class TestTopCPickInterpret(TestTopCPick):
 class TestTopCLowering:
     """The kernel lowers to Triton for an H200 at serving shapes."""
 
-    @pytest.mark.parametrize("rows", [15, 60, 3840])
+    @pytest.mark.parametrize("rows", [pytest.param(15, marks=pytest.mark.slow), pytest.param(60, marks=pytest.mark.slow), 3840])
     def test_lowers_at_serving_shapes(self, rows):
         """The kernel heuristic's config and the one refine serves (`dispatch.plan`) both build."""
         V, C, r, dt = 151936, 512, 256, jnp.bfloat16

@@ -1,6 +1,6 @@
 """The residual inside the top-C pick (`xpress_jax.reference.LatentSum`, the kernel's ``lat_add``).
 
-Where XLA computes a top-C pass's latent (up to `dispatch.SPLIT_LATENT_MAX_ROWS` draft rows), the
+Where XLA computes a top-C pass's latent (where the dispatch entry's ``split_latent`` says so), the
 Pallas backend hands the pick the residual's two float32 terms ``(u, d)`` and the kernel forms
 ``round(u + d)`` as it loads the latent, instead of an XLA kernel doing it. The claim: the same latent,
 so the same tokens. Checked:
@@ -12,7 +12,7 @@ so the same tokens. Checked:
   missing rounding picks another id;
 - refine with the split latent against refine without it, for top-C (C = 1, 11, V), in float32,
   bfloat16 and float16 (full-vocab passes are not split: the fused pick measured slower with the terms);
-- the Pallas steps split exactly up to `dispatch.SPLIT_LATENT_MAX_ROWS` draft rows.
+- the Pallas steps split exactly where the entries' ``split_latent`` says so.
 
 `TestLatentSum` runs the kernel compiled (GPU only); `TestLatentSumInterpret` runs the same tests in
 interpret mode on the CPU.
@@ -38,6 +38,14 @@ from xpress_jax.refine import refine_with
 from conftest import make_head, make_inputs, pick_inputs
 
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
+SLOW = pytest.mark.slow
+PICK_CASES = [  # splits, C tail, rank tail; C = 1
+    pytest.param(*case, dt, id=f"{'-'.join(map(str, case[:4]))}-{case_id}-{jnp.dtype(dt).name}",
+                 marks=() if (case[0], dt) in ((15, jnp.float32), (6, jnp.bfloat16)) else SLOW)
+    for case, case_id in (((15, 1000, 100, 32, None), "None"),
+                          ((25, 777, 77, 20, tp.TopCConfig(c_tile=16, c_steps=2, k_tile=16)), "config1"),
+                          ((6, 301, 1, 20, None), "None"))
+    for dt in DTYPES]
 
 # Odd V and B, a rank that is not a power of two (a masked tail chunk in both kernels).
 CFG = xj.HeadConfig(vocab_size=301, hidden_size=40, block_size=7, rank=20, mlp_hidden=24, topc=11,
@@ -65,12 +73,7 @@ class TestLatentSum:
             pytest.skip("compiled Pallas-Triton kernels need an NVIDIA GPU (compute capability >= 8.0)")
 
     # -- the kernels ------------------------------------------------------------------------------
-    @pytest.mark.parametrize("dtype", DTYPES)
-    @pytest.mark.parametrize("rows,vocab,c,rank,config", [
-        (15, 1000, 100, 32, None),
-        (25, 777, 77, 20, tp.TopCConfig(c_tile=16, c_steps=2, k_tile=16)),  # splits, C tail, rank tail
-        (6, 301, 1, 20, None),  # C = 1
-    ])
+    @pytest.mark.parametrize("rows,vocab,c,rank,config,dtype", PICK_CASES)
     def test_topc_pick_adds_the_terms(self, rows, vocab, c, rank, config, dtype):
         base_c, cand, w2 = _topc_inputs(rows, vocab, c, rank, dtype, seed=rows)
         u, d = _terms(rows, rank, seed=rows)
@@ -81,7 +84,7 @@ class TestLatentSum:
         if c > 1:  # the inputs see d: without it the tokens change
             assert (np.asarray(tp.topc_pick(base_c, cand, round_to(u, dtype), w2, **kw)) != want).any()
 
-    @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+    @pytest.mark.parametrize("dtype", [pytest.param(jnp.bfloat16, marks=pytest.mark.slow), jnp.float16])
     def test_the_rounding_is_to_nearest_even(self, dtype):
         """Zero base logits and ``w2[v] = e_v - e_15``: id v scores ``lat[v] - lat[15]``, exact in
         float32, so the winner shows how each latent value rounded (the bias's own rounding cannot
@@ -141,8 +144,9 @@ def _xla_latent_split(params, xh, blk, prev_ids, split=False):
 
 
 @pytest.mark.interpret
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("topc", [1, 11, 301])
+@pytest.mark.parametrize("topc,dtype", [
+    pytest.param(c, dt, id=f"{c}-{jnp.dtype(dt).name}", marks=() if (c, dt) == (1, jnp.bfloat16) else SLOW)
+    for c in (1, 11, 301) for dt in DTYPES])
 def test_refine_same_tokens_with_the_split_latent(topc, dtype):
     """Pallas steps (interpret) with XLA's latent: split (the picks add the terms) against not split."""
     params = make_head(CFG, seed=21, dtype=dtype, std=0.5)
@@ -172,13 +176,15 @@ def test_split_latent_terms_sum_to_the_latent():
 
 def test_pallas_steps_split_up_to_the_dispatch_bound():
     """The compiled Pallas steps' latent (XLA's where the plan says so: jnp, runs on a CPU too) is split
-    at `dispatch.SPLIT_LATENT_MAX_ROWS` draft rows and not one block above; never without ``split``."""
+    up to the table's last ``split_latent`` draft-row count and not one block above; never without ``split``."""
     from xpress_jax import dispatch
 
     cfg = dataclasses.replace(CFG, block_size=16)
     params = make_head(cfg, seed=29, dtype=jnp.bfloat16)
     ops = Ops.pallas()
-    n_in = dispatch.SPLIT_LATENT_MAX_ROWS // (cfg.block_size - 1)
+    last = max(e.max_rows for e in dispatch.TABLE.entries if e.split_latent)
+    n_in = last // (cfg.block_size - 1)
+    assert not dispatch.TABLE.entry(last + 1).split_latent
     for n, want in ((n_in, True), (n_in + 1, False)):
         assert dispatch.plan(n, cfg.block_size, cfg.vocab_size, cfg.rank, 0, jnp.bfloat16).latent is None
         _, h, _, _ = make_inputs(cfg, n, seed=30, dtype=jnp.bfloat16)
@@ -188,16 +194,19 @@ def test_pallas_steps_split_up_to_the_dispatch_bound():
         assert not isinstance(ops.latent(params, xh, blk, blk[:, 0]), R.LatentSum)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", [pytest.param(jnp.float32, id="float32"),
+                                   pytest.param(jnp.bfloat16, id="bfloat16", marks=pytest.mark.slow)])
 def test_mixer_barrier_same_latent_up_to_the_dispatch_bound(dtype):
     """`head.latent(barrier=True)` (the mixer's output behind an optimization barrier) is the latent bit for
     bit, jitted, split or not; the compiled Pallas steps use it for an unsplit latent up to
-    `dispatch.MIXER_BARRIER_MAX_ROWS` draft rows and not one block above (the barrier is in the HLO)."""
+    the table's last ``mixer_barrier`` draft-row count and not one block above (the barrier is in the HLO)."""
     from xpress_jax import dispatch
 
     cfg = dataclasses.replace(CFG, block_size=16)
     params = make_head(cfg, seed=31, dtype=dtype, std=0.5)
-    n_in = dispatch.MIXER_BARRIER_MAX_ROWS // (cfg.block_size - 1)
+    last = max(e.max_rows for e in dispatch.TABLE.entries if e.mixer_barrier)
+    n_in = last // (cfg.block_size - 1)
+    assert not dispatch.TABLE.entry(last + 1).mixer_barrier
     assert n_in >= 1
     for n in (n_in, n_in + 1):
         _, h, _, _ = make_inputs(cfg, n, seed=32, dtype=dtype)
@@ -214,7 +223,7 @@ def test_mixer_barrier_same_latent_up_to_the_dispatch_bound(dtype):
         assert ("opt-barrier" in served) == (n == n_in), n
 
 
-@pytest.mark.parametrize("rows", [15, 60])
+@pytest.mark.parametrize("rows", [pytest.param(15, marks=pytest.mark.slow), 60])
 def test_lat_add_lowers_for_an_h200(rows):
     """The kernel with ``lat_add`` builds for an H200 at serving shapes (on a CPU: Triton lowering), with
     one more operand than the plain kernel."""

@@ -45,7 +45,7 @@ def test_table_in_float64():
         np.testing.assert_allclose(np.asarray(table), want, rtol=1e-12, atol=1e-14)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("dtype", [jnp.float32, pytest.param(jnp.bfloat16, marks=pytest.mark.slow)])
 def test_latent_bit_for_bit_where_every_sum_is_exact(dtype):
     """Dyadic w1 and in_proj_token: every partial sum of a table row is exact in float32 in any order,
     so the latents with and without the table must agree bit for bit (in every later step too)."""
@@ -67,11 +67,14 @@ def test_latent_bit_for_bit_where_every_sum_is_exact(dtype):
 
 # C = 1, a middle C, C = V and full vocab; the exact modes; early exit; jit.
 MODES = [dict(topc=0), dict(topc=1), dict(topc=11), dict(topc=301), dict(topc=0, full_vocab="certified"),
-         dict(topc=0, full_vocab="pruned"), dict(topc=11, early_exit=True)]
+         dict(topc=11, early_exit=True)]
+FAST = ("topc=0-full_vocab=certified-bfloat16", "topc=11-early_exit=True-float32", "topc=301-float32")
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("mode", MODES, ids=lambda m: "-".join(f"{k}={v}" for k, v in m.items()))
+@pytest.mark.parametrize("mode,dtype", [
+    pytest.param(m, dt, id=(name := "-".join(f"{k}={v}" for k, v in m.items()) + f"-{jnp.dtype(dt).name}"),
+                 marks=() if name in FAST else pytest.mark.slow)
+    for m in MODES for dt in (jnp.float32, jnp.bfloat16)])
 def test_same_tokens_with_the_table(mode, dtype):
     params = make_head(CFG, seed=5, dtype=dtype, std=0.5)
     logits, h, anchors, prev = make_inputs(CFG, 9, seed=6, dtype=dtype)
@@ -82,7 +85,7 @@ def test_same_tokens_with_the_table(mode, dtype):
 
 
 @pytest.mark.interpret_refine
-@pytest.mark.parametrize("topc", [0, 11])
+@pytest.mark.parametrize("topc", [0, pytest.param(11, marks=pytest.mark.slow)])
 def test_same_tokens_with_the_table_pallas_interpret(topc):
     params = make_head(CFG, seed=7, std=0.5)
     logits, h, anchors, prev = make_inputs(CFG, 4, seed=8)
@@ -119,7 +122,7 @@ def test_bad_tables_are_refused():
 
 @pytest.mark.parametrize("rows_n", [(1, True), (274, True), (275, False)])  # B=8: 7 rows a block; 274*7 = 1918
 def test_with_a_table_the_latent_is_xlas_up_to_the_dispatch_bound(rows_n, monkeypatch):
-    """`dispatch.TABLE_XLA_LATENT_MAX_ROWS`: with a table, the Pallas ops run XLA's latent (which reads the
+    """The entries' ``table_latent``: with a table, the Pallas ops run XLA's latent (which reads the
     table) up to that many draft rows, the Pallas latent kernel above it; without a table, the plan decides
     (in interpret mode: the kernel everywhere)."""
     from xpress_jax import dispatch, reference
@@ -127,7 +130,8 @@ def test_with_a_table_the_latent_is_xlas_up_to_the_dispatch_bound(rows_n, monkey
     from xpress_jax.ops import Ops
 
     n, xla = rows_n
-    assert dispatch.TABLE_XLA_LATENT_MAX_ROWS == 1920  # at B=8: 274 blocks = 1918 rows <= 1920 < 275 blocks
+    # at B=8: 274 blocks = 1918 rows <= 1920 < 275 blocks
+    assert dispatch.TABLE.entry(1920).table_latent and not dispatch.TABLE.entry(1921).table_latent
     cfg = xj.HeadConfig(vocab_size=64, hidden_size=16, block_size=8, rank=8, mlp_hidden=8, topc=4, num_passes=2)
     params = make_head(cfg, seed=14)
     calls = []

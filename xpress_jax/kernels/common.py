@@ -16,15 +16,17 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-__all__ = ["pallas_call", "compiler_params", "lower_triton", "gpu_supported", "BIG", "iota", "cdiv", "next_pow2",
-           "k_chunk", "score", "best", "merge", "flag_operand", "flags_row"]
+__all__ = ["pallas_call", "compiler_params", "lower_triton", "gpu_supported", "BIG", "MIN_DOT", "SMEM_LIMIT", "iota",
+           "cdiv", "next_pow2", "k_chunk", "score", "best", "merge", "flag_operand", "flags_row"]
 
 #: Index of a lane that must never win (masked columns, padded parts); also int32's largest value.
 BIG = 2**31 - 1
 
-# JAX >= 0.11 warns (DeprecationWarning) at every Pallas-Triton lowering. This package installs no
-# warning filter: Python hides DeprecationWarnings outside __main__ by default, and the tests filter
-# it in their pytest configuration.
+#: Smallest dimension of a tensor-core dot (Triton's ``tl.dot`` wants M, N, K >= 16 on NVIDIA GPUs).
+MIN_DOT = 16
+
+#: Shared memory one program may use on an H100/H200 (227 KB, the opt-in maximum per block).
+SMEM_LIMIT = 227 * 1024
 
 
 def flag_operand(x: Any, name: str = "flag") -> jax.Array:
@@ -65,13 +67,9 @@ def pallas_call(kernel: Callable, *, name: str, num_warps: int = 4, num_stages: 
 
 
 def gpu_supported(devices: Sequence[Any] | None = None) -> bool:
-    """True only on an NVIDIA GPU whose compute capability is known and >= 8.0 (what the Triton
-    kernels target and were checked on).
-
-    ``devices``: the devices to judge (default: ``jax.devices()``; the first one decides). A GPU
-    that is not NVIDIA's (ROCm), or reports no compute capability, or one that does not parse,
-    is not supported: the caller then runs the jnp path.
-    """
+    """True only on an NVIDIA GPU whose compute capability is known and >= 8.0 (what the kernels target).
+    ``devices``: the devices to judge (default ``jax.devices()``; the first one decides); otherwise the caller runs
+    the jnp path."""
     if devices is None:
         return _default_gpu_supported()
     return _supported(list(devices))

@@ -1,27 +1,14 @@
 """Full-vocabulary pick: ``argmax_v float(dtype(base + dtype(lat @ w2.T)))``, lowest vocab id on ties.
 
-Reference (the spec): `xpress_jax.reference.full_vocab_pick`. Value rules: the bias is accumulated in float32 and
-rounded to the logits' dtype, the sum ``base + bias`` is formed in float32 and
-rounded to the logits' dtype *before* comparing, NaN counts as -inf, the
-largest score wins, ties go to the lowest vocab id. The [rows, V] sum is never
-stored.
+Reference (the spec): `xpress_jax.reference.full_vocab_pick`: the bias accumulated in float32 and rounded to the
+logits' dtype, ``base + bias`` formed in float32 and rounded before comparing, NaN as -inf, the largest score
+wins, ties to the lowest id. The [rows, V] sum is never stored.
 
-The Pallas-Triton kernel computes ``lat_tile @ w2_tile.T`` on the tensor cores (float32
-accumulation), rounds it, adds base, rounds again and keeps the per-row best of its tiles; the
-bias never exists in HBM. Its float32 dot may sum in another order than XLA's, so a score within
-an ulp of a rounding boundary can round differently (tokens differ only at such near ties).
-(An ``add_argmax`` variant, an XLA dot then a Pallas add+argmax, and a jnp combine were measured
-slower and removed: benchmarks/RESULTS.md "Full-vocab pick".)
-
-Two launches: stage 1 (grid ``(row tiles, vocab parts)``; dim 0 is
-launched fastest, so the row tiles that share a w2 tile run together and w2 is
-read from HBM about once) writes each part's best value and its lowest vocab id
-to ``[parts, rows_pad]``; stage 2 (`combine_partials`, shared with the top-C
-pick) keeps the largest value, lowest id on ties. A part is ``v_steps``
-consecutive vocab tiles of ``v_tile`` columns looped inside one program.
-
-Float64 is refused (``TypeError``): Triton's argmax-style reductions and float64 dots are not
-worth supporting for a dtype nobody serves in; `xpress_jax` routes float64 to its jnp reference.
+Stage 1 (`_fused_kernel`, grid ``(row tiles, vocab parts)``; dim 0 fastest, so the row tiles sharing a w2 tile
+run together) computes ``lat_tile @ w2_tile.T`` on the tensor cores, rounds, adds base, rounds again and writes
+each part's best value and lowest id to ``[parts, rows_pad]``; a part is ``v_steps`` tiles of ``v_tile`` ids.
+Stage 2 (`combine_partials`) keeps the largest value, lowest id. The float32 dot may sum in another order than
+XLA's, so tokens differ only at near ties. Float64 is refused (``TypeError``).
 """
 
 from __future__ import annotations
@@ -34,25 +21,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-
 from . import common
-from .common import BIG, cdiv, iota, k_chunk, next_pow2, score
+from .common import BIG, MIN_DOT, SMEM_LIMIT, cdiv, iota, k_chunk, next_pow2, score
 
-__all__ = [
-    "FullVocabConfig",
-    "default_config",
-    "full_vocab_pick",
-    "combine_partials",
-    "pack_active",
-    "scan_failing",
-]
-
-#: Smallest dimension of a tensor-core dot the kernels issue: Triton's ``tl.dot`` wants M, N and
-#: K >= 16 on NVIDIA GPUs, so the fused kernel's row, vocab and rank tiles are at least this.
-MIN_DOT = 16
-
-#: Shared memory one program may use on an H100/H200 (227 KB, the opt-in maximum per block).
-SMEM_LIMIT = 227 * 1024
+__all__ = ["FullVocabConfig", "default_config", "fit_shared_memory", "full_vocab_pick", "combine_partials",
+           "pack_active", "scan_failing"]
 
 _KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
@@ -61,31 +34,18 @@ _KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp
 class FullVocabConfig:
     """Static block sizes of the full-vocab pick (hashable: a jit static arg).
 
-    row_tile: rows per program (power of two; rows are masked to the real count).
-    v_tile: vocab columns per step (power of two; the vocab tail is masked).
+    row_tile, v_tile: rows per program and vocab ids per step (powers of two; tails masked).
     v_steps: vocab tiles looped inside one program (a "part"); parts = cdiv(V, v_tile * v_steps).
-    k_tile: rank columns per dot step (0 = the whole rank; else a power of two >= 16).
-      The chunk used is ``min(k_tile, max(16, next_pow2(rank)))`` (`k_chunk`); a rank it does not
-      divide ends in a masked tail chunk (masked lanes load 0 on both operands, adding nothing
-      to the float32 sum), so any rank works (r = 256 in serving: 4 chunks of 64 or one of 256).
+    k_tile: rank columns per dot step (0 = the whole rank; else a power of two >= 16); the chunk is
+      `k_chunk`'s, a rank it does not divide ends in a masked tail chunk (zeros add nothing).
     num_warps, num_stages: Triton launch parameters of stage 1.
-    hold_lat: load the program's latent tile once, before the vocab loop (it is
-      loop-invariant; Triton keeps it in shared memory, row_tile * r values), instead of once
-      per vocab tile (then the rank loop is a `fori_loop` that Triton can pipeline).
-    flat: fused only, needs ``hold_lat=False``: one loop over (vocab tile, rank chunk) pairs,
-      the add/argmax epilogue under a `lax.cond` on the last rank chunk (Triton's persistent
-      matmul pattern), so the pipelined loads run across vocab tiles instead of restarting
-      every ``r / k_tile`` chunks.
-    prefetch_base: load the next vocab tile's base block one step ahead (carried
-      in registers), so its HBM latency hides behind the tile's dots.
-    lazy: keep a running best per (row, column lane) of the tile, elementwise across
-      the part's vocab tiles (``s > best``: strict, so a lane keeps its earliest = lowest id on
-      ties; NaN never wins), and reduce the lanes to each row's (max, lowest id) once per part,
-      instead of two cross-thread reductions per tile. Base columns past V load as -inf, so no
-      per-element vocab mask either. Same result: the row max is the max of lane maxima, and
-      the lowest id attaining it is the lowest of the lanes' lowest ids attaining it; a row of
-      only -inf/NaN keeps the first tile's ids and so picks the part's lowest id.
-    """
+    hold_lat: load the latent tile once, before the vocab loop (else once per vocab tile, the rank loop a
+      `fori_loop` Triton can pipeline).
+    flat: needs ``hold_lat=False``: one loop over (vocab tile, rank chunk) pairs, the epilogue under a `lax.cond`
+      on the last chunk, so the pipelined loads run across vocab tiles.
+    prefetch_base: load the next vocab tile's base block one step ahead (its latency hides behind the dots).
+    lazy: keep a running best per (row, lane) across the part's tiles (``s > best``: strict, so a lane keeps its
+      lowest id on ties; NaN never wins) and reduce the lanes once per part: the same winner."""
 
     row_tile: int = 16
     v_tile: int = 128
@@ -205,15 +165,11 @@ def _base_index(r0, row_tile: int, v0, v_tile: int, rows: int, slot_stride: int)
     return (src[:, None], (v0 + iota(v_tile))[None, :])
 
 
-#: ``keep`` (the fused pick's L2 hint for its ``w2`` loads) -> (policy of the part's last visited tile,
-#: policy of the others). "last": keep the rows a pass reads last in L2, where the next pass, visiting
-#: in the other order, reads them first (`xpress_jax.refine` alternates the order at small N).
+#: ``keep`` (the fused pick's L2 hint for its ``w2`` loads) -> (policy of the part's last visited tile, policy of
+#: the others). "split": the tile loop split before its last tile, no hint (served where the config holds the latent).
 KEEP_POLICIES = {
     None: (None, None),
-    "last": ("evict_last", "evict_first"),
-    "last_only": ("evict_last", None),
-    "first": ("evict_first", "evict_first"),
-    "split": ("evict_normal", None),  # the loop split alone, no hint: served where the config holds the latent
+    "split": ("evict_normal", None),
 }
 
 
@@ -225,36 +181,51 @@ def _keep_segments(keep, v_steps):
     return [(0, v_steps - 1, rest), (v_steps - 1, v_steps, last)]  # v_steps may be traced (`scan_failing`)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Launch:
+    """The static facts of one `_fused_kernel` launch (besides its `FullVocabConfig`).
+
+    rows, vocab, rank, dtype: the kernel rows (packed or picked rows where a row map is given), V, r, the dtype.
+    slot_stride: 0, or B where base is the whole logits [N*B, V] (`_base_index`).
+    has_active: an int32 [rows] active operand follows (the row map, if any, first).
+    row_map: an int32 [rows] operand maps kernel rows to base rows; lat_map: to draft rows (base and lat).
+    v_steps_full: a run-time split: the flags operand's element 0 set means this many vocab tiles per part.
+    reverse, keep: the vocabulary visit order and L2 hint (`full_vocab_pick`).
+    counted: the counted launch's parts (0: the plain launch), its counters from ``counter_at``, and
+      ``barrier`` (compiled: a CTA barrier before the arrival count, volatile loads after it).
+    """
+
+    rows: int
+    vocab: int
+    rank: int
+    dtype: jnp.dtype
+    slot_stride: int = 0
+    has_active: bool = False
+    row_map: bool = False
+    lat_map: bool = False
+    v_steps_full: int = 0
+    reverse: bool = False
+    keep: str | None = None
+    counted: int = 0
+    counter_at: int = 0
+    barrier: bool = False
+
+
 def _fused_kernel(
     base_ref,  # [rows, V] whole array
     lat_ref,  # [rows, r] whole array
     w2_ref,  # [V, r] whole array
-    *refs,  # in order: map_ref [rows] int32 whole array (row_map only): the base row of each kernel row;
-    #   active_ref [rows] int32 whole array (has_active only); mv_ref [row_tile] block of
-    #   [parts, rows_pad] float32; mi_ref [row_tile] block of [parts, rows_pad] int32
-    rows: int,
-    vocab: int,
-    rank: int,
-    row_tile: int,
-    v_tile: int,
-    v_steps: int,
-    k_tile: int,
-    hold_lat: bool,
-    flat: bool,
-    prefetch_base: bool,
-    dtype,
-    slot_stride: int = 0,
-    lazy: bool = False,
-    has_active: bool = False,
-    row_map: bool = False,
-    lat_map: bool = False,
-    v_steps_full: int = 0,
-    reverse: bool = False,
-    keep: str | None = None,
-    counted: int = 0,
-    counter_at: int = 0,
-    barrier: bool = False,
+    *refs,  # in order: map_ref [rows] int32 (row_map); active_ref [rows] int32 (has_active); flags (v_steps_full);
+    #   then mv_ref, mi_ref: [row_tile] blocks of [parts, rows_pad] (counted: whole arrays, then tok_ref, cnt_ref)
+    cfg: FullVocabConfig,
+    launch: _Launch,
 ):
+    rows, vocab, rank, dtype, slot_stride = launch.rows, launch.vocab, launch.rank, launch.dtype, launch.slot_stride
+    has_active, row_map, lat_map, reverse = launch.has_active, launch.row_map, launch.lat_map, launch.reverse
+    v_steps_full, counted = launch.v_steps_full, launch.counted
+    row_tile, v_tile, v_steps, hold_lat = cfg.row_tile, cfg.v_tile, cfg.v_steps, cfg.hold_lat
+    flat, prefetch_base, lazy = cfg.flat, cfg.prefetch_base, cfg.lazy
+    k_tile = k_chunk(cfg.k_tile, rank, MIN_DOT)
     refs = list(refs)
     map_ref = refs.pop(0) if row_map else None
     active_ref = refs.pop(0) if has_active else None
@@ -385,7 +356,7 @@ def _fused_kernel(
                 return jax.lax.cond(kk == n_k - 1, finish, lambda ops: ops, (acc, best, bidx, b))
 
             carry = (zeros, *init, b0)
-            for lo, hi, evict in _keep_segments(keep, v_steps):  # the visits that share one eviction policy
+            for lo, hi, evict in _keep_segments(launch.keep, v_steps):  # the visits sharing one eviction policy
                 carry = jax.lax.fori_loop(lo * n_k, hi * n_k, functools.partial(flat_step, evict=evict), carry)
             _, best, bidx, _ = carry
         else:
@@ -408,7 +379,7 @@ def _fused_kernel(
                 return best, bidx, b_next
 
             carry = (*init, b0)
-            for lo, hi, evict in _keep_segments(keep, v_steps):
+            for lo, hi, evict in _keep_segments(launch.keep, v_steps):
                 carry = jax.lax.fori_loop(lo, hi, functools.partial(step, evict=evict), carry)
             best, bidx, _ = carry
         if lazy:  # one reduction over the lanes per part
@@ -436,8 +407,8 @@ def _fused_kernel(
             # write where they share a row (a GPU skips masked lanes).
             out_rows = jnp.where(row_ok, lat_rows, rows + iota(row_tile)) if row_map else None
             _combine_if_last(mv_ref, mi_ref, tok_ref, cnt_ref, i, r0, (act != 0) & row_ok, parts=counted,
-                             row_tile=row_tile, counter_at=counter_at, barrier=barrier, live_parts=live_parts,
-                             out_rows=out_rows)
+                             row_tile=row_tile, counter_at=launch.counter_at, barrier=launch.barrier,
+                             live_parts=live_parts, out_rows=out_rows)
         return
     if not has_active:
         best, bidx = part()
@@ -454,21 +425,12 @@ def _fused_kernel(
 
 def _combine_if_last(mv_ref, mi_ref, tok_ref, cnt_ref, i, r0, write, *, parts: int, row_tile: int, counter_at: int,
                      barrier: bool, live_parts=None, out_rows=None):
-    """The counted launch's end of program (i, j), after it stored its part's winners at [j, tile i]:
-    count the arrival on tile i's counter (``cnt[counter_at + i]``); the program that arrives last
-    (``parts - 1`` arrivals before it) reads the tile's ``parts`` winners, keeps the largest value, lowest
-    id (`common.best`, `common.merge`: the combine launch's rule), writes it to the rows in ``write`` and
-    sets the counter back to 0. ``live_parts`` (traced, <= ``parts``; `scan_failing`'s run-time split):
-    only parts ``0 .. live_parts - 1`` run, so that many arrive and are read. ``out_rows`` ([row_tile]
-    int32): the token rows of the tile's kernel rows (packed rows: the draft rows they hold; default the
-    kernel rows themselves).
-
-    Why the last arrival sees every part: each program's stores come before its counter increment, a CTA
-    barrier orders the stores of all its threads before the increment, and the increment is an
-    acquire-release atomic at GPU scope (Pallas-Triton's ``atomic_rmw``), so the last incrementer's
-    acquire reads after every earlier release; its loads are volatile (not served from a possibly stale
-    L1 line). The top-C pick's counted launch (RESULTS, fourteenth session) ran this way compiled with up
-    to 64 programs racing on one counter. Interpret mode runs the programs one after another."""
+    """The counted launch's end of program (i, j), after it stored its part's winners at [j, tile i]: count the
+    arrival on ``cnt[counter_at + i]``; the last to arrive (of ``parts``, or the traced ``live_parts``) reduces the
+    tile's parts by the combine launch's rule, writes the rows in ``write`` (to ``out_rows`` where given) and sets
+    the counter back to 0. It sees every part: each program's stores precede a CTA barrier and its GPU-scope
+    acquire-release atomic increment, and the last program's loads are volatile. Interpret mode runs the programs
+    one after another."""
     if barrier:
         plt.debug_barrier()
     old = plt.atomic_add(cnt_ref, (counter_at + i,), jnp.int32(1))
@@ -518,26 +480,18 @@ def _reduce_parts(load, *, parts: int, part_tile: int, row_tile: int):
 def _combine_kernel(
     mv_ref,  # [parts, rows_pad] float32, whole array
     mi_ref,  # [parts, rows_pad] int32, whole array
-    *refs,  # pos_ref [rows] int32 whole array (pos_map only); act_ref, fb_ref [rows] int32 whole arrays
-    #   (fallback only); o_ref [row_tile] block of [rows_pad] int32
+    *refs,  # act_ref, fb_ref [rows] int32 whole arrays (fallback only); o_ref [row_tile] block of [rows_pad] int32
     parts: int,
     row_tile: int,
     part_tile: int,
     fallback_rows: int = 0,
-    pos_map: bool = False,
 ):
-    refs = list(refs)
-    o_ref = refs.pop()
-    pos_ref = refs.pop(0) if pos_map else None
+    o_ref = refs[-1]
     r0 = pl.program_id(0) * row_tile
     rix = r0 + iota(row_tile)
-    # pos_map: output row q combines the partials of column pos[q] (`scan_failing`'s packed rows).
-    cols = plt.load(pos_ref.at[rix], mask=rix < fallback_rows, other=0) if pos_map else None
 
     def load(p0, _, ok):
-        if pos_map:
-            idx = ((p0 + iota(part_tile))[:, None], cols[None, :])
-        elif isinstance(p0, int) and p0 + part_tile > parts:
+        if isinstance(p0, int) and p0 + part_tile > parts:
             # A static slice past the end (one masked tile): JAX >= 0.12 refuses it at trace time,
             # so index with arrays (the same addresses).
             idx = ((p0 + iota(part_tile))[:, None], rix[None, :])
@@ -566,21 +520,10 @@ def _combine_row_tile(rows_pad: int) -> int:
 
 
 def combine_partials(mv: jax.Array, mi: jax.Array, *, interpret: bool = False, active: jax.Array | None = None,
-                     fallback: jax.Array | None = None, pos: jax.Array | None = None, row_tile: int | None = None,
-                     num_warps: int | None = None) -> jax.Array:
-    """[parts, rows_pad] float32 best values + int32 ids -> [rows_pad] int32.
-
-    The largest value wins, the lowest id among equal values (so "earliest vocab
-    tile" in full-vocab mode and "lowest vocab id" in top-C mode alike).
-    ``active``, ``fallback`` ([rows] each, rows <= rows_pad; both or neither; ``active`` bool or int,
-    nonzero = active, int32 read as it is): row q gets ``fallback[q]`` where ``active[q]`` is false
-    (rows past ``rows`` keep the winner).
-    ``pos`` ([rows] int32 in [0, rows_pad), with ``active`` and ``fallback``): row q combines the
-    partials of column ``pos[q]`` (`scan_failing`: the kernel ran on the rows in packed order); the
-    output has one entry per row (``[rows_pad]`` rounded up to the combine's tile, the tail unspecified).
-    ``row_tile`` / ``num_warps`` (benchmarks): rows per program (a power of two dividing ``rows_pad``) and its
-    warps; None: `_combine_row_tile` and 4 or 8 by the tile's size.
-    """
+                     fallback: jax.Array | None = None) -> jax.Array:
+    """[parts, rows_pad] float32 best values + int32 ids -> [rows_pad] int32: the largest value, the lowest id
+    among equal values. ``active``, ``fallback`` ([rows] each, rows <= rows_pad; both or neither; ``active`` bool
+    or int, nonzero = active): row q gets ``fallback[q]`` where ``active[q]`` is false."""
     parts, rows_pad = mv.shape
     extra, operands = {}, (mv, mi)
     if (active is None) != (fallback is None):
@@ -588,33 +531,21 @@ def combine_partials(mv: jax.Array, mi: jax.Array, *, interpret: bool = False, a
     if active is not None:
         n = active.shape[0]
         if fallback.shape != (n,) or n > rows_pad:
-            raise ValueError(f"combine_partials: active {active.shape} and fallback {fallback.shape} must be [rows <= {rows_pad}]")
-        if pos is not None:
-            if pos.shape != (n,):
-                raise ValueError(f"combine_partials: pos {pos.shape} must be [rows={n}]")
-            if parts == 1:
-                return jnp.where(active, mi[0, pos], fallback.astype(jnp.int32))
-        elif parts == 1:
+            raise ValueError(f"combine_partials: active {active.shape} and fallback {fallback.shape} must be "
+                             f"[rows <= {rows_pad}]")
+        if parts == 1:
             return jnp.concatenate([jnp.where(active, mi[0, :n], fallback.astype(jnp.int32)), mi[0, n:]])
         operands = (mv, mi, active.astype(jnp.int32), fallback.astype(jnp.int32))
         extra["fallback_rows"] = n
-        if pos is not None:
-            operands = (mv, mi, pos.astype(jnp.int32), *operands[2:])
-            extra["pos_map"] = True
-    elif pos is not None:
-        raise ValueError("combine_partials: pos needs active and fallback")
     if parts == 1:
         return mi[0]
-    row_tile = _combine_row_tile(rows_pad) if row_tile is None else row_tile
-    if row_tile < 1 or row_tile & (row_tile - 1) or rows_pad % row_tile:
-        raise ValueError(f"combine_partials: row_tile={row_tile} must be a power of two dividing rows_pad={rows_pad}")
+    row_tile = _combine_row_tile(rows_pad)
     # Up to 16K partials per load: few sequential steps even for ~2K parts (N=1, 64-wide tiles).
     part_tile = min(next_pow2(parts), max(1, 16384 // row_tile))
-    kernel = functools.partial(_combine_kernel, parts=parts, row_tile=row_tile, part_tile=part_tile, **extra)
     return common.pallas_call(
-        kernel,
+        functools.partial(_combine_kernel, parts=parts, row_tile=row_tile, part_tile=part_tile, **extra),
         name="xpress_pick_combine",
-        num_warps=num_warps or (8 if part_tile * row_tile >= 8192 else 4),
+        num_warps=8 if part_tile * row_tile >= 8192 else 4,
         num_stages=1,
         interpret=interpret,
         grid=(rows_pad // row_tile,),
@@ -655,19 +586,15 @@ def _check_inputs(base, lat, w2, slot_stride: int, who: str):
     return dtype
 
 
-def _fused_launch(operands, cfg: FullVocabConfig, *, rows: int, vocab: int, rank: int, dtype, slot_stride: int,
-                  interpret: bool, parts: int | None = None, reverse: bool = False, **switches):
-    """One launch of `_fused_kernel` over ``rows`` kernel rows with ``cfg``: the [parts, rows_pad] float32
-    best values and int32 ids (``parts`` default: one per ``cfg.v_steps`` vocabulary tiles).
-    ``switches``: the kernel's operand switches (``has_active``, ``row_map``, ``lat_map``, ``v_steps_full``)."""
-    parts = cdiv(vocab, cfg.v_tile * cfg.v_steps) if parts is None else parts
-    row_tiles = cdiv(rows, cfg.row_tile)
+def _fused_launch(operands, cfg: FullVocabConfig, launch: _Launch, *, interpret: bool, parts: int | None = None):
+    """One launch of `_fused_kernel` over ``launch.rows`` kernel rows: the [parts, rows_pad] float32 best values
+    and int32 ids (``parts`` default: one per ``cfg.v_steps`` vocabulary tiles)."""
+    parts = cdiv(launch.vocab, cfg.v_tile * cfg.v_steps) if parts is None else parts
+    row_tiles = cdiv(launch.rows, cfg.row_tile)
     out_spec = pl.BlockSpec((None, cfg.row_tile), lambda i, j: (j, i))
-    kernel = _kernel(cfg, rows=rows, vocab=vocab, rank=rank, dtype=dtype, slot_stride=slot_stride, reverse=reverse,
-                     **switches)
     shape = (parts, row_tiles * cfg.row_tile)
     return common.pallas_call(
-        kernel,
+        functools.partial(_fused_kernel, cfg=cfg, launch=launch),
         name="xpress_full_vocab_fused",
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
@@ -679,32 +606,19 @@ def _fused_launch(operands, cfg: FullVocabConfig, *, rows: int, vocab: int, rank
     )(*operands)
 
 
-def _kernel(cfg: FullVocabConfig, *, rows: int, vocab: int, rank: int, dtype, slot_stride: int, reverse: bool,
-            **switches):
-    """`_fused_kernel` with ``cfg``'s tiles and the given switches."""
-    return functools.partial(_fused_kernel, rank=rank, k_tile=k_chunk(cfg.k_tile, rank, MIN_DOT), hold_lat=cfg.hold_lat,
-                             flat=cfg.flat, prefetch_base=cfg.prefetch_base, lazy=cfg.lazy, rows=rows, vocab=vocab,
-                             row_tile=cfg.row_tile, v_tile=cfg.v_tile, v_steps=cfg.v_steps, dtype=dtype,
-                             slot_stride=slot_stride, reverse=reverse, **switches)
-
-
-def _counted_launch(operands, fallback, counter, cfg: FullVocabConfig, *, rows: int, vocab: int, rank: int, dtype,
-                    counter_at: int, slot_stride: int, interpret: bool, reverse: bool = False, keep: str | None = None,
-                    parts: int | None = None, **switches):
-    """The counted pick (`full_vocab_pick`'s ``counter``, `scan_failing`'s ``counted``): one launch, grid
-    (row tiles, parts); the last program of each row tile with an active row combines its parts
-    (`_combine_if_last`). ``operands``: the kernel's inputs before the tokens (base, lat, w2, then the
-    ``switches``' operands: the row map, the active rows, the run-time split's flags). The parts' winners
-    are scratch outputs; ``fallback`` (the tokens) and ``counter`` are aliased in and out."""
-    parts = cdiv(vocab, cfg.v_tile * cfg.v_steps) if parts is None else parts
-    row_tiles = cdiv(rows, cfg.row_tile)
-    kernel = _kernel(cfg, rows=rows, vocab=vocab, rank=rank, dtype=dtype, slot_stride=slot_stride,
-                     reverse=reverse, keep=keep, has_active=True, counted=parts, counter_at=counter_at,
-                     barrier=not interpret, **switches)
+def _counted_launch(operands, fallback, counter, cfg: FullVocabConfig, launch: _Launch, *, interpret: bool,
+                    parts: int | None = None):
+    """The counted pick (`full_vocab_pick`'s ``counter``, `scan_failing`): one launch, grid (row tiles, parts);
+    the last program of each row tile with an active row combines its parts (`_combine_if_last`). ``operands``:
+    the kernel's inputs before the tokens. The parts' winners are scratch outputs; ``fallback`` (the tokens) and
+    ``counter`` are aliased in and out."""
+    parts = cdiv(launch.vocab, cfg.v_tile * cfg.v_steps) if parts is None else parts
+    row_tiles = cdiv(launch.rows, cfg.row_tile)
+    launch = dataclasses.replace(launch, has_active=True, counted=parts, barrier=not interpret)
     shape = (parts, row_tiles * cfg.row_tile)
     n = len(operands)
     _, _, tok, cnt = common.pallas_call(
-        kernel,
+        functools.partial(_fused_kernel, cfg=cfg, launch=launch),
         name="xpress_full_vocab_counted",
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
@@ -741,57 +655,26 @@ def full_vocab_pick(
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """[rows,V], [rows,r], [V,r] -> [rows] int32: argmax_v float(dtype(base + dtype(lat @ w2.T))).
 
-    Lowest vocab id on ties, NaN counts as -inf (a row of -inf/NaN picks id 0).
-    One Pallas matmul with an add/argmax epilogue, then the combine launch. ``config``: block
-    sizes (default: `default_config`). Float64 raises ``TypeError``.
-    ``slot_stride=B``: ``base`` is the whole logits reshaped to [N*B, V]; draft row
-    n*(B-1) + b reads logits row n*B + 1 + b (no copy of ``logits[:, 1:]``).
-    ``partials=True``: skip the combine launch and return stage 1's per-part winners
-    ``(score [parts, rows] float32, id [parts, rows] int32)`` (each part's best rounded score
-    and its lowest id; the caller combines them, e.g. across vocabulary shards).
-    ``active`` ([rows] bool or int, a device value; None = every row, the plain kernel with no
-    extra operand): only these rows' results are wanted. A program whose row tile holds no active
-    row reads nothing and writes "no winner" partials (score -inf, id `BIG`); an inactive row's
-    result is unspecified (often `BIG`, never used). An active row's result is the one it gets
-    without ``active`` (same config, same per-row computation).
-    ``capacity`` (static int, with ``active``): the active rows are first packed to the front (a
-    permutation computed on the device; the kernel reads each base row through an index map, the
-    latent rows are gathered) and the kernel runs on only the first ``capacity`` packed rows, a grid
-    of ``ceil(capacity / row_tile)`` row tiles: the first ``capacity`` active rows in row order get
-    their tokens, active rows beyond them read ``BIG`` (partials: -inf, ``BIG``), inactive rows are
-    unspecified. So the kernel reads ``w2`` about ``ceil(active rows / row_tile)`` times. Meant for "a
-    few rows of many" (the certified mode's scan of the rows its bound cannot certify), with a
-    ``config`` whose ``v_steps`` gives each row tile enough programs
-    (`xpress_jax.dispatch.capacity_config`); only ``v_steps`` may differ from the all-rows config if
-    the tokens must match it bit for bit (each (row, id) score is computed the same way for any
-    vocabulary split).
-    ``fallback`` ([rows] int, with ``active``, without ``capacity`` and ``partials``): inactive rows
-    return ``fallback`` (the combine launch writes it: no extra select after the pick).
-    ``reverse`` (static): each program visits its vocabulary tiles from the highest ids down (ascending
-    otherwise). The same scores and the same winners, part by part: every (row, id) score is computed by
-    the same operations, and the running best keeps the lowest id on equal scores in either order
-    (descending: ``>=`` on scores with NaN read as -inf; ascending: ``>``). `xpress_jax.refine` alternates
-    the order between passes so that a pass starts on the ``w2`` rows its predecessor read last.
-    ``keep`` (static, a key of `KEEP_POLICIES`): L2 eviction hints on the ``w2`` loads, by the part's
-    visit order (None: none). Hints only: the same operations on the same values, the same result.
-    ``row_ids`` ([M] int32, M >= 1, each in [0, rows)): pick only these rows, in this order: returns [M]
-    (``partials``: [parts, M]), row ``row_ids[i]``'s result at i. The kernel reads each row's latent and
-    base row through the ids (nothing is copied) and runs ``ceil(M / row_tile)`` row tiles. With the same
-    ``config`` a row's result is the one it gets without ``row_ids``, bit for bit (the rows a row shares a
-    tile with change no operation on its own row; `xpress_jax.refine` skips the draft slots that are final
-    this way). With ``row_ids``, ``active`` is [M] (by position in ``row_ids``; without ``capacity`` and
-    ``fallback``): the certified mode's fallback scan of the slots that are not final, whose programs return
-    at once in a pass that is not full.
-    ``counter`` (int32 [k], with ``active`` and ``fallback``, without ``capacity``, ``partials`` and
-    ``row_ids``; entries ``counter_at`` .. ``counter_at + row tiles - 1`` zero): pick in **one launch** and
-    return ``(tokens [rows] int32, counter)``, the counter entries zero again and the others unchanged
-    (the certified mode passes its pass flags, whose entries from 2 are zero). Each program of a row tile
-    with an active row counts its arrival and the last to arrive combines the tile's parts
-    (`_combine_if_last`); a row tile without an active row runs nothing, so where no row is active the
-    launch writes nothing at all: the tokens are ``fallback`` as it came in (aliased: no copy, no combine
-    launch). The same tokens as with ``fallback`` alone. A counter whose entries are not zero gives wrong
-    tokens.
-    """
+    Lowest vocab id on ties, NaN as -inf (a row of -inf/NaN picks id 0). ``config``: block sizes (default
+    `default_config`). Float64 raises ``TypeError``.
+    ``slot_stride=B``: ``base`` is the whole logits [N*B, V]; draft row n*(B-1) + b reads row n*B + 1 + b.
+    ``partials=True``: stage 1's per-part winners ``(score [parts, rows] float32, id [parts, rows] int32)``.
+    ``active`` ([rows] bool or int, a device value): only these rows' results are wanted; a row tile without an
+    active row reads nothing and writes "no winner" partials (-inf, `BIG`). An active row's result is the one it
+    gets without ``active``.
+    ``capacity`` (static int, with ``active``): the active rows are packed to the front and the kernel runs on the
+    first ``capacity`` of them (``ceil(capacity / row_tile)`` row tiles); active rows beyond read ``BIG``. With a
+    ``config`` that differs from the all-rows one only in ``v_steps`` the tokens match it bit for bit.
+    ``fallback`` ([rows] int, with ``active``, without ``capacity`` and ``partials``): inactive rows return it.
+    ``reverse`` (static): each program visits its tiles from the highest ids down (``>=`` with NaN as -inf keeps the
+    lowest id): the same winners. ``keep`` (static, a key of `KEEP_POLICIES`): the L2 hints / loop split on the
+    ``w2`` loads; the same result.
+    ``row_ids`` ([M] int32 in [0, rows)): pick only these rows, in this order ([M]; ``active`` then by position);
+    a row's result is the one it gets without ``row_ids``.
+    ``counter`` (int32 [k], with ``active`` and ``fallback``, without ``capacity``, ``partials``, ``row_ids``;
+    entries ``counter_at`` .. ``counter_at + row tiles - 1`` zero): one launch, returning ``(tokens, counter)``; the
+    last program of a row tile with an active row combines its parts (`_combine_if_last`), so where no row is active
+    nothing is written (``fallback`` is aliased in as the tokens). The counter entries come back zero."""
     dtype = _check_inputs(base, lat, w2, slot_stride, "full-vocab pick kernel")
     vocab = base.shape[1]
     rows, rank = lat.shape
@@ -820,9 +703,9 @@ def full_vocab_pick(
             raise ValueError(f"counter must be int32 [k >= counter_at + row tiles = {counter_at} + {tiles}]; got "
                              f"{counter.shape} {counter.dtype}, counter_at={counter_at!r}")
         act = active if active.dtype == jnp.int32 else (active != 0).astype(jnp.int32)
-        return _counted_launch((base, lat, w2, act), fallback.astype(jnp.int32), counter, cfg, rows=rows, vocab=vocab,
-                               rank=rank, dtype=dtype, counter_at=counter_at, slot_stride=slot_stride,
-                               interpret=interpret, reverse=reverse, keep=keep)
+        launch = _Launch(rows, vocab, rank, dtype, slot_stride, reverse=reverse, keep=keep, counter_at=counter_at)
+        return _counted_launch((base, lat, w2, act), fallback.astype(jnp.int32), counter, cfg, launch,
+                               interpret=interpret)
     if row_ids is not None:
         if (capacity is not None or fallback is not None or row_ids.ndim != 1 or row_ids.shape[0] < 1
                 or row_ids.dtype != jnp.int32):
@@ -834,9 +717,9 @@ def full_vocab_pick(
         operands = (base, lat, w2, row_ids)
         if active is not None:
             operands = (*operands, active if active.dtype == jnp.int32 else (active != 0).astype(jnp.int32))
-        mv, mi = _fused_launch(operands, cfg, rows=cap, vocab=vocab, rank=rank, dtype=dtype,
-                               slot_stride=slot_stride, interpret=interpret, reverse=reverse, row_map=True,
-                               lat_map=True, keep=keep, has_active=active is not None)
+        launch = _Launch(cap, vocab, rank, dtype, slot_stride, has_active=active is not None, row_map=True,
+                         lat_map=True, reverse=reverse, keep=keep)
+        mv, mi = _fused_launch(operands, cfg, launch, interpret=interpret)
         if partials:
             return mv[:, :cap], mi[:, :cap]
         return combine_partials(mv, mi, interpret=interpret)[:cap]
@@ -856,8 +739,8 @@ def full_vocab_pick(
             extra["row_map"] = True
         operands = (*operands, act if act.dtype == jnp.int32 else (act != 0).astype(jnp.int32))
         extra["has_active"] = True
-    mv, mi = _fused_launch(operands, cfg, rows=cap, vocab=vocab, rank=rank, dtype=dtype, slot_stride=slot_stride,
-                           interpret=interpret, reverse=reverse, keep=keep, **extra)
+    launch = _Launch(cap, vocab, rank, dtype, slot_stride, reverse=reverse, keep=keep, **extra)
+    mv, mi = _fused_launch(operands, cfg, launch, interpret=interpret)
     if partials:
         mv, mi = mv[:, :cap], mi[:, :cap]
         if pos is None:
@@ -904,21 +787,15 @@ def _pack_kernel(fail_ref, fallen_ref, pos_ref, src_ref, actp_ref, act_ref, flag
 
 def pack_active(fail: jax.Array, fallen: jax.Array, *, limit: int, interpret: bool = False, skip_slots: int = 0,
                 slots: int = 1, counters: int = 0):
-    """[rows] ``fail`` (bool or int32, nonzero: failed), a flag ``fallen`` -> the certified mode's rows to
-    scan, in one launch.
+    """[rows] ``fail`` (bool or int32, nonzero: failed), a flag ``fallen`` -> the certified mode's rows to scan,
+    in one launch.
 
-    ``full = fallen | (sum(fail) > limit)``; the active rows are ``act = fail | full``. Returns int32
-    ``(pos [rows], src [n_pad], act_p [n_pad], act [rows], flags [8])`` with ``n_pad`` = the next power
-    of two >= rows. ``skip_slots`` (static; with ``slots``, the draft rows per block): rows ``q`` with
-    ``q % slots < skip_slots`` (the draft slots that are final) are never active, not even in a full pass
-    (where ``fail`` names them they still count in ``sum(fail)``). ``pos[q]`` is row q's packed position
-    (active rows first, in row order, then the others), ``src[p]`` the row at packed position p
-    (``src[pos[q]] = q``; positions past ``rows`` hold padding ids >= rows), ``act_p[p]`` = p < the number of active rows, ``act`` 0/1 and
-    ``flags`` = [full, sum(fail), 0, ...] (the next pass's ``fallen``, `common.flag_operand`). The
-    kernels downstream read them as they are (no XLA op in between). ``fallen``: a bool scalar or
-    int32 flags. The jnp spelling is `pack_active_ref`. ``counters`` (static int >= 0): where > 0, a sixth output,
-    int32 zeros [the next power of two >= counters] (the counted scan's row-tile counters, `scan_failing`'s
-    ``counted``: written by the same launch, so no XLA op runs before the pick)."""
+    ``full = fallen | (sum(fail) > limit)``; the active rows are ``act = fail | full``, except rows ``q`` with
+    ``q % slots < skip_slots`` (final draft slots; they still count in ``sum(fail)``). Returns int32 ``(pos [rows],
+    src [n_pad], act_p [n_pad], act [rows], flags [8])``, ``n_pad`` the next power of two >= rows: ``pos[q]`` row
+    q's packed position (active rows first, in row order), ``src[p]`` the row at position p, ``act_p[p]`` = p < the
+    number of active rows, ``flags`` = [full, sum(fail), 0, ...]. ``counters`` (static int >= 0): a sixth output,
+    int32 zeros [next_pow2(counters)] (the counted scan's row-tile counters)."""
     rows = fail.shape[0]
     if fail.ndim != 1:
         raise ValueError(f"pack_active: need fail [rows]; got {fail.shape}")
@@ -949,58 +826,21 @@ def pack_active(fail: jax.Array, fallen: jax.Array, *, limit: int, interpret: bo
     )(fail if fail.dtype == jnp.int32 else fail.astype(jnp.int32), fallen))
 
 
-def pack_active_ref(fail: jax.Array, fallen: jax.Array, *, limit: int, skip_slots: int = 0, slots: int = 1):
-    """`pack_active` in jnp (the oracle of its tests)."""
-    rows = fail.shape[0]
-    n_pad = next_pow2(rows)
-    f = jnp.zeros((n_pad,), bool).at[:rows].set(fail != 0)
-    n_fail = jnp.sum(f, dtype=jnp.int32)
-    full = jnp.reshape(jnp.asarray(fallen), (-1,))[0] != 0
-    full = full | (n_fail > limit)
-    q = jnp.arange(n_pad)
-    a = (f | full) & (q < rows) & (q % slots >= skip_slots)
-    ai = a.astype(jnp.int32)
-    n_act = jnp.sum(ai)
-    pos = jnp.where(a, jnp.cumsum(ai) - 1, n_act + jnp.cumsum(1 - ai) - 1).astype(jnp.int32)
-    src = jnp.zeros((n_pad,), jnp.int32).at[pos].set(jnp.arange(n_pad, dtype=jnp.int32))
-    flags = jnp.zeros((8,), jnp.int32).at[0].set(full.astype(jnp.int32)).at[1].set(n_fail)
-    return pos[:rows], src, (jnp.arange(n_pad) < n_act).astype(jnp.int32), ai[:rows], flags
-
-
 @functools.partial(jax.jit, static_argnames=("interpret", "config", "slot_stride", "limit", "v_steps_full",
-                                             "skip_slots", "keep", "counted"))
+                                             "skip_slots"))
 def scan_failing(base: jax.Array, lat: jax.Array, w2: jax.Array, fail: jax.Array, fallen: jax.Array,
                  fallback: jax.Array, *, limit: int, interpret: bool = False, config: FullVocabConfig | None = None,
-                 slot_stride: int = 0, v_steps_full: int | None = None, skip_slots: int = 0,
-                 keep: str | None = None, counted: bool = False):
-    """The certified mode's scan of the rows its bound did not certify: three launches (two ``counted``), no XLA op.
+                 slot_stride: int = 0, v_steps_full: int | None = None, skip_slots: int = 0):
+    """The certified mode's scan of the rows its bound did not certify: two launches, no XLA op.
 
-    ``full = fallen | (sum(fail) > limit)``; the rows to scan are ``fail | full``. (1) `pack_active`
-    orders them first; (2) the fused pick runs on every row in that order (it reads each base and
-    latent row through the packed index map: nothing is copied), so the active rows fill the leading
-    row tiles and every program of a tile without one returns at once; (3) the combine reads each
-    row's partials at its packed position and writes ``fallback`` for the inactive rows. Returns
-    ``(tokens [rows] int32, flags [8] int32)``, ``flags`` = [full, sum(fail), 0, ...] as `pack_active`
-    writes it (the next pass's ``fallen``): an active row's token is the one
-    `full_vocab_pick` gives it with the same ``config`` (the same per-row computation: the rows a row
-    shares a tile with change no operation on its own row); a config with a smaller ``v_steps`` than
-    the all-rows one (`xpress_jax.dispatch.capacity_config`) spreads a few active rows over a whole
-    wave of programs and still gives the same scores bit for bit. ``v_steps_full`` (static; default
-    ``config.v_steps``): the vocab tiles per part when the pass is full (every row scanned): the
-    all-rows config's split, read at run time, so that a full pass costs what the all-rows pick costs
-    (its parts past the vocabulary return at once; the split changes no token).
-    ``base``/``slot_stride`` as in `full_vocab_pick`; ``fail`` [rows] bool or int32 (nonzero: failed),
-    ``fallen`` a flag (a bool scalar or int32 flags, `common.flag_operand`), ``fallback`` [rows] int.
-    ``skip_slots`` (static, with ``slot_stride`` = B): draft slots ``< skip_slots`` of every block (final in
-    this pass) are never scanned, not even in a full pass; their tokens are ``fallback`` (`pack_active`).
-    ``keep`` (static): the pick's L2 hint / loop split (`full_vocab_pick`), over the split read at run time.
-    ``counted`` (static): **two launches**: the packing also writes one zero counter per row tile, and the
-    pick is a counted launch (`full_vocab_pick`'s ``counter``): each live program of a row tile with an
-    active row stores its part's winners and counts its arrival, and the last to arrive combines the tile's
-    parts (the combine launch's rule) and writes each active row's token to the draft row the packed order
-    names; ``fallback`` is aliased in as the tokens, so where no row is active nothing is read or written
-    and no combine launch runs. The same tokens (only which program reduces the parts differs).
-    """
+    ``full = fallen | (sum(fail) > limit)``; the rows ``fail | full`` are scanned: `pack_active` orders them first
+    (and zeroes one counter per row tile), then a counted pick (`full_vocab_pick`'s ``counter``) runs on every row in
+    that order through the packed index map, so a row tile without an active row returns at once and the last program
+    of a tile writes its active rows' tokens to the draft rows they hold; ``fallback`` is aliased in as the tokens.
+    Returns ``(tokens [rows] int32, flags [8] int32 = [full, sum(fail), 0, ...])``. An active row's token is
+    `full_vocab_pick`'s with ``config``; a smaller ``v_steps`` (`xpress_jax.dispatch.Table.capacity_config`) gives
+    the same scores. ``v_steps_full`` (static): the vocab tiles per part when the pass is full, read at run time.
+    ``skip_slots`` (static, with ``slot_stride`` = B): draft slots ``< skip_slots`` are never scanned."""
     dtype = _check_inputs(base, lat, w2, slot_stride, "scan_failing")
     vocab = base.shape[1]
     rows, rank = lat.shape
@@ -1011,9 +851,9 @@ def scan_failing(base: jax.Array, lat: jax.Array, w2: jax.Array, fail: jax.Array
         raise ValueError("scan_failing: skip_slots needs slot_stride (the draft rows per block)")
     cfg = config or default_config(rows, vocab, rank, dtype)
     cfg.check_shape(rows, vocab, rank, dtype)
-    packed = pack_active(fail, fallen, limit=limit, interpret=interpret, skip_slots=skip_slots,
-                         slots=max(slot_stride - 1, 1), counters=cdiv(rows, cfg.row_tile) if counted else 0)
-    pos, src, act_p, act, flags = packed[:5]
+    _, src, act_p, _, flags, counters = pack_active(fail, fallen, limit=limit, interpret=interpret,
+                                                    skip_slots=skip_slots, slots=max(slot_stride - 1, 1),
+                                                    counters=cdiv(rows, cfg.row_tile))
     vs_full = cfg.v_steps if v_steps_full is None else int(v_steps_full)
     if vs_full < 1:
         raise ValueError(f"scan_failing: v_steps_full must be >= 1, got {v_steps_full!r}")
@@ -1022,13 +862,9 @@ def scan_failing(base: jax.Array, lat: jax.Array, w2: jax.Array, fail: jax.Array
     parts = cdiv(vocab, cfg.v_tile * min(cfg.v_steps, vs_full or cfg.v_steps))  # the finer split's parts
     # The kernel reads rows < `rows` of src and act_p ([n_pad]) and element 0 of flags (the pass's full).
     operands = (base, lat, w2, src, act_p, *((flags,) if vs_full else ()))
-    launch = dict(rows=rows, vocab=vocab, rank=rank, dtype=dtype, slot_stride=slot_stride, interpret=interpret,
-                  parts=parts, keep=keep, row_map=True, lat_map=True, v_steps_full=vs_full)
-    if counted:
-        tok, _ = _counted_launch(operands, fallback.astype(jnp.int32), packed[5], cfg, counter_at=0, **launch)
-        return tok, flags
-    mv, mi = _fused_launch(operands, cfg, has_active=True, **launch)
-    tok = combine_partials(mv, mi, interpret=interpret, active=act, fallback=fallback, pos=pos)[:rows]
+    launch = _Launch(rows, vocab, rank, dtype, slot_stride, row_map=True, lat_map=True, v_steps_full=vs_full)
+    tok, _ = _counted_launch(operands, fallback.astype(jnp.int32), counters, cfg, launch, interpret=interpret,
+                             parts=parts)
     return tok, flags
 
 

@@ -8,76 +8,25 @@ One pass turns the current block into the draft slots' latents::
     lat[n, k]  = u[n, k] + (silu(u[n, k] @ mlp_gate) * (u[n, k] @ mlp_up)) @ mlp_down
     return lat[:, 1:]                                               [N, B-1, r]
 
-``xh`` is the pass-invariant hidden half of ``in_proj``, computed once per call by
-`xpress_jax.head.hidden_input`. Precision (as the jnp reference, `xpress_jax.head.latent`): matmul
-operands in the params' dtype ``cd`` with float32 accumulation (``Precision.HIGHEST``:
-float32 params use IEEE float32 products on the GPU, not TF32); ``x``, ``u``, the
-mixer and SwiGLU's elementwise work in float32; ``u`` and the SwiGLU activation are
-rounded to ``cd`` as matmul operands; the latent is rounded to ``cd`` once at the end.
+``xh`` is the pass-invariant hidden half of ``in_proj`` (`xpress_jax.head.hidden_input`). Precision as the jnp
+reference (`xpress_jax.head.latent`): matmul operands in the params' dtype ``cd`` with float32 accumulation
+(``Precision.HIGHEST``); ``x``, ``u``, the mixer and SwiGLU's elementwise work in float32; ``u`` and the SwiGLU
+activation are rounded to ``cd`` as matmul operands; the latent once at the end.
 
-Kernel layout (fused variant)
------------------------------
-grid = ``cdiv(N, blocks_per_program)``; each program owns ``blocks_per_program``
-whole blocks, i.e. ``R = blocks_per_program * Bp`` rows, ``Bp`` = B rounded up to a
-power of two (padded slots and blocks past N are masked: they load zeros and are
-never stored). All refs are whole arrays indexed with row/column index vectors, so
-B, r, M need not be powers of two (``rp``/``Mp`` = padded widths, masked loads).
+``variant="fused"``: grid ``cdiv(N, blocks_per_program)``; each program owns whole blocks (``Bp`` = B rounded up to
+a power of two rows each; padded slots and blocks are masked): the ids, ``x`` (K tiled by ``k_block``), the mixer,
+then SwiGLU tiled over the hidden dim by ``h_block``; slots 1..B-1 are scattered to the output.
 
-1. ids: slot 0 reads ``prev_ids[n]``, slot b >= 1 reads ``blk[n, b-1]``; clamped to [0, V).
-2. ``x = xh + sum_k w1[ids, k-chunk] @ in_proj_token[k-chunk, :]`` (K tiled by ``k_block``,
-   the w1 rows gathered chunk by chunk).
-3. mixer: ``u += mix[:, j, :] * x[row j of each block]`` for j < B, float32.
-4. SwiGLU tiled over the hidden dim by ``h_block``: ``acc += act_h @ mlp_down[h-chunk]``;
-   ``lat = u + acc`` rounded to ``cd``; rows of slots 1..B-1 are scattered to the output.
+``variant="split"`` spreads the ~1 MB of weights over many programs in three kernels (each dependency is a kernel
+boundary): ``xpress_latent_pass_mix`` (ids, ``x`` and the mixer for ``col_block`` rank columns: ``u`` [rows, r]
+float32 and its ``cd`` rounding), ``xpress_latent_pass_gateup`` (``act = silu(u @ gate) * (u @ up)``, [rows, M]
+in ``cd``) and ``xpress_latent_pass_down`` (``lat = u + act @ down``, all of M in one program), rows being the
+draft rows n*(B-1) + slot-1.
 
-Split variant (small N)
------------------------
-With one block per program, a fused program streams all ~1 MB of weights through
-one SM (per-SM bandwidth bound: ~8-11 us on an H200 for N <= 64). ``variant="split"``
-spreads them over many programs with three kernels (no grid-wide barrier exists,
-so each dependency is a kernel boundary; the intermediates are tiny):
-
-1. ``xpress_latent_pass_mix``, grid ``(cdiv(N, bpp), cdiv(r, col_block))``: steps 1-3
-   above for ``col_block`` rank columns (the ids/w1 gather covers all of r: the dot
-   contracts over it; the mixer is per channel, straight-line code over j).
-   Writes ``u`` [N*(B-1), r] float32 for slots 1..B-1 and its ``cd`` rounding (the
-   gate/up operand; float32 params: u only).
-2. ``xpress_latent_pass_gateup``, grid ``(cdiv(rows, row_block), cdiv(M, h_block))``:
-   ``act = silu(u_cd @ gate[:, h]) * (u_cd @ up[:, h])`` -> [rows, M] in ``cd``.
-3. ``xpress_latent_pass_down``, grid ``(cdiv(rows, row_block), cdiv(r, col_block))``:
-   ``lat = u + act @ down[:, cols]`` (contracts over all of M in one program:
-   deterministic, no partial sums), rounded to ``cd`` -> [N*(B-1), r].
-
-Rows of stages 2-3 are the draft rows n*(B-1) + slot-1 (slot 0 never enters the
-MLP), so they are plain row-tiled matmuls. (A ``split_xla`` variant, stage 1 then the
-SwiGLU as XLA dots, and other mixer forms, a fori_loop over j or one 3-D sum, were never
-served and were removed; benchmarks/RESULTS.md "Latent pass".)
-
-Untiled, the 256x512 weights as dot operands need ~272 KB of shared memory (more
-than an H200 block may use). Tiled at the bf16 default (k_block = h_block = 64,
-2 stages) an offline sm_90a compile (Triton 3.9 + ptxas, not XLA's own Triton)
-reports 108 KB shared memory and 107 registers, no spills; see `default_config`.
-
-Exactness: interpret mode is NOT bit-identical to the jnp reference
-(`xpress_jax.reference.latent_pass`) in general. The
-float32 sums are grouped differently: K chunks of ``k_block`` in ``x``, hidden
-chunks of ``h_block`` in the down projection, the mixer summed j = 0, 1, ... in
-order, and per-block dot shapes. XLA:CPU's own float32 dot already changes its
-bits with the batch shape (a [B, r] @ [r, r] per block differs from the same rows
-inside a [N*B, r] @ [r, r]), so no spelling of the reference pins the order.
-Measured in interpret mode (random weights std ~0.2, unit activations): float32
-max error <= 4e-7 of the output's max magnitude; bf16 bit-identical at r <= 64,
-at r=256, M=512 0.03-0.3% of elements differ, <= 0.05% by more than 1 ulp (all
-of them small values next to larger ones). The tests bound this (float32 <= 1e-6
-relative; bf16 <= 1 ulp on >= 99.9% of elements) and check that the refined
-tokens are identical. On the GPU the reference's XLA/cuBLAS order differs too.
-The split variants group the sums differently again (gate/up summed over r and
-the down projection over M, both in K chunks of ``k_block``) and stay within the
-same bounds (tests: both variants, the same tolerances).
-
-Float64 params are refused (``TypeError``: no float64 tensor-core path worth having here;
-`xpress_jax` routes float64 to its jnp reference). B < 2 or N = 0 returns an empty array
-without launching.
+Exactness: the float32 sums are grouped unlike XLA's (K chunks, hidden chunks, the mixer in order), so the latent
+is not bit-identical to the reference: float32 within 1e-6 relative, 16-bit within 1 ulp on >= 99.9% of elements
+(the tests' bounds). Float64 is refused (``TypeError``; `xpress_jax` routes it to the reference). B < 2 or N = 0
+returns an empty array without launching.
 """
 
 from __future__ import annotations
@@ -91,9 +40,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-
 from . import common
-from .common import next_pow2
+from .common import MIN_DOT, SMEM_LIMIT, next_pow2
 
 __all__ = ["LatentConfig", "VARIANTS", "default_config", "latent_pass"]
 
@@ -108,18 +56,10 @@ VARIANTS = ("fused", "split")
 class LatentConfig:
     """Static block configuration of the latent kernel (hashable: a jit static arg).
 
-    variant:  one of `VARIANTS` (see the module doc).
-    blocks_per_program: blocks (of B slots) per program (fused; split: stage 1);
-      rows per dot = this * Bp, raised to 16 rows for B <= 8 (`_dot_bpp`).
-    k_block:  K chunk of every dot (fused: of ``w1[ids] @ in_proj_token``; split: of all
-      three stages, i.e. over r in stages 1-2 and over M in stage 3). Power of two, >= 16.
-    h_block:  SwiGLU hidden chunk (fused: loop step; split: the hidden slice of one
-      stage-2 program). Power of two, >= 16.
-    col_block: split only: rank columns per program of stages 1 and 3. Power of two, >= 16.
-    row_block: split only: rows per program of stages 2 and 3; 0 = chosen from the row
-      count (`_auto_row_block`). 0 or a power of two >= 16.
-    num_warps, num_stages: Triton compiler params (all stages).
-    """
+    variant: one of `VARIANTS`. blocks_per_program: blocks per program (fused; split: stage 1), raised to 16 rows
+      for B <= 8 (`_dot_bpp`). k_block: K chunk of every dot. h_block: SwiGLU hidden chunk. col_block (split): rank
+      columns per program of stages 1 and 3. row_block (split): rows per program of stages 2 and 3 (0: from the row
+      count). All powers of two >= 16 (row_block 0 too). num_warps, num_stages: Triton parameters (all stages)."""
 
     blocks_per_program: int = 1
     k_block: int = 64
@@ -168,26 +108,12 @@ class LatentConfig:
 
 
 def default_config(n: int, dtype: Any, variant: str | None = None, rank: int = 256) -> LatentConfig:
-    """Block config for N blocks of params dtype ``dtype`` (measure with benchmarks/bench_kernels.py).
+    """Block config for N blocks of params dtype ``dtype``.
 
-    ``variant=None`` picks ``"fused"``, or ``"split"`` when the fused kernel would not fit in shared
-    memory at ``rank`` (`LatentConfig.check_shape`). Which variant serves at which N, and the fused
-    variant's blocks per program, is `xpress_jax.dispatch`'s decision (measured), not this default's.
-
-    Fused: chosen from an offline sm_90a compile (Triton 3.9 + ptxas, not XLA's own
-    Triton): bf16 with 1 block/program, k_block = h_block = 64, 8 warps, 2 stages
-    needs 108 KB shared memory and 107 registers; 2 blocks/program 118 KB / 180
-    registers, no spills. (Large N serves 2 blocks per program, set by `xpress_jax.dispatch`: each
-    program reuses the weights it stages for more rows, fewer L2 reads of the ~0.9 MB of weights.)
-    float32 (IEEE products, no tensor cores) uses 32-wide chunks and 1 block per
-    program: 116 KB, 158 registers.
-
-    Split (small N: a fused program streams all ~1 MB of weights through one SM):
-    at r=256, M=512, bf16 a stage-1 program reads 1/8 of in_proj_token and mix
-    (col_block 32) plus its blocks' w1 rows (~41 KB), a stage-2 program 1/16 of
-    gate/up (h_block 32, ~32 KB + its u rows), a stage-3 program 1/8 of down
-    (~32 KB + its act rows); 4 warps each (small tiles).
-    """
+    ``variant=None`` picks ``"fused"``, or ``"split"`` when the fused kernel would not fit in shared memory at
+    ``rank``. Which variant serves where, and the fused blocks per program, is `xpress_jax.dispatch`'s decision.
+    Fused bf16: k_block = h_block = 64, 8 warps, 2 stages (~108 KB shared memory on sm_90a); float32 32-wide
+    chunks. Split: small tiles (32), 4 warps."""
     auto = variant is None
     if variant is None:
         variant = "fused"
@@ -205,13 +131,6 @@ def default_config(n: int, dtype: Any, variant: str | None = None, rank: int = 2
     return LatentConfig(blocks_per_program=1, k_block=64, h_block=64, num_warps=8, num_stages=2)
 
 
-#: Smallest dimension of the kernels' tensor-core dots (Triton's dot wants M, N, K >= 16 on NVIDIA GPUs).
-MIN_DOT = 16
-
-#: Shared memory one program may use on an H100/H200 (227 KB, the opt-in maximum per block).
-SMEM_LIMIT = 227 * 1024
-
-
 def _dot_bpp(bpp: int, bp: int) -> int:
     """Blocks per program actually used: at least ``MIN_DOT / bp``, so that a program's rows
     (``bpp * bp``, the dots' M) are >= `MIN_DOT` also for small blocks (B <= 8). Unchanged for
@@ -219,10 +138,8 @@ def _dot_bpp(bpp: int, bp: int) -> int:
     return max(bpp, MIN_DOT // bp)
 
 
-# ---------------------------------------------------------------------------
-# In-kernel pieces of the latent pass, shared by the fused kernel, the split variant's first
-# stage. Rows are a program's ``bpp`` blocks
-# of ``bp`` (B padded to a power of two) slots; ``col`` are the rank columns it computes.
+# In-kernel pieces shared by the fused kernel and the split variant's first stage. Rows are a program's ``bpp``
+# blocks of ``bp`` (B padded to a power of two) slots; ``col`` are the rank columns it computes.
 
 
 def _and(a, b):
@@ -303,7 +220,8 @@ def _mix_rows(x, slot, col, col_ok, mix_ref, *, b: int, bp: int, bpp: int, col_t
 
 
 def _swiglu_rows(u, col, col_ok, wg_ref, wu_ref, wd_ref, *, m: int, hb: int, col_tail: bool, cd):
-    """``lat = cd(u + cd(silu(cd(u) @ gate) * (cd(u) @ up)) @ down)`` over all rank columns ``col``, hidden tiled by hb."""
+    """``lat = cd(u + cd(silu(cd(u) @ gate) * (cd(u) @ up)) @ down)`` over the rank columns ``col``, hidden tiled
+    by hb."""
     f32 = jnp.float32
     uc = u.astype(cd)
     hh = jnp.arange(hb, dtype=jnp.int32)
@@ -598,20 +516,11 @@ def latent_pass(
     interpret: bool = False,
     config: LatentConfig | None = None,
     variant: str | None = None,
-    blocks_per_program: int | None = None,
-    k_block: int | None = None,
-    h_block: int | None = None,
-    num_warps: int | None = None,
-    num_stages: int | None = None,
-    col_block: int | None = None,
-    row_block: int | None = None,
 ) -> jax.Array:
-    """[N,B,r], [N,B] int32, [N] int32 -> [N, B-1, r]: the draft slots' latents (see module doc).
+    """[N,B,r], [N,B] int32, [N] int32 -> [N, B-1, r]: the draft slots' latents (`xpress_jax.reference.latent_pass`).
 
-    Same semantics as `xpress_jax.reference.latent_pass` (the tests compare the two). Block
-    config: a `LatentConfig`, else `default_config` for this N, dtype and ``variant``; the other
-    keyword arguments override single fields. Float64 params raise ``TypeError``.
-    """
+    ``config``: a `LatentConfig`, else `default_config` for this N, dtype and ``variant``. Float64 params raise
+    ``TypeError``."""
     w1 = params["w1"]
     n, b = blk.shape
     v, r = w1.shape
@@ -632,14 +541,6 @@ def latent_pass(
     if config is not None and variant is not None and config.variant != variant:
         raise ValueError(f"variant={variant!r} contradicts config.variant={config.variant!r}")
     cfg = config if config is not None else default_config(n, cd, variant, rank=r)
-    overrides = {
-        k: val for k, val in (("blocks_per_program", blocks_per_program), ("k_block", k_block),
-                              ("h_block", h_block), ("num_warps", num_warps),
-                              ("num_stages", num_stages), ("col_block", col_block),
-                              ("row_block", row_block)) if val is not None
-    }
-    if overrides:
-        cfg = dataclasses.replace(cfg, **overrides)
     cfg.check_shape(r, cd)
     return _latent_pallas(
         xh, blk, prev_ids, w1, params["in_proj_token"], params["mix"], params["mlp_gate"],

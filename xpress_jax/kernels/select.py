@@ -1,60 +1,30 @@
 """Top-C candidate selection per draft slot (+ the row's full-vocab argmax) as Pallas-Triton kernels.
 
-Computes, for base logits ``[rows, V]`` and ``1 <= c <= V``:
+For base logits ``[rows, V]`` and ``1 <= c <= V``: ``cand`` [rows, c] int32 (the ids of the row's ``c`` largest
+logits, in no particular order), ``base_c`` [rows, c] (their logits, exact; NaN reads as -inf) and ``argmax``
+[rows] int32 (the block's starting token). Rules as the oracle `xpress_jax.reference.select_candidates`
+(``lax.top_k`` + ``jnp.argmax``): NaN counts as -inf; membership follows ``lax.top_k``'s total order on the bits
+(``-0.0`` below ``+0.0``), the lowest ids among values tied at the c-th place; the argmax compares values
+(``-0.0 == +0.0``), lowest id on ties; a row of all -inf/NaN has argmax 0.
 
-* ``cand``  [rows, c] int32: the vocab ids of the row's ``c`` largest logits, in no particular order;
-* ``base_c`` [rows, c] (logits' dtype): their logits (exact values; NaN reads as -inf);
-* ``argmax`` [rows] int32: the row's full-vocab argmax (the block's starting token).
+Algorithm (exact for any input: bound, gather, finish), on order-preserving int32 keys
+(``key = bits ^ (sign ? 0x7FFF[FFFF] : 0)``, NaN -> key(-inf)):
 
-Rules (identical to the oracle `xpress_jax.reference.select_candidates` = ``lax.top_k`` + ``jnp.argmax``):
-NaN counts as -inf. Membership follows the total order of ``lax.top_k`` (on the bits: ``-0.0`` ranks
-below ``+0.0``); among values tied at the c-th place the **lowest vocab ids** are taken. The argmax
-compares values (``-0.0 == +0.0``), lowest id on ties; a row of all -inf/NaN has argmax 0.
+1. ``bstats`` (grid rows x segments, one read of the logits) keeps the max key of every ``block`` contiguous
+   elements, the row's max and its first block (the argmax). Blocks fall in ``G`` groups (block b in group
+   ``b % G``); ``L`` = the c-th largest group maximum is a lower bound of the c-th largest key (``bbound``
+   combines the segments where a row has several).
+2. ``bgather`` (grid rows x segments) compacts the ids of the blocks whose max is above ``L``, then reads only
+   those blocks and compacts their elements with ``key > L`` into a per-segment buffer, in vocab order. No
+   atomics: each segment owns its slice, so the result is deterministic.
+3. ``finish`` (grid rows), ``M = count(key > L)``: if ``c <= M <= cap``, a 16-way threshold search over the M
+   buffered keys finds the c-th largest key ``t``; the elements above ``t`` go in, then the first ones equal to
+   ``t`` in vocab order. If ``M < c`` (heavy ties) the buffer goes in, then the first elements equal to ``L`` in
+   a scan of the row. If ``M > cap`` (adversarial rows) the search runs over the whole row.
 
-Algorithm (exact for any input; "bound, gather, finish"):
-logits become order-preserving int32 *keys* (bf16/f16: sign-extended 16-bit pattern, f32: 32-bit;
-``key = bits ^ (sign ? 0x7FFF[FFFF] : 0)``, NaN -> key(-inf), so key order == lax.top_k order).
-
-1. ``bstats`` (grid rows x segments, reads the logits once) keeps the max key of every block of
-   ``block`` (32) contiguous elements (exact integer work: max / min of the raw bits, cheaper than
-   keys) in ``bm`` [rows, ~V/32] (int16 for 16-bit dtypes), the row's max and its first block. When
-   the row is one segment the same program also computes the bound below; otherwise ``bbound``
-   (grid rows) combines the segments. The argmax is the first element of the first block holding
-   the max.
-   Bound: blocks fall in ``G`` groups (block b in group ``b % G``); ``L`` = the c-th largest of the
-   ``G`` group maxima. They are ``G`` distinct elements, so ``count(key >= L) >= c``: ``L`` is a
-   lower bound of the row's c-th largest key ``t``. On smooth logits few elements lie above it.
-2. ``bgather`` (grid rows x segments) first compacts the ids of the blocks whose max is above ``L``
-   (~12% of them on smooth logits; a block whose max is <= L holds no survivor), then reads only
-   those blocks (tiles of ``gather_blocks`` blocks) and compacts their elements with ``key > L``
-   (key, id) into a per-segment buffer, in vocab order (a count + cumsum per block). It also
-   reports the first block whose max is >= L: the finish's scan for ties starts there. The block
-   ids pass through global memory inside one program (a barrier orders the write and the read).
-   No atomics: each segment owns its slice of the buffer, so the result is deterministic and
-   interpret mode tests what the GPU runs.
-3. ``finish`` (grid rows): with ``M = count(key > L)``:
-   * ``c <= M <= cap`` (the usual case): the M elements are loaded into registers (vocab order);
-     a 16-way threshold search over ``(L, max]`` (each round counts 16 thresholds at once and
-     narrows the range 16x: ~2 rounds for bf16 logits, <= 8 for any f32) finds the exact c-th
-     largest key ``t`` and ``count(key > t)``; elements above ``t`` all go in, then the first
-     ``c - count(key > t)`` elements equal to ``t`` in vocab order (a cumsum: the lowest ids).
-   * ``M < c`` (then ``t = L``; heavy ties): the M buffered elements go in, then the first
-     ``c - M`` elements equal to ``L`` found by scanning the row in vocab order from the first
-     block holding one, stopping when enough are found.
-   * ``M > cap`` (adversarial rows): one program does the 16-way threshold search over the whole
-     row (full passes, each counting 16 thresholds), then one compaction pass. Exact, slower.
-
-Passes over the logits: one full read (bstats) in the usual case; the gather reads only the
-selected blocks and the finish only ~M elements. (An earlier "strided" method, strided element
-groups and a gather that compacted the whole row, measured 2x slower at every row count on an
-H200 and was removed: benchmarks/RESULTS.md "Top-C selection".)
-Why not radix histograms: Pallas-Triton has no shared-memory scratch or histogram op, so a 256-bin
-digit pass costs ~256 compares per element; the group-max bound needs one max per element.
-
-float64 (and any non-float dtype) is refused with ``TypeError`` (Triton keys here are at most 32 bits).
-Interpret mode only: masked scatter lanes aim at a trash slot (outputs padded by one, sliced off).
-``slot_stride=B``: ``base`` is the whole logits [N*B, V]; every kernel maps its draft row to the
-source row once (`_src_row`) and reads only that row, so logits[:, 1:] is never copied.
+float64 is refused (``TypeError``: keys are at most 32 bits). Interpret mode only: masked scatter lanes aim at
+a trash slot (outputs padded by one, sliced off). ``slot_stride=B``: ``base`` is the whole logits [N*B, V]; each
+kernel maps its draft row to the source row (`_src_row`), so logits[:, 1:] is never copied.
 """
 
 from __future__ import annotations
@@ -623,15 +593,9 @@ def _blocks_stages(base, *, c, cfg, interpret, want, upto, slot_stride=0):
 def select_candidates(base: jax.Array, c: int, *, interpret: bool = False, slot_stride: int = 0, **config):
     """Per row of ``base`` [rows, V]: (cand [rows, c] int32, base_c [rows, c], argmax [rows] int32).
 
-    Pallas-Triton kernels for bf16/f16/f32 logits (``interpret=True`` runs them on CPU); any other
-    dtype (float64) raises ``TypeError``. ``config``: fields of `SelectConfig`. See the module doc
-    for the rules and the algorithm.
-
-    ``slot_stride=B`` (static, >= 2): ``base`` is the whole logits reshaped to [N*B, V]; the draft
-    rows are slots 1..B-1 of each block of B (row q reads ``base[(q // (B-1)) * B + 1 + q % (B-1)]``;
-    slot 0 is never read), so the result equals that for ``logits[:, 1:].reshape(N*(B-1), V)``
-    without materialising that copy. Outputs have N*(B-1) rows.
-    """
+    bf16/f16/f32 logits (float64 raises ``TypeError``); ``config``: `SelectConfig` fields (rules and algorithm: the
+    module doc). ``slot_stride=B`` (static, >= 2): ``base`` is the whole logits [N*B, V] and the draft rows are slots
+    1..B-1 of each block: the result for ``logits[:, 1:]`` without that copy, N*(B-1) rows."""
     if base.ndim != 2:
         raise ValueError(f"base must be [rows, V], got shape {tuple(base.shape)}")
     if isinstance(slot_stride, bool) or not isinstance(slot_stride, numbers.Integral):

@@ -1,35 +1,19 @@
 """Top-C pick: the best of each row's C candidates, ``s = float(dtype(base_c + dtype(w2[cand] . lat)))``.
 
-Reference (the spec): `xpress_jax.reference.topc_pick` on `xpress_jax.reference.topc_gather` (w2, cand).
-Rules: the dot accumulates in float32 and is rounded to the logits' dtype; the
-sum is formed in float32 and rounded to the logits' dtype before comparing;
-NaN counts as -inf; the largest score wins; among equal scores the **larger base
-logit**, then the **lowest vocab id** (vLLM's rule: its candidates are sorted by base
-logit, largest first, lowest id first among equal logits, and the first position
-holding the largest score wins; spelled here without depending on the order of the
-candidates, which the selection kernel does not sort). Rows whose scores are all
--inf follow the same order (largest base logit, then lowest id).
+Reference (the spec): `xpress_jax.reference.topc_pick` on `xpress_jax.reference.topc_gather` (w2, cand). The dot
+accumulates in float32 and is rounded to the logits' dtype; the sum is formed in float32 and rounded before
+comparing; NaN counts as -inf; the largest score wins; among equal scores the **larger base logit**, then the
+**lowest vocab id** (vLLM's rule, spelled without depending on the candidates' order). ``ties="id"`` breaks
+equal scores by the lowest id alone (the full-vocabulary rule: what the certified mode needs).
 
-The kernel gathers the candidates' w2 rows (``r`` contiguous values each) straight from ``w2``,
-so ``w2[cand]`` [rows, C, r] is never stored. (Reading a materialised ``w2[cand]`` instead was
-measured slower at every N and removed: benchmarks/RESULTS.md "Top-C pick".)
+Kernel: grid ``(rows, splits)``. Program (n, j) gathers its candidates' w2 rows straight from ``w2`` (``w2[cand]``
+is never stored), loops over ``c_steps`` tiles of ``c_tile`` candidates (the tail of C masked), computes each bias
+as a float32 multiply-and-sum over the rank in ``k_tile`` chunks (a matrix-vector product: no tensor cores) and
+keeps the best (score, base logit, id). With ``splits > 1`` `combine_splits` reduces the splits.
 
-Kernel: grid ``(rows, splits)``, dim 0 launched fastest. Program (n, j) loops over
-``c_steps`` tiles of ``c_tile`` candidates of row n (the tail of C is masked),
-computes each candidate's bias as a float32 multiply-and-sum over the rank (in
-``k_tile`` chunks; one row's latent against C different w2 rows is a
-matrix-vector product, so there is nothing for the tensor cores), and keeps the
-best (score, base logit, vocab id) in that order. With ``splits == 1`` that is the
-answer (one launch); otherwise `combine_splits` reduces the splits (a second launch,
-but ``rows * splits`` programs keep the GPU busy at small N).
-
-``ties="id"`` (static) breaks equal scores by the **lowest vocab id** alone (the full-vocabulary rule,
-applied to the candidates: what a certified exact pick needs from them); the base logit then plays no
-part in the order.
-
-The bias sums in another order than XLA's einsum, so a bias within an ulp of a
-rounding boundary can round differently: tokens can differ from the reference
-only at such near ties. Float64 is refused (``TypeError``); `xpress_jax` routes it to the jnp reference.
+The bias sums in another order than XLA's einsum, so tokens can differ from the reference only where a bias
+lies within an ulp of a rounding boundary. Float64 is refused (``TypeError``); `xpress_jax` routes it to the
+jnp reference.
 """
 
 from __future__ import annotations
@@ -176,8 +160,8 @@ def _topc_kernel(
                 k0 = kk * k_tile
                 kc, km = kcols(kk)
                 if km is not None:  # [c_tile, k_tile] row gather, rank tail masked
-                    w = plt.load(w_ref.at[ids[:, None], kc[None, :]], mask=jnp.broadcast_to(km[None, :], (c_tile, k_tile)),
-                                 other=0.0, eviction_policy=evict)
+                    w = plt.load(w_ref.at[ids[:, None], kc[None, :]],
+                                 mask=jnp.broadcast_to(km[None, :], (c_tile, k_tile)), other=0.0, eviction_policy=evict)
                 elif evict is None:
                     w = w_ref[ids, pl.ds(k0, k_tile)]  # [c_tile, k_tile] row gather (masked lanes read row 0)
                 else:  # the same row gather, as index arrays (the form interpret mode's load takes with a hint)
@@ -239,32 +223,18 @@ def topc_pick(
     row_ids: jax.Array | None = None,
     keep: tuple | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array, jax.Array]:
-    """[rows,C], [rows,C] int, [rows,r], [V,r] -> [rows] int32 vocab ids.
+    """[rows,C], [rows,C] int, [rows,r], [V,r] -> [rows] int32 vocab ids (candidate ids in [0, V)).
 
-    The kernel gathers the candidates' rows of ``w2``. Candidate ids must lie in [0, V).
-    ``partials=True``: skip the combine and return each split's winner
-    ``(score, base logit, id)``, each [splits, rows] (float32, float32, int32), for the caller to
-    combine by the same rule (e.g. across vocabulary shards).
-    ``ties``: ``"base"`` (vLLM's top-C rule: equal scores go to the larger base logit, then the lowest
-    id) or ``"id"`` (the full-vocab rule: equal scores go to the lowest id; the partials' base logit is
-    then 0 for every split, and combining by either rule gives the lowest id).
-    ``skip`` (a device flag: a bool or int scalar, or int32 flags [k] whose element 0 counts,
-    `common.flag_operand`; None = the plain kernel with no extra operand): when true
-    every program returns at once, reading nothing, and writes "no winner" partials (score and base
-    -inf, id `BIG`): the result is then `BIG` for every row (the caller ignores it).
-    ``lat_add`` ([rows, r] float32, with ``lat`` float32 too; None = ``lat`` is the latent in the
-    logits' dtype): the latent is ``round(lat + lat_add)``, the float32 sum rounded to the logits'
-    dtype (to nearest even) as each program loads it: the head's residual ``u + down(...)`` added
-    here instead of in an XLA kernel of its own (`xpress_jax.reference.LatentSum`). The same values
-    as passing that rounded latent.
-    ``row_ids`` ([M] int32, M >= 1, each in [0, rows)): pick only these rows, in this order: returns [M]
-    (``partials``: each [splits, M]), row ``row_ids[i]``'s result at i, computed as without ``row_ids``
-    (one program per listed row and split; the same operations on the same row). `xpress_jax.refine`
-    skips the draft slots that are final this way.
-    ``keep`` (static; None: no hints): ``(hot, hot_policy, rest_policy)``, L2 eviction hints on the ``w2``
-    gathers (``"evict_first"``, ``"evict_last"``, ``"evict_normal"`` or None): splits ``j < hot`` of every
-    row gather with ``hot_policy``, the others with ``rest_policy``. Hints only: the same result.
-    """
+    ``partials=True``: each split's winner ``(score, base logit, id)``, each [splits, rows] (float32, float32,
+    int32), for the caller to combine by the same rule. ``ties``: ``"base"`` (the top-C rule) or ``"id"`` (the
+    full-vocab rule; the partials' base logit is then 0).
+    ``skip`` (a device flag, `common.flag_operand`; None: no extra operand): when true every program returns at
+    once and writes "no winner" partials (-inf, -inf, `BIG`).
+    ``lat_add`` ([rows, r] float32, with ``lat`` float32): the latent is ``round(lat + lat_add)`` to the logits'
+    dtype, formed as each program loads it (`xpress_jax.reference.LatentSum`): the same values.
+    ``row_ids`` ([M] int32 in [0, rows)): pick only these rows, in this order; each as without ``row_ids``.
+    ``keep`` (static; None: no hints): ``(hot, hot_policy, rest_policy)``: splits ``j < hot`` gather ``w2`` with
+    ``hot_policy``, the others with ``rest_policy`` (L2 hints only: the same result)."""
     mv, mb, mi = _partials(base_c, cand, lat, w2, interpret=interpret, config=config, ties=ties, skip=skip,
                            lat_add=lat_add, row_ids=row_ids, keep=keep)
     rows = base_c.shape[0] if row_ids is None else row_ids.shape[0]
@@ -321,7 +291,8 @@ def _partials(base_c, cand, lat, w2, *, interpret, config, ties, skip, lat_add=N
         policies = (None, "evict_first", "evict_last", "evict_normal")
         if (not isinstance(keep, tuple) or len(keep) != 3 or isinstance(keep[0], bool) or not isinstance(keep[0], int)
                 or keep[1] not in policies or keep[2] not in policies):
-            raise ValueError(f"keep must be (hot splits: int, policy, policy) with policies from {policies}; got {keep!r}")
+            raise ValueError(f"keep must be (hot splits: int, policy, policy) with policies from {policies}; "
+                             f"got {keep!r}")
         extra["keep"] = keep
     kernel = functools.partial(
         _topc_kernel, c=c, rank=rank, c_tile=cfg.c_tile, c_steps=cfg.c_steps, k_tile=k_tile, dtype=dtype, ties=ties,
@@ -468,25 +439,19 @@ CERTIFY_SINGLE_ROWS = 256
 def certify(base_c: jax.Array, cand: jax.Array, lat: jax.Array, w2: jax.Array, tau: jax.Array, max_norm: jax.Array,
             mex: jax.Array, valid: jax.Array, fallen: jax.Array, *, slack: float, limit: int | None = None,
             interpret: bool = False, config: TopCConfig | None = None):
-    """The certified mode's candidates step: the pick kernel (``ties="id"``, skipped when ``fallen``)
-    and one launch that decides every row. Returns ``(best_id, fail, act, flags)``, the first three [rows]
-    int32 (``fail`` and ``act`` 0/1, as the full-vocab kernels read them: no XLA op in between):
+    """The certified mode's candidates step: the pick kernel (``ties="id"``, skipped when ``fallen``) and one
+    launch that decides every row. Returns ``(best_id, fail, act, flags)``, the first three [rows] int32:
 
     - ``best_id``: the candidates' winner by the full-vocab rule (`BIG` when ``fallen``);
-    - ``fail``: ``valid & ~certified & ~fallen``, where a row is certified iff ``beta < best`` or
-      (``beta == best`` and ``best_id < mex``), ``beta = R(fl(tau + R(U)))``, ``R`` the rounding to the
-      logits' dtype, ``U = fl(M n) (1 + slack)`` with ``n = ||lat|| (1 + slack)`` summed in float32
-      (each a value at least the real one for ``slack`` >= 2^-10: `xpress_jax.exact`'s margins);
-    - ``act``: with ``limit`` (an int), ``fail | full``, ``full = fallen | (sum(fail) > limit)``, the
-      rows the pass must scan when one launch scans them (else ``fail``);
-    - ``flags``: with ``limit``, int32 [8] = [full, sum(fail), 0, ...] (the next pass's ``fallen`` as
-      the kernels read it, `common.flag_operand`); None without.
+    - ``fail``: ``valid & ~certified & ~fallen``; a row is certified iff ``beta < best`` or (``beta == best`` and
+      ``best_id < mex``), ``beta = R(fl(tau + R(U)))``, ``R`` the rounding to the logits' dtype, ``U = fl(M n)
+      (1 + slack)``, ``n = ||lat|| (1 + slack)`` in float32 (docs/certified.md);
+    - ``act``: with ``limit``, ``fail | full``, ``full = fallen | (sum(fail) > limit)`` (else ``fail``);
+    - ``flags``: with ``limit``, int32 [8] = [full, sum(fail), 0, ...]; None without.
 
-    ``tau`` [rows] float32: each row's C-th largest base logit (NaN as -inf); ``max_norm`` []:
-    ``M``; ``mex`` [rows] int32: the lowest id that is not a candidate; ``valid`` [rows] bool;
-    ``fallen``: a flag (a bool scalar or int32 flags, `common.flag_operand`). Refuses ``limit`` with
-    more than `CERTIFY_SINGLE_ROWS` rows (one program must hold them all).
-    """
+    ``tau`` [rows] float32: each row's C-th largest base logit; ``max_norm`` []: ``M``; ``mex`` [rows] int32: the
+    lowest id that is not a candidate; ``valid`` [rows] bool; ``fallen``: a flag (`common.flag_operand`). ``limit``
+    needs at most `CERTIFY_SINGLE_ROWS` rows (one program holds them all)."""
     rows, c = base_c.shape
     rank = lat.shape[1]
     for name, a, want in (("tau", tau, (rows,)), ("mex", mex, (rows,)), ("valid", valid, (rows,)),
