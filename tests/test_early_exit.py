@@ -1,4 +1,4 @@
-"""Early exit at the passes' fixed point (`refine(..., early_exit=True)`, the default).
+"""Early exit at the passes' fixed point (`refine(..., early_exit=True)`).
 
 The claim: a pass is a function of the block alone, so once a pass returns its input every later
 pass would too, and stopping there gives the K-pass tokens. The oracle here is the K-pass loop
@@ -15,7 +15,7 @@ import pytest
 
 import xpress_jax as xj
 from xpress_jax.ops import Ops
-from xpress_jax.refine import _refine, exit_checks, passes_to_fixed_point, resolve_call
+from xpress_jax.refine import _refine, exit_checks, resolve_call, run_passes
 
 from conftest import make_head, make_inputs, sequential_greedy
 
@@ -137,19 +137,28 @@ def test_exit_checks_schedule():
             assert all(1 <= q < k for q in exit_checks(n, k))
 
 
-def test_passes_to_fixed_point_counts_and_stops():
-    """The loop helper on a toy map with a known fixed point: x -> min(x + 1, 3)."""
-    step = lambda b: jnp.minimum(b + 1, 3)
-    for unroll, checks in ((False, None), (True, None), (True, (2, 4))):
-        blk, n = passes_to_fixed_point(step, jnp.zeros((2, 2), jnp.int32), 6, unroll, checks)
+def test_run_passes_counts_and_stops():
+    """The pass loop on a toy map with a known fixed point: x -> min(x + 1, 3)."""
+    step = lambda c, q: (jnp.minimum(c[0] + 1, 3), c[1])
+    zero = jnp.zeros((2, 2), jnp.int32)
+    for unroll, checks in ((False, ()), (True, (1, 2, 3, 4, 5)), (True, (2, 4))):
+        (blk, _), n = run_passes(step, (zero, ()), 6, unroll=unroll, numbered=unroll, checks=checks)
         assert (np.asarray(blk) == 3).all()
-        assert int(n) == (4 if checks is None else 4)  # pass 4 returns 3 unchanged
-    blk, n = passes_to_fixed_point(step, jnp.zeros((1,), jnp.int32), 3, True, (1, 2))
+        assert int(n) == 4  # pass 4 returns 3 unchanged
+    (blk, _), n = run_passes(step, (jnp.zeros((1,), jnp.int32), ()), 3, unroll=True, numbered=True, checks=(1, 2))
     assert int(n) == 3 and int(blk[0]) == 3  # never fixed within K: all K passes
-    seen = []  # numbered=True, unrolled: each pass gets its 0-based number (refine's pick order alternates on it)
-    blk, n = passes_to_fixed_point(lambda b, q: seen.append(q) or step(b), jnp.zeros((2, 2), jnp.int32), 6, True,
-                                   (2, 4), numbered=True)
-    assert seen == [0, 1, 2, 3, 4, 5] and int(n) == 4 and (np.asarray(blk) == 3).all()
+    for unroll, numbered, checks, want in ((True, True, None, [0, 1, 2, 3, 4, 5]), (True, False, (2, 4), [0, 1, 2, 3, 4, 5]),
+                                           (False, False, None, [None]), (True, False, None, [None])):
+        seen = []  # unrolled: each pass gets its 0-based number (the pass picks read it); in a loop None
+        (blk, _), n = run_passes(lambda c, q: seen.append(q) or step(c, q), (zero, ()), 6, unroll=unroll,
+                                 numbered=numbered, checks=checks)
+        assert seen == want and (np.asarray(blk) == 3).all()
+        assert int(n) == (4 if checks else 6)
+    # The mode's state is carried through every form of the loop.
+    count = lambda c, q: (c[0], c[1] + 1)
+    for unroll, numbered in ((False, False), (True, False), (True, True)):
+        (_, k), n = run_passes(count, (zero, jnp.int32(0)), 5, unroll=unroll, numbered=numbered)
+        assert int(k) == 5 == int(n)
 
 
 @pytest.mark.parametrize("bad", [1, "yes", (1.0,), (True,), [2]])

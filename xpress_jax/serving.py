@@ -22,7 +22,7 @@ import numpy as np
 from .compile_options import check_compiler_options
 from .compile_options import compiler_options as default_compiler_options
 from .config import HeadConfig
-from .exact import Auto, Pruned, prepare_certified, prepare_pruned, resolve_full_vocab
+from .exact import Auto, prepare_certified, resolve_full_vocab
 from .head import token_table as token_table_of
 from .params import PARAM_NAMES, Head, check_params, param_shapes
 from .refine import INVALID_TOKEN, check_backend, refine
@@ -140,7 +140,7 @@ class RefineServer:
         topc: int | None = None,
         interpret: bool = False,
         progress: bool = True,
-        full_vocab: Any = "scan",
+        full_vocab: Any = "auto",
         output: str = "device",
         early_exit: bool | tuple = False,
         token_table: bool | None = None,
@@ -154,9 +154,10 @@ class RefineServer:
             )
         check_backend(backend, interpret)
         auto = full_vocab if isinstance(full_vocab, Auto) else Auto() if full_vocab == "auto" else None
+        self._auto_given = auto is not None  # "auto" in top-C mode or on a mesh: the scan
         if auto is None:
             resolve_full_vocab(full_vocab)  # ValueError naming full_vocab
-        if mesh is not None and full_vocab != "scan":
+        if mesh is not None and full_vocab not in ("scan", "auto"):
             raise ValueError(f"full_vocab={full_vocab!r} runs on one device; with a mesh use full_vocab='scan'")
         self.full_vocab = full_vocab
         self.output = self._check_output(output, mesh)
@@ -215,9 +216,7 @@ class RefineServer:
         self._prepare_exe = None
         self._extra: tuple = ()
         if self._certified:
-            pruned = auto is None and isinstance(resolve_full_vocab(full_vocab), Pruned)  # "auto" runs certified
-            prep = prepare_pruned if pruned else prepare_certified
-            self._prepare_exe = jax.jit(prep).lower(self._param_specs["w2"]).compile(compiler_options=self.compiler_options)
+            self._prepare_exe = jax.jit(prepare_certified).lower(self._param_specs["w2"]).compile(compiler_options=self.compiler_options)
             self._extra = (self._prepare_exe(self._params["w2"]),)
         self.executables: dict[int, Any] = {}  # bucket -> jax.stages.Compiled
         # full_vocab="auto": the certified executables (returning their stats) of the buckets >= min_blocks,
@@ -246,7 +245,7 @@ class RefineServer:
     @staticmethod
     def _param_shardings(mesh, model_axis, config: HeadConfig) -> dict[str, jax.sharding.Sharding]:
         if mesh is None:
-            one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+            one = jax.sharding.make_single_device_sharding(jax.devices()[0])
             return {k: one for k in PARAM_NAMES}
         from . import sharded
 
@@ -274,7 +273,7 @@ class RefineServer:
         if bucket not in self.buckets:
             raise ValueError(f"{bucket} is not a bucket; the buckets are {self.buckets}")
         if self.mesh is None:
-            one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+            one = jax.sharding.make_single_device_sharding(jax.devices()[0])
             out = {"logits": one, "h": one, "ids": one, "num_valid": one, "out": one}
         else:
             from . import sharded
@@ -292,7 +291,7 @@ class RefineServer:
         config, kw = self.config, dict(num_passes=self.num_passes, topc=self.topc, backend=self.backend,
                                         interpret=self.interpret)
         if self.mesh is None:
-            kw["full_vocab"] = self.full_vocab if full_vocab is None else full_vocab
+            kw["full_vocab"] = full_vocab or ("scan" if self._auto_given else self.full_vocab)
             kw["early_exit"] = self.early_exit
             if return_stats:
                 kw["return_stats"] = True
@@ -349,7 +348,7 @@ class RefineServer:
             what = ""
             if self._auto is not None and b >= self._auto.min_blocks:
                 # The stats stay where refine puts them (the policy reads one scalar of them, seldom).
-                stats_at = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+                stats_at = jax.sharding.make_single_device_sharding(jax.devices()[0])
                 self.certified_executables[b] = jax.jit(serve_cert, out_shardings=(out, stats_at)).lower(
                     *args, *self._extra).compile(compiler_options=self.compiler_options)
                 self._auto_state[b] = dict(mode="certified", last="certified", since=0, scan_left=0, pending=None,
@@ -401,7 +400,7 @@ class RefineServer:
         return out
 
     def exact_mode(self, bucket: int) -> str:
-        """How ``bucket``'s ``topc=0`` calls run: ``"scan"``, ``"certified"`` or ``"pruned"``. With ``full_vocab="auto"``:
+        """How ``bucket``'s ``topc=0`` calls run: ``"scan"`` or ``"certified"``. With ``full_vocab="auto"``:
         how its last call ran (before any call: how the first will). It changes no token."""
         if bucket not in self.buckets:
             raise ValueError(f"{bucket} is not a bucket; the buckets are {self.buckets}")
@@ -409,8 +408,7 @@ class RefineServer:
             return self._auto_state[bucket]["last"]
         if self.topc or self.mesh is not None or self._auto is not None:
             return "scan"
-        mode = resolve_full_vocab(self.full_vocab)
-        return "scan" if mode is None else "pruned" if isinstance(mode, Pruned) else "certified"
+        return "scan" if resolve_full_vocab(self.full_vocab) is None else "certified"
 
     def _num_valid(self, bucket: int, num_valid: int) -> jax.Array:
         """``num_valid`` as a device scalar placed where ``bucket``'s executable takes it, made once
