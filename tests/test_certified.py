@@ -17,7 +17,7 @@ import pytest
 import xpress_jax as xj
 from xpress_jax import dispatch
 from xpress_jax import reference as ref
-from xpress_jax.exact import Certified, CertifiedPrepared, CertifiedStats, certified_pick, prepare_certified
+from xpress_jax.exact import Certified, CertifiedPrepared, CertifiedStats, _call_data, _decide, prepare_certified
 from xpress_jax.kernels.common import gpu_supported
 from xpress_jax.ops import Ops
 from xpress_jax.refine import refine_with
@@ -62,6 +62,16 @@ def _refine(params, logits, h, anchors, *, backend="xla", interpret=False, full_
             return_stats=False):
     return xj.refine(params, logits, h, anchors, config=CFG, topc=0, backend=backend, interpret=interpret,
                      full_vocab=full_vocab, unroll=unroll, return_stats=return_stats)
+
+
+def certified_pick(ops: Ops, logits, lat, w2, cfg: Certified = Certified()):
+    """One certified pass on given latents: ``logits`` [N, B, V] (draft slots are the rows), ``lat`` [rows, r].
+    Returns (tokens [rows] int32, certified [rows] bool): the candidates' winner where the bound certifies it,
+    else ``ops.full_vocab_pick``'s token."""
+    d = _call_data(ops, logits, w2, min(int(cfg.candidates), logits.shape[2]))
+    rows = lat.shape[0]
+    best_id, fail, _, _ = _decide(ops, d, lat, logits.dtype, jnp.ones((rows,), bool), jnp.zeros((), bool))
+    return ops.full_vocab_pick(logits, lat, d.fprep, active=fail, fallback=best_id), fail == 0
 
 
 def _check_regime(stats: CertifiedStats, regime: str):

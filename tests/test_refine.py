@@ -319,3 +319,14 @@ def test_refine_server_pads_masks_and_never_retraces(small_cfg):
         np.testing.assert_array_equal(host, ref)
     with pytest.raises(ValueError, match="N=5"):
         server.bucket_for(5)
+
+@pytest.mark.parametrize("name", ["topc", "num_passes"])
+def test_traced_static_argument_names_static_argnames(small_cfg, name):
+    """jax.jit(xj.refine) without static names traces topc / num_passes: the error says how to jit it."""
+    params = make_head(small_cfg, seed=0)
+    logits, h, anchors, _ = make_inputs(small_cfg, 2, seed=0)
+    f = jax.jit(lambda v: xj.refine(params, logits, h, anchors, config=small_cfg, backend="xla", **{name: v}))
+    with pytest.raises(TypeError, match=rf"{name} must be a static int.*static_argnames=xj\.STATIC_ARGNAMES"):
+        f(1)
+    with pytest.raises(TypeError, match="STATIC_ARGNAMES"):  # as a user would write it
+        jax.jit(xj.refine)(xj.Head(small_cfg, params), logits, h, anchors, **{name: 1})

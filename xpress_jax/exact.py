@@ -1,23 +1,18 @@
 """The certified exact mode: ``refine(..., topc=0, full_vocab="certified")``, the scan's tokens at close to top-C cost.
 
-Once per call each draft row gets its C largest base logits (the candidates; their argmax starts the
-block), ``tau`` (the C-th largest base logit) and ``M = max_v ||w2[v]|| (1 + 2^-9)`` (`prepare_certified`).
-Each pass then
+Once per call each draft row gets its C largest base logits (the candidates), ``tau`` (the C-th largest)
+and ``M = max_v ||w2[v]|| (1 + 2^-9)`` (`prepare_certified`). Each pass scores the candidates exactly and
+takes their winner by the full-vocab rule; every other id's score is at most ``R(fl(tau + R(||lat|| M)))``
+(with rounding slack, through the score's own roundings). A row whose bound stays below the winner's score
+(or ties it where every lower id is a candidate) is *certified*: its token is the candidates' winner. The
+failing rows are scanned by the full-vocab pick; when more than ``scan_blocks * (B-1)`` rows fail in one
+pass, the call falls back: that pass and every later one scan every row (a sticky device flag). Unrolled,
+pass ``q`` leaves out the draft slots before ``q`` (final). No conditional and no wait for the host: the
+kernels read the decisions as device values.
 
-1. scores the candidates exactly and takes their winner by the full-vocab rule (largest score, lowest id);
-2. bounds every other id's score by ``R(fl(tau + R(||lat|| M + slack)))``, pushed through the same
-   roundings as the score. A row whose bound stays below the winner's score (or ties it where every
-   lower id is a candidate) is *certified*: its token is the candidates' winner;
-3. scans the failing rows with the full-vocab pick (packed first where the steps have a packed launch);
-4. falls back when more than ``scan_blocks * (B-1)`` rows fail in one pass: that pass and every later one
-   scan every row (a sticky device flag; no step waits for the host).
-
-Unrolled, pass ``q`` knows that the draft slots before ``q`` are final: they keep their tokens and the scans
-leave them out. No conditional: the decisions are device values that the kernels read.
-
-The tokens are those of ``full_vocab="scan"`` on the same backend, except where the candidates' kernel and
-the scan sum a dot in different float32 orders and two scores lie within those ulps (a near tie). The
-bound, its rounding margins, the argument and when the mode pays or falls back: docs/certified.md.
+The tokens are the scan's on the same backend, but where the candidates' kernel and the scan sum a dot in
+different float32 orders and two scores lie within those ulps (a near tie). The bound, its margins, the
+argument, and when the mode pays or falls back: docs/certified.md.
 """
 
 from __future__ import annotations
@@ -35,7 +30,7 @@ from .ops import Ops
 from .reference import SLACK, certify_rows
 
 __all__ = ["SLACK", "certify_rows", "lowest_missing", "FULL_VOCAB", "Auto", "Certified", "CertifiedStats",
-           "CertifiedPrepared", "resolve_full_vocab", "prepare_certified", "certified_pick", "certified_mode"]
+           "CertifiedPrepared", "resolve_full_vocab", "prepare_certified", "certified_mode"]
 
 _RAD = 2.0 ** -9
 
@@ -110,14 +105,11 @@ def resolve_full_vocab(full_vocab) -> Certified | None:
 
 
 class CertifiedPrepared(NamedTuple):
-    """Weight-only data of the certified mode (`prepare_certified`)."""
-
     max_norm: jax.Array  # [] accumulation dtype: M = max_v ||w2[v]|| (1 + 2^-9), the dot-error margin folded in
 
 
 class CertifiedStats(NamedTuple):
-    """Per-call counters of the certified mode (float32 scalars; `refine(..., return_stats=True)`), over
-    valid rows only (padding rows never count)."""
+    """Per-call counters of the certified mode (float32 scalars; `refine(..., return_stats=True)`), valid rows."""
 
     rows_certified: jax.Array  # certified rows / rows tried (the rows of the passes that scored candidates; 1 if none)
     passes_certified: jax.Array  # fraction of the K passes in which every row certified (no scan at all)
@@ -126,8 +118,8 @@ class CertifiedStats(NamedTuple):
 
 
 def _ratio(num: jax.Array, den: jax.Array) -> jax.Array:
-    """``num / den`` of int32 counts as float32, exactly 1 where they are equal and 0 where ``num`` is 0
-    (XLA on GPUs may divide float32 approximately)."""
+    """``num / den`` of int32 counts as float32, exactly 1 where equal and 0 where ``num`` is 0 (XLA on GPUs
+    may divide float32 approximately)."""
     q = num.astype(jnp.float32) / den.astype(jnp.float32)
     return jnp.where(num == den, 1.0, jnp.where(num == 0, 0.0, q)).astype(jnp.float32)
 
@@ -158,8 +150,6 @@ def lowest_missing(cand: jax.Array) -> jax.Array:
 
 
 class _CallData(NamedTuple):
-    """What the certified mode computes once per call."""
-
     cand: jax.Array  # [rows, C] int32
     base_c: jax.Array  # [rows, C]
     start: jax.Array  # [rows] int32: the full-vocab argmax of the base logits
@@ -200,17 +190,6 @@ def _decide(ops: Ops, d: _CallData, lat: jax.Array, dtype, valid, fallen, limit=
         return ops.certify(d.base_c, d.cand, lat, d.cprep, d.tau, d.max_norm, d.mex, valid, fallen, limit)
     best, best_id = ops.candidates_best(d.base_c, d.cand, lat, d.cprep, skip=fallen)
     return certify_rows(best, best_id, lat, d.tau, d.max_norm, d.mex, valid, fallen, limit, dtype)
-
-
-def certified_pick(ops: Ops, logits: jax.Array, lat: jax.Array, w2: jax.Array, cfg: Certified = Certified()):
-    """One certified pass on given latents: ``logits`` [N, B, V] (draft slots are the rows), ``lat`` [rows, r].
-
-    Returns (tokens [rows] int32, certified [rows] bool): the candidates' winner where the bound certifies
-    it, else ``ops.full_vocab_pick``'s token."""
-    d = _call_data(ops, logits, w2, min(int(cfg.candidates), logits.shape[2]))
-    rows = lat.shape[0]
-    best_id, fail, _, _ = _decide(ops, d, lat, logits.dtype, jnp.ones((rows,), bool), jnp.zeros((), bool))
-    return ops.full_vocab_pick(logits, lat, d.fprep, active=fail, fallback=best_id), fail == 0
 
 
 def certified_mode(ops: Ops, params, logits: jax.Array, xh: jax.Array, prev_ids: jax.Array, valid: jax.Array,

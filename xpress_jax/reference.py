@@ -4,7 +4,7 @@ Each function is one step of a pass (see `xpress_jax.refine`), as plain jnp. `Op
 (`xpress_jax.ops`) serves them; the tests compare each Pallas kernel in `xpress_jax.kernels`
 with the function of the same name here. The kernels import nothing from this package.
 
-Value rules (README "Rules"): a score is ``float(dtype(base + bias))``, the sum formed in the
+Value rules (docs/semantics.md): a score is ``float(dtype(base + bias))``, the sum formed in the
 accumulation dtype and rounded to the logits' dtype before comparing; NaN counts as -inf;
 full-vocab ties go to the lowest vocab id; top-C ties to the larger base logit, then the lowest id.
 """
@@ -19,31 +19,10 @@ import jax.numpy as jnp
 from .head import _dot, acc_dtype, hidden_input, latent, precision_for, round_to
 
 __all__ = [
-    "GPU_MATERIALIZE_XH_N",
-    "hidden_input_gpu",
-    "SLACK",
-    "bound_upper",
-    "bound_beta",
-    "certify_rows",
-    "clean",
-    "round_sum",
-    "topc_winner",
-    "readout",
-    "draft_rows",
-    "full_vocab_start",
-    "latent_pass",
-    "LatentSum",
-    "latent_value",
-    "full_vocab_pick",
-    "full_vocab_best",
-    "select_candidates",
-    "topc_gather",
-    "topc_pick",
-    "topc_pick_best",
-    "topc_scores",
-    "candidates_best",
-    "best_by_score",
-    "best_by_topc_rule",
+    "GPU_MATERIALIZE_XH_N", "hidden_input_gpu", "SLACK", "bound_upper", "bound_beta", "certify_rows", "clean",
+    "round_sum", "topc_winner", "readout", "draft_rows", "full_vocab_start", "latent_pass", "LatentSum",
+    "latent_value", "full_vocab_pick", "full_vocab_best", "select_candidates", "topc_gather", "topc_pick",
+    "topc_pick_best", "topc_scores", "candidates_best", "best_by_score", "best_by_topc_rule",
 ]
 
 
@@ -52,22 +31,12 @@ GPU_MATERIALIZE_XH_N = (8, 64)
 
 
 def hidden_input_gpu(params: Mapping[str, jax.Array], h: jax.Array) -> jax.Array:
-    """`xpress_jax.head.hidden_input` spelled for XLA:GPU: the same values, fewer slow fusions.
+    """`xpress_jax.head.hidden_input` spelled for XLA:GPU: the same sums, fewer slow fusions.
 
-    The same sums (every output element is the same float32 sum of the same products; a padded row and
-    an optimization barrier enter none of them), in two changes:
-
-    - N = 1: ``g @ down_g`` is a [1, H] x [H, r] dot, which XLA strength-reduces to a multiply over a
-      materialised float32 [H, r] and a reduction (H200, serving shapes: 8.6 µs in two fusions). Here
-      ``g`` is padded to 16 rows behind an optimization barrier, so XLA runs it as a GEMM.
-    - N in `GPU_MATERIALIZE_XH_N` (8..64): ``xh`` passes an optimization barrier, so XLA materialises it
-      once instead of fusing the reduction of its split-K partials into pass 1's add (at N=16 one
-      10.9 µs fusion; at N=4 the barrier measured 0.8-2.8 µs slower, at N=1 no gain).
-
-    Measured (benchmarks/RESULTS.md "Small-N latency: per-kernel traces, ...", part 3, 2026-12-02, H200;
-    top-512 N=1 119.5 -> 115.4 µs per refine, N=16 324.6 -> 318.0; full vocab N=1 251.9 -> 248.6, N=16
-    562.1 -> 551.1, that run with the barrier at N = 1..64; 0 tokens differ). Summation order inside each
-    dot is XLA's choice either way.
+    N = 1: ``g`` is padded to 16 rows behind an optimization barrier, so XLA runs ``g @ down_g`` as a GEMM
+    instead of a multiply over a materialised float32 [H, r] and a reduction. N in `GPU_MATERIALIZE_XH_N`:
+    ``xh`` passes an optimization barrier, so XLA materialises it once instead of fusing the reduction of
+    its split-K partials into pass 1. Neither changes a sum (H200: python -m benchmarks.bench_refine).
     """
     n = h.shape[0]
     xh = hidden_input(params, h, pad_rows=16 if n == 1 else 0)
@@ -120,12 +89,9 @@ def best_by_topc_rule(s: jax.Array, base: jax.Array, ids: jax.Array, axis: int =
 def readout(lat: jax.Array, w2: jax.Array, dtype, *, direct: bool = False) -> jax.Array:
     """``dtype(lat @ w2.T)`` accumulated in float32 (float64 for float64): the readout bias [rows, V].
 
-    ``direct=True`` (what `Ops.xla` uses on GPUs, for 16-bit dtypes only) lets the dot write the
-    16-bit result itself: the GEMM still accumulates in float32 and rounds once, so the values
-    are the same, but XLA no longer stores the float32 [rows, V] product in HBM before a separate
-    convert (H200, N=256 full vocab: 11337 -> 9106 µs per refine, tokens unchanged;
-    benchmarks/RESULTS.md "XLA readout"). On a CPU XLA computes such a dot in float32 and
-    rounds the same way, but the explicit spelling is kept there (it is the oracle).
+    ``direct=True`` (what `Ops.xla` uses on GPUs, for 16-bit dtypes only) lets the dot write the 16-bit
+    result itself: the GEMM still accumulates in float32 and rounds once (the same values), without storing
+    the float32 [rows, V] product (H200: python -m benchmarks.bench_refine).
     """
     if direct and jnp.dtype(dtype).itemsize == 2:
         return jnp.matmul(lat, w2.T, preferred_element_type=dtype)
@@ -150,9 +116,7 @@ class LatentSum(NamedTuple):
     the accumulation dtype (float32 for 16-bit weights), same shape.
 
     The Pallas top-C pick kernel takes it (``lat_add``) and forms the sum as it loads the latent, so the
-    residual needs no XLA kernel of its own (one launch fewer per pass where XLA computes the latent, up
-    to `xpress_jax.dispatch.SPLIT_LATENT_MAX_ROWS` draft rows: benchmarks/RESULTS.md, "The residual
-    inside the top-C pick"). `latent_value` gives the latent itself (what every other step reads).
+    residual needs no XLA kernel of its own. `latent_value` gives the latent itself.
     """
 
     u: jax.Array

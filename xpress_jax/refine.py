@@ -50,10 +50,8 @@ def _validate(params, logits, h, anchors, prev_ids, num_passes, topc, max_num_re
             raise ValueError(f"{name} must have {nd} dims, got shape {tuple(x.shape)}")
     N = logits.shape[0]
     if logits.shape[1] != B:
-        raise ValueError(
-            f"logits has block size {logits.shape[1]} (shape {tuple(logits.shape)}), "
-            f"but the head's block_size is {B}"
-        )
+        raise ValueError(f"logits has block size {logits.shape[1]} (shape {tuple(logits.shape)}), "
+                         f"but the head's block_size is {B}")
     if logits.shape[2] != V:
         raise ValueError(f"logits has vocab {logits.shape[2]}, but the head's vocab_size is {V}")
     if tuple(h.shape) != (N, B, H):
@@ -87,57 +85,36 @@ def _validate(params, logits, h, anchors, prev_ids, num_passes, topc, max_num_re
             a = np.asarray(ids)
             bad = np.nonzero((a < 0) | (a >= V))[0]
             if bad.size:
-                raise ValueError(
-                    f"{name} has token ids outside [0, {V}) at rows {bad[:8].tolist()}"
-                    f"{' ...' if bad.size > 8 else ''}: values {a[bad[:8]].tolist()}"
-                )
+                raise ValueError(f"{name} has token ids outside [0, {V}) at rows {bad[:8].tolist()}"
+                                 f"{' ...' if bad.size > 8 else ''}: values {a[bad[:8]].tolist()}")
 
 
 def _no_defaults_error(missing: list[str]) -> TypeError:
-    return TypeError(
-        f"refine: plain params carry no HeadConfig, so {' and '.join(missing)} "
-        f"{'has' if len(missing) == 1 else 'have'} no default (refine does not guess C and K). "
-        "Fix it one of three ways: pass a Head (xj.load_params and xj.init_head return one; "
-        "xj.Head(config, params) wraps a dict); or pass config=HeadConfig(...), whose num_passes and topc "
-        "are then the defaults; or pass num_passes=K and topc=C explicitly (topc=0: full vocabulary)"
-    )
+    return TypeError(f"refine: plain params carry no HeadConfig, so {' and '.join(missing)} "
+                     f"{'has' if len(missing) == 1 else 'have'} no default (refine does not guess C and K). "
+                     "Fix it one of three ways: pass a Head (xj.load_params and xj.init_head return one; "
+                     "xj.Head(config, params) wraps a dict); or pass config=HeadConfig(...), whose num_passes and topc "
+                     "are then the defaults; or pass num_passes=K and topc=C explicitly (topc=0: full vocabulary)")
 
 
-def refine(
-    params: Head | Mapping[str, jax.Array],
-    logits: jax.Array,
-    h: jax.Array,
-    anchors: jax.Array,
-    prev_ids: jax.Array | None = None,
-    *,
-    num_passes: int | None = None,
-    topc: int | None = None,
-    max_num_reqs: int | None = None,
-    config: HeadConfig | None = None,
-    backend: str = "auto",
-    interpret: bool = False,
-    unroll: bool | None = None,
-    full_vocab: Any = "scan",
-    return_stats: bool = False,
-    certified_prepared: Any = None,
-    early_exit: bool | tuple = False,
-    token_table: jax.Array | None = None,
-) -> jax.Array:
+def refine(params: Head | Mapping[str, jax.Array], logits: jax.Array, h: jax.Array, anchors: jax.Array,
+           prev_ids: jax.Array | None = None, *, num_passes: int | None = None, topc: int | None = None,
+           max_num_reqs: int | None = None, config: HeadConfig | None = None, backend: str = "auto",
+           interpret: bool = False, unroll: bool | None = None, full_vocab: Any = "scan", return_stats: bool = False,
+           certified_prepared: Any = None, early_exit: bool | tuple = False,
+           token_table: jax.Array | None = None) -> jax.Array:
     """Refine N draft blocks with K greedy Jacobi passes; returns the draft [N, B-1] int32.
 
     Args:
-      params: a `xpress_jax.Head` (params with their `HeadConfig`: what `load_params` and
-        `init_head` return), or the plain params dict (see `xpress_jax.params`), all of one dtype.
+      params: a `xpress_jax.Head` (what `load_params` and `init_head` return), or the plain params dict.
       logits: [N, B, V] drafter logits (slot 0's row is unused), params' dtype.
       h: [N, B, H] drafter hidden states, params' dtype.
       anchors: [N] int, the verified token of each block (slot 0).
       prev_ids: [N] int, the token before each anchor; defaults to ``anchors`` (what vLLM's speculator passes).
-      num_passes: K >= 1. Default: the config's ``num_passes``.
-      topc: 0 = exact full-vocabulary scoring; C in [1, V] = score only each draft slot's C largest base
-        logits. Default: the config's ``topc``.
-      max_num_reqs: largest accepted N. Default: the config's ``max_num_reqs``; without a config, no limit.
-      config: the `HeadConfig` for plain params (its sizes must match them). With a `Head` it may be left
-        out; if given it must equal the Head's config.
+      num_passes, topc, max_num_reqs: K >= 1; 0 = exact full-vocabulary scoring or C in [1, V] = score only
+        each draft slot's C largest base logits; the largest accepted N. Default: the config's.
+      config: the `HeadConfig` for plain params. With a `Head` it may be left out (if given, it must equal
+        the Head's). No silent defaults: with a plain dict and no config, num_passes and topc are required.
       backend: ``"xla"`` (pure jnp), ``"pallas"`` (Pallas-Triton kernels: a CUDA GPU, or ``interpret=True``)
         or ``"auto"`` (Pallas on a supported GPU, else jnp). Mixed implementations: `refine_with`.
       interpret: run Pallas kernels in interpret mode (CPU tests).
@@ -150,20 +127,15 @@ def refine(
         scanned; `xpress_jax.exact`, docs/certified.md). A `xpress_jax.exact.Certified` sets its options.
       return_stats: with ``topc=0`` and ``full_vocab="certified"``, return ``(tokens, stats)``, the
         `xpress_jax.exact.CertifiedStats` (the fraction of rows certified and of passes that scanned).
-      certified_prepared: with ``full_vocab="certified"``, `xpress_jax.exact.prepare_certified` of
-        ``params["w2"]``, computed once for these weights (None: computed every call, one read of ``w2``).
-        From other weights the bound, and so the tokens, may be wrong. `RefineServer` keeps it.
+      certified_prepared: with ``full_vocab="certified"``, `xpress_jax.exact.prepare_certified` of these
+        very weights' ``w2``, computed once (None: every call, one read of ``w2``).
       early_exit: True stops the scan and top-C passes once a pass leaves the block unchanged (the same
         tokens: a pass is a function of the block alone, so every later pass would return it too). Off a
         GPU a ``lax.while_loop`` checks after every pass; unrolled, only after the passes `exit_checks`
         names (each check a ``lax.cond``, on a GPU a host round trip); a tuple of pass numbers (1..K-1)
         names them instead. False (the default): all K passes.
-      token_table: `xpress_jax.token_table` (params): ``w1 @ in_proj_token`` for every vocab id, [V, r] in
-        the accumulation dtype, computed once for these weights. Each pass then gathers its rows instead of
-        a gather and a GEMM (the same sums). Costs V*r*4 bytes. It must come from the very weights passed.
-
-    No silent defaults: the config (from the `Head` or ``config=``) is the only source of ``num_passes``
-    and ``topc``; with a plain dict and no config both must be given, else ``TypeError``.
+      token_table: `xpress_jax.token_table` of these very weights ([V, r], V*r*4 bytes): each pass gathers
+        its rows instead of running a gather and a GEMM (the same sums).
 
     Rules (docs/semantics.md): a slot's score is ``float(dtype(base + bias))``; the largest score wins.
     Ties: full-vocab mode, the lowest vocab id; top-C mode, the larger base logit, then the lowest id. The
@@ -211,19 +183,13 @@ def _select_ops(backend: str, interpret: bool) -> Ops:
     return Ops.xla(_platform())
 
 
-def refine_with(ops: Ops, params, logits, h, anchors, prev_ids=None, *, num_passes: int | None = None,
-                topc: int | None = None, max_num_reqs: int | None = None, config: HeadConfig | None = None,
-                unroll: bool | None = None, full_vocab: Any = "scan", return_stats: bool = False,
-                certified_prepared: Any = None, early_exit: bool | tuple = False,
-                token_table: jax.Array | None = None) -> jax.Array:
-    """`refine` with an explicit `xpress_jax.ops.Ops` instead of ``backend`` (benchmarks build mixed
-    implementations with `dataclasses.replace`). Same arguments, checks and result; ``ops`` is static."""
+def refine_with(ops: Ops, params, logits, h, anchors, prev_ids=None, **kwargs) -> jax.Array:
+    """`refine` with an explicit `xpress_jax.ops.Ops` instead of ``backend`` and ``interpret`` (benchmarks
+    build mixed implementations with `dataclasses.replace`). Same keywords, checks and result; ``ops`` is
+    static under jit."""
     if not isinstance(ops, Ops):
         raise TypeError(f"ops must be an xpress_jax.ops.Ops, got {type(ops).__name__}")
-    return _run(ops, params, logits, h, anchors, prev_ids, num_passes=num_passes, topc=topc,
-                max_num_reqs=max_num_reqs, config=config, unroll=unroll, full_vocab=full_vocab,
-                return_stats=return_stats, certified_prepared=certified_prepared, early_exit=early_exit,
-                token_table=token_table)
+    return _run(ops, params, logits, h, anchors, prev_ids, **kwargs)
 
 
 def _run(ops: Ops, params, logits, h, anchors, prev_ids=None, *, num_passes=None, topc=None, max_num_reqs=None,
@@ -263,7 +229,8 @@ def _check_token_table(table, params) -> None:
         raise TypeError(f"token_table must be an array (xpress_jax.token_table(params)), got {type(table).__name__}")
     if tuple(table.shape) != want_shape or jnp.dtype(table.dtype) != want_dtype:
         raise ValueError(f"token_table must be xpress_jax.token_table(params): shape {want_shape} (params['w1']'s) "
-                         f"and dtype {want_dtype.name}; got shape {tuple(table.shape)}, dtype {jnp.dtype(table.dtype).name}")
+                         f"and dtype {want_dtype.name}; got shape {tuple(table.shape)}, "
+                         f"dtype {jnp.dtype(table.dtype).name}")
 
 
 def _check_certified_prepared(prepared, params) -> None:
@@ -291,10 +258,8 @@ def resolve_call(params, logits, h, anchors, prev_ids=None, *, num_passes=None, 
         raise TypeError(f"config must be a HeadConfig, got {type(config).__name__}")
     if isinstance(params, Head):
         if config is not None and config != params.config:
-            raise ValueError(
-                f"config={config} disagrees with the Head's own config {params.config}; leave config= out "
-                "(the Head carries it), or override single values with num_passes=/topc=/max_num_reqs="
-            )
+            raise ValueError(f"config={config} disagrees with the Head's own config {params.config}; leave config= out "
+                             "(the Head carries it), or override single values with num_passes=/topc=/max_num_reqs=")
         config, params = params.config, params.params
     if config is None:
         missing = [name for name, v in (("num_passes", num_passes), ("topc", topc)) if v is None]
@@ -394,15 +359,14 @@ def exit_checks(num_blocks: int, num_passes: int) -> tuple[int, ...]:
 
 
 def run_passes(one_pass: Callable, carry, num_passes: int, *, unroll: bool, numbered: bool, checks=None):
-    """The pass loop of every mode: ``num_passes`` applications of ``one_pass(carry, q) -> carry``, where
-    ``carry = (blk [N, B] int32, the mode's state)`` and ``q`` is the 0-based pass number (a Python int) or
-    None where the passes run in a loop. Returns (carry, the passes run: an int32 scalar).
+    """The pass loop of every mode: ``num_passes`` times ``carry = one_pass(carry, q)``, ``carry = (blk [N, B]
+    int32, the mode's state)``, ``q`` the 0-based pass number (a Python int) or None in a loop. Returns
+    (carry, the passes run: an int32 scalar).
 
-    ``checks`` None: all passes; ``numbered``: unrolled in Python, each pass told its number; else one
-    ``lax.fori_loop`` (unrolled by XLA with ``unroll``). ``checks`` a tuple (early exit): stop at the
-    first checked pass that leaves ``blk`` unchanged (every later pass would too). ``unroll=False``: one
-    ``lax.while_loop`` checking after every pass; ``unroll=True``: numbered passes, checked after the pass
-    numbers (1..K-1) in ``checks``, each check a ``lax.cond`` holding all the passes after it.
+    ``checks`` None: all passes, ``numbered`` in Python, else one ``lax.fori_loop(unroll=unroll)``. A tuple
+    (early exit): stop after the first checked pass that leaves ``blk`` unchanged: unrolled, numbered
+    passes checked after the pass numbers (1..K-1) in ``checks``, each check a ``lax.cond`` holding the
+    passes after it; else one ``lax.while_loop`` checking after every pass.
     """
     if checks is None:
         if numbered:
