@@ -23,6 +23,19 @@ from xpress_jax.ops import Ops
 from xpress_jax.refine import refine_with
 
 DTYPES = [jnp.bfloat16, jnp.float32]
+SLOW = pytest.mark.slow
+
+
+def _grid(fast, *axes):
+    """pytest.params of every combination of ``axes`` (lists of (id, value)), all but the ids in ``fast`` slow."""
+    combos = [[]]
+    for axis in axes:
+        combos = [c + [kv] for c in combos for kv in axis]
+    return [pytest.param(*(v for _, v in c), id="-".join(k for k, _ in c),
+                         marks=() if "-".join(k for k, _ in c) in fast else SLOW) for c in combos]
+
+
+_DT = [("bfloat16", jnp.bfloat16), ("float32", jnp.float32)]
 V, H, B, R, K = 2000, 48, 6, 32, 3
 CFG = xj.HeadConfig(vocab_size=V, hidden_size=H, block_size=B, rank=R, mlp_hidden=32, topc=16, num_passes=K)
 
@@ -85,8 +98,7 @@ def _check_regime(stats: CertifiedStats, regime: str):
         assert st["rows_certified"] < 0.5 and st["passes_full_scan"] == 1.0, st
 
 
-@pytest.mark.parametrize("regime", list(REGIMES))
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("dtype,regime", _grid({"float32-row_scan"}, _DT, [(r, r) for r in REGIMES]))
 def test_tokens_equal_scan_xla(dtype, regime):
     """XLA backend: the certified tokens are the full scan's, in each regime (certified / a few rows scanned /
     the whole call falls back), and the stats say which regime ran. Loop (and, in bf16, unrolled) passes."""
@@ -101,7 +113,7 @@ def test_tokens_equal_scan_xla(dtype, regime):
 
 @pytest.mark.interpret
 @pytest.mark.interpret_refine
-@pytest.mark.parametrize("dtype,regime", [(jnp.bfloat16, "row_scan"), (jnp.float32, "fallback"),
+@pytest.mark.parametrize("dtype,regime", [pytest.param(jnp.bfloat16, "row_scan", marks=SLOW), (jnp.float32, "fallback"),
                                           pytest.param(jnp.bfloat16, "certified", marks=pytest.mark.slow),
                                           pytest.param(jnp.float32, "row_scan", marks=pytest.mark.slow)],
                          ids=lambda v: jnp.dtype(v).name if not isinstance(v, str) else v)
@@ -118,9 +130,9 @@ def test_tokens_equal_scan_pallas_interpret(dtype, regime):
 
 @pytest.mark.interpret
 @pytest.mark.interpret_refine
-@pytest.mark.parametrize("path", ["pick", "pick-combine", "one-launch", "one-launch-combine", "one-launch-split",
-                                  "two-launch"])
-@pytest.mark.parametrize("regime", ["row_scan", "fallback"])
+@pytest.mark.parametrize("regime,path", _grid({"fallback-two-launch"}, [(r, r) for r in ("row_scan", "fallback")],
+                                              [(p, p) for p in ("pick", "pick-combine", "one-launch",
+                                                                "one-launch-combine", "one-launch-split", "two-launch")]))
 def test_unrolled_passes_skip_final_slots(regime, path, monkeypatch):
     """Unrolled, each certified pass knows its number (`dispatch.CERTIFIED_PASS_NUMBERS`): its final draft slots
     keep their tokens and are not scanned, and its full-vocab picks take the pass pick's order (odd passes
@@ -165,7 +177,8 @@ def test_unrolled_passes_skip_final_slots(regime, path, monkeypatch):
     assert (want != np.asarray(ref.full_vocab_start(x[1])).reshape(want.shape)).mean() > 0.1  # refinement acts
 
 
-@pytest.mark.parametrize("backend", ["xla", pytest.param("pallas", marks=pytest.mark.interpret_refine)])
+@pytest.mark.parametrize("backend", [pytest.param("xla", marks=SLOW),
+                                     pytest.param("pallas", marks=pytest.mark.interpret_refine)])
 def test_float64(backend):
     """float64 (the jnp path on either backend: the kernels refuse it): tokens equal the scan where most rows
     certify and the rest are scanned."""
@@ -194,7 +207,7 @@ def test_padding_rows_never_force_a_fallback():
     assert float(stats.passes_certified) == 0.0
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("dtype", [pytest.param(jnp.bfloat16, marks=SLOW), jnp.float32], ids=lambda d: jnp.dtype(d).name)
 def test_adversarial_heads_fall_back_and_stay_exact(dtype):
     """Huge w2 rows (a few ids with norm 100x the rest) and flat base logits: the bound fails for every row,
     the fallback runs, tokens equal the scan. Also with no subset (scan_blocks=0) and a subset of every row."""
@@ -233,7 +246,7 @@ def test_all_candidates():
     _check_regime(stats, "certified")
 
 
-@pytest.mark.parametrize("unroll", [True, False])
+@pytest.mark.parametrize("unroll", [pytest.param(True, marks=SLOW), False])
 def test_no_conditional(unroll):
     """The compiled mode holds no conditional at all (the decisions are device values that the kernels read, no
     host round trip), in every regime's configuration; in a loop, one while loop (the passes)."""
@@ -289,8 +302,9 @@ def _tie_rows():
     return base, lat, w2
 
 
-@pytest.mark.parametrize("backend", ["xla", pytest.param("pallas", marks=pytest.mark.interpret)])
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("dtype,backend", [pytest.param(*p.values, id=p.id, marks=[*p.marks, pytest.mark.interpret]
+                                                         if p.values[1] == "pallas" else p.marks)
+                                           for p in _grid({"float32-xla"}, _DT, [("xla", "xla"), ("pallas", "pallas")])])
 def test_ties_at_the_bound(dtype, backend):
     """beta == best certifies only when every non-candidate id exceeds the best id; tokens always equal the scan."""
     tok, cert, want = _pick(dtype, *_tie_rows(), backend=backend)
@@ -304,8 +318,7 @@ def test_ties_at_the_bound(dtype, backend):
 
 @pytest.mark.parametrize("compiled", [pytest.param(False, marks=pytest.mark.interpret), True],
                          ids=["interpret", "gpu"])
-@pytest.mark.parametrize("rows", [1, 40, 200])
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("dtype,rows", _grid({"float32-40"}, _DT, [("1", 1), ("40", 40), ("200", 200)]))
 def test_certify_kernel_equals_jnp(dtype, rows, compiled):
     """`kernels.topc_pick.certify` (the pick kernel and the certify launch) decides every row as the jnp
     spelling (`exact.certify_rows` on `reference.candidates_best`): the same winner, failing rows and scan
@@ -362,7 +375,7 @@ def test_certify_kernel_equals_jnp(dtype, rows, compiled):
 
 @pytest.mark.parametrize("compiled", [pytest.param(False, marks=pytest.mark.interpret), True],
                          ids=["interpret", "gpu"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("dtype", [pytest.param(jnp.bfloat16, marks=SLOW), jnp.float32], ids=lambda d: jnp.dtype(d).name)
 def test_kernel_differences_are_only_near_ties(dtype, compiled):
     """Pallas (interpret on CPU; compiled on a GPU): certified rows take the top-C kernel's winner, the scan
     takes the full-vocab kernel's; the two sum each dot in different orders. Every row where the certified

@@ -20,6 +20,7 @@ from xpress_jax.refine import _refine, exit_checks, resolve_call, run_passes
 from conftest import make_head, make_inputs, sequential_greedy
 
 refine_jit = jax.jit(xj.refine, static_argnames=xj.STATIC_ARGNAMES)
+slow = pytest.mark.slow
 
 # Odd V and B, a rank that is not a power of two; C = 1, a middle C, C = V and full vocab.
 CFG = xj.HeadConfig(vocab_size=301, hidden_size=40, block_size=7, rank=20, mlp_hidden=24, topc=11,
@@ -52,10 +53,9 @@ def _fixed_point_pass(params, logits, h, anchors, prev, topc):
 
 
 # std: weak (the fixed point comes after 1-2 passes), medium, strong (often not within K).
-@pytest.mark.parametrize("std", [0.02, 0.25, 1.0])
-@pytest.mark.parametrize("topc", [0, pytest.param(1, marks=pytest.mark.slow), 11,
-                                  pytest.param(301, marks=pytest.mark.slow)])
-@pytest.mark.parametrize("unroll", [False, True])
+@pytest.mark.parametrize("unroll,topc,std", [
+    pytest.param(u, c, s, id=f"{u}-{c}-{s}", marks=() if f"{u}-{c}-{s}" in ("False-11-0.25", "True-0-1.0") else slow)
+    for u in (False, True) for c in (0, 1, 11, 301) for s in (0.02, 0.25, 1.0)])
 def test_early_exit_gives_the_k_pass_tokens(std, topc, unroll):
     params = make_head(CFG, seed=int(std * 100) + topc, std=std)
     logits, h, anchors, prev = make_inputs(CFG, 5, seed=topc + 7)
@@ -66,8 +66,8 @@ def test_early_exit_gives_the_k_pass_tokens(std, topc, unroll):
     assert 1 <= n <= CFG.num_passes
 
 
-@pytest.mark.parametrize("topc", [0, 11])
-@pytest.mark.parametrize("std", [0.02, 0.25, 1.0])
+@pytest.mark.parametrize("std,topc", [pytest.param(s, c, id=f"{s}-{c}", marks=() if (s, c) == (1.0, 0) else slow)
+                                      for s in (0.02, 0.25, 1.0) for c in (0, 11)])
 def test_passes_run_stop_at_the_fixed_point(std, topc):
     """The loop stops exactly at the first pass that changed nothing; unrolled with checks, at the
     first checked pass at or after it (or K)."""
@@ -92,7 +92,7 @@ def test_weak_head_skips_passes():
 
 
 @pytest.mark.interpret
-@pytest.mark.parametrize("topc", [0, 11])
+@pytest.mark.parametrize("topc", [0, pytest.param(11, marks=slow)])
 def test_early_exit_pallas_interpret(topc):
     params = make_head(CFG, seed=9, std=0.25)
     logits, h, anchors, prev = make_inputs(CFG, 3, seed=4)
@@ -103,7 +103,7 @@ def test_early_exit_pallas_interpret(topc):
         np.testing.assert_array_equal(got, want)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+@pytest.mark.parametrize("dtype", [jnp.float32, pytest.param(jnp.float64, marks=slow)])
 def test_jacobi_exactness_with_early_exit(dtype):
     """K >= B-1 full vocab with early exit == the sequential greedy decode."""
     with jax.enable_x64(dtype == jnp.float64):

@@ -49,6 +49,7 @@ def _run_child(cases):
     return json.loads(out.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.interpret
 def test_sharded_equals_single_device():
     results = _run_child(FAST)
