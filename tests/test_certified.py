@@ -373,9 +373,9 @@ def test_certify_kernel_equals_jnp(dtype, rows, compiled):
                           jnp.asarray(False), slack=2.0 ** -10, limit=1, interpret=True)
 
 
-@pytest.mark.parametrize("compiled", [pytest.param(False, marks=pytest.mark.interpret), True],
-                         ids=["interpret", "gpu"])
-@pytest.mark.parametrize("dtype", [pytest.param(jnp.bfloat16, marks=SLOW), jnp.float32], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("dtype,compiled", [  # interpret mode: slow (the Pallas certified tokens: checked above)
+    pytest.param(d, c, id=f"{jnp.dtype(d).name}-{'gpu' if c else 'interpret'}",
+                 marks=() if c else [pytest.mark.interpret, SLOW]) for c in (False, True) for d in DTYPES])
 def test_kernel_differences_are_only_near_ties(dtype, compiled):
     """Pallas (interpret on CPU; compiled on a GPU): certified rows take the top-C kernel's winner, the scan
     takes the full-vocab kernel's; the two sum each dot in different orders. Every row where the certified
