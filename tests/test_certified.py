@@ -177,8 +177,7 @@ def test_unrolled_passes_skip_final_slots(regime, path, monkeypatch):
     assert (want != np.asarray(ref.full_vocab_start(x[1])).reshape(want.shape)).mean() > 0.1  # refinement acts
 
 
-@pytest.mark.parametrize("backend", [pytest.param("xla", marks=SLOW),
-                                     pytest.param("pallas", marks=pytest.mark.interpret_refine)])
+@pytest.mark.parametrize("backend", ["xla", pytest.param("pallas", marks=[pytest.mark.interpret_refine, SLOW])])
 def test_float64(backend):
     """float64 (the jnp path on either backend: the kernels refuse it): tokens equal the scan where most rows
     certify and the rest are scanned."""
@@ -316,9 +315,10 @@ def test_ties_at_the_bound(dtype, backend):
         assert cert.tolist() == [False, False, False, False]
 
 
-@pytest.mark.parametrize("compiled", [pytest.param(False, marks=pytest.mark.interpret), True],
-                         ids=["interpret", "gpu"])
-@pytest.mark.parametrize("dtype,rows", _grid({"float32-40"}, _DT, [("1", 1), ("40", 40), ("200", 200)]))
+@pytest.mark.parametrize("dtype,rows,compiled", [  # interpret mode: slow (the certify launch runs in the refine above)
+    pytest.param(d, n, c, id=f"{jnp.dtype(d).name}-{n}-{'gpu' if c else 'interpret'}",
+                 marks=() if c else [pytest.mark.interpret, SLOW]) for c in (False, True) for n in (1, 40, 200)
+    for d in DTYPES])
 def test_certify_kernel_equals_jnp(dtype, rows, compiled):
     """`kernels.topc_pick.certify` (the pick kernel and the certify launch) decides every row as the jnp
     spelling (`exact.certify_rows` on `reference.candidates_best`): the same winner, failing rows and scan

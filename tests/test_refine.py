@@ -107,6 +107,7 @@ def test_refine_output_is_causal_in_the_logits(small_cfg):
         assert np.any(out2[:, c - 1 :] != base[:, c - 1 :])
 
 
+@pytest.mark.slow  # jit against eager: test_jit_matches_eager_and_does_not_retrace
 def test_determinism(small_cfg):
     params = make_head(small_cfg)
     x = make_inputs(small_cfg, 5)
