@@ -134,17 +134,13 @@ def test_tokens_equal_scan_pallas_interpret(dtype, regime):
                                               [(p, p) for p in ("pick", "pick-combine", "one-launch",
                                                                 "one-launch-combine", "one-launch-split", "two-launch")]))
 def test_unrolled_passes_skip_final_slots(regime, path, monkeypatch):
-    """Unrolled, each certified pass knows its number (`dispatch.CERTIFIED_PASS_NUMBERS`): its final draft slots
-    keep their tokens and are not scanned, and its full-vocab picks take the pass pick's order (odd passes
-    descending) and L2 hint. Paths: "pick" (one row tile holds every row: one pick of the active rows), "one-launch" (the
-    packed scan, `kernels.full_vocab.scan_failing`, whose packing leaves the final slots out even in a full
-    pass; "-split": with `dispatch.CERTIFIED_SCAN_KEEP`), "two-launch" (above `dispatch.SCAN_FAILING_MAX_ROWS`, patched to 0: the all-rows launch reads the
-    other slots through ``row_ids``); the packed paths are forced by a ``full_vocab_capacity`` that always
-    packs (the test shapes fit one row tile). B=6, K=6: passes 2-5 skip slots, pass 6 (every slot final) runs
-    nothing. "pick" is the counted launch (`dispatch.CERTIFIED_COUNTED_PICK`: no combine launch, nothing runs
-    in a pass where no row fails), "pick-combine" the pick and its combine; "one-launch" is counted too
-    (`dispatch.CERTIFIED_COUNTED_SCAN`), "one-launch-combine" the packed pick and its combine. Tokens equal the
-    Pallas scan's and the loop's (which knows no pass number)."""
+    """Unrolled, each certified pass knows its number: its final draft slots keep their tokens and are not
+    scanned, and its full-vocab picks take the pass pick's order and L2 hint. Paths: "pick" (one row tile holds
+    every row: the counted pick of the active rows), "one-launch" (the packed scan,
+    `kernels.full_vocab.scan_failing`, whose packing leaves the final slots out even in a full pass),
+    "two-launch" (the all-rows launch reads the other slots through ``row_ids``); the packed paths are forced
+    by a ``full_vocab_capacity`` that always packs (the test shapes fit one row tile). B=6, K=6: passes 2-5
+    skip slots, pass 6 (every slot final) runs nothing. Tokens equal the Pallas scan's and the loop's."""
     cfg = dataclasses.replace(CFG, num_passes=6)
     x, cert = _regime(jnp.bfloat16, regime, n=4)
     cert = dataclasses.replace(cert, scan_blocks=2)
