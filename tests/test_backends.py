@@ -26,11 +26,10 @@ slow = pytest.mark.slow
 
 # n x topc x dtype: each interpret-mode refine compiles every kernel (seconds); the default run keeps
 # the four cases where every pair of values meets once, the other four are `slow`.
-# (tests/slow_list.txt moves more of these cases to `slow` for their run time.)
 @pytest.mark.interpret_refine
 @pytest.mark.parametrize("n,topc,dtype", [
-    pytest.param(1, 0, _F32, id="1-0-float32"), pytest.param(3, 0, _BF, id="3-0-bfloat16"),
-    pytest.param(1, 50, _BF, id="1-50-bfloat16"), pytest.param(3, 50, _F32, id="3-50-float32"),
+    pytest.param(1, 0, _F32, id="1-0-float32"), pytest.param(3, 0, _BF, id="3-0-bfloat16", marks=slow),
+    pytest.param(1, 50, _BF, id="1-50-bfloat16", marks=slow), pytest.param(3, 50, _F32, id="3-50-float32", marks=slow),
     pytest.param(1, 0, _BF, id="1-0-bfloat16", marks=slow), pytest.param(3, 0, _F32, id="3-0-float32", marks=slow),
     pytest.param(1, 50, _F32, id="1-50-float32", marks=slow), pytest.param(3, 50, _BF, id="3-50-bfloat16", marks=slow),
 ])
@@ -81,7 +80,7 @@ def test_gpu_supported_only_for_checked_nvidia_gpus(dev, want):
     assert gpu_supported([]) is False
 
 
-@pytest.mark.parametrize("topc", [0, 512])
+@pytest.mark.parametrize("topc", [0, pytest.param(512, marks=slow)])
 def test_refine_lowers_to_triton_kernels(topc):
     """The whole pallas refine lowers for an H200; each kernel appears in the HLO (no silent fallback)."""
     cfg = xj.HeadConfig(vocab_size=4099, hidden_size=64, block_size=16, rank=256, mlp_hidden=512, topc=512)
@@ -101,7 +100,8 @@ def test_refine_lowers_to_triton_kernels(topc):
 
 
 @pytest.mark.interpret_refine
-@pytest.mark.parametrize("steps", ["latent", "pick", "select", pytest.param("latent+pick", marks=slow)])
+@pytest.mark.parametrize("steps", [pytest.param("latent", marks=slow), "pick", pytest.param("select", marks=slow),
+                                   pytest.param("latent+pick", marks=slow)])
 def test_mixed_implementations_match_xla(steps):
     """One kernel step at a time in the XLA refine, as bench_refine builds them (`dataclasses.replace` on
     `Ops`, run with `refine_with`: the documented way to build mixed implementations); a pair is `slow`."""

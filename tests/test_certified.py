@@ -17,12 +17,25 @@ import pytest
 import xpress_jax as xj
 from xpress_jax import dispatch
 from xpress_jax import reference as ref
-from xpress_jax.exact import Certified, CertifiedPrepared, CertifiedStats, certified_pick, prepare_certified
+from xpress_jax.exact import Certified, CertifiedPrepared, CertifiedStats, _call_data, _decide, prepare_certified
 from xpress_jax.kernels.common import gpu_supported
 from xpress_jax.ops import Ops
 from xpress_jax.refine import refine_with
 
 DTYPES = [jnp.bfloat16, jnp.float32]
+SLOW = pytest.mark.slow
+
+
+def _grid(fast, *axes):
+    """pytest.params of every combination of ``axes`` (lists of (id, value)), all but the ids in ``fast`` slow."""
+    combos = [[]]
+    for axis in axes:
+        combos = [c + [kv] for c in combos for kv in axis]
+    return [pytest.param(*(v for _, v in c), id="-".join(k for k, _ in c),
+                         marks=() if "-".join(k for k, _ in c) in fast else SLOW) for c in combos]
+
+
+_DT = [("bfloat16", jnp.bfloat16), ("float32", jnp.float32)]
 V, H, B, R, K = 2000, 48, 6, 32, 3
 CFG = xj.HeadConfig(vocab_size=V, hidden_size=H, block_size=B, rank=R, mlp_hidden=32, topc=16, num_passes=K)
 
@@ -64,6 +77,16 @@ def _refine(params, logits, h, anchors, *, backend="xla", interpret=False, full_
                      full_vocab=full_vocab, unroll=unroll, return_stats=return_stats)
 
 
+def certified_pick(ops: Ops, logits, lat, w2, cfg: Certified = Certified()):
+    """One certified pass on given latents: ``logits`` [N, B, V] (draft slots are the rows), ``lat`` [rows, r].
+    Returns (tokens [rows] int32, certified [rows] bool): the candidates' winner where the bound certifies it,
+    else ``ops.full_vocab_pick``'s token."""
+    d = _call_data(ops, logits, w2, min(int(cfg.candidates), logits.shape[2]))
+    rows = lat.shape[0]
+    best_id, fail, _, _ = _decide(ops, d, lat, logits.dtype, jnp.ones((rows,), bool), jnp.zeros((), bool))
+    return ops.full_vocab_pick(logits, lat, d.fprep, active=fail, fallback=best_id), fail == 0
+
+
 def _check_regime(stats: CertifiedStats, regime: str):
     st = {k: float(v) for k, v in stats._asdict().items()}
     assert abs(st["passes_certified"] + st["passes_row_scan"] + st["passes_full_scan"] - 1) < 1e-6, st
@@ -75,14 +98,13 @@ def _check_regime(stats: CertifiedStats, regime: str):
         assert st["rows_certified"] < 0.5 and st["passes_full_scan"] == 1.0, st
 
 
-@pytest.mark.parametrize("regime", list(REGIMES))
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("dtype,regime", _grid({"float32-row_scan"}, _DT, [(r, r) for r in REGIMES]))
 def test_tokens_equal_scan_xla(dtype, regime):
     """XLA backend: the certified tokens are the full scan's, in each regime (certified / a few rows scanned /
-    the whole call falls back), and the stats say which regime ran. Loop (and, in bf16, unrolled) passes."""
+    the whole call falls back), and the stats say which regime ran. Loop and unrolled (numbered) passes."""
     x, cert = _regime(dtype, regime)
     want = np.asarray(_refine(*x))
-    for unroll in (False, True) if dtype == jnp.bfloat16 else (False,):
+    for unroll in (False, True):
         got, stats = _refine(*x, full_vocab=cert, unroll=unroll, return_stats=True)
         np.testing.assert_array_equal(np.asarray(got), want)
         _check_regime(stats, regime)
@@ -91,7 +113,7 @@ def test_tokens_equal_scan_xla(dtype, regime):
 
 @pytest.mark.interpret
 @pytest.mark.interpret_refine
-@pytest.mark.parametrize("dtype,regime", [(jnp.bfloat16, "row_scan"), (jnp.float32, "fallback"),
+@pytest.mark.parametrize("dtype,regime", [pytest.param(jnp.bfloat16, "row_scan", marks=SLOW), (jnp.float32, "fallback"),
                                           pytest.param(jnp.bfloat16, "certified", marks=pytest.mark.slow),
                                           pytest.param(jnp.float32, "row_scan", marks=pytest.mark.slow)],
                          ids=lambda v: jnp.dtype(v).name if not isinstance(v, str) else v)
@@ -108,21 +130,17 @@ def test_tokens_equal_scan_pallas_interpret(dtype, regime):
 
 @pytest.mark.interpret
 @pytest.mark.interpret_refine
-@pytest.mark.parametrize("path", ["pick", "pick-combine", "one-launch", "one-launch-combine", "one-launch-split",
-                                  "two-launch"])
-@pytest.mark.parametrize("regime", ["row_scan", "fallback"])
+@pytest.mark.parametrize("regime,path", _grid(set(), [(r, r) for r in ("row_scan", "fallback")],
+                                              [(p, p) for p in ("pick", "pick-combine", "one-launch",
+                                                                "one-launch-combine", "one-launch-split", "two-launch")]))
 def test_unrolled_passes_skip_final_slots(regime, path, monkeypatch):
-    """Unrolled, each certified pass knows its number (`dispatch.CERTIFIED_PASS_NUMBERS`): its final draft slots
-    keep their tokens and are not scanned, and its full-vocab picks take the pass pick's order (odd passes
-    descending) and L2 hint. Paths: "pick" (one row tile holds every row: one pick of the active rows), "one-launch" (the
-    packed scan, `kernels.full_vocab.scan_failing`, whose packing leaves the final slots out even in a full
-    pass; "-split": with `dispatch.CERTIFIED_SCAN_KEEP`), "two-launch" (above `dispatch.SCAN_FAILING_MAX_ROWS`, patched to 0: the all-rows launch reads the
-    other slots through ``row_ids``); the packed paths are forced by a ``full_vocab_capacity`` that always
-    packs (the test shapes fit one row tile). B=6, K=6: passes 2-5 skip slots, pass 6 (every slot final) runs
-    nothing. "pick" is the counted launch (`dispatch.CERTIFIED_COUNTED_PICK`: no combine launch, nothing runs
-    in a pass where no row fails), "pick-combine" the pick and its combine; "one-launch" is counted too
-    (`dispatch.CERTIFIED_COUNTED_SCAN`), "one-launch-combine" the packed pick and its combine. Tokens equal the
-    Pallas scan's and the loop's (which knows no pass number)."""
+    """Unrolled, each certified pass knows its number: its final draft slots keep their tokens and are not
+    scanned, and its full-vocab picks take the pass pick's order and L2 hint. Paths: "pick" (one row tile holds
+    every row: the counted pick of the active rows), "one-launch" (the packed scan,
+    `kernels.full_vocab.scan_failing`, whose packing leaves the final slots out even in a full pass),
+    "two-launch" (the all-rows launch reads the other slots through ``row_ids``); the packed paths are forced
+    by a ``full_vocab_capacity`` that always packs (the test shapes fit one row tile). B=6, K=6: passes 2-5
+    skip slots, pass 6 (every slot final) runs nothing. Tokens equal the Pallas scan's and the loop's."""
     cfg = dataclasses.replace(CFG, num_passes=6)
     x, cert = _regime(jnp.bfloat16, regime, n=4)
     cert = dataclasses.replace(cert, scan_blocks=2)
@@ -154,7 +172,7 @@ def test_unrolled_passes_skip_final_slots(regime, path, monkeypatch):
     assert (want != np.asarray(ref.full_vocab_start(x[1])).reshape(want.shape)).mean() > 0.1  # refinement acts
 
 
-@pytest.mark.parametrize("backend", ["xla", pytest.param("pallas", marks=pytest.mark.interpret_refine)])
+@pytest.mark.parametrize("backend", ["xla", pytest.param("pallas", marks=[pytest.mark.interpret_refine, SLOW])])
 def test_float64(backend):
     """float64 (the jnp path on either backend: the kernels refuse it): tokens equal the scan where most rows
     certify and the rest are scanned."""
@@ -183,7 +201,7 @@ def test_padding_rows_never_force_a_fallback():
     assert float(stats.passes_certified) == 0.0
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("dtype", [pytest.param(jnp.bfloat16, marks=SLOW), jnp.float32], ids=lambda d: jnp.dtype(d).name)
 def test_adversarial_heads_fall_back_and_stay_exact(dtype):
     """Huge w2 rows (a few ids with norm 100x the rest) and flat base logits: the bound fails for every row,
     the fallback runs, tokens equal the scan. Also with no subset (scan_blocks=0) and a subset of every row."""
@@ -222,7 +240,7 @@ def test_all_candidates():
     _check_regime(stats, "certified")
 
 
-@pytest.mark.parametrize("unroll", [True, False])
+@pytest.mark.parametrize("unroll", [pytest.param(True, marks=SLOW), False])
 def test_no_conditional(unroll):
     """The compiled mode holds no conditional at all (the decisions are device values that the kernels read, no
     host round trip), in every regime's configuration; in a loop, one while loop (the passes)."""
@@ -278,8 +296,9 @@ def _tie_rows():
     return base, lat, w2
 
 
-@pytest.mark.parametrize("backend", ["xla", pytest.param("pallas", marks=pytest.mark.interpret)])
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("dtype,backend", [pytest.param(*p.values, id=p.id, marks=[*p.marks, pytest.mark.interpret]
+                                                         if p.values[1] == "pallas" else p.marks)
+                                           for p in _grid({"float32-xla"}, _DT, [("xla", "xla"), ("pallas", "pallas")])])
 def test_ties_at_the_bound(dtype, backend):
     """beta == best certifies only when every non-candidate id exceeds the best id; tokens always equal the scan."""
     tok, cert, want = _pick(dtype, *_tie_rows(), backend=backend)
@@ -291,10 +310,10 @@ def test_ties_at_the_bound(dtype, backend):
         assert cert.tolist() == [False, False, False, False]
 
 
-@pytest.mark.parametrize("compiled", [pytest.param(False, marks=pytest.mark.interpret), True],
-                         ids=["interpret", "gpu"])
-@pytest.mark.parametrize("rows", [1, 40, 200])
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("dtype,rows,compiled", [  # interpret mode: slow (the certify launch runs in the refine above)
+    pytest.param(d, n, c, id=f"{jnp.dtype(d).name}-{n}-{'gpu' if c else 'interpret'}",
+                 marks=() if c else [pytest.mark.interpret, SLOW]) for c in (False, True) for n in (1, 40, 200)
+    for d in DTYPES])
 def test_certify_kernel_equals_jnp(dtype, rows, compiled):
     """`kernels.topc_pick.certify` (the pick kernel and the certify launch) decides every row as the jnp
     spelling (`exact.certify_rows` on `reference.candidates_best`): the same winner, failing rows and scan
@@ -349,9 +368,9 @@ def test_certify_kernel_equals_jnp(dtype, rows, compiled):
                           jnp.asarray(False), slack=2.0 ** -10, limit=1, interpret=True)
 
 
-@pytest.mark.parametrize("compiled", [pytest.param(False, marks=pytest.mark.interpret), True],
-                         ids=["interpret", "gpu"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("dtype,compiled", [  # interpret mode: slow (the Pallas certified tokens: checked above)
+    pytest.param(d, c, id=f"{jnp.dtype(d).name}-{'gpu' if c else 'interpret'}",
+                 marks=() if c else [pytest.mark.interpret, SLOW]) for c in (False, True) for d in DTYPES])
 def test_kernel_differences_are_only_near_ties(dtype, compiled):
     """Pallas (interpret on CPU; compiled on a GPU): certified rows take the top-C kernel's winner, the scan
     takes the full-vocab kernel's; the two sum each dot in different orders. Every row where the certified
@@ -549,6 +568,7 @@ def test_server_keeps_the_bound_data_with_the_weights():
     assert scan._extra == ()
 
 
+@pytest.mark.slow
 def test_lowers_for_an_h200(monkeypatch):
     """The Pallas certified refine lowers for an H200: the selection, the top-C pick (with its skip flag), the
     full-vocab pick (with its active rows, packed through a row map) and the latent kernels are all in the HLO,
@@ -679,8 +699,14 @@ def test_server_auto_policy():
             assert server._auto_state[8]["switches"] >= 2
         else:
             assert modes == ["certified"] * 7 and server._auto_state[8]["switches"] == 0
-    small = xj.RefineServer(head, buckets=(2, 8), backend="xla", full_vocab="auto", progress=False)  # min_blocks 64
+    small = xj.RefineServer(head, buckets=(2, 8), backend="xla", progress=False)  # the default: "auto", min_blocks 64
+    assert small.full_vocab == "auto"
     assert small.certified_executables == {} and small._extra == () and small.exact_mode(8) == "scan"
+    # "auto" on a mesh or in top-C mode: the scan (nothing to decide)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
+    for kw in (dict(mesh=mesh), dict(topc=16)):
+        other = xj.RefineServer(head, buckets=(2,), backend="xla", progress=False, **kw)
+        assert other.certified_executables == {} and other.exact_mode(2) == "scan"
     with pytest.raises(ValueError, match="min_blocks"):
         Auto(min_blocks=0)
     with pytest.raises(ValueError, match="max_fallback"):

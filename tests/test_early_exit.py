@@ -1,4 +1,4 @@
-"""Early exit at the passes' fixed point (`refine(..., early_exit=True)`, the default).
+"""Early exit at the passes' fixed point (`refine(..., early_exit=True)`).
 
 The claim: a pass is a function of the block alone, so once a pass returns its input every later
 pass would too, and stopping there gives the K-pass tokens. The oracle here is the K-pass loop
@@ -15,11 +15,12 @@ import pytest
 
 import xpress_jax as xj
 from xpress_jax.ops import Ops
-from xpress_jax.refine import _refine, exit_checks, passes_to_fixed_point, resolve_call
+from xpress_jax.refine import _refine, exit_checks, resolve_call, run_passes
 
 from conftest import make_head, make_inputs, sequential_greedy
 
 refine_jit = jax.jit(xj.refine, static_argnames=xj.STATIC_ARGNAMES)
+slow = pytest.mark.slow
 
 # Odd V and B, a rank that is not a power of two; C = 1, a middle C, C = V and full vocab.
 CFG = xj.HeadConfig(vocab_size=301, hidden_size=40, block_size=7, rank=20, mlp_hidden=24, topc=11,
@@ -52,10 +53,9 @@ def _fixed_point_pass(params, logits, h, anchors, prev, topc):
 
 
 # std: weak (the fixed point comes after 1-2 passes), medium, strong (often not within K).
-@pytest.mark.parametrize("std", [0.02, 0.25, 1.0])
-@pytest.mark.parametrize("topc", [0, pytest.param(1, marks=pytest.mark.slow), 11,
-                                  pytest.param(301, marks=pytest.mark.slow)])
-@pytest.mark.parametrize("unroll", [False, True])
+@pytest.mark.parametrize("unroll,topc,std", [
+    pytest.param(u, c, s, id=f"{u}-{c}-{s}", marks=() if f"{u}-{c}-{s}" == "True-0-1.0" else slow)
+    for u in (False, True) for c in (0, 1, 11, 301) for s in (0.02, 0.25, 1.0)])
 def test_early_exit_gives_the_k_pass_tokens(std, topc, unroll):
     params = make_head(CFG, seed=int(std * 100) + topc, std=std)
     logits, h, anchors, prev = make_inputs(CFG, 5, seed=topc + 7)
@@ -66,11 +66,13 @@ def test_early_exit_gives_the_k_pass_tokens(std, topc, unroll):
     assert 1 <= n <= CFG.num_passes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("topc", [0, 11])
 @pytest.mark.parametrize("std", [0.02, 0.25, 1.0])
 def test_passes_run_stop_at_the_fixed_point(std, topc):
     """The loop stops exactly at the first pass that changed nothing; unrolled with checks, at the
-    first checked pass at or after it (or K)."""
+    first checked pass at or after it (or K). (Fast: the loop itself on a toy map,
+    `test_run_passes_counts_and_stops`, and `test_weak_head_skips_passes` through refine.)"""
     params = make_head(CFG, seed=3, std=std)
     logits, h, anchors, prev = make_inputs(CFG, 4, seed=11)
     p_star = _fixed_point_pass(params, logits, h, anchors, prev, topc)
@@ -92,6 +94,7 @@ def test_weak_head_skips_passes():
 
 
 @pytest.mark.interpret
+@pytest.mark.slow  # the loop is the XLA refine's (above); the Pallas pass picks: tests/test_kernel_*
 @pytest.mark.parametrize("topc", [0, 11])
 def test_early_exit_pallas_interpret(topc):
     params = make_head(CFG, seed=9, std=0.25)
@@ -103,7 +106,7 @@ def test_early_exit_pallas_interpret(topc):
         np.testing.assert_array_equal(got, want)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+@pytest.mark.parametrize("dtype", [jnp.float32, pytest.param(jnp.float64, marks=slow)])
 def test_jacobi_exactness_with_early_exit(dtype):
     """K >= B-1 full vocab with early exit == the sequential greedy decode."""
     with jax.enable_x64(dtype == jnp.float64):
@@ -137,19 +140,28 @@ def test_exit_checks_schedule():
             assert all(1 <= q < k for q in exit_checks(n, k))
 
 
-def test_passes_to_fixed_point_counts_and_stops():
-    """The loop helper on a toy map with a known fixed point: x -> min(x + 1, 3)."""
-    step = lambda b: jnp.minimum(b + 1, 3)
-    for unroll, checks in ((False, None), (True, None), (True, (2, 4))):
-        blk, n = passes_to_fixed_point(step, jnp.zeros((2, 2), jnp.int32), 6, unroll, checks)
+def test_run_passes_counts_and_stops():
+    """The pass loop on a toy map with a known fixed point: x -> min(x + 1, 3)."""
+    step = lambda c, q: (jnp.minimum(c[0] + 1, 3), c[1])
+    zero = jnp.zeros((2, 2), jnp.int32)
+    for unroll, checks in ((False, ()), (True, (1, 2, 3, 4, 5)), (True, (2, 4))):
+        (blk, _), n = run_passes(step, (zero, ()), 6, unroll=unroll, numbered=unroll, checks=checks)
         assert (np.asarray(blk) == 3).all()
-        assert int(n) == (4 if checks is None else 4)  # pass 4 returns 3 unchanged
-    blk, n = passes_to_fixed_point(step, jnp.zeros((1,), jnp.int32), 3, True, (1, 2))
+        assert int(n) == 4  # pass 4 returns 3 unchanged
+    (blk, _), n = run_passes(step, (jnp.zeros((1,), jnp.int32), ()), 3, unroll=True, numbered=True, checks=(1, 2))
     assert int(n) == 3 and int(blk[0]) == 3  # never fixed within K: all K passes
-    seen = []  # numbered=True, unrolled: each pass gets its 0-based number (refine's pick order alternates on it)
-    blk, n = passes_to_fixed_point(lambda b, q: seen.append(q) or step(b), jnp.zeros((2, 2), jnp.int32), 6, True,
-                                   (2, 4), numbered=True)
-    assert seen == [0, 1, 2, 3, 4, 5] and int(n) == 4 and (np.asarray(blk) == 3).all()
+    for unroll, numbered, checks, want in ((True, True, None, [0, 1, 2, 3, 4, 5]), (True, False, (2, 4), [0, 1, 2, 3, 4, 5]),
+                                           (False, False, None, [None]), (True, False, None, [None])):
+        seen = []  # unrolled: each pass gets its 0-based number (the pass picks read it); in a loop None
+        (blk, _), n = run_passes(lambda c, q: seen.append(q) or step(c, q), (zero, ()), 6, unroll=unroll,
+                                 numbered=numbered, checks=checks)
+        assert seen == want and (np.asarray(blk) == 3).all()
+        assert int(n) == (4 if checks else 6)
+    # The mode's state is carried through every form of the loop.
+    count = lambda c, q: (c[0], c[1] + 1)
+    for unroll, numbered in ((False, False), (True, False), (True, True)):
+        (_, k), n = run_passes(count, (zero, jnp.int32(0)), 5, unroll=unroll, numbered=numbered)
+        assert int(k) == 5 == int(n)
 
 
 @pytest.mark.parametrize("bad", [1, "yes", (1.0,), (True,), [2]])

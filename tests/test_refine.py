@@ -107,6 +107,7 @@ def test_refine_output_is_causal_in_the_logits(small_cfg):
         assert np.any(out2[:, c - 1 :] != base[:, c - 1 :])
 
 
+@pytest.mark.slow  # jit against eager: test_jit_matches_eager_and_does_not_retrace
 def test_determinism(small_cfg):
     params = make_head(small_cfg)
     x = make_inputs(small_cfg, 5)
@@ -319,3 +320,14 @@ def test_refine_server_pads_masks_and_never_retraces(small_cfg):
         np.testing.assert_array_equal(host, ref)
     with pytest.raises(ValueError, match="N=5"):
         server.bucket_for(5)
+
+@pytest.mark.parametrize("name", ["topc", "num_passes"])
+def test_traced_static_argument_names_static_argnames(small_cfg, name):
+    """jax.jit(xj.refine) without static names traces topc / num_passes: the error says how to jit it."""
+    params = make_head(small_cfg, seed=0)
+    logits, h, anchors, _ = make_inputs(small_cfg, 2, seed=0)
+    f = jax.jit(lambda v: xj.refine(params, logits, h, anchors, config=small_cfg, backend="xla", **{name: v}))
+    with pytest.raises(TypeError, match=rf"{name} must be a static int.*static_argnames=xj\.STATIC_ARGNAMES"):
+        f(1)
+    with pytest.raises(TypeError, match="STATIC_ARGNAMES"):  # as a user would write it
+        jax.jit(xj.refine)(xj.Head(small_cfg, params), logits, h, anchors, **{name: 1})

@@ -369,6 +369,7 @@ def run_on_4_host_devices(script: str) -> str:
     return out
 
 
+@pytest.mark.slow
 def test_an_input_or_weights_on_another_device_are_refused():
     run_on_4_host_devices(_DEVICES_SCRIPT)
 

@@ -20,9 +20,9 @@ import pytest
 V, N = 301, 3
 MESHES = ((4, 1), (1, 4), (2, 2))
 
-# (mesh, topc, backend, dtype, inputs): `test_sharded_equals_single_device` (slow for its 55 s since
-# 2026-12-04: tests/slow_list.txt) covers each mesh, mode, backend, dtype and
-# input kind at least once; `sweep` (slow) every C x input kind on every mesh.
+# (mesh, topc, backend, dtype, inputs): `test_sharded_equals_single_device` (slow: a child process on 4 host
+# devices) covers each mesh, mode, backend, dtype and input kind at least once; `sweep` (slow) every C x input
+# kind on every mesh.
 FAST = [
     ((2, 2), 7, "pallas", "bfloat16", "ties"),
     ((4, 1), 0, "xla", "float32", "random"),
@@ -49,6 +49,7 @@ def _run_child(cases):
     return json.loads(out.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.interpret
 def test_sharded_equals_single_device():
     results = _run_child(FAST)

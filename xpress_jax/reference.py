@@ -4,7 +4,7 @@ Each function is one step of a pass (see `xpress_jax.refine`), as plain jnp. `Op
 (`xpress_jax.ops`) serves them; the tests compare each Pallas kernel in `xpress_jax.kernels`
 with the function of the same name here. The kernels import nothing from this package.
 
-Value rules (README "Rules"): a score is ``float(dtype(base + bias))``, the sum formed in the
+Value rules (docs/semantics.md): a score is ``float(dtype(base + bias))``, the sum formed in the
 accumulation dtype and rounded to the logits' dtype before comparing; NaN counts as -inf;
 full-vocab ties go to the lowest vocab id; top-C ties to the larger base logit, then the lowest id.
 """
@@ -19,31 +19,10 @@ import jax.numpy as jnp
 from .head import _dot, acc_dtype, hidden_input, latent, precision_for, round_to
 
 __all__ = [
-    "GPU_MATERIALIZE_XH_N",
-    "hidden_input_gpu",
-    "SLACK",
-    "bound_upper",
-    "bound_beta",
-    "certify_rows",
-    "clean",
-    "round_sum",
-    "topc_winner",
-    "readout",
-    "draft_rows",
-    "full_vocab_start",
-    "latent_pass",
-    "LatentSum",
-    "latent_value",
-    "full_vocab_pick",
-    "full_vocab_best",
-    "select_candidates",
-    "topc_gather",
-    "topc_pick",
-    "topc_pick_best",
-    "topc_scores",
-    "candidates_best",
-    "best_by_score",
-    "best_by_topc_rule",
+    "GPU_MATERIALIZE_XH_N", "hidden_input_gpu", "SLACK", "bound_upper", "bound_beta", "certify_rows", "clean",
+    "round_sum", "topc_winner", "readout", "draft_rows", "full_vocab_start", "latent_pass", "LatentSum",
+    "latent_value", "full_vocab_pick", "full_vocab_best", "select_candidates", "topc_gather", "topc_pick",
+    "topc_pick_best", "topc_scores", "candidates_best", "best_by_score", "best_by_topc_rule",
 ]
 
 
@@ -52,22 +31,12 @@ GPU_MATERIALIZE_XH_N = (8, 64)
 
 
 def hidden_input_gpu(params: Mapping[str, jax.Array], h: jax.Array) -> jax.Array:
-    """`xpress_jax.head.hidden_input` spelled for XLA:GPU: the same values, fewer slow fusions.
+    """`xpress_jax.head.hidden_input` spelled for XLA:GPU: the same sums, fewer slow fusions.
 
-    The same sums (every output element is the same float32 sum of the same products; a padded row and
-    an optimization barrier enter none of them), in two changes:
-
-    - N = 1: ``g @ down_g`` is a [1, H] x [H, r] dot, which XLA strength-reduces to a multiply over a
-      materialised float32 [H, r] and a reduction (H200, serving shapes: 8.6 µs in two fusions). Here
-      ``g`` is padded to 16 rows behind an optimization barrier, so XLA runs it as a GEMM.
-    - N in `GPU_MATERIALIZE_XH_N` (8..64): ``xh`` passes an optimization barrier, so XLA materialises it
-      once instead of fusing the reduction of its split-K partials into pass 1's add (at N=16 one
-      10.9 µs fusion; at N=4 the barrier measured 0.8-2.8 µs slower, at N=1 no gain).
-
-    Measured (benchmarks/RESULTS.md "Small-N latency: per-kernel traces, ...", part 3, 2026-12-02, H200;
-    top-512 N=1 119.5 -> 115.4 µs per refine, N=16 324.6 -> 318.0; full vocab N=1 251.9 -> 248.6, N=16
-    562.1 -> 551.1, that run with the barrier at N = 1..64; 0 tokens differ). Summation order inside each
-    dot is XLA's choice either way.
+    N = 1: ``g`` is padded to 16 rows behind an optimization barrier, so XLA runs ``g @ down_g`` as a GEMM
+    instead of a multiply over a materialised float32 [H, r] and a reduction. N in `GPU_MATERIALIZE_XH_N`:
+    ``xh`` passes an optimization barrier, so XLA materialises it once instead of fusing the reduction of
+    its split-K partials into pass 1. Neither changes a sum (H200: python -m benchmarks.bench_refine).
     """
     n = h.shape[0]
     xh = hidden_input(params, h, pad_rows=16 if n == 1 else 0)
@@ -120,12 +89,9 @@ def best_by_topc_rule(s: jax.Array, base: jax.Array, ids: jax.Array, axis: int =
 def readout(lat: jax.Array, w2: jax.Array, dtype, *, direct: bool = False) -> jax.Array:
     """``dtype(lat @ w2.T)`` accumulated in float32 (float64 for float64): the readout bias [rows, V].
 
-    ``direct=True`` (what `Ops.xla` uses on GPUs, for 16-bit dtypes only) lets the dot write the
-    16-bit result itself: the GEMM still accumulates in float32 and rounds once, so the values
-    are the same, but XLA no longer stores the float32 [rows, V] product in HBM before a separate
-    convert (H200, N=256 full vocab: 11337 -> 9106 µs per refine, tokens unchanged;
-    benchmarks/RESULTS.md "XLA readout"). On a CPU XLA computes such a dot in float32 and
-    rounds the same way, but the explicit spelling is kept there (it is the oracle).
+    ``direct=True`` (what `Ops.xla` uses on GPUs, for 16-bit dtypes only) lets the dot write the 16-bit
+    result itself: the GEMM still accumulates in float32 and rounds once (the same values), without storing
+    the float32 [rows, V] product (H200: python -m benchmarks.bench_refine).
     """
     if direct and jnp.dtype(dtype).itemsize == 2:
         return jnp.matmul(lat, w2.T, preferred_element_type=dtype)
@@ -150,9 +116,7 @@ class LatentSum(NamedTuple):
     the accumulation dtype (float32 for 16-bit weights), same shape.
 
     The Pallas top-C pick kernel takes it (``lat_add``) and forms the sum as it loads the latent, so the
-    residual needs no XLA kernel of its own (one launch fewer per pass where XLA computes the latent, up
-    to `xpress_jax.dispatch.SPLIT_LATENT_MAX_ROWS` draft rows: benchmarks/RESULTS.md, "The residual
-    inside the top-C pick"). `latent_value` gives the latent itself (what every other step reads).
+    residual needs no XLA kernel of its own. `latent_value` gives the latent itself.
     """
 
     u: jax.Array
@@ -295,41 +259,3 @@ def certify_rows(best, best_id, lat, tau, max_norm, mex, valid, fallen, limit, d
     n_fail = jnp.sum(fail, dtype=jnp.int32)
     full = fallen | (n_fail > limit)
     return best_id, fail, fail | full, make_flags(full, n_fail)
-
-
-#: The pruned mode's threshold margin: ``eps = 2^-PRUNE_EPS_SHIFT ||lat|| M`` (twice the float32 dot error).
-PRUNE_EPS_SHIFT = 11
-
-
-def pruned_pick(base: jax.Array, lat: jax.Array, w2: jax.Array, q: jax.Array, scale: jax.Array, err: jax.Array,
-                max_norm: jax.Array, guess: jax.Array, fallen, *, tile: int = 64, direct_readout: bool = False):
-    """The pruned pick in jnp (`xpress_jax.kernels.pruned`'s rules, per row and per ``tile`` vocab ids).
-
-    [rows,V] base, [rows,r] lat (16-bit or float32), [V,r] w2, `xpress_jax.exact.prepare_pruned`'s
-    ``q, scale, err, max_norm``, [rows] ``guess`` ids, a ``fallen`` flag. Returns (tokens [rows] int32,
-    need [rows] int32: the ids whose int8 bound reached the row's threshold (0 once fallen),
-    exact_frac [] float32: the fraction of (row, tile) pairs scored exactly, V). The tokens are the argmax over only the unexcluded tiles' exact scores:
-    they equal `full_vocab_pick` only if the bound is sound (what the tests check). It computes
-    every exact score (the oracle saves nothing)."""
-    rows, V = base.shape
-    dtype = base.dtype
-    s = round_sum(base, readout(lat, w2, dtype, direct=direct_readout)).astype(jnp.float32)  # [rows, V]
-    latf = lat.astype(jnp.float32)
-    nl = jnp.sqrt(jnp.sum(latf * latf, axis=1)) * (1 + SLACK)
-    eps = nl * max_norm.astype(jnp.float32) * 2.0 ** -PRUNE_EPS_SHIFT
-    g = jnp.clip(guess.astype(jnp.int32), 0, V - 1)
-    d_g = jnp.sum(latf * w2[g].astype(jnp.float32), axis=1)
-    b_g = jnp.take_along_axis(base, g[:, None], axis=1)[:, 0]
-    thr = clean(round_to(b_g.astype(jnp.float32) + round_to(d_g - 2 * eps, dtype).astype(jnp.float32), dtype)
-                .astype(jnp.float32))
-    t = jnp.matmul(latf, q.astype(jnp.float32).T, precision=jax.lax.Precision.HIGHEST)
-    u = t * scale[None].astype(jnp.float32) + nl[:, None] * err[None].astype(jnp.float32)
-    ub = round_to(base.astype(jnp.float32) + round_to(u, dtype).astype(jnp.float32), dtype).astype(jnp.float32)
-    hit = jnp.logical_not(ub < thr[:, None])
-    nt = -(-V // tile)
-    hit_t = jnp.any(jnp.pad(hit, ((0, 0), (0, nt * tile - V))).reshape(rows, nt, tile), axis=2)
-    hit_t = hit_t | (flag_value(fallen) != 0)
-    keep = jnp.repeat(hit_t, tile, axis=1)[:, :V]
-    _, tok = best_by_score(jnp.where(keep, s, -jnp.inf), jnp.arange(V, dtype=jnp.int32)[None], axis=1)
-    need = jnp.where(flag_value(fallen), 0, jnp.sum(hit, axis=1, dtype=jnp.int32))
-    return tok, need, (jnp.sum(hit_t) / (rows * nt)).astype(jnp.float32), V

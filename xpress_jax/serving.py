@@ -19,10 +19,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import sharded
+from .checkpoint import load_params, read_checkpoint_info
 from .compile_options import check_compiler_options
 from .compile_options import compiler_options as default_compiler_options
 from .config import HeadConfig
-from .exact import Auto, Pruned, prepare_certified, prepare_pruned, resolve_full_vocab
+from .exact import Auto, prepare_certified, resolve_full_vocab
 from .head import token_table as token_table_of
 from .params import PARAM_NAMES, Head, check_params, param_shapes
 from .refine import INVALID_TOKEN, check_backend, refine
@@ -51,112 +53,59 @@ def _describe(x: Any) -> str:
 class RefineServer:
     """`refine` for N blocks per call, N <= the largest bucket, from executables compiled at start-up.
 
-    ``RefineServer(head, buckets=...)`` (or ``RefineServer.from_checkpoint(path, ...)``)
-    compiles one executable per bucket size N (default: powers of two up to the config's
-    ``max_num_reqs``) before it returns, printing one line per bucket with its compile time to
-    stderr (``progress=False``: quiet); ``compile_seconds`` keeps those times. Serving then
-    never traces and never compiles:
+    ``RefineServer(head, buckets=...)`` (or ``RefineServer.from_checkpoint(path, ...)``) compiles one
+    executable per bucket size N (default: powers of two up to the config's ``max_num_reqs``) before it
+    returns, printing one line per bucket to stderr (``progress=False``: quiet; ``compile_seconds`` keeps
+    the times). Serving then never traces and never compiles:
 
-    - ``server(logits, h, anchors, prev_ids=None, num_valid=None)`` runs the executable of
-      the bucket equal to the inputs' N and returns the bucket-shaped device array
-      [bucket, B-1] int32. Rows ``>= num_valid`` (a runtime argument: every value reuses the
-      one executable) are padding: their anchors are set to -1 inside, so by refine's
-      sentinel rule they read nothing out of range and come back as `INVALID_TOKEN` (-1).
-      Keep persistent bucket-sized input buffers and say how many rows are real.
-    - ``server.tokens(...)``: the same call, the first ``num_valid`` rows as a numpy
-      array [num_valid, B-1] (no slicing on the device).
+    - ``server(logits, h, anchors, prev_ids=None, num_valid=None)`` runs the bucket's executable and returns
+      the device array [bucket, B-1] int32. Rows ``>= num_valid`` (a runtime argument) are padding: their
+      anchors are set to -1 inside and they come back as `INVALID_TOKEN` (-1).
+    - ``server.tokens(...)``: the same call, the first ``num_valid`` rows as a numpy array.
 
-    ``output``: where the executables put the tokens. ``"device"`` (the default): on the
-    devices, as refine returns them; ``tokens()`` then copies them to the host. ``"host"``: in
-    pinned host memory (``memory_kind="pinned_host"``): the executable itself puts them there, so
-    ``tokens()`` needs no copy after the call, and (as XLA's log showed on an H200) its CUDA graph is
-    no longer re-recorded every call (XLA re-records the commands that touch a buffer whose address
-    changed: with device output, the output buffer's). For a caller that wants the tokens on the host
-    every step. On an
-    H200 (JAX 0.11.2, serving shapes, bf16, K=6; call + ``np.asarray``) one call took 247-269 µs
-    instead of 508-600 at N=1 top-512, 430-484 instead of 689-725 at N=1 full vocabulary, and
-    476-522 instead of 727-815 at N=16 top-512 (benchmarks/RESULTS.md, "One call's wall time").
-    The same tokens either way. ``server(...)`` then returns a `jax.Array` in pinned host memory;
-    pass it to another jitted step only if that step accepts host memory (or keep ``"device"``).
+    Inputs: jax arrays must match the bucket exactly (shape, dtype: the params' for logits and h, int32 for
+    the ids, and a sharding equivalent to ``input_specs(bucket)``'s), else an error naming the argument.
+    Numpy arrays of any N <= the largest bucket are padded on the host to the next bucket and placed; their
+    ids are range-checked (rows below ``num_valid``). Nothing is converted to another float dtype.
 
-    Inputs: jax arrays must match the bucket exactly: shape, dtype (the params' dtype for
-    logits and h, int32 for the ids) and a sharding equivalent to ``input_specs(bucket)``'s
-    (``jax.device_put(x, server.input_specs(bucket)[name].sharding)`` places one), else ``ValueError`` /
-    ``TypeError`` naming the argument. Numpy arrays are placed with ``jax.device_put`` (a
-    transfer, not a trace); numpy inputs of any N <= the largest bucket are first padded on
-    the host to the next bucket. Numpy ids of any integer dtype are range-checked on the host
-    (rows below ``num_valid``) and cast to int32; ids in jax arrays are not read on the host:
-    an id outside [0, V) gives that row -1 tokens (the sentinel rule). Nothing is ever
-    converted to another float dtype.
+    Weights: ``reload(head_or_params)`` / ``reload_from(path)`` check every array's shape, dtype and sharding
+    before swapping (on an error the old weights keep serving); the executables are reused.
 
-    Weights: ``reload(head_or_params)`` / ``reload_from(path)`` check every array's shape,
-    dtype and sharding against the compiled ones before swapping; on an error the old weights
-    keep serving. Numpy params are placed; jax params must already lie on ``param_shardings``.
-
-    Mesh: with ``mesh`` (a `jax.sharding.Mesh` with ``data_axis`` and ``model_axis``) the
-    executables run `xpress_jax.sharded.refine_sharded`: blocks split over ``data_axis``,
-    ``w1``/``w2`` over the vocabulary on ``model_axis`` (either axis may be None: unused);
-    ``input_specs(bucket)`` / ``input_shardings(bucket)`` and ``param_shardings`` say where inputs
-    and weights must lie (a bucket the data axis does not divide takes its inputs replicated over
-    it, and `refine_sharded` pads inside).
-
-    ``full_vocab``: `refine`'s option for ``topc=0`` (``"scan"``, ``"certified"`` or ``"pruned"``, or a
-    `xpress_jax.exact.Certified` / `xpress_jax.exact.Pruned`; same tokens; a pruned server keeps the int8
-    copy of ``w2``, `xpress_jax.exact.prepare_pruned`, like the certified one keeps its bound's data); one device only (a mesh takes ``"scan"``). Certified:
-    the bound's weight-only data (`xpress_jax.exact.prepare_certified`) is computed at start-up and at
-    every reload, together with the weights, and passed to every call (not recomputed per call).
-    ``full_vocab="auto"`` (or a `xpress_jax.exact.Auto`): the certified mode in buckets of at least
-    ``min_blocks`` (64) blocks while its bound prunes, the scan elsewhere and whenever the certified
-    calls keep falling back (a per-bucket policy, see `Auto`; `exact_mode(bucket)` says how the last call
-    ran; the tokens are the same).
-
-    ``early_exit``: `refine`'s option (False, True or a tuple of pass numbers; one device only): stop
-    the passes at their fixed point, the same tokens (`refine`'s "Early exit").
-
-    ``token_table``: keep `xpress_jax.token_table` of the weights (``w1 @ in_proj_token`` for every vocab
-    id, [V, r] float32: V * r * 4 bytes, 155.6 MB at serving shapes) and pass it to every call
-    (`refine`'s ``token_table``): the same sums, three XLA kernels fewer per pass. Computed at start-up
-    and at every reload, with the weights. None (the default): on for one device, off with a mesh (where
-    it is not supported); False saves the memory.
-
-    ``compiler_options``: XLA compile options for every executable the server builds. None (the
-    default): on one device, `xpress_jax.compiler_options` for its platform (on a GPU, kernels that do not
-    depend on each other overlap in the CUDA graph: the same tokens, 8-31 µs less per call in top-C
-    mode on an H200, 19-39% more temporary memory; `xpress_jax.compile_options`); with a mesh of
-    several devices, XLA's defaults (the options were not measured there). ``{}``: XLA's defaults.
-    A mapping: passed as given (XLA rejects an option it does not know, naming it).
+    Options:
+      topc, num_passes: default the config's. ``full_vocab`` (``topc=0``): ``"auto"`` (the default: per
+        bucket, the certified mode from ``min_blocks`` blocks while its bound prunes, else the scan; a
+        `xpress_jax.exact.Auto` sets the policy; `exact_mode(bucket)` says how the last call ran), ``"scan"``,
+        ``"certified"`` or a `xpress_jax.exact.Certified`; the same tokens (docs/certified.md). The bound's
+        weight-only data is computed at start-up and on every reload. With a mesh: the scan.
+      early_exit: `refine`'s option (one device only).
+      output: ``"device"`` (the default) or ``"host"``: the executables put the tokens in pinned host memory,
+        so ``tokens()`` needs no copy and the CUDA graph is not re-recorded every call (docs/performance.md).
+      token_table: keep `xpress_jax.token_table` of the weights ([V, r] float32) and pass it to every call
+        (`refine`'s option). None: on for one device, off with a mesh; False saves the memory.
+      mesh, data_axis, model_axis: run `xpress_jax.sharded.refine_sharded` (blocks over ``data_axis``,
+        ``w1``/``w2`` over the vocabulary on ``model_axis``); ``input_specs(bucket)`` and
+        ``param_shardings`` say where inputs and weights must lie.
+      compiler_options: XLA compile options for every executable. None: on one device
+        `xpress_jax.compiler_options` for its platform, with a mesh of several devices XLA's defaults;
+        ``{}``: XLA's defaults.
     """
 
-    def __init__(
-        self,
-        head: Head,
-        *,
-        buckets: Sequence[int] | None = None,
-        backend: str = "auto",
-        mesh: jax.sharding.Mesh | None = None,
-        data_axis: str | None = "data",
-        model_axis: str | None = "model",
-        num_passes: int | None = None,
-        topc: int | None = None,
-        interpret: bool = False,
-        progress: bool = True,
-        full_vocab: Any = "scan",
-        output: str = "device",
-        early_exit: bool | tuple = False,
-        token_table: bool | None = None,
-        compiler_options: Mapping[str, Any] | None = None,
-    ):
+    def __init__(self, head: Head, *, buckets: Sequence[int] | None = None, backend: str = "auto",
+                 mesh: jax.sharding.Mesh | None = None, data_axis: str | None = "data",
+                 model_axis: str | None = "model", num_passes: int | None = None, topc: int | None = None,
+                 interpret: bool = False, progress: bool = True, full_vocab: Any = "auto", output: str = "device",
+                 early_exit: bool | tuple = False, token_table: bool | None = None,
+                 compiler_options: Mapping[str, Any] | None = None):
         if not isinstance(head, Head):
-            raise TypeError(
-                f"RefineServer(head): head must be a xpress_jax.Head (xj.load_params, xj.init_head, or "
-                f"xj.Head(config, params) around a params dict), got {type(head).__name__}; "
-                "or build it with RefineServer.from_checkpoint(path)"
-            )
+            raise TypeError(f"RefineServer(head): head must be a xpress_jax.Head (xj.load_params, xj.init_head, or "
+                            f"xj.Head(config, params) around a params dict), got {type(head).__name__}; "
+                            "or build it with RefineServer.from_checkpoint(path)")
         check_backend(backend, interpret)
         auto = full_vocab if isinstance(full_vocab, Auto) else Auto() if full_vocab == "auto" else None
+        self._auto_given = auto is not None  # "auto" in top-C mode or on a mesh: the scan
         if auto is None:
             resolve_full_vocab(full_vocab)  # ValueError naming full_vocab
-        if mesh is not None and full_vocab != "scan":
+        if mesh is not None and full_vocab not in ("scan", "auto"):
             raise ValueError(f"full_vocab={full_vocab!r} runs on one device; with a mesh use full_vocab='scan'")
         self.full_vocab = full_vocab
         self.output = self._check_output(output, mesh)
@@ -168,7 +117,6 @@ class RefineServer:
         if mesh is not None and token_table:
             raise ValueError("RefineServer: token_table=True runs on one device; with a mesh leave it None or False")
         self.token_table = mesh is None if token_table is None else bool(token_table)
-        # None: the options measured on one GPU; a mesh of several devices keeps XLA's defaults (not measured).
         self.compiler_options: dict[str, Any] = (
             check_compiler_options(compiler_options, "RefineServer") if compiler_options is not None
             else default_compiler_options(jax.devices()[0].platform) if mesh is None or mesh.size == 1 else {})
@@ -185,8 +133,6 @@ class RefineServer:
             raise ValueError(f"buckets must lie in [1, max_num_reqs={config.max_num_reqs}], got {self.buckets}")
 
         if mesh is not None:
-            from . import sharded  # names the axes if the mesh lacks one
-
             if data_axis is not None and data_axis == model_axis:
                 raise ValueError(f"data_axis and model_axis must differ, both are {data_axis!r}")
             for axis in (data_axis, model_axis):
@@ -196,32 +142,27 @@ class RefineServer:
             k: jax.ShapeDtypeStruct(s, self.dtype, sharding=self.param_shardings[k])
             for k, s in param_shapes(config).items()
         }
-        # Start-up placement (a transfer; arrays already in place are not copied).
-        self._params = self._checked_params(head.params, place_jax=True)
-        # The certified mode's weight-only data (`exact.prepare_certified`), kept with the weights: computed
-        # here and at every reload by an executable compiled now, passed to every call (not per call).
-        self._auto = auto if mesh is None and not self.topc else None  # top-C mode: nothing to decide
+        self._params = self._checked_params(head.params, place_jax=True)  # placed (a transfer) where needed
+        self._auto = auto if mesh is None and not self.topc else None  # top-C mode or a mesh: nothing to decide
         if self._auto is not None:  # some bucket runs certified
             self._certified = any(b >= self._auto.min_blocks for b in self.buckets)
         else:
             self._certified = mesh is None and not self.topc and resolve_full_vocab(full_vocab) is not None
-        # The token table (`xpress_jax.token_table`), kept with the weights like the certified data.
+        # Kept with the weights, computed here and at every reload: the token table and the bound's data.
+        opts = self.compiler_options
         self._table_exe = self._table_spec = self._table = None
         if self.token_table:
             table_inputs = {k: self._param_specs[k] for k in ("w1", "in_proj_token")}
-            self._table_exe = jax.jit(token_table_of).lower(table_inputs).compile(compiler_options=self.compiler_options)
+            self._table_exe = jax.jit(token_table_of).lower(table_inputs).compile(compiler_options=opts)
             self._table = self._table_exe({k: self._params[k] for k in table_inputs})
             self._table_spec = jax.ShapeDtypeStruct(self._table.shape, self._table.dtype, sharding=self._table.sharding)
         self._prepare_exe = None
         self._extra: tuple = ()
         if self._certified:
-            pruned = auto is None and isinstance(resolve_full_vocab(full_vocab), Pruned)  # "auto" runs certified
-            prep = prepare_pruned if pruned else prepare_certified
-            self._prepare_exe = jax.jit(prep).lower(self._param_specs["w2"]).compile(compiler_options=self.compiler_options)
+            self._prepare_exe = jax.jit(prepare_certified).lower(self._param_specs["w2"]).compile(compiler_options=opts)
             self._extra = (self._prepare_exe(self._params["w2"]),)
-        self.executables: dict[int, Any] = {}  # bucket -> jax.stages.Compiled
-        # full_vocab="auto": the certified executables (returning their stats) of the buckets >= min_blocks,
-        # and each one's policy state (`exact.Auto`); `executables` then holds the scan.
+        self.executables: dict[int, Any] = {}  # bucket -> jax.stages.Compiled (with "auto": the scan)
+        # "auto": the certified executables (returning their stats) of the buckets >= min_blocks, and their state.
         self.certified_executables: dict[int, Any] = {}
         self._auto_state: dict[int, dict[str, Any]] = {}
         self._specs: dict[int, dict[str, jax.ShapeDtypeStruct]] = {}
@@ -235,21 +176,15 @@ class RefineServer:
         """Restore the head of a converted checkpoint (`xpress_jax.load_params`) straight onto the
         devices the server uses, then compile every bucket. ``dtype`` casts the params, as in
         ``load_params``; the other keywords are the constructor's."""
-        from .checkpoint import load_params, read_checkpoint_info
-
         config, _ = read_checkpoint_info(path)
         head = load_params(path, dtype=dtype, sharding=cls._param_shardings(mesh, model_axis, config))
         return cls(head, mesh=mesh, model_axis=model_axis, **kwargs)
 
-    # --- placement ------------------------------------------------------------------------
-
     @staticmethod
     def _param_shardings(mesh, model_axis, config: HeadConfig) -> dict[str, jax.sharding.Sharding]:
         if mesh is None:
-            one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+            one = jax.sharding.make_single_device_sharding(jax.devices()[0])
             return {k: one for k in PARAM_NAMES}
-        from . import sharded
-
         return dict(sharded.param_shardings(mesh, model_axis, vocab_size=config.vocab_size))
 
     @staticmethod
@@ -267,18 +202,14 @@ class RefineServer:
         return output
 
     def input_shardings(self, bucket: int) -> dict[str, jax.sharding.Sharding]:
-        """Where ``bucket``'s executable takes its inputs and puts its result: ``"logits"``, ``"h"``,
-        ``"ids"`` (anchors and prev_ids), ``"num_valid"`` and ``"out"``. One device: all
-        ``jax.devices()[0]``. A mesh: `xpress_jax.sharded.input_shardings` for N = bucket. With
-        ``output="host"``, ``"out"`` is in pinned host memory."""
+        """Where ``bucket``'s executable takes its inputs and puts its result: ``"logits"``, ``"h"``, ``"ids"``
+        (anchors and prev_ids), ``"num_valid"`` and ``"out"`` (with ``output="host"``: pinned host memory)."""
         if bucket not in self.buckets:
             raise ValueError(f"{bucket} is not a bucket; the buckets are {self.buckets}")
         if self.mesh is None:
-            one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+            one = jax.sharding.make_single_device_sharding(jax.devices()[0])
             out = {"logits": one, "h": one, "ids": one, "num_valid": one, "out": one}
         else:
-            from . import sharded
-
             out = dict(sharded.input_shardings(self.mesh, self.data_axis, self.model_axis, num_blocks=bucket,
                                                vocab_size=self.config.vocab_size))
             out["num_valid"] = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
@@ -286,19 +217,15 @@ class RefineServer:
             out["out"] = out["out"].with_memory_kind("pinned_host")
         return out
 
-    # --- compile --------------------------------------------------------------------------
-
     def _serve_fn(self, full_vocab=None, return_stats=False):
         config, kw = self.config, dict(num_passes=self.num_passes, topc=self.topc, backend=self.backend,
                                         interpret=self.interpret)
         if self.mesh is None:
-            kw["full_vocab"] = self.full_vocab if full_vocab is None else full_vocab
+            kw["full_vocab"] = full_vocab or ("scan" if self._auto_given else self.full_vocab)
             kw["early_exit"] = self.early_exit
             if return_stats:
                 kw["return_stats"] = True
         mesh = self.mesh
-        if mesh is not None:
-            from . import sharded
 
         def serve(params, table, logits, h, anchors, prev_ids, num_valid, *prepared):
             # Padding rows get anchor -1: refine's sentinel rule reads nothing for them, returns -1.
@@ -336,30 +263,27 @@ class RefineServer:
             f"B={self.config.block_size}, {self.dtype.name}, topc={self.topc}, K={self.num_passes}, "
             f"backend={self.backend}, {devices} device(s))")
         if self._auto is not None:
-            serve = self._serve_fn(full_vocab="scan")
             serve_cert = self._serve_fn(full_vocab=self._auto.certified, return_stats=True)
-        t_all = time.perf_counter()
+        opts, t_all = self.compiler_options, time.perf_counter()
         for i, b in enumerate(self.buckets):
             t0 = time.perf_counter()
             spec = self._specs[b] = self.input_specs(b)
             out = self.input_shardings(b)["out"]
             args = (self._param_specs, self._table_spec, *(spec[k] for k in _ARGS), spec["num_valid"])
             jitted = jax.jit(serve, out_shardings=out)
-            self.executables[b] = jitted.lower(*args, *self._main_extra()).compile(compiler_options=self.compiler_options)
+            self.executables[b] = jitted.lower(*args, *self._main_extra()).compile(compiler_options=opts)
             what = ""
             if self._auto is not None and b >= self._auto.min_blocks:
                 # The stats stay where refine puts them (the policy reads one scalar of them, seldom).
-                stats_at = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+                stats_at = jax.sharding.make_single_device_sharding(jax.devices()[0])
                 self.certified_executables[b] = jax.jit(serve_cert, out_shardings=(out, stats_at)).lower(
-                    *args, *self._extra).compile(compiler_options=self.compiler_options)
+                    *args, *self._extra).compile(compiler_options=opts)
                 self._auto_state[b] = dict(mode="certified", last="certified", since=0, scan_left=0, pending=None,
                                            switches=0)
                 what = " (scan and certified)"
             self.compile_seconds[b] = time.perf_counter() - t0
             say(f"RefineServer: [{i + 1}/{len(self.buckets)}] N={b}: compiled{what} in {self.compile_seconds[b]:.2f} s")
         say(f"RefineServer: ready, {time.perf_counter() - t_all:.2f} s")
-
-    # --- serving --------------------------------------------------------------------------
 
     def bucket_for(self, n: int) -> int:
         """The smallest bucket >= n."""
@@ -369,9 +293,7 @@ class RefineServer:
         return self.buckets[i]
 
     def __call__(self, logits, h, anchors, prev_ids=None, num_valid: int | None = None) -> jax.Array:
-        """Refine the first ``num_valid`` blocks (default: all N); returns [bucket, B-1] int32 on
-        the devices (``output="host"``: in pinned host memory), rows ``>= num_valid`` equal to -1.
-        See the class docstring for the inputs."""
+        """Refine the first ``num_valid`` blocks (default: all N): [bucket, B-1] int32 (class docstring)."""
         args, bucket, num_valid = self._prepare(logits, h, anchors, prev_ids, num_valid)
         return self._run(bucket, args, self._num_valid(bucket, num_valid))
 
@@ -401,26 +323,22 @@ class RefineServer:
         return out
 
     def exact_mode(self, bucket: int) -> str:
-        """How ``bucket``'s ``topc=0`` calls run: ``"scan"``, ``"certified"`` or ``"pruned"``. With ``full_vocab="auto"``:
+        """How ``bucket``'s ``topc=0`` calls run: ``"scan"`` or ``"certified"``. With ``full_vocab="auto"``:
         how its last call ran (before any call: how the first will). It changes no token."""
         if bucket not in self.buckets:
             raise ValueError(f"{bucket} is not a bucket; the buckets are {self.buckets}")
         if bucket in self._auto_state:
             return self._auto_state[bucket]["last"]
-        if self.topc or self.mesh is not None or self._auto is not None:
-            return "scan"
-        mode = resolve_full_vocab(self.full_vocab)
-        return "scan" if mode is None else "pruned" if isinstance(mode, Pruned) else "certified"
+        return "certified" if self._certified and self._auto is None else "scan"
 
     def _num_valid(self, bucket: int, num_valid: int) -> jax.Array:
-        """``num_valid`` as a device scalar placed where ``bucket``'s executable takes it, made once
-        per value: a numpy scalar argument would be copied to the device on every call (~20 µs on a
-        CPU, more on a GPU)."""
+        """``num_valid`` as a device scalar where ``bucket``'s executable takes it, made once per value (a
+        numpy scalar argument would be copied to the device on every call)."""
         key = (bucket, num_valid)
-        x = self._num_valid_cache.get(key)
-        if x is None:
-            x = self._num_valid_cache[key] = jax.device_put(np.int32(num_valid), self._specs[bucket]["num_valid"].sharding)
-        return x
+        if key not in self._num_valid_cache:
+            sharding = self._specs[bucket]["num_valid"].sharding
+            self._num_valid_cache[key] = jax.device_put(np.int32(num_valid), sharding)
+        return self._num_valid_cache[key]
 
     def tokens(self, logits, h, anchors, prev_ids=None, num_valid: int | None = None) -> np.ndarray:
         """``server(...)``'s valid rows on the host: numpy [num_valid, B-1] int32 (with ``output="device"``
@@ -442,12 +360,10 @@ class RefineServer:
                 "anchors": (n,), "prev_ids": (n,)}
         for name, x in xs.items():
             if n is None or tuple(x.shape) != want[name]:
-                raise ValueError(
-                    f"RefineServer: {name} is {_describe(x)}; expected shape "
-                    f"{tuple('N' if d is None else d for d in want[name])}, N the same for every input "
-                    f"(logits [N, B, V], h [N, B, H], anchors and prev_ids [N]; B={c.block_size}, "
-                    f"V={c.vocab_size}, H={c.hidden_size})"
-                )
+                raise ValueError(f"RefineServer: {name} is {_describe(x)}; expected shape "
+                                 f"{tuple('N' if d is None else d for d in want[name])}, N the same for every input "
+                                 f"(logits [N, B, V], h [N, B, H], anchors and prev_ids [N]; B={c.block_size}, "
+                                 f"V={c.vocab_size}, H={c.hidden_size})")
         if isinstance(num_valid, bool) or not (num_valid is None or isinstance(num_valid, (int, np.integer))):
             raise TypeError(f"RefineServer: num_valid must be an int, got {num_valid!r}")
         num_valid = n if num_valid is None else int(num_valid)
@@ -512,8 +428,6 @@ class RefineServer:
                 "or pass a numpy array"
             )
 
-    # --- weights --------------------------------------------------------------------------
-
     @property
     def head(self) -> Head:
         """The weights serving now, as a `Head`."""
@@ -569,8 +483,6 @@ class RefineServer:
     def reload_from(self, path: str | PathLike, *, dtype: Any = None) -> None:
         """`reload` from a converted checkpoint, restored straight onto ``param_shardings``.
         The stored config is compared first (no arrays read when it differs)."""
-        from .checkpoint import load_params, read_checkpoint_info
-
         stored, _ = read_checkpoint_info(path)
         if stored != self.config:
             raise ValueError(

@@ -1,37 +1,21 @@
 """Refine on a `jax.sharding.Mesh`: requests split over a data axis, the vocabulary over a model axis.
 
-`refine_sharded` runs the same data path as `xpress_jax.refine` inside `jax.shard_map`; every
-kernel runs per shard, on that shard's arrays, never on gathered inputs.
+`refine_sharded` runs the same data path as `xpress_jax.refine` inside `jax.shard_map`; every kernel runs
+per shard, on that shard's arrays, never on gathered inputs.
 
-- **Data axis** (``data_axis``): the N blocks are split across it; the weights are replicated.
-  Blocks are independent, so there is no communication. N that the axis does not divide is
-  padded with sentinel rows (anchor -1: they read nothing and are dropped).
-- **Model axis** (``model_axis``): ``w1``, ``w2`` and the logits are split over the vocabulary,
-  as tensor-parallel serving stacks hold them ([V, r] readout rows: the largest read). Each
-  device holds ``V / M`` consecutive vocab ids (V that M does not divide is padded with ids that
-  can never win: logits -inf, zero weight rows). Per pass:
+- **Data axis**: the N blocks are split across it; the weights are replicated. N that the axis does not
+  divide is padded with sentinel rows (anchor -1: they read nothing and are dropped).
+- **Model axis**: ``w1``, ``w2`` and the logits are split over the vocabulary (V that the axis does not
+  divide is padded with ids that never win: logits -inf, zero weight rows). Per pass, ``w1[prev]`` is each
+  device's rows summed over the axis (one term is non-zero: exact); the latent runs replicated; every
+  device picks its local winner (score, base logit in top-C mode, global id) and an ``all_gather`` of
+  those and the same rule pick the global winner. Top-C candidates: each device selects its local top
+  min(C, V/M); the union holds the global top C, and a sort by (value, id) on the float bits, as
+  ``lax.top_k`` orders them, keeps exactly the C one device would select. A candidate is scored on the
+  device holding its ``w2`` row; the others see it with base logit -inf.
 
-  - ``w1[prev]``: each device reads the rows it holds (zeros elsewhere); a ``psum`` over the
-    axis gives every device all of them (one term is non-zero, so the sum is exact). The latent
-    pass then runs replicated (it is small).
-  - the pick: every device picks its local winner over its own vocab ids, with the winning
-    score (and, in top-C mode, its base logit) and its global id; an ``all_gather`` of those
-    three [rows] values and the same rule applied to them picks the global winner: the largest
-    score, then (top-C) the larger base logit, then the lowest id. This is exactly the
-    single-device rule, because the rule is a total order: the best of the per-shard bests is
-    the best overall.
-  - top-C candidates: each device selects its local top min(C, V/M) (the same total order:
-    larger value, then lower id; NaN as -inf). Every member of the global top C is in its own
-    shard's local top C, so the union holds the global set; an ``all_gather`` of the local
-    candidates and a sort by (value, id), keyed on the float bits like ``lax.top_k`` (-0.0
-    below +0.0), keeps exactly the C that one device would select, membership ties included.
-    A candidate is scored on the device that holds its ``w2`` row; the others see it with base
-    logit -inf. (A row whose candidates all score -inf with base -inf picks its lowest
-    candidate id, as on one device.)
-
-Tokens are identical to the single-device `refine` on the same backend, in both modes (tests:
-``tests/test_sharded.py``, meshes 4x1, 1x4, 2x2 on forced CPU host devices, N and V that the
-axes do not divide, ties across shards, non-finite logits).
+Every rule is a total order, so the best of the per-shard bests is the best overall: the tokens equal the
+single-device `refine`'s on the same backend, in both modes (not the certified mode).
 """
 
 from __future__ import annotations
@@ -59,11 +43,13 @@ def axis_size(mesh: Mesh, axis: str | None) -> int:
     if axis is None:
         return 1
     if axis not in mesh.shape:
-        raise ValueError(f"axis {axis!r} is not an axis of the mesh (axes: {tuple(mesh.shape)}); pass None to not use it")
+        raise ValueError(f"axis {axis!r} is not an axis of the mesh (axes: {tuple(mesh.shape)}); "
+                         "pass None to not use it")
     return int(mesh.shape[axis])
 
 
-def param_shardings(mesh: Mesh, model_axis: str | None = "model", vocab_size: int | None = None) -> dict[str, NamedSharding]:
+def param_shardings(mesh: Mesh, model_axis: str | None = "model",
+                    vocab_size: int | None = None) -> dict[str, NamedSharding]:
     """Where `refine_sharded` expects each param: ``w1`` and ``w2`` split over V on ``model_axis``
     (when the axis divides ``vocab_size``; else replicated, and padded inside), the rest replicated.
     Pass it to `xpress_jax.load_params(path, sharding=...)` or `jax.device_put`."""
@@ -86,30 +72,14 @@ def input_shardings(mesh: Mesh, data_axis: str | None = "data", model_axis: str 
             "ids": NamedSharding(mesh, P(da)), "out": NamedSharding(mesh, P(da, None))}
 
 
-def refine_sharded(
-    params: Head | Mapping[str, jax.Array],
-    logits: jax.Array,
-    h: jax.Array,
-    anchors: jax.Array,
-    prev_ids: jax.Array | None = None,
-    *,
-    mesh: Mesh,
-    data_axis: str | None = "data",
-    model_axis: str | None = "model",
-    num_passes: int | None = None,
-    topc: int | None = None,
-    max_num_reqs: int | None = None,
-    config=None,
-    backend: str = "auto",
-    interpret: bool = False,
-    unroll: bool | None = None,
-) -> jax.Array:
-    """`xpress_jax.refine` on ``mesh``: same arguments, checks and tokens (see the module doc).
-
-    ``data_axis`` / ``model_axis``: mesh axis names for the blocks and the vocabulary (``None``:
-    not used; an axis of size 1 costs nothing). Jit it with ``mesh``, the axes, and `refine`'s
-    static arguments static. The result is [N, B-1] int32, split over ``data_axis``.
-    """
+def refine_sharded(params: Head | Mapping[str, jax.Array], logits: jax.Array, h: jax.Array, anchors: jax.Array,
+                   prev_ids: jax.Array | None = None, *, mesh: Mesh, data_axis: str | None = "data",
+                   model_axis: str | None = "model", num_passes: int | None = None, topc: int | None = None,
+                   max_num_reqs: int | None = None, config=None, backend: str = "auto", interpret: bool = False,
+                   unroll: bool | None = None) -> jax.Array:
+    """`xpress_jax.refine` on ``mesh``: same arguments, checks and tokens. ``data_axis`` / ``model_axis``: the
+    mesh axes for the blocks and the vocabulary (None: not used). Jit it with ``mesh``, the axes and
+    `refine`'s static arguments static. The result is [N, B-1] int32, split over ``data_axis``."""
     check_backend(backend, interpret)
     ops = _select_ops(backend, interpret)
     params, prev_ids, k, c, unroll = resolve_call(params, logits, h, anchors, prev_ids, num_passes=num_passes,
@@ -192,8 +162,7 @@ def _draft_value(logits: jax.Array, ids: jax.Array) -> jax.Array:
 
 
 def _global_best(score, ids, axis):
-    s, i = ref.best_by_score(_gather(score.astype(jnp.float32), axis), _gather(ids, axis), axis=0)
-    return s, i
+    return ref.best_by_score(_gather(score.astype(jnp.float32), axis), _gather(ids, axis), axis=0)
 
 
 def _start(logits, *, axis):
