@@ -131,9 +131,8 @@ def test_tokens_equal_scan_pallas_interpret(dtype, regime):
 @pytest.mark.interpret
 @pytest.mark.interpret_refine
 @pytest.mark.parametrize("regime,path", _grid(set(), [(r, r) for r in ("row_scan", "fallback")],
-                                              [(p, p) for p in ("pick", "pick-combine", "one-launch",
-                                                                "one-launch-combine", "one-launch-split", "two-launch")]))
-def test_unrolled_passes_skip_final_slots(regime, path, monkeypatch):
+                                              [(p, p) for p in ("pick", "one-launch", "two-launch")]))
+def test_unrolled_passes_skip_final_slots(regime, path):
     """Unrolled, each certified pass knows its number: its final draft slots keep their tokens and are not
     scanned, and its full-vocab picks take the pass pick's order and L2 hint. Paths: "pick" (one row tile holds
     every row: the counted pick of the active rows), "one-launch" (the packed scan,
@@ -145,13 +144,11 @@ def test_unrolled_passes_skip_final_slots(regime, path, monkeypatch):
     x, cert = _regime(jnp.bfloat16, regime, n=4)
     cert = dataclasses.replace(cert, scan_blocks=2)
     ops = Ops.pallas(True)
-    if not path.startswith("pick"):
+    if path != "pick":
         ops = dataclasses.replace(ops, full_vocab_capacity=lambda n, b, v, r, dtype, limit: limit or None)
     if path == "two-launch":
         ops = dataclasses.replace(Ops.pallas(True, table=dispatch.TABLE.with_columns(scan_one_launch=False)),
                                   full_vocab_capacity=ops.full_vocab_capacity)
-    if path == "one-launch-split":  # the loop split over the run-time split (off by default: not yet run compiled)
-        pass  # the scan's loop split is retired: the "one-launch" path
 
     def run(o, unroll, full_vocab="scan"):
         f = jax.jit(lambda *a: refine_with(o, *a, config=cfg, topc=0, unroll=unroll, full_vocab=full_vocab,
@@ -394,15 +391,13 @@ def test_kernel_differences_are_only_near_ties(dtype, compiled):
     assert np.asarray(cert).mean() > 0.7 and near.mean() < 0.1, (np.asarray(cert).mean(), near.mean())
 
 
-@pytest.mark.parametrize("counted", [True, False], ids=["counted", "combine"])
 @pytest.mark.parametrize("regime", list(REGIMES))
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
-def test_compiled_refine_on_gpu(dtype, regime, counted, monkeypatch):
+def test_compiled_refine_on_gpu(dtype, regime):
     """The compiled Pallas refine on a GPU (skipped elsewhere; interpret mode runs above): the certified tokens
     equal the Pallas scan's in each regime, N = 8 and N = 24, the stats say which regime ran, unrolled and in a
-    loop; and through the one-launch scan at N = 8, 24, 48 (forced: these shapes fit one row tile below N=48);
-    with and without the counted one-launch scan
-    (`dispatch.CERTIFIED_COUNTED_SCAN`: the last program of a row tile combining, writing through the packed order).
+    loop; and through the one-launch scan at N = 8, 24, 48 (forced: these shapes fit one row tile below N=48), whose
+    last program per row tile combines and writes through the packed order.
     These inputs hold no near tie (a difference would fail here and be traced)."""
     if not gpu_supported():
         pytest.skip("needs a CUDA GPU")
@@ -412,7 +407,7 @@ def test_compiled_refine_on_gpu(dtype, regime, counted, monkeypatch):
     for n in (8, 24, 48):
         x, cert = _regime(dtype, regime, n=n)
         want = np.asarray(_refine(*x, backend="pallas"))
-        for unroll in (True, False):  # a new function each time: traced with the flag set
+        for unroll in (True, False):
             if n <= 24:
                 f = jax.jit(lambda *a: xj.refine(*a, config=CFG, topc=0, backend="pallas", full_vocab=cert,
                                                  unroll=unroll, return_stats=True))
@@ -423,18 +418,17 @@ def test_compiled_refine_on_gpu(dtype, regime, counted, monkeypatch):
             np.testing.assert_array_equal(np.asarray(g(*x)), want, err_msg=f"packed N={n} unroll={unroll}")
 
 
-@pytest.mark.parametrize("counted", [True, False], ids=["counted", "combine"])
 @pytest.mark.parametrize("regime", list(REGIMES))
-def test_compiled_one_pick_on_gpu(regime, counted, monkeypatch):
-    """The compiled one-pick path (one row tile holds every row: N = 1, 2, 4) with and without the counted launch
-    (`dispatch.CERTIFIED_COUNTED_PICK`: programs racing on a counter, the last one combining; no launch writes
-    anything where no row fails): the certified tokens equal the Pallas scan's, unrolled and in a loop."""
+def test_compiled_one_pick_on_gpu(regime):
+    """The compiled one-pick path (one row tile holds every row: N = 1, 2, 4), the counted launch (programs racing
+    on a counter, the last one combining; no launch writes anything where no row fails): the certified tokens
+    equal the Pallas scan's, unrolled and in a loop."""
     if not gpu_supported():
         pytest.skip("needs a CUDA GPU")
     for n in (1, 2, 4):
         x, cert = _regime(jnp.bfloat16, regime, n=n)
         want = np.asarray(_refine(*x, backend="pallas"))
-        for unroll in (True, False):  # a new function each time: traced with the flag set
+        for unroll in (True, False):
             f = jax.jit(lambda *a: xj.refine(*a, config=CFG, topc=0, backend="pallas", full_vocab=cert, unroll=unroll))
             np.testing.assert_array_equal(np.asarray(f(*x)), want, err_msg=f"N={n} unroll={unroll}")
 
@@ -569,7 +563,7 @@ def test_server_keeps_the_bound_data_with_the_weights():
 
 
 @pytest.mark.slow
-def test_lowers_for_an_h200(monkeypatch):
+def test_lowers_for_an_h200():
     """The Pallas certified refine lowers for an H200: the selection, the top-C pick (with its skip flag), the
     full-vocab pick (with its active rows, packed through a row map) and the latent kernels are all in the HLO,
     and there is no conditional (no `stablehlo.case`)."""
@@ -585,9 +579,7 @@ def test_lowers_for_an_h200(monkeypatch):
     f = lambda p, l, h, a: refine_with(Ops.pallas(False), p, l, h, a, num_passes=2, topc=0, unroll=True,
                                        full_vocab="certified")
 
-    def lowered(n, **flags):  # the HLO at N blocks with these dispatch flags (a new function: traced with them)
-        for name, value in flags.items():
-            pass  # the counted launches are the only ones now (the flags are retired)
+    def lowered(n):  # the HLO at N blocks
         shapes = (S((n, 16, cfg.vocab_size), jnp.bfloat16), S((n, 16, cfg.hidden_size), jnp.bfloat16),
                   S((n,), jnp.int32))
         return lower_triton(lambda *a: f(*a), p, *shapes).as_text()
@@ -596,31 +588,25 @@ def test_lowers_for_an_h200(monkeypatch):
     for name in ("xpress_latent_pass", "xpress_topc_pick", "select_bgather", "xpress_full_vocab", "xpress_certify"):
         assert name in text, f"{name} missing from the lowered HLO"
     assert "stablehlo.case" not in text and "stablehlo.if" not in text
-    # above dispatch.SCAN_FAILING_MAX_ROWS, two full-vocab launches per pass: the packed failing rows (base,
+    # above the table's one-launch scan rows, two full-vocab launches per pass: the packed failing rows (base,
     # packed lat, w2, row map, active) and all rows (base, lat, w2, active)
     assert sorted(set(_triton_operand_counts(text, "xpress_full_vocab_fused"))) == [4, 5]
     assert "xpress_pack_active" not in text
     assert _triton_operands(text, "xpress_topc_pick") == 5  # base_c, cand, lat, w2, skip
     # the certify launch: partial scores and ids, lat, tau, mex, valid, M, fallen
     assert _triton_operands(text, "xpress_certify") == 8
-    # N = 16 (240 rows, 2 row tiles; up to SCAN_FAILING_MAX_ROWS): one scan per pass (`scan_failing`): the
-    # failing rows packed first by `xpress_pack_active` (fail, fallen; it also writes the row-tile counters), then
-    # the counted pick (`dispatch.CERTIFIED_COUNTED_SCAN`) reading them through the row map (base, lat, w2, row map,
-    # active, the pass's full flag: the plan's split differs from capacity_config's there, the certify launch's
-    # tokens and the counters, both aliased: no combine launch). With the flag off, the pick (the same six
-    # operands before the tokens) and a combine back in row order (partials, pos, active, fallback).
-    counted = lowered(16, CERTIFIED_COUNTED_SCAN=True)
-    text = lowered(16, CERTIFIED_COUNTED_SCAN=False)
+    # N = 16 (240 rows, 2 row tiles; the one-launch scan): the failing rows packed first by `xpress_pack_active`
+    # (fail, fallen; it also writes the row-tile counters), then the counted pick reading them through the row map
+    # (base, lat, w2, row map, active, the pass's full flag, the certify launch's tokens and the counters, both
+    # aliased: no combine launch).
+    counted = lowered(16)
     assert set(_triton_operand_counts(counted, "xpress_full_vocab_counted")) == {8}
     assert set(_triton_operand_counts(counted, "xpress_pack_active")) == {2}
     assert "xpress_full_vocab_fused" not in counted and "xpress_pick_combine" not in counted
-    assert set(_triton_operand_counts(text, "xpress_full_vocab_fused")) == {6}
-    assert set(_triton_operand_counts(text, "xpress_pack_active")) == {2}
-    assert set(_triton_operand_counts(text, "xpress_pick_combine")) == {5}
-    # Both sides of dispatch.SCAN_FAILING_MAX_ROWS (960 draft rows: N = 64 / 65 at B = 16), counted.
+    # Both sides of the table's one-launch scan rows (960 draft rows: N = 64 / 65 at B = 16).
     assert dispatch.TABLE.entry(64 * 15).scan_one_launch and not dispatch.TABLE.entry(64 * 15 + 1).scan_one_launch
     for n, one_launch in ((64, True), (65, False)):
-        text = lowered(n, CERTIFIED_COUNTED_SCAN=True)
+        text = lowered(n)
         assert ("xpress_pack_active" in text) == one_launch, n
         if one_launch:
             assert set(_triton_operand_counts(text, "xpress_full_vocab_counted")) == {8}, n
@@ -628,18 +614,11 @@ def test_lowers_for_an_h200(monkeypatch):
         else:
             assert sorted(set(_triton_operand_counts(text, "xpress_full_vocab_fused"))) == [4, 5], n
     # N = 4 (60 rows in one tile): one full-vocab launch per pass, the counted pick (base, lat, w2, active, the
-    # certify launch's tokens and flags, both aliased: no combine launch), and the single-program certify launch;
-    # with dispatch.CERTIFIED_COUNTED_PICK off, the pick with its active rows and its combine, which writes the
-    # certified rows' tokens (partial scores and ids, active, fallback).
-    counted = lowered(4, CERTIFIED_COUNTED_PICK=True)
-    text = lowered(4, CERTIFIED_COUNTED_PICK=False)
+    # certify launch's tokens and flags, both aliased: no combine launch), and the single-program certify launch.
+    counted = lowered(4)
     assert set(_triton_operand_counts(counted, "xpress_full_vocab_counted")) == {6}
     assert "xpress_full_vocab_fused" not in counted and "xpress_pick_combine" not in counted
     assert _triton_operands(counted, "xpress_certify") == 8
-    assert set(_triton_operand_counts(text, "xpress_full_vocab_fused")) == {4}
-    assert set(_triton_operand_counts(text, "xpress_pick_combine")) == {4}
-    assert "xpress_full_vocab_counted" not in text
-    assert _triton_operands(text, "xpress_certify") == 8
 
 
 @pytest.mark.slow
