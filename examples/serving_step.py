@@ -24,7 +24,7 @@ requests (each request's last two verified tokens). In one XLA program it
 The state is donated (``donate_argnames="state"``): the caller hands it over and gets the next
 state back, and XLA may write the new state into the old one's buffers. On a CPU it does: the
 compiled step aliases all five state arrays to its outputs, and JAX gives no "donated buffers
-were not usable" warning (JAX 0.10.2 to 0.12.0.1; tests/test_examples.py checks both). Step 1
+were not usable" warning (JAX 0.10.2 to 0.12.1; tests/serving/test_examples.py checks both). Step 1
 traces and compiles `draft_step`; every later step runs under ``jax.no_tracing()``, which raises
 if anything traces again, and `TRACES` counts the traces.
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import warnings
 
 # On a GPU, `pytest -n 2` runs two processes on one device: without this each would preallocate
@@ -273,3 +274,21 @@ def run_on_host_devices(args: list[str], n: int = 4, timeout: int = 1800) -> str
     proc = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return proc.stdout
+
+
+#: The custom-call target of a Triton kernel in lowered HLO.
+TRITON_CALL = "__gpu$xla.gpu.triton"
+
+
+def triton_operand_counts(hlo: str, name: str) -> list[int]:
+    """The operand counts of every Triton custom call whose function is named ``name`` in the lowered text."""
+    return [len(re.search(r"triton\((.*?)\)", line).group(1).split(","))
+            for line in hlo.splitlines() if TRITON_CALL in line and f'name = "{name}"' in line]
+
+
+def triton_operands(hlo: str, name: str) -> int:
+    """The operand count of the first Triton custom call whose function is named ``name``."""
+    counts = triton_operand_counts(hlo, name)
+    if not counts:
+        raise AssertionError(f"no Triton call named {name}")
+    return counts[0]

@@ -255,7 +255,7 @@ def test_lowers_to_triton_for_h200(N, B, dtype, cfg, names):
 
 def test_default_config_variant():
     """The kernel's own default is fused (split where fused cannot fit); which variant serves at
-    which N is the dispatch's decision (tests/test_dispatch.py)."""
+    which N is the dispatch's decision (tests/kernels/test_dispatch.py)."""
     for dtype in (jnp.bfloat16, jnp.float32):
         assert latent.default_config(1, dtype).variant == "fused"
         assert latent.default_config(1, dtype, "split").variant == "split"

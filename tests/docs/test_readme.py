@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 DOCS = sorted((ROOT / "docs").glob("*.md"))
 
@@ -35,7 +35,7 @@ NOT_RUN = {
     'pip install -e ".[cuda12]"': "GPU install",
     'pip install torch --index-url https://download.pytorch.org/whl/cpu': "downloads torch",
     'python -m pytest -q -n 2': "this test suite itself",
-    'xpress demo': "the end-to-end run (~1 min on 2 CPU cores); tests/test_cli.py runs it at --tiny size",
+    'xpress demo': "the end-to-end run (~1 min on 2 CPU cores); tests/training/test_cli.py runs it at --tiny size",
 }
 
 

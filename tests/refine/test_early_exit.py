@@ -94,7 +94,7 @@ def test_weak_head_skips_passes():
 
 
 @pytest.mark.interpret
-@pytest.mark.slow  # the loop is the XLA refine's (above); the Pallas pass picks: tests/test_kernel_*
+@pytest.mark.slow  # the loop is the XLA refine's (above); the Pallas pass picks: tests/kernels/
 @pytest.mark.parametrize("topc", [0, 11])
 def test_early_exit_pallas_interpret(topc):
     params = make_head(CFG, seed=9, std=0.25)

@@ -567,7 +567,7 @@ def test_lowers_for_an_h200():
     """The Pallas certified refine lowers for an H200: the selection, the top-C pick (with its skip flag), the
     full-vocab pick (with its active rows, packed through a row map) and the latent kernels are all in the HLO,
     and there is no conditional (no `stablehlo.case`)."""
-    from test_kernel_full_vocab import _triton_operand_counts, _triton_operands
+    from conftest import triton_operand_counts, triton_operands
 
     from xpress_jax.kernels.common import lower_triton
 
@@ -590,18 +590,18 @@ def test_lowers_for_an_h200():
     assert "stablehlo.case" not in text and "stablehlo.if" not in text
     # above the table's one-launch scan rows, two full-vocab launches per pass: the packed failing rows (base,
     # packed lat, w2, row map, active) and all rows (base, lat, w2, active)
-    assert sorted(set(_triton_operand_counts(text, "xpress_full_vocab_fused"))) == [4, 5]
+    assert sorted(set(triton_operand_counts(text, "xpress_full_vocab_fused"))) == [4, 5]
     assert "xpress_pack_active" not in text
-    assert _triton_operands(text, "xpress_topc_pick") == 5  # base_c, cand, lat, w2, skip
+    assert triton_operands(text, "xpress_topc_pick") == 5  # base_c, cand, lat, w2, skip
     # the certify launch: partial scores and ids, lat, tau, mex, valid, M, fallen
-    assert _triton_operands(text, "xpress_certify") == 8
+    assert triton_operands(text, "xpress_certify") == 8
     # N = 16 (240 rows, 2 row tiles; the one-launch scan): the failing rows packed first by `xpress_pack_active`
     # (fail, fallen; it also writes the row-tile counters), then the counted pick reading them through the row map
     # (base, lat, w2, row map, active, the pass's full flag, the certify launch's tokens and the counters, both
     # aliased: no combine launch).
     counted = lowered(16)
-    assert set(_triton_operand_counts(counted, "xpress_full_vocab_counted")) == {8}
-    assert set(_triton_operand_counts(counted, "xpress_pack_active")) == {2}
+    assert set(triton_operand_counts(counted, "xpress_full_vocab_counted")) == {8}
+    assert set(triton_operand_counts(counted, "xpress_pack_active")) == {2}
     assert "xpress_full_vocab_fused" not in counted and "xpress_pick_combine" not in counted
     # Both sides of the table's one-launch scan rows (960 draft rows: N = 64 / 65 at B = 16).
     assert dispatch.TABLE.entry(64 * 15).scan_one_launch and not dispatch.TABLE.entry(64 * 15 + 1).scan_one_launch
@@ -609,16 +609,16 @@ def test_lowers_for_an_h200():
         text = lowered(n)
         assert ("xpress_pack_active" in text) == one_launch, n
         if one_launch:
-            assert set(_triton_operand_counts(text, "xpress_full_vocab_counted")) == {8}, n
+            assert set(triton_operand_counts(text, "xpress_full_vocab_counted")) == {8}, n
             assert "xpress_full_vocab_fused" not in text and "xpress_pick_combine" not in text, n
         else:
-            assert sorted(set(_triton_operand_counts(text, "xpress_full_vocab_fused"))) == [4, 5], n
+            assert sorted(set(triton_operand_counts(text, "xpress_full_vocab_fused"))) == [4, 5], n
     # N = 4 (60 rows in one tile): one full-vocab launch per pass, the counted pick (base, lat, w2, active, the
     # certify launch's tokens and flags, both aliased: no combine launch), and the single-program certify launch.
     counted = lowered(4)
-    assert set(_triton_operand_counts(counted, "xpress_full_vocab_counted")) == {6}
+    assert set(triton_operand_counts(counted, "xpress_full_vocab_counted")) == {6}
     assert "xpress_full_vocab_fused" not in counted and "xpress_pick_combine" not in counted
-    assert _triton_operands(counted, "xpress_certify") == 8
+    assert triton_operands(counted, "xpress_certify") == 8
 
 
 @pytest.mark.slow

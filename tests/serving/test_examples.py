@@ -22,7 +22,7 @@ import pytest
 import xpress_jax as xj
 from xpress_jax.toy import accepted_length
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "serving_step.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "serving_step.py"
 R = 16  # requests
 REQUEST_TOKENS = 12  # short, so that requests finish (and are replaced) within the steps run here
 

@@ -166,7 +166,7 @@ def test_ops_are_typed_and_cached():
                       "topc_pass_pick", "gated_pick"}
     for topc in (False, True):
         assert Ops.xla().pass_pick(topc) is None and Ops.pallas(True).pass_pick(topc) is not None
-    # the gated pick belongs to the Pallas full-vocab pick; replacing that pick turns it off (exact.certified_passes)
+    # the gated pick belongs to the Pallas full-vocab pick; replacing that pick turns it off (exact.certified_mode)
     assert Ops.xla().gated_pick is None and Ops.pallas(True).gated_pick.pick is Ops.pallas(True).full_vocab_pick
     assert Ops.pallas().split_latent and Ops.pallas(True).split_latent and not Ops.xla().split_latent
     with pytest.raises(dataclasses.FrozenInstanceError):

@@ -98,7 +98,7 @@ def test_version_matches_pyproject():
     import tomllib
     from pathlib import Path
 
-    meta = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    meta = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
     assert meta["project"]["version"] == xj.__version__
 
 

@@ -191,7 +191,7 @@ class TestTopCPick:
         with pytest.raises(ValueError, match="ties"):
             tp.topc_pick(base_c, cand, lat, w2, interpret=self.INTERPRET, ties="lowest")
 
-    @pytest.mark.slow  # fast: the certified mode's candidates step (tests/test_certified.py) passes skip
+    @pytest.mark.slow  # fast: the certified mode's candidates step (tests/refine/test_certified.py) passes skip
     def test_skip(self):
         """``skip`` (a device scalar): false (bool or int) gives the plain pick; true makes every program return at
         once with "no winner" partials (-inf, -inf, BIG), so every row's result is BIG; with several splits

@@ -40,7 +40,7 @@ from xpress_jax.convert import (
 from xpress_jax.convert.cli import main
 from xpress_jax.params import source_shapes
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 refine = jax.jit(xj.refine, static_argnames=xj.STATIC_ARGNAMES)  # one compile per shape for the whole file
 
 V, H, B, R, M = 300, 32, 8, 16, 32

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import near_tie_rows, pick_inputs
+from conftest import TRITON_CALL, near_tie_rows, pick_inputs, triton_operand_counts, triton_operands
 
 from xpress_jax import dispatch
 from xpress_jax import reference as R
@@ -30,7 +30,6 @@ from xpress_jax.kernels import common
 from xpress_jax.kernels import full_vocab as fv
 
 DTYPES = [jnp.float32, jnp.bfloat16]
-TRITON_CALL = "__gpu$xla.gpu.triton"
 
 # (rows, V, r, config): rows = N*(B-1): N=1,B=16 / N=5,B=6 (B not a power of two) / N=5,B=16.
 SHAPES = [
@@ -566,7 +565,7 @@ class TestFullVocabLowering:
             ids = jax.ShapeDtypeStruct((rows * 2 // 3,), jnp.int32)
             f = lambda b_, l_, w_, i_: fv.full_vocab_pick(b_, l_, w_, config=cfg, slot_stride=B, row_ids=i_)
             hlo = common.lower_triton(f, *args, ids).as_text()
-            assert hlo.count(TRITON_CALL) == 2 and _triton_operands(hlo, "xpress_full_vocab_fused") == 4
+            assert hlo.count(TRITON_CALL) == 2 and triton_operands(hlo, "xpress_full_vocab_fused") == 4
 
 
     @pytest.mark.parametrize("n", [1, 16, 256])
@@ -583,7 +582,7 @@ class TestFullVocabLowering:
             f = lambda b, l, w, *a: fv.full_vocab_pick(b, l, w, config=cfg, slot_stride=B, active=a[0] if a else None)
             hlo = common.lower_triton(f, *args, *([active] if active is not None else [])).as_text()
             assert hlo.count(TRITON_CALL) == 2
-            assert _triton_operands(hlo, "xpress_full_vocab_fused") == n_ops
+            assert triton_operands(hlo, "xpress_full_vocab_fused") == n_ops
 
 
     @pytest.mark.parametrize("n", [1, 4])
@@ -601,7 +600,7 @@ class TestFullVocabLowering:
                                                          counter=c, counter_at=2, reverse=n == 1)
         hlo = common.lower_triton(f, *args).as_text()
         assert hlo.count(TRITON_CALL) == 1
-        assert _triton_operands(hlo, "xpress_full_vocab_counted") == 6
+        assert triton_operands(hlo, "xpress_full_vocab_counted") == 6
 
     @pytest.mark.parametrize("n", [16, 64, 256])
     def test_capacity_lowers(self, n):
@@ -618,7 +617,7 @@ class TestFullVocabLowering:
         f = lambda b, l, w, a: fv.full_vocab_pick(b, l, w, config=cfg, slot_stride=B, active=a, capacity=cap)
         hlo = common.lower_triton(f, *args).as_text()
         assert hlo.count(TRITON_CALL) == 2
-        assert _triton_operands(hlo, "xpress_full_vocab_fused") == 5  # base, packed lat, w2, row map, active
+        assert triton_operands(hlo, "xpress_full_vocab_fused") == 5  # base, packed lat, w2, row map, active
 
 
     @pytest.mark.parametrize("n", [16, 64, 256])
@@ -639,24 +638,8 @@ class TestFullVocabLowering:
         for kw in ({}, dict(skip_slots=3)):  # + the passes that know their number
             hlo = common.lower_triton(functools.partial(f, **kw), *args).as_text()
             assert hlo.count(TRITON_CALL) == 2 and "xpress_pick_combine" not in hlo
-            assert _triton_operands(hlo, "xpress_pack_active") == 2
-            assert _triton_operands(hlo, "xpress_full_vocab_counted") == (8 if served.v_steps != cfg.v_steps else 7)
-
-
-def _triton_operand_counts(hlo: str, name: str) -> list[int]:
-    """The operand counts of every Triton custom call whose function is named ``name`` in the lowered text."""
-    import re
-
-    return [len(re.search(r"triton\((.*?)\)", line).group(1).split(","))
-            for line in hlo.splitlines() if TRITON_CALL in line and f'name = "{name}"' in line]
-
-
-def _triton_operands(hlo: str, name: str) -> int:
-    """The operand count of the first Triton custom call whose function is named ``name``."""
-    counts = _triton_operand_counts(hlo, name)
-    if not counts:
-        raise AssertionError(f"no Triton call named {name}")
-    return counts[0]
+            assert triton_operands(hlo, "xpress_pack_active") == 2
+            assert triton_operands(hlo, "xpress_full_vocab_counted") == (8 if served.v_steps != cfg.v_steps else 7)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, pytest.param(jnp.bfloat16, marks=pytest.mark.slow)])
