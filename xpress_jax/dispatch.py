@@ -190,9 +190,8 @@ def plan(n: int, b: int, v: int, r: int, c: int, dtype: Any, *, table: Table = T
     if dtype == jnp.float64 or rows == 0:
         return Plan(None, None, None, None, entry)
     f32 = dtype.itemsize > 2
-    if entry.latent == "xla" and not kernels_everywhere:
-        lat = None
-    else:
+    lat = None
+    if entry.latent != "xla" or kernels_everywhere:
         variant = "fused" if entry.latent == "fused" else "split"
         lat = latent.default_config(n, dtype, variant, rank=r)
         if variant == "fused" and not f32:
@@ -205,9 +204,8 @@ def plan(n: int, b: int, v: int, r: int, c: int, dtype: Any, *, table: Table = T
     else:
         fv = full_vocab.fit_shared_memory(entry.full_vocab, r, dtype)
     fv.check_shape(rows, v, r, dtype)
-    tc = None
+    tc = entry.topc if c else None
     if c:
-        tc = entry.topc
         tc.check_shape(rows, c, r, dtype)
     return Plan(select=table.select_config(entry, c), latent=lat, full_vocab=fv, topc=tc, entry=entry)
 

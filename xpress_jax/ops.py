@@ -29,11 +29,11 @@ The steps (static shapes; ``rows`` = N * (B-1) draft rows):
 - ``start(logits) -> [rows] int32``: the full-vocab argmax of the base logits.
 - ``full_vocab_best(logits, lat, prepared) -> (score [rows] f32, id)``, ``topc_best(base_c, cand, lat, prepared) ->
   (score, base, id)``: the picks with the winner's values (`xpress_jax.sharded` combines them).
-- ``candidates_best(base_c, cand, lat, prepared, skip=None) -> (score, id)`` (the full-vocab rule on the
-  candidates), ``certify(base_c, cand, lat, prepared, tau, max_norm, mex, valid, fallen, limit=None) -> (best_id,
-  fail, act, flags)``, ``scan_failing(logits, lat, prepared, fail, fallen, fallback, limit, q=None) -> (tokens,
-  flags)``, ``full_vocab_capacity(N, B, V, r, dtype, limit) -> int | None``: the certified mode's steps
-  (`xpress_jax.exact`, docs/certified.md); None where an implementation lacks them.
+- The certified mode's steps (`xpress_jax.exact`, docs/certified.md; None where an implementation lacks them):
+  ``candidates_best(base_c, cand, lat, prepared, skip=None) -> (score, id)``, ``certify(base_c, cand, lat, prepared,
+  tau, max_norm, mex, valid, fallen, limit=None) -> (best_id, fail, act, flags)``, ``scan_failing(logits, lat,
+  prepared, fail, fallen, fallback, limit, q=None) -> (tokens, flags)``, ``full_vocab_capacity(N, B, V, r, dtype,
+  limit) -> int | None``.
 """
 
 from __future__ import annotations
@@ -158,8 +158,7 @@ def _pallas_ops(interpret: bool, table: dispatch.Table) -> Ops:
     )
 
 
-def same(w2):
-    """The identity ``full_vocab_prepare``: the pick reads ``w2`` itself."""
+def same(w2):  # the identity ``full_vocab_prepare``: the pick reads ``w2`` itself
     return w2
 
 
@@ -309,7 +308,7 @@ def _pallas_pass_pick(logits, lat, w2, q, *, interpret, table):
 
 
 def _slot_rows(n: int, b: int, s: int) -> np.ndarray:
-    """The draft rows of slots s..B-2 of every block, block by block ([N*(B-1-s)] int32; static)."""
+    """The draft rows of slots s..B-2 of every block ([N*(B-1-s)] int32; static)."""
     return (np.arange(n)[:, None] * (b - 1) + np.arange(s, b - 1)[None, :]).reshape(-1).astype(np.int32)
 
 

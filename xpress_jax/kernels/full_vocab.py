@@ -73,8 +73,7 @@ class FullVocabConfig:
                 raise ValueError(f"full-vocab pick needs {name} >= 1, got {v}")
         for name in ("row_tile", "v_tile"):
             if getattr(self, name) < MIN_DOT:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= {MIN_DOT} (a tensor-core dot "
-                                 f"dimension; Triton's dot needs M, N, K >= {MIN_DOT})")
+                raise ValueError(f"{name}={getattr(self, name)} must be >= {MIN_DOT} (a tensor-core dot dimension)")
         if self.k_tile and self.k_tile < MIN_DOT:
             raise ValueError(f"k_tile={self.k_tile} must be 0 or >= {MIN_DOT} (the dot's K dimension)")
         need = self.smem_bytes(rank, dtype)
@@ -144,10 +143,7 @@ def _base_index(r0, row_tile: int, v0, v_tile: int, rows: int, slot_stride: int)
 
 #: ``keep`` (the fused pick's L2 hint for its ``w2`` loads) -> (policy of the part's last visited tile, policy of
 #: the others). "split": the tile loop split before its last tile, no hint (served where the config holds the latent).
-KEEP_POLICIES = {
-    None: (None, None),
-    "split": ("evict_normal", None),
-}
+KEEP_POLICIES = {None: (None, None), "split": ("evict_normal", None)}
 
 
 def _keep_segments(keep, v_steps):
@@ -226,9 +222,7 @@ def _fused_kernel(
             lat_rows = src_rows
             src_rows = src_row(lat_rows, slot_stride)
     n_k = cdiv(rank, k_tile)
-    # A rank k_tile does not divide ends in a masked tail chunk: its lanes past the rank load 0 on
-    # both operands (adding nothing). Those loads index with arrays, never a slice past the end
-    # (JAX >= 0.12 refuses a static one; interpret mode would shift an unmasked one).
+    # A masked tail chunk loads with index arrays: never a slice past the end (JAX >= 0.12 refuses one).
     k_tail = rank % k_tile != 0
     precision = jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
     lat_mask = jnp.broadcast_to(row_ok[:, None], (row_tile, k_tile))
@@ -363,12 +357,9 @@ def _fused_kernel(
         return best, bidx
 
     if counted:
-        # Only row tiles with an active row do anything: they store their part's winners at [j, tile],
-        # count their arrival, and the last to arrive combines the tile's parts into its active rows'
-        # tokens (`_combine_if_last`). A tile without an active row reads, writes and counts nothing: its
-        # tokens stay the ones aliased in. With a run-time split (v_steps_full) only the live parts run
-        # and count (``live_parts`` arrivals). With a row map (`scan_failing`: packed rows) the tokens go
-        # to the draft rows the map names.
+        # Only row tiles with an active row (and, with v_steps_full, live parts) store their part's winners and
+        # count their arrival; the last to arrive writes the tile's tokens (`_combine_if_last`). Other tiles
+        # keep the tokens aliased in. With a row map the tokens go to the draft rows the map names.
         act = plt.load(active_ref.at[r0 + iota(row_tile)], mask=row_ok, other=0)
         go = jnp.max((act != 0).astype(jnp.int32)) > 0
 
@@ -377,10 +368,8 @@ def _fused_kernel(
             best, bidx = part()
             mv_ref[j, pl.ds(r0, row_tile)] = best
             mi_ref[j, pl.ds(r0, row_tile)] = bidx
-            # Packed rows: the map's first `rows` entries are a permutation of the draft rows (`pack_active`'s
-            # src), and the lanes past the rows go past the tokens' end, so no two lanes name one row: interpret
-            # mode's masked scatter writes the old value back on its masked lanes and loses the active lane's
-            # write where they share a row (a GPU skips masked lanes).
+            # Lanes past the rows go past the tokens' end, so no two lanes name one row (interpret mode's masked
+            # scatter writes the old value back on masked lanes).
             out_rows = jnp.where(row_ok, lat_rows, rows + iota(row_tile)) if row_map else None
             _combine_if_last(mv_ref, mi_ref, tok_ref, cnt_ref, i, r0, (act != 0) & row_ok, parts=counted,
                              row_tile=row_tile, counter_at=launch.counter_at, barrier=launch.barrier,
@@ -389,8 +378,7 @@ def _fused_kernel(
     if not has_active:
         best, bidx = part()
     else:
-        # Row tiles without an active row read nothing (neither w2 nor the logits) and write the
-        # "no winner" partials (-inf, BIG), which lose every comparison in the combine.
+        # Row tiles without an active row read nothing and write the "no winner" partials (-inf, BIG).
         act = plt.load(active_ref.at[r0 + iota(row_tile)], mask=row_ok, other=0)
         none = (jnp.full((row_tile,), -jnp.inf, jnp.float32), jnp.full((row_tile,), BIG, jnp.int32))
         go = jnp.max((act != 0).astype(jnp.int32)) > 0
@@ -464,8 +452,7 @@ def _combine_kernel(
 
     def load(p0, _, ok):
         if isinstance(p0, int) and p0 + part_tile > parts:
-            # A static slice past the end (one masked tile): JAX >= 0.12 refuses it at trace time,
-            # so index with arrays (the same addresses).
+            # A static slice past the end: JAX >= 0.12 refuses it, so index with arrays (the same addresses).
             idx = ((p0 + iota(part_tile))[:, None], rix[None, :])
         else:
             idx = (pl.ds(p0, part_tile), pl.ds(r0, row_tile))
@@ -593,8 +580,8 @@ def full_vocab_pick(
     ``partials=True``: stage 1's per-part winners ``(score [parts, rows] float32, id [parts, rows] int32)``.
     ``active`` ([rows] bool or int, a device value): only these rows are wanted; a row tile without one reads
     nothing and writes "no winner" partials (-inf, `BIG`).
-    ``capacity`` (static int, with ``active``): the active rows packed to the front, the kernel runs on the first
-    ``capacity`` of them; active rows beyond read ``BIG``.
+    ``capacity`` (static int, with ``active``, without ``partials``): the active rows packed to the front, the
+    kernel runs on the first ``capacity`` of them; active rows beyond read ``BIG``.
     ``fallback`` ([rows] int, with ``active``, without ``capacity`` and ``partials``): inactive rows return it.
     ``reverse`` (static): each program visits its tiles from the highest ids down. ``keep`` (static, a key of
     `KEEP_POLICIES`): the L2 hints / loop split on the ``w2`` loads.
@@ -611,8 +598,8 @@ def full_vocab_pick(
         raise ValueError(f"active must be [{'rows' if row_ids is None else 'row_ids'}={n_act}] bool or int; "
                          f"got {active.shape} {active.dtype}")
     if capacity is not None:
-        if active is None:
-            raise ValueError("capacity needs active (the rows to compute)")
+        if active is None or partials:
+            raise ValueError("capacity needs active (the rows to compute) and goes without partials")
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
             raise ValueError(f"capacity must be an int >= 1, got {capacity!r}")
     if fallback is not None and (active is None or capacity is not None or partials or fallback.shape != (rows,)
@@ -669,12 +656,7 @@ def full_vocab_pick(
     launch = _Launch(cap, vocab, rank, dtype, slot_stride, reverse=reverse, keep=keep, **extra)
     mv, mi = _fused_launch(operands, cfg, launch, interpret=interpret)
     if partials:
-        mv, mi = mv[:, :cap], mi[:, :cap]
-        if pos is None:
-            return mv, mi
-        kept = pos < cap  # packed beyond the capacity: never computed, reported as "no winner"
-        at = jnp.minimum(pos, cap - 1)
-        return jnp.where(kept, mv[:, at], -jnp.inf), jnp.where(kept, mi[:, at], BIG)
+        return mv[:, :cap], mi[:, :cap]
     if fallback is not None:
         return combine_partials(mv, mi, interpret=interpret, active=active, fallback=fallback)[:rows]
     tok = combine_partials(mv, mi, interpret=interpret)[:cap]

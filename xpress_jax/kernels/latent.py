@@ -112,17 +112,12 @@ def _dot_bpp(bpp: int, bp: int) -> int:
     return max(bpp, MIN_DOT // bp)
 
 
-# In-kernel pieces shared by the fused kernel and the split variant's first stage. Rows are a program's ``bpp``
-# blocks of ``bp`` (B padded to a power of two) slots; ``col`` are the rank columns it computes.
+# In-kernel pieces of the fused kernel and split stage 1: rows are ``bpp`` blocks of ``bp`` (B padded) slots.
 
 
 def _and(a, b):
     """Combine two optional (broadcastable) masks; None = all true."""
-    if a is None:
-        return b
-    if b is None:
-        return a
-    return a & b
+    return b if a is None else a if b is None else a & b
 
 
 def _load(ref_at, mask):
@@ -299,8 +294,7 @@ def _split_mix_kernel(
 
 
 def _tile_rows(rb: int, rows: int):
-    """Split stages 2-3: (row_ok, load row, store row) of this program's rb rows. Rows past the
-    end load row 0 and store one past the end (never written)."""
+    """Split stages 2-3: (row_ok, load row, store row) of this program's rb rows (past the end: row 0 / rows)."""
     ri = pl.program_id(0) * rb + jnp.arange(rb, dtype=jnp.int32)
     row_ok = ri < rows
     return row_ok, jnp.where(row_ok, ri, 0), jnp.where(row_ok, ri, rows)

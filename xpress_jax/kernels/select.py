@@ -88,13 +88,10 @@ class SelectConfig:
                 raise ValueError(f"{f}={v!r} must be a power of two >= {lo}")
         if self.segments is not None and (not isinstance(self.segments, int) or self.segments < 1):
             raise ValueError(f"segments={self.segments!r} must be a positive int or None")
-        if 16 * self.cap > _MAX_TENSOR:
-            raise ValueError(f"cap={self.cap} is too large: the finish holds [16, cap] in one Triton tensor "
-                             f"(at most {_MAX_TENSOR} elements), so cap <= {_MAX_TENSOR // 16}")
-        if self.segments is not None and next_pow2(self.segments) > _max_segments(self):
-            raise ValueError(f"segments={self.segments} with cap={self.cap}: the finish holds a "
-                             f"[next_pow2(segments), cap] mask in one Triton tensor (at most {_MAX_TENSOR} "
-                             f"elements), so segments <= {_max_segments(self)} at this cap")
+        if 16 * self.cap > _MAX_TENSOR:  # the finish's [16, cap] tensor
+            raise ValueError(f"cap={self.cap} is too large: cap <= {_MAX_TENSOR // 16} (Triton's largest tensor)")
+        if self.segments is not None and next_pow2(self.segments) > _max_segments(self):  # its [segments, cap] mask
+            raise ValueError(f"segments={self.segments} with cap={self.cap}: segments <= {_max_segments(self)}")
 
 
 #: Triton's largest tensor, in elements: the finish holds a [next_pow2(segments), cap] mask, and a
@@ -464,16 +461,10 @@ def _bgather_kernel(L_ref, bm_ref, x_ref, bl_ref, bk_ref, bi_ref, cnt_ref, st_re
 
 
 # ----------------------------------------------------------------------------- wrapper
-def _scalar_spec2():
-    return pl.BlockSpec((None, None), lambda r, s: (r, s))
-
-
-def _scalar_spec2_1d():
-    return pl.BlockSpec((None,), lambda r, s: (r,))
-
-
-def _scalar_spec1():
-    return pl.BlockSpec((None,), lambda r: (r,))
+# 0-d blocks of [rows, S] and of [rows] on a (rows, S) grid, and of [rows] on a (rows,) grid.
+_SCALAR2 = pl.BlockSpec((None, None), lambda r, s: (r, s))
+_SCALAR2_1D = pl.BlockSpec((None,), lambda r, s: (r,))
+_SCALAR1 = pl.BlockSpec((None,), lambda r: (r,))
 
 
 def _tile_for(nunits: int, tile: int, unroll: int, want: int, min_tile: int) -> tuple[int, int]:
@@ -512,20 +503,20 @@ def _select_pallas(base, *, c: int, cfg: SelectConfig, interpret: bool, slot_str
     if fused:
         bm, L, hi0, arg = call(
             kern, name="select_bstats_bound", grid=(rows, 1), in_specs=[anyspec],
-            out_specs=[anyspec] + [_scalar_spec2_1d() for _ in range(3)],
+            out_specs=[anyspec] + [_SCALAR2_1D] * 3,
             out_shape=[bm_shape] + [jax.ShapeDtypeStruct((rows,), i32)] * 3,
         )(base)
     else:
         bm, smax, sblk = call(
             kern, name="select_bstats", grid=(rows, s1), in_specs=[anyspec],
-            out_specs=[anyspec, _scalar_spec2(), _scalar_spec2()],
+            out_specs=[anyspec, _SCALAR2, _SCALAR2],
             out_shape=[bm_shape] + [jax.ShapeDtypeStruct((rows, s1), i32)] * 2,
         )(base)
         L, hi0, arg = call(
             functools.partial(_bbound_kernel, nseg=s1, v=v, nb=nb, bs=bs, g=g, c=c, dtype=dtype,
                               slot_stride=slot_stride),
             name="select_bbound", grid=(rows,),
-            in_specs=[anyspec] * 4, out_specs=[_scalar_spec1() for _ in range(3)],
+            in_specs=[anyspec] * 4, out_specs=[_SCALAR1] * 3,
             out_shape=[jax.ShapeDtypeStruct((rows,), i32)] * 3,
         )(bm, smax, sblk, base)
 
@@ -537,7 +528,7 @@ def _select_pallas(base, *, c: int, cfg: SelectConfig, interpret: bool, slot_str
                           tb2=min(cfg.gather_blocks, next_pow2(pb)), cap=cap, dtype=dtype, interpret=interpret,
                           slot_stride=slot_stride),
         name="select_bgather", grid=(rows, s3), interpret=interpret, num_warps=cfg.gather_warps,
-        in_specs=[anyspec] * 3, out_specs=[anyspec] * 3 + [_scalar_spec2(), _scalar_spec2()],
+        in_specs=[anyspec] * 3, out_specs=[anyspec] * 3 + [_SCALAR2, _SCALAR2],
         out_shape=[jax.ShapeDtypeStruct((rows, s3, pb + 1), i32)] + [jax.ShapeDtypeStruct((rows, s3, cap + 1), i32)] * 2
         + [jax.ShapeDtypeStruct((rows, s3), i32)] * 2,
     )(L, bm, base)
@@ -558,11 +549,10 @@ def _select_pallas(base, *, c: int, cfg: SelectConfig, interpret: bool, slot_str
 
 
 def select_candidates(base: jax.Array, c: int, *, interpret: bool = False, slot_stride: int = 0, **config):
-    """Per row of ``base`` [rows, V]: (cand [rows, c] int32, base_c [rows, c], argmax [rows] int32).
+    """Per row of ``base`` [rows, V]: (cand [rows, c] int32, base_c [rows, c], argmax [rows] int32) (module doc).
 
-    bf16/f16/f32 logits (float64 raises ``TypeError``); ``config``: `SelectConfig` fields (rules and algorithm: the
-    module doc). ``slot_stride=B`` (static, >= 2): ``base`` is the whole logits [N*B, V] and the draft rows are slots
-    1..B-1 of each block: the result for ``logits[:, 1:]`` without that copy, N*(B-1) rows."""
+    ``config``: `SelectConfig` fields. ``slot_stride=B`` (static, >= 2): ``base`` is the whole logits [N*B, V]; the
+    result is that of ``logits[:, 1:]`` (N*(B-1) rows) without the copy."""
     if base.ndim != 2:
         raise ValueError(f"base must be [rows, V], got shape {tuple(base.shape)}")
     if isinstance(slot_stride, bool) or not isinstance(slot_stride, numbers.Integral):
@@ -583,6 +573,4 @@ def select_candidates(base: jax.Array, c: int, *, interpret: bool = False, slot_
                         "xpress_jax routes float64 to xpress_jax.reference.select_candidates")
     if rows == 0:
         return jnp.zeros((0, c), jnp.int32), jnp.zeros((0, c), base.dtype), jnp.zeros((0,), jnp.int32)
-    if slot_stride:
-        return _select_pallas(base, c=c, cfg=cfg, interpret=interpret, slot_stride=slot_stride)
-    return _select_pallas(base, c=c, cfg=cfg, interpret=interpret)
+    return _select_pallas(base, c=c, cfg=cfg, interpret=interpret, slot_stride=slot_stride)
