@@ -1,18 +1,10 @@
 """Which kernel and which config each refine step uses, decided from the static shapes.
 
-`TABLE` is one frozen `Table`: `Entry` rows keyed by **draft rows** = N * (B - 1) (every per-pass step
-works on one row per draft slot), each holding the decisions for the row counts up to its ``max_rows``
-(inclusive; None: no bound), every tuned threshold a column. The dtype decides how much of an entry applies:
-
-- float64: every step is the jnp reference (`xpress_jax.reference`).
-- float32 (never tuned): the entry's choices, but the kernels' own heuristics for the full-vocab config
-  (`full_vocab.default_config`) and the latent config (`latent.default_config`).
-- bf16 / f16: the whole entry.
-
-The entries were measured at B = 16 (the comments give N at B = 16); the numbers are in docs/performance.md.
-`xpress_jax.ops.Ops.pallas(table=...)` carries a table (default `TABLE`; a static jit argument through the
-`Ops`) and its steps call `plan` at trace time. Variants for tests: ``TABLE.with_columns(alternate=False)``,
-``TABLE.replace(topc_keep_bytes=None)``.
+`TABLE` is one frozen `Table` of `Entry` rows keyed by **draft rows** = N * (B - 1), each serving the row counts
+up to its ``max_rows`` (None: no bound), every tuned threshold a column. float64 gets the jnp reference everywhere;
+float32 (never tuned) the entry's choices but the kernels' own full-vocab and latent configs; bf16 / f16 the whole
+entry. Measured at B = 16 (the comments give N); the numbers are in docs/performance.md. ``Ops.pallas(table=...)``
+carries a table (a static jit argument); variants: ``TABLE.with_columns(alternate=False)``, ``TABLE.replace(...)``.
 """
 
 from __future__ import annotations
@@ -37,24 +29,17 @@ SERVING_N = (1, 4, 16, 64, 256)
 class Entry:
     """The decisions for draft-row counts up to ``max_rows`` (None: no bound).
 
-    full_vocab: the full-vocab pick's config (16-bit dtypes; fitted to the rank's shared memory).
+    full_vocab, topc: the picks' configs (full_vocab: 16-bit dtypes, fitted to the rank's shared memory).
     latent: "xla" (XLA's jnp latent), "split" (three kernels) or "fused" (one kernel).
-    topc: the top-C pick's config (one candidate tile per program).
     select_block: elements per block of the selection's block maxima.
     latent_blocks_per_program: the fused latent's blocks per program (16-bit dtypes).
-    split_latent: a top-C pass hands XLA's latent to the pick as its residual's two float32 terms
-      (`reference.LatentSum`), which the pick adds and rounds as it loads the latent.
-    mixer_barrier: XLA's latent, where not split, puts the mixer's output behind an optimization barrier
-      (`head.latent`'s ``barrier``: XLA:GPU otherwise computes the mixer twice; the same values).
+    split_latent: a top-C pass hands XLA's latent to the pick as two float32 terms (`reference.LatentSum`).
+    mixer_barrier: XLA's unsplit latent puts the mixer behind an optimization barrier (XLA:GPU computes it once).
     table_latent: with a token table, XLA's latent (which reads the table) even where a kernel serves.
-    start_select: a full-vocab refine starts from the selection's argmax output (c=1, the same rule) instead
-      of XLA's argmax.
-    alternate: an unrolled full-vocab refine reads ``w2`` in descending order on odd passes (a pass then
-      starts on the rows still in L2 from the pass before).
-    full_vocab_keep: the full-vocab pick's ``keep`` (`full_vocab.KEEP_POLICIES`) in the passes that know their
-      number, where the config holds the latent.
-    skip_final_slots, topc_skip_final_slots: unrolled passes skip the draft slots that are final (the full-vocab
-      pick only where it then runs fewer row tiles: `pass_pick_rows`).
+    start_select: a full-vocab refine starts from the selection's argmax (c=1) instead of XLA's.
+    alternate: an unrolled full-vocab refine reads ``w2`` descending on odd passes (rows still in L2).
+    full_vocab_keep: the full-vocab pick's ``keep`` (`full_vocab.KEEP_POLICIES`) where the config holds the latent.
+    skip_final_slots, topc_skip_final_slots: unrolled passes skip the final draft slots (`pass_pick_rows`).
     scan_one_launch: the certified mode scans its failing rows in one launch (`full_vocab.scan_failing`), else
       in a packed launch of the failing rows plus an all-rows launch.
     """
@@ -76,7 +61,6 @@ class Entry:
     scan_one_launch: bool = True
 
     def keep(self, config: FullVocabConfig) -> str | None:
-        """The full-vocab pick's ``keep`` in ``config``: `full_vocab_keep` where it holds the latent, else None."""
         return self.full_vocab_keep if config.hold_lat else None
 
 
@@ -84,10 +68,10 @@ class Entry:
 class Table:
     """The dispatch table (frozen, hashable): ``entries`` by ascending ``max_rows``, the last unbounded.
 
-    sms: streaming multiprocessors of the GPU the table was measured on (`capacity_config`'s wave).
+    sms: streaming multiprocessors of the measured GPU (`capacity_config`'s wave).
     select_finish_warps: warps of the selection's finish kernel up to C = 512.
-    topc_keep_bytes: the top-C pick's L2 hints apply where one pass's gather (draft rows x C x rank x
-      itemsize) lies in ``(lo, hi]`` (`topc_keep`); None: never.
+    topc_keep_bytes: the top-C pick's L2 hints apply where one pass's gather (rows x C x r x itemsize) lies in
+      ``(lo, hi]`` (`topc_keep`); None: never.
     """
 
     entries: tuple[Entry, ...]
@@ -101,23 +85,18 @@ class Table:
             raise ValueError(f"Table entries must have ascending max_rows ending with None; got {limits}")
 
     def entry(self, rows: int) -> Entry:
-        """The entry serving ``rows`` draft rows."""
         return next(e for e in self.entries if e.max_rows is None or rows <= e.max_rows)
 
     def replace(self, **changes) -> "Table":
-        """`dataclasses.replace` of the table's fields."""
         return dataclasses.replace(self, **changes)
 
     def with_columns(self, **columns) -> "Table":
-        """The table with these `Entry` fields set in every entry (tests: e.g. ``alternate=False``)."""
+        """The table with these `Entry` fields set in every entry."""
         return self.replace(entries=tuple(dataclasses.replace(e, **columns) for e in self.entries))
 
     def select_config(self, entry: Entry, c: int) -> dict:
-        """The selection's `select.SelectConfig` fields (only those that differ from its defaults) for ``c``.
-
-        Above C = 512 the fast finish needs the elements above the bound to fit in ``cap`` and the bound to be
-        tight (groups well above C): cap = next_pow2(2C), groups = next_pow2(4C) (both at most 16384), 16-element
-        blocks, 8 above C = 2048 (more blocks than groups at V = 151936). Every config is exact for any input.
+        """The selection's `select.SelectConfig` fields that differ from its defaults, for ``c``. Above C = 512 the
+        fast finish needs ``cap`` and ``groups`` well above C; 8-element blocks above C = 2048. Exact for any input.
         H200: python -m benchmarks.bench_kernels --steps select
         """
         sel = {} if entry.select_block == select.SelectConfig().block else dict(block=entry.select_block)
@@ -128,17 +107,15 @@ class Table:
         return sel
 
     def topc_keep(self, rows: int, c: int, rank: int, itemsize: int, splits: int) -> tuple | None:
-        """The top-C pick's ``keep`` for ``rows`` draft rows of ``c`` candidates (``splits`` programs per row): the
-        first half of each row's splits gather ``w2`` with evict_last, the rest evict_first; or None."""
+        """The top-C pick's ``keep`` (``splits`` programs per row): the first half evict_last, the rest evict_first."""
         window = self.topc_keep_bytes
         if window is None or splits < 2 or not window[0] < rows * c * rank * itemsize <= window[1]:
             return None
         return (splits // 2, "evict_last", "evict_first")
 
     def capacity_config(self, cfg: FullVocabConfig, vocab: int) -> FullVocabConfig:
-        """``cfg`` for a launch on a few packed rows: ``v_steps`` at most ``ceil(V / v_tile / sms)``, so that one
-        row tile spreads the vocabulary over a whole wave. Every (row, id) score is computed as with ``cfg``, and
-        the vocabulary split does not change the winner: the same tokens bit for bit."""
+        """``cfg`` for a launch on a few packed rows: ``v_steps`` at most ``ceil(V / v_tile / sms)`` (one row tile
+        fills a wave). The same scores, and the split does not change the winner: the same tokens."""
         steps = max(1, cdiv(cdiv(vocab, cfg.v_tile), self.sms))
         return dataclasses.replace(cfg, v_steps=min(cfg.v_steps, steps))
 
@@ -189,13 +166,8 @@ TABLE = Table(entries=(
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """What each step runs at one set of shapes. A ``None`` config means the jnp reference.
-
-    select: selection kernel keyword arguments (`select.SelectConfig` fields), or None.
-    latent: `latent.LatentConfig`, or None (XLA's jnp latent).
-    full_vocab: `full_vocab.FullVocabConfig`, or None.
-    topc: `topc_pick.TopCConfig`, or None (None too when C = 0).
-    entry: the table's `Entry` for these draft rows (its columns hold for every dtype).
+    """What each step runs at one set of shapes; a ``None`` config means the jnp reference (``topc``: also C = 0).
+    ``select`` holds `select.SelectConfig` fields; ``entry`` is the table's `Entry` (its columns hold for every dtype).
     """
 
     select: dict | None
@@ -209,10 +181,8 @@ def plan(n: int, b: int, v: int, r: int, c: int, dtype: Any, *, table: Table = T
          kernels_everywhere: bool = False) -> Plan:
     """The plan for N blocks of B slots, vocab V, rank r, top-C ``c`` (0: full vocab), ``dtype``, from ``table``.
 
-    ``kernels_everywhere``: a kernel even where the table prefers XLA (the latent at small N), so that
-    interpret-mode tests run every kernel; float64 still gets the reference. Every config returned passes its
-    kernel's ``check_shape`` at these shapes: a config that cannot run at this rank is fitted
-    (`full_vocab.fit_shared_memory`; the fused latent falls back to split).
+    ``kernels_everywhere`` (interpret mode): a kernel even where the table prefers XLA. Every config returned passes
+    its kernel's ``check_shape``: one that cannot run at this rank is fitted (the fused latent falls back to split).
     """
     dtype = jnp.dtype(dtype)
     rows = n * (b - 1)
@@ -220,9 +190,8 @@ def plan(n: int, b: int, v: int, r: int, c: int, dtype: Any, *, table: Table = T
     if dtype == jnp.float64 or rows == 0:
         return Plan(None, None, None, None, entry)
     f32 = dtype.itemsize > 2
-    if entry.latent == "xla" and not kernels_everywhere:
-        lat = None
-    else:
+    lat = None
+    if entry.latent != "xla" or kernels_everywhere:
         variant = "fused" if entry.latent == "fused" else "split"
         lat = latent.default_config(n, dtype, variant, rank=r)
         if variant == "fused" and not f32:
@@ -235,19 +204,16 @@ def plan(n: int, b: int, v: int, r: int, c: int, dtype: Any, *, table: Table = T
     else:
         fv = full_vocab.fit_shared_memory(entry.full_vocab, r, dtype)
     fv.check_shape(rows, v, r, dtype)
-    tc = None
+    tc = entry.topc if c else None
     if c:
-        tc = entry.topc
         tc.check_shape(rows, c, r, dtype)
     return Plan(select=table.select_config(entry, c), latent=lat, full_vocab=fv, topc=tc, entry=entry)
 
 
 def pass_pick_rows(n: int, b: int, q: int, row_tile: int, *, skip: bool, everywhere: bool = False) -> int:
-    """The first draft slot that pass ``q`` (0-based) of a refine picks, ``s``: the slots before it keep their
-    tokens. Draft slot j reads only the slots before it, so it is final after pass j + 1 (docs/semantics.md):
-    ``s`` is at most ``min(q, B-1)`` (``B-1``: nothing left to pick). Skipping pays only where the pick then runs
-    fewer row tiles of ``row_tile`` rows (the top-C pick: 1), where ``skip`` (the entry's column) says so;
-    ``everywhere`` (interpret mode, the tests) skips whenever it can."""
+    """The first draft slot pass ``q`` (0-based) picks: slot j is final after pass j + 1 (docs/semantics.md), so
+    at most ``min(q, B-1)``. Skipped only where ``skip`` says so and the pick then runs fewer row tiles of
+    ``row_tile`` rows; ``everywhere`` (interpret mode) skips whenever it can."""
     s = min(q, b - 1)
     if s in (0, b - 1) or everywhere:
         return s

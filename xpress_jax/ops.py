@@ -1,9 +1,8 @@
 """`Ops`: one implementation of the refine steps, as a frozen dataclass of step functions.
 
 ``Ops.xla(platform)`` is the jnp reference (`xpress_jax.reference`); ``Ops.pallas(interpret, table)`` the
-Pallas-Triton kernels (`xpress_jax.kernels`), each step's config from `xpress_jax.dispatch.plan` over ``table``
-at trace time. `xpress_jax.refine.refine_with` runs any `Ops` (a static jit argument: the table is part of the
-cache key); mix implementations with `dataclasses.replace`::
+Pallas-Triton kernels, each step's config from `xpress_jax.dispatch.plan` over ``table`` at trace time.
+`xpress_jax.refine.refine_with` runs any `Ops` (a static jit argument); mix them with `dataclasses.replace`::
 
     mixed = dataclasses.replace(Ops.pallas(), latent=Ops.xla(platform="gpu").latent)
     draft = refine_with(mixed, head, logits, h, anchors)
@@ -15,29 +14,26 @@ The steps (static shapes; ``rows`` = N * (B-1) draft rows):
 - ``topc_prepare(w2, cand) -> prepared`` (once per call; XLA: ``w2[cand]``, the kernel: ``w2``) and
   ``topc_pick(base_c, cand, lat [rows,r], prepared) -> [rows] int32``: replace both or neither.
 - ``full_vocab_prepare(w2) -> prepared`` and ``full_vocab_pick(logits, lat, prepared, active=None,
-  fallback=None, q=None) -> [rows] int32``. ``active`` ([rows] bool or int32, a device value): only those
-  rows' tokens are wanted (the kernel skips row tiles without one); ``fallback``: inactive rows return it.
-  ``q``: the 0-based pass this pick serves (a Python int, unrolled passes), which may change the order ``w2``
-  is read in (never a token).
+  fallback=None, q=None) -> [rows] int32``: only the ``active`` rows' tokens are wanted (a device value; the
+  kernel skips row tiles without one), inactive rows return ``fallback``; ``q`` (the 0-based pass, unrolled
+  passes) may change the order ``w2`` is read in, never a token.
 - ``full_vocab_pass_pick`` / ``topc_pass_pick``: None or a `PassPick` whose ``run(logits, lat, prepared, q)``
-  / ``run(base_c, cand, lat, prepared, q, n)`` returns ``(tokens [N*(B-1-s)] int32, s)``: the tokens of draft
-  slots ``s..B-2`` of every block, ``s <= min(q, B-1)`` (slots before ``q`` are final), each the token the plain
-  pick gives it. Used only while ``PassPick.pick`` is this `Ops`' own pick.
+  / ``run(base_c, cand, lat, prepared, q, n)`` returns ``(tokens [N*(B-1-s)] int32, s)``: the plain pick's
+  tokens of draft slots ``s..B-2``, ``s <= min(q, B-1)``. Used only while ``PassPick.pick`` is this `Ops`' pick.
 - ``gated_pick``: None or a `PassPick` whose ``run(logits, lat, prepared, active, fallback, flags, q=None) ->
-  (tokens, flags)`` gives ``full_vocab_pick``'s tokens and ``flags`` (int32 [8], entries from 2 zero) back, in a
-  launch that writes nothing where no row is active (the certified mode).
+  (tokens, flags)`` writes nothing where no row is active (the certified mode; ``flags`` int32 [8]).
 - ``latent(params, xh [N,B,r], blk [N,B] int32, prev_ids [N] int32, split=False) -> [N,B-1,r]``; with
-  ``split=True`` possibly a `reference.LatentSum` (the residual's two float32 terms) that only ``topc_pick``
-  accepts. ``split_latent`` (a bool): whether `xpress_jax.refine` asks for it (top-C passes).
+  ``split=True`` possibly a `reference.LatentSum` that only ``topc_pick`` accepts; ``split_latent``: whether
+  `xpress_jax.refine` asks for it (top-C passes).
 - ``hidden(params, h [N,B,H]) -> xh [N,B,r]``: None means `xpress_jax.head.hidden_input`.
 - ``start(logits) -> [rows] int32``: the full-vocab argmax of the base logits.
 - ``full_vocab_best(logits, lat, prepared) -> (score [rows] f32, id)``, ``topc_best(base_c, cand, lat, prepared) ->
   (score, base, id)``: the picks with the winner's values (`xpress_jax.sharded` combines them).
-- ``candidates_best(base_c, cand, lat, prepared, skip=None) -> (score, id)`` (the full-vocab rule on the
-  candidates), ``certify(base_c, cand, lat, prepared, tau, max_norm, mex, valid, fallen, limit=None) -> (best_id,
-  fail, act, flags)``, ``scan_failing(logits, lat, prepared, fail, fallen, fallback, limit, q=None) -> (tokens,
-  flags)``, ``full_vocab_capacity(N, B, V, r, dtype, limit) -> int | None``: the certified mode's steps
-  (`xpress_jax.exact`, docs/certified.md); None where an implementation lacks them.
+- The certified mode's steps (`xpress_jax.exact`, docs/certified.md; None where an implementation lacks them):
+  ``candidates_best(base_c, cand, lat, prepared, skip=None) -> (score, id)``, ``certify(base_c, cand, lat, prepared,
+  tau, max_norm, mex, valid, fallen, limit=None) -> (best_id, fail, act, flags)``, ``scan_failing(logits, lat,
+  prepared, fail, fallen, fallback, limit, q=None) -> (tokens, flags)``, ``full_vocab_capacity(N, B, V, r, dtype,
+  limit) -> int | None``.
 """
 
 from __future__ import annotations
@@ -99,17 +95,15 @@ class Ops:
 
     @staticmethod
     def xla(platform: str = "cpu") -> "Ops":
-        """The jnp reference for every step. On ``"gpu"`` the full-vocab readout dot writes its 16-bit result
-        directly and the hidden input is `reference.hidden_input_gpu` (the same values). One object per platform."""
+        """The jnp reference; on ``"gpu"`` the GPU spellings of the readout and hidden input (the same values)."""
         if platform not in PLATFORMS:
             raise ValueError(f"platform must be one of {PLATFORMS}, got {platform!r}")
         return _xla_ops(platform)
 
     @staticmethod
     def pallas(interpret: bool = False, table: dispatch.Table = dispatch.TABLE) -> "Ops":
-        """The Pallas-Triton kernels, each step's config from `dispatch.plan` over ``table`` (a frozen
-        `dispatch.Table`) at trace time; the jnp reference where the plan says XLA. ``interpret=True`` runs the
-        kernels in interpret mode (CPU tests), and a kernel wherever one exists. One object per (mode, table)."""
+        """The kernels with `dispatch.plan`'s configs over ``table``; ``interpret=True`` (CPU tests) runs a kernel
+        wherever one exists. One object per (mode, table)."""
         if not isinstance(table, dispatch.Table):
             raise TypeError(f"table must be a dispatch.Table, got {type(table).__name__}")
         return _pallas_ops(bool(interpret), table)
@@ -164,8 +158,7 @@ def _pallas_ops(interpret: bool, table: dispatch.Table) -> Ops:
     )
 
 
-def same(w2):
-    """The identity ``full_vocab_prepare``: the pick reads ``w2`` itself."""
+def same(w2):  # the identity ``full_vocab_prepare``: the pick reads ``w2`` itself
     return w2
 
 
@@ -174,8 +167,7 @@ def _xla_select(logits, c):
     return ref.select_candidates(ref.draft_rows(logits), c)
 
 
-def _xla_latent(params, xh, blk, prev_ids, split=False):
-    # ``split`` is a request the jnp step need not follow: its picks would only add the terms back.
+def _xla_latent(params, xh, blk, prev_ids, split=False):  # ``split``: a request the jnp step need not follow
     return ref.latent_pass(params, xh, blk, prev_ids)
 
 
@@ -184,13 +176,11 @@ def _xla_topc_pick(base_c, cand, lat, w2c):
 
 
 def _xla_full_vocab_pick(logits, lat, w2, active=None, fallback=None, *, direct_readout: bool, q=None):
-    # Every row is picked: XLA has nothing to skip without a conditional (the step's spec allows it).
     return with_fallback(ref.full_vocab_pick(ref.draft_rows(logits), lat, w2, direct_readout=direct_readout),
                          active, fallback)
 
 
 def with_fallback(tok, active, fallback):
-    """``tok`` where ``active``, else ``fallback`` (``fallback`` None: ``tok``)."""
     return tok if fallback is None else jnp.where(active, tok, fallback.astype(tok.dtype))
 
 
@@ -199,8 +189,7 @@ def _xla_certify(base_c, cand, lat, w2c, tau, max_norm, mex, valid, fallen, limi
     return ref.certify_rows(best, best_id, lat, tau, max_norm, mex, valid, fallen, limit, base_c.dtype)
 
 
-def _xla_candidates_best(base_c, cand, lat, w2c, skip=None):
-    # Computed whatever ``skip`` says: the step's result is then unspecified, any value will do.
+def _xla_candidates_best(base_c, cand, lat, w2c, skip=None):  # a skipped step's result is unspecified
     return ref.candidates_best(base_c, cand, lat, w2c)
 
 
@@ -223,8 +212,7 @@ def _pallas_select(logits, c, *, interpret, table):
 
 
 def _pallas_start(logits, *, interpret, table):
-    """`Ops.start`: the selection's argmax output (``c=1``, `reference.full_vocab_start`'s rule) where the
-    entry's ``start_select`` says so, else XLA's argmax."""
+    """`Ops.start`: the selection's argmax (``c=1``) where the entry's ``start_select`` says so, else XLA's."""
     n, b, _ = logits.shape
     if not table.entry(n * (b - 1)).start_select:
         return ref.full_vocab_start(logits)
@@ -237,8 +225,7 @@ def _pallas_topc_prepare(w2, cand):
 
 
 def _pallas_topc(base_c, cand, lat, prepared, skip=None, *, interpret, table, best, ties="base"):
-    """`topc_pick` (``best=False``), `topc_best` (``best=True``: the splits' winners combined in XLA) or, with
-    ``ties="id"``, `candidates_best`. ``skip``: the kernel's skip flag (the jnp path ignores it)."""
+    """`topc_pick`, `topc_best` (``best``: the splits' winners combined in XLA) or (``ties="id"``) `candidates_best`."""
     by_id = ties == "id"
     lat_add = None
     if isinstance(lat, ref.LatentSum):  # the residual's terms: the kernel adds them, the jnp path here
@@ -259,8 +246,8 @@ def _pallas_topc(base_c, cand, lat, prepared, skip=None, *, interpret, table, be
 
 
 def _pallas_certify(base_c, cand, lat, prepared, tau, max_norm, mex, valid, fallen, limit=None, *, interpret, table):
-    """`certify`: the pick kernel and the certify launch; the jnp spelling where the plan has no kernel
-    (float64) or ``limit`` needs more rows than one program holds."""
+    """`certify`: the pick and certify kernels; jnp where the plan has none (float64) or ``limit`` needs more rows
+    than one program holds."""
     rows, c = base_c.shape
     if prepared.ndim == 3 or (limit is not None and rows > topc_pick.CERTIFY_SINGLE_ROWS):
         best, best_id = _pallas_topc(base_c, cand, lat, prepared, fallen, interpret=interpret, table=table,
@@ -273,9 +260,8 @@ def _pallas_certify(base_c, cand, lat, prepared, tau, max_norm, mex, valid, fall
 
 
 def _pallas_full_vocab(logits, lat, w2, active=None, fallback=None, *, interpret, table, best, capacity=None, q=None):
-    """`full_vocab_pick` (``best=False``) or `full_vocab_best` (``best=True``: the parts' winners combined in
-    XLA). ``capacity`` (`_pallas_scan_failing` only): the first ``capacity`` active rows packed into a launch of
-    their own, in `dispatch.Table.capacity_config` (the same scores). ``q``: `_pass_order`'s order and hint."""
+    """`full_vocab_pick` or `full_vocab_best` (``best``: the parts' winners combined in XLA). ``capacity``
+    (`_pallas_scan_failing`): the first ``capacity`` active rows packed in `dispatch.Table.capacity_config`."""
     n, b, v = logits.shape
     p = _plan(n, b, v, lat.shape[1], 0, logits.dtype, interpret, table)
     if p.full_vocab is None:
@@ -291,8 +277,7 @@ def _pallas_full_vocab(logits, lat, w2, active=None, fallback=None, *, interpret
 
 
 def _pallas_gated_pick(logits, lat, w2, active, fallback, flags, *, interpret, table, q=None):
-    """`Ops.gated_pick`'s ``run``: the counted launch (its counters in ``flags[2:]``) where the plan's config has
-    at most 6 row tiles, else the pick and its combine; ``flags`` back."""
+    """`Ops.gated_pick`'s ``run``: the counted launch (counters in ``flags[2:]``) up to 6 row tiles, else the pick."""
     n, b, v = logits.shape
     p = _plan(n, b, v, lat.shape[1], 0, logits.dtype, interpret, table)
     fv = p.full_vocab
@@ -307,9 +292,7 @@ def _pallas_gated_pick(logits, lat, w2, active, fallback, flags, *, interpret, t
 
 
 def _pallas_pass_pick(logits, lat, w2, q, *, interpret, table):
-    """`Ops.full_vocab_pass_pick`'s ``run``: pass ``q``'s pick of the draft slots ``s..`` (`dispatch.pass_pick_rows`)
-    through the kernel's ``row_ids``, in the plan's all-rows config (each row's token bit for bit), in
-    `_pass_order`'s order and hint."""
+    """`Ops.full_vocab_pass_pick`'s ``run``: the draft slots ``s..`` (`dispatch.pass_pick_rows`) as ``row_ids``."""
     n, b, v = logits.shape
     p = _plan(n, b, v, lat.shape[1], 0, logits.dtype, interpret, table)
     if p.full_vocab is None:
@@ -325,13 +308,12 @@ def _pallas_pass_pick(logits, lat, w2, q, *, interpret, table):
 
 
 def _slot_rows(n: int, b: int, s: int) -> np.ndarray:
-    """The draft rows of slots s..B-2 of every block, block by block ([N*(B-1-s)] int32; static)."""
+    """The draft rows of slots s..B-2 of every block ([N*(B-1-s)] int32; static)."""
     return (np.arange(n)[:, None] * (b - 1) + np.arange(s, b - 1)[None, :]).reshape(-1).astype(np.int32)
 
 
 def _pallas_topc_pass_pick(base_c, cand, lat, prepared, q, n, *, interpret, table):
-    """`Ops.topc_pass_pick`'s ``run``: pass ``q``'s top-C pick of draft slots ``s..`` (`dispatch.pass_pick_rows`,
-    one program per row) through the kernel's ``row_ids``, with `dispatch.Table.topc_keep`'s L2 hints."""
+    """`Ops.topc_pass_pick`'s ``run``: draft slots ``s..`` as ``row_ids``, with `dispatch.Table.topc_keep`'s hints."""
     rows, c = base_c.shape
     b = rows // n + 1
     s = dispatch.pass_pick_rows(n, b, q, 1, skip=table.entry(rows).topc_skip_final_slots, everywhere=interpret)
@@ -353,19 +335,16 @@ def _pallas_topc_pass_pick(base_c, cand, lat, prepared, q, n, *, interpret, tabl
 
 
 def _pass_order(p: dispatch.Plan, q, config) -> tuple[bool, str | None]:
-    """(reverse, keep) of pass ``q``'s full-vocab pick in ``config`` (``q`` None: ascending, no hint): descending
-    on odd passes where the entry alternates, and the entry's ``keep`` (neither changes a token)."""
+    """(reverse, keep) of pass ``q``'s full-vocab pick (``q`` None: ascending, no hint); neither changes a token."""
     if q is None:
         return False, None
     return q % 2 == 1 and p.entry.alternate, p.entry.keep(config)
 
 
 def _pallas_scan_failing(logits, lat, w2, fail, fallen, fallback, limit, *, interpret, table, q=None):
-    """`scan_failing`. Where the entry's ``scan_one_launch`` says so: `full_vocab.scan_failing` (counted) with
-    `dispatch.Table.capacity_config`'s split while few rows fail and the plan's own split (read at run time) once
-    the pass is full. Else the packed launch of at most ``limit`` failing rows and the all-rows launch, whose
-    programs return at once unless the pass is full. A row's token is the plan's pick's either way. ``q``: the
-    draft slots before it are final and never scanned."""
+    """`scan_failing`: where ``scan_one_launch`` says so `full_vocab.scan_failing` (one counted launch), else the
+    packed launch of at most ``limit`` failing rows and the all-rows launch, whose programs return at once unless
+    the pass is full. A row's token is the plan's pick's either way; draft slots before ``q`` are never scanned."""
     n, b, v = logits.shape
     rows = n * (b - 1)
     p = _plan(n, b, v, lat.shape[1], 0, logits.dtype, interpret, table)
@@ -395,8 +374,7 @@ def _pallas_scan_failing(logits, lat, w2, fail, fallen, fallback, limit, *, inte
 
 
 def _pallas_full_vocab_capacity(n, b, v, r, dtype, limit, *, interpret, table):
-    """``limit`` where the packed launch saves work, None where the plan's full-vocab step is the jnp
-    reference (float64) or one row tile of its config holds every row."""
+    """``limit`` where the packed launch saves work, None for the jnp step or where one row tile holds every row."""
     fv = _plan(n, b, v, r, 0, dtype, interpret, table).full_vocab
     if not limit or fv is None or n * (b - 1) <= fv.row_tile:
         return None
@@ -404,10 +382,8 @@ def _pallas_full_vocab_capacity(n, b, v, r, dtype, limit, *, interpret, table):
 
 
 def _pallas_latent(params, xh, blk, prev_ids, split=False, *, interpret, table):
-    """The plan's latent kernel, or XLA's (`reference.latent_pass`) where the plan says so or, with a token
-    table, where the entry's ``table_latent`` says so. ``split``: XLA's latent returns its residual's terms
-    where the entry's ``split_latent`` says so (not in float64); unsplit, its mixer goes behind a barrier
-    where ``mixer_barrier`` says so."""
+    """The plan's latent kernel, or XLA's where the plan (or, with a token table, ``table_latent``) says so; XLA's is
+    split where ``split_latent`` says so (not in float64), else its mixer behind a barrier where ``mixer_barrier``."""
     n, b = blk.shape
     v, r = params["w1"].shape
     dtype = params["w1"].dtype

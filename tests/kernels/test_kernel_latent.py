@@ -192,7 +192,7 @@ class TestLatentKernel:
 
         xla = Ops.xla()
         kernel_ops = dataclasses.replace(xla, name="xla+latent-kernel", latent=functools.partial(
-            latent.latent_pass, interpret=interpret, variant=variant))
+            latent.latent_pass, interpret=interpret, config=latent.default_config(N, dtype, variant, rank=cfg.rank)))
 
         def run(ops):
             f = jax.jit(lambda p, lg, hh, a: refine_with(ops, p, lg, hh, a, num_passes=5, topc=topc))
@@ -282,9 +282,6 @@ def test_bad_arguments_raise():
         latent.LatentConfig(col_block=24)
     with pytest.raises(ValueError, match="row_block"):
         latent.LatentConfig(row_block=8)
-    with pytest.raises(ValueError, match="variant"):
-        latent.latent_pass(params, xh, blk, prev, interpret=True, variant="split",
-                           config=latent.default_config(2, jnp.float32, "fused"))
     with pytest.raises(ValueError, match="xh.shape"):
         latent.latent_pass(params, xh[:, :5], blk, prev, interpret=True)
     with pytest.raises(ValueError, match="prev_ids.shape"):

@@ -1,9 +1,7 @@
-"""Shared Pallas-Triton plumbing: compiler params, interpret switch, CPU lowering check, and the
-in-kernel helpers every kernel module uses (one copy each: `BIG`, `iota`, `cdiv`, `next_pow2`,
-`k_chunk`, `score`, `best`, `merge`).
+"""Shared Pallas-Triton plumbing (compiler params, CPU lowering check) and the in-kernel helpers of every kernel.
 
-Everything Triton-specific lives in this package, which imports nothing from the rest of
-`xpress_jax`: `xpress_jax.dispatch` picks the configs and `xpress_jax.ops` calls the wrappers.
+This package imports nothing from the rest of `xpress_jax`: `xpress_jax.dispatch` picks the configs and
+`xpress_jax.ops` calls the wrappers.
 """
 
 from __future__ import annotations
@@ -17,7 +15,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 __all__ = ["pallas_call", "compiler_params", "lower_triton", "gpu_supported", "BIG", "MIN_DOT", "SMEM_LIMIT", "iota",
-           "cdiv", "next_pow2", "k_chunk", "score", "best", "merge", "flag_operand", "flags_row"]
+           "cdiv", "next_pow2", "k_chunk", "score", "best", "merge", "flag_operand", "flags_row", "src_row"]
 
 #: Index of a lane that must never win (masked columns, padded parts); also int32's largest value.
 BIG = 2**31 - 1
@@ -30,10 +28,8 @@ SMEM_LIMIT = 227 * 1024
 
 
 def flag_operand(x: Any, name: str = "flag") -> jax.Array:
-    """A device flag as the kernels read it (``ref[0] != 0``): an int32 [k] array, element 0 nonzero for
-    true. An int32 1-D array passes as it is (the flags another kernel wrote: `full_vocab.pack_active`,
-    `topc_pick.certify`), so no XLA op runs between the two kernels; a bool or integer scalar (or [1]
-    array) becomes ``int32 [1]``."""
+    """A device flag as the kernels read it (``ref[0] != 0``): an int32 [k] array passes as it is (flags another
+    kernel wrote: no XLA op between the two); a bool or integer scalar (or [1] array) becomes ``int32 [1]``."""
     x = jnp.asarray(x)
     if x.dtype == jnp.int32 and x.ndim == 1 and x.shape[0] >= 1:
         return x
@@ -43,8 +39,7 @@ def flag_operand(x: Any, name: str = "flag") -> jax.Array:
 
 
 def flags_row(full: jax.Array, n_fail: jax.Array) -> jax.Array:
-    """In a kernel: the int32 [8] flags ``[full, n_fail, 0, ...]`` a kernel writes for the next one
-    (`flag_operand` passes them on; element 0 is the flag)."""
+    """In a kernel: the int32 [8] flags ``[full, n_fail, 0, ...]`` a kernel writes for the next one."""
     k = iota(8)
     return jnp.where(k == 0, full.astype(jnp.int32), jnp.where(k == 1, n_fail, 0))
 
@@ -57,19 +52,13 @@ def compiler_params(num_warps: int = 4, num_stages: int = 1) -> Any:
 def pallas_call(kernel: Callable, *, name: str, num_warps: int = 4, num_stages: int = 1,
                 interpret: bool = False, **kwargs: Any) -> Callable:
     """`pl.pallas_call` with Triton compiler params and a profile name always set."""
-    return pl.pallas_call(
-        kernel,
-        name=name,
-        compiler_params=compiler_params(num_warps, num_stages),
-        interpret=interpret,
-        **kwargs,
-    )
+    return pl.pallas_call(kernel, name=name, compiler_params=compiler_params(num_warps, num_stages),
+                          interpret=interpret, **kwargs)
 
 
 def gpu_supported(devices: Sequence[Any] | None = None) -> bool:
-    """True only on an NVIDIA GPU whose compute capability is known and >= 8.0 (what the kernels target).
-    ``devices``: the devices to judge (default ``jax.devices()``; the first one decides); otherwise the caller runs
-    the jnp path."""
+    """True only on an NVIDIA GPU of compute capability >= 8.0; the first of ``devices`` (default ``jax.devices()``)
+    decides."""
     if devices is None:
         return _default_gpu_supported()
     return _supported(list(devices))
@@ -78,16 +67,13 @@ def gpu_supported(devices: Sequence[Any] | None = None) -> bool:
 @functools.lru_cache(maxsize=None)
 def _default_gpu_supported() -> bool:
     try:
-        devs = jax.devices()
+        return _supported(jax.devices())
     except RuntimeError:
         return False
-    return _supported(devs)
 
 
 def _supported(devs: list) -> bool:
-    if not devs:
-        return False
-    d = devs[0]
+    d = devs[0] if devs else None
     if getattr(d, "platform", None) != "gpu" or "nvidia" not in str(getattr(d, "device_kind", "")).lower():
         return False
     try:
@@ -97,11 +83,8 @@ def _supported(devs: list) -> bool:
 
 
 def lower_triton(f: Callable, *args: Any, **kwargs: Any):
-    """Lower ``jax.jit(f)(*args)`` for CUDA on a CPU-only machine (an H200 as the target).
-
-    Catches kernels that run in interpret mode but would not build on the GPU
-    (unimplemented primitives, non-power-of-two blocks, ...). Returns the Lowered.
-    """
+    """Lower ``jax.jit(f)(*args)`` for CUDA (an H200) on a CPU-only machine: the Lowered. Catches kernels that run in
+    interpret mode but would not build on the GPU."""
     def low():
         return jax.jit(f, **kwargs).trace(*args).lower(lowering_platforms=("cuda",))
 
@@ -113,10 +96,7 @@ def lower_triton(f: Callable, *args: Any, **kwargs: Any):
         return low()
 
 
-# ---------------------------------------------------------------------------
-# In-kernel helpers (shared by the kernel modules).
-
-
+# In-kernel helpers.
 def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
@@ -126,11 +106,18 @@ def cdiv(a: int, b: int) -> int:
 
 
 def k_chunk(k_tile: int, rank: int, min_tile: int = 1) -> int:
-    """The rank chunk actually used: a power of two, at least ``min_tile``, at most ``k_tile`` (0 = no
-    limit) and no wider than the rank rounded up to a power of two. When it does not divide
-    ``rank`` the last of the ``cdiv(rank, chunk)`` chunks is a masked tail."""
+    """The rank chunk used: a power of two in [``min_tile``, ``k_tile``] (0: no limit), at most the rank rounded up;
+    a rank it does not divide ends in a masked tail chunk (zeros add nothing)."""
     full = max(min_tile, next_pow2(rank))
     return min(k_tile, full) if k_tile else full
+
+
+def src_row(q, slot_stride: int):
+    """The row of the whole logits [N*B, V] that draft row q = n*(B-1) + b' reads (slot_stride = B): n*B + 1 + b'
+    (slot 0 is never read), so no caller copies logits[:, 1:]; slot_stride = 0: q itself."""
+    if not slot_stride:
+        return q
+    return (q // (slot_stride - 1)) * slot_stride + 1 + q % (slot_stride - 1)
 
 
 def iota(n: int) -> jax.Array:

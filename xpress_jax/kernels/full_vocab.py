@@ -1,14 +1,11 @@
 """Full-vocabulary pick: ``argmax_v float(dtype(base + dtype(lat @ w2.T)))``, lowest vocab id on ties.
 
-Reference (the spec): `xpress_jax.reference.full_vocab_pick`: the bias accumulated in float32 and rounded to the
-logits' dtype, ``base + bias`` formed in float32 and rounded before comparing, NaN as -inf, the largest score
-wins, ties to the lowest id. The [rows, V] sum is never stored.
-
-Stage 1 (`_fused_kernel`, grid ``(row tiles, vocab parts)``; dim 0 fastest, so the row tiles sharing a w2 tile
-run together) computes ``lat_tile @ w2_tile.T`` on the tensor cores, rounds, adds base, rounds again and writes
-each part's best value and lowest id to ``[parts, rows_pad]``; a part is ``v_steps`` tiles of ``v_tile`` ids.
-Stage 2 (`combine_partials`) keeps the largest value, lowest id. The float32 dot may sum in another order than
-XLA's, so tokens differ only at near ties. Float64 is refused (``TypeError``).
+The spec is `xpress_jax.reference.full_vocab_pick`; the [rows, V] sum is never stored. Stage 1 (`_fused_kernel`,
+grid ``(row tiles, vocab parts)``, dim 0 fastest so the row tiles sharing a w2 tile run together) computes
+``lat_tile @ w2_tile.T`` on the tensor cores, rounds, adds base, rounds again and writes each part's best value
+and lowest id to ``[parts, rows_pad]``; a part is ``v_steps`` tiles of ``v_tile`` ids. Stage 2
+(`combine_partials`) keeps the largest value, lowest id. The float32 dot may sum in another order than XLA's, so
+tokens differ only at near ties. Float64 is refused (``TypeError``).
 """
 
 from __future__ import annotations
@@ -22,7 +19,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from . import common
-from .common import BIG, MIN_DOT, SMEM_LIMIT, cdiv, iota, k_chunk, next_pow2, score
+from .common import BIG, MIN_DOT, SMEM_LIMIT, cdiv, iota, k_chunk, next_pow2, score, src_row
 
 __all__ = ["FullVocabConfig", "default_config", "fit_shared_memory", "full_vocab_pick", "combine_partials",
            "pack_active", "scan_failing"]
@@ -36,16 +33,13 @@ class FullVocabConfig:
 
     row_tile, v_tile: rows per program and vocab ids per step (powers of two; tails masked).
     v_steps: vocab tiles looped inside one program (a "part"); parts = cdiv(V, v_tile * v_steps).
-    k_tile: rank columns per dot step (0 = the whole rank; else a power of two >= 16); the chunk is
-      `k_chunk`'s, a rank it does not divide ends in a masked tail chunk (zeros add nothing).
+    k_tile: rank columns per dot step (0 = the whole rank; else a power of two >= 16; `k_chunk`).
     num_warps, num_stages: Triton launch parameters of stage 1.
     hold_lat: load the latent tile once, before the vocab loop (else once per vocab tile, the rank loop a
       `fori_loop` Triton can pipeline).
-    flat: needs ``hold_lat=False``: one loop over (vocab tile, rank chunk) pairs, the epilogue under a `lax.cond`
-      on the last chunk, so the pipelined loads run across vocab tiles.
+    flat: (``hold_lat=False``) one loop over (vocab tile, rank chunk) pairs, so the pipelined loads run across tiles.
     prefetch_base: load the next vocab tile's base block one step ahead (its latency hides behind the dots).
-    lazy: keep a running best per (row, lane) across the part's tiles (``s > best``: strict, so a lane keeps its
-      lowest id on ties; NaN never wins) and reduce the lanes once per part: the same winner."""
+    lazy: keep a running best per (row, lane) across the part's tiles and reduce the lanes once per part."""
 
     row_tile: int = 16
     v_tile: int = 128
@@ -71,19 +65,15 @@ class FullVocabConfig:
             raise ValueError(f"flat={self.flat} needs hold_lat=False (the rank chunk index is dynamic)")
 
     def check_shape(self, rows: int, vocab: int, rank: int, dtype) -> None:
-        """`check`, then refuse (ValueError) what the kernel cannot run at these shapes on an H200.
-
-        A tensor-core dot needs every tile dimension >= `MIN_DOT`, and the operands Triton
-        stages in shared memory (`smem_bytes`) must fit in `SMEM_LIMIT`.
-        """
+        """`check`, then refuse (ValueError) what an H200 cannot run: dot tiles < `MIN_DOT`, shared memory
+        (`smem_bytes`) above `SMEM_LIMIT`."""
         self.check()
         for name, v in (("rows", rows), ("vocab", vocab), ("rank", rank)):
             if v < 1:
                 raise ValueError(f"full-vocab pick needs {name} >= 1, got {v}")
         for name in ("row_tile", "v_tile"):
             if getattr(self, name) < MIN_DOT:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= {MIN_DOT} (a tensor-core dot "
-                                 f"dimension; Triton's dot needs M, N, K >= {MIN_DOT})")
+                raise ValueError(f"{name}={getattr(self, name)} must be >= {MIN_DOT} (a tensor-core dot dimension)")
         if self.k_tile and self.k_tile < MIN_DOT:
             raise ValueError(f"k_tile={self.k_tile} must be 0 or >= {MIN_DOT} (the dot's K dimension)")
         need = self.smem_bytes(rank, dtype)
@@ -94,9 +84,8 @@ class FullVocabConfig:
                 f"num_stages, or hold_lat=False)")
 
     def smem_bytes(self, rank: int, dtype) -> int:
-        """Estimate of the fused kernel's shared memory: the held latent tile (hold_lat) plus
-        ``num_stages`` copies of each pipelined dot operand (the w2 tile, and the latent chunk
-        when it is not held)."""
+        """Estimate of the fused kernel's shared memory: the held latent tile plus ``num_stages`` copies of each
+        pipelined dot operand."""
         item = jnp.dtype(dtype).itemsize
         kc = k_chunk(self.k_tile, rank, MIN_DOT)
         held = self.row_tile * kc * cdiv(rank, kc) * item if self.hold_lat else 0
@@ -105,20 +94,15 @@ class FullVocabConfig:
 
 
 def default_config(rows: int, vocab: int, rank: int, dtype) -> FullVocabConfig:
-    """Heuristic block sizes (float32, and shapes no measured table covers; `xpress_jax.dispatch`
-    holds the measured serving configs)."""
+    """Heuristic block sizes (float32; `xpress_jax.dispatch` holds the measured serving configs)."""
     itemsize = jnp.dtype(dtype).itemsize
-    # Shared memory (Triton 3.9 offline compile for sm_90a, bf16, r=256, 8 warps): the held
-    # latent tile [128, 256] is 64 KB, each w2 stage [64, 256] 32 KB -> ~147 KB, 80 regs.
-    # (128 x 128 tiles with 2 stages need ~224 KB of the 227 KB an H200 block may have.)
     row_tile = min(64 if itemsize >= 4 else 128, max(16, next_pow2(rows)))
     v_tile = 64
     k_tile = 64 if itemsize >= 4 else 0
     num_warps = 8 if row_tile >= 64 else 4
     num_stages = 1 if itemsize >= 4 else 2
     hold_lat = row_tile * rank * itemsize <= 64 * 1024
-    # Enough programs to fill an H200 (132 SMs) a few times; the rest goes into v_steps
-    # so that stage 2 reads few partials.
+    # Enough programs to fill an H200 a few times; the rest goes into v_steps (few partials for stage 2).
     programs = cdiv(rows, row_tile) * cdiv(vocab, v_tile)
     v_steps = 1
     while v_steps < 16 and programs // (2 * v_steps) >= 1024:
@@ -128,8 +112,7 @@ def default_config(rows: int, vocab: int, rank: int, dtype) -> FullVocabConfig:
 
 
 def fit_shared_memory(cfg: FullVocabConfig, rank: int, dtype) -> FullVocabConfig:
-    """``cfg``, or the nearest config whose fused kernel fits `SMEM_LIMIT` at this rank (large ranks):
-    drop the held latent, then 64-wide rank chunks, then fewer pipeline stages, then smaller tiles."""
+    """``cfg``, or the nearest config that fits `SMEM_LIMIT` at this rank: each step below in turn."""
     steps = (
         lambda c: dataclasses.replace(c, hold_lat=False),
         lambda c: dataclasses.replace(c, k_tile=min(c.k_tile or 64, 64)),
@@ -147,30 +130,20 @@ def fit_shared_memory(cfg: FullVocabConfig, rank: int, dtype) -> FullVocabConfig
     return cfg
 
 
-# ---------------------------------------------------------------------------
 # Stage 1 kernels.
 
 
 def _base_index(r0, row_tile: int, v0, v_tile: int, rows: int, slot_stride: int):
-    """Index of the base tile [row_tile, v_tile] at draft rows r0.. and columns v0...
-
-    slot_stride = 0: base is [rows, V] (contiguous rows). slot_stride = B: base is the
-    whole logits [N*B, V] and draft row q = n*(B-1) + b' reads row n*B + 1 + b' (slot 0
-    skipped), so the caller never copies logits[:, 1:].
-    """
+    """Index of the base tile [row_tile, v_tile] at draft rows r0.. and columns v0.. (`common.src_row`)."""
     if not slot_stride:
         return (pl.ds(r0, row_tile), pl.ds(v0, v_tile))
-    q = jnp.minimum(r0 + iota(row_tile), rows - 1)
-    src = (q // (slot_stride - 1)) * slot_stride + 1 + q % (slot_stride - 1)
+    src = src_row(jnp.minimum(r0 + iota(row_tile), rows - 1), slot_stride)
     return (src[:, None], (v0 + iota(v_tile))[None, :])
 
 
 #: ``keep`` (the fused pick's L2 hint for its ``w2`` loads) -> (policy of the part's last visited tile, policy of
 #: the others). "split": the tile loop split before its last tile, no hint (served where the config holds the latent).
-KEEP_POLICIES = {
-    None: (None, None),
-    "split": ("evict_normal", None),
-}
+KEEP_POLICIES = {None: (None, None), "split": ("evict_normal", None)}
 
 
 def _keep_segments(keep, v_steps):
@@ -183,9 +156,9 @@ def _keep_segments(keep, v_steps):
 
 @dataclasses.dataclass(frozen=True)
 class _Launch:
-    """The static facts of one `_fused_kernel` launch (besides its `FullVocabConfig`).
+    """The static facts of one `_fused_kernel` launch besides its config.
 
-    rows, vocab, rank, dtype: the kernel rows (packed or picked rows where a row map is given), V, r, the dtype.
+    rows, vocab, rank, dtype: the kernel rows (packed or picked where a row map is given), V, r, the dtype.
     slot_stride: 0, or B where base is the whole logits [N*B, V] (`_base_index`).
     has_active: an int32 [rows] active operand follows (the row map, if any, first).
     row_map: an int32 [rows] operand maps kernel rows to base rows; lat_map: to draft rows (base and lat).
@@ -229,7 +202,7 @@ def _fused_kernel(
     refs = list(refs)
     map_ref = refs.pop(0) if row_map else None
     active_ref = refs.pop(0) if has_active else None
-    if counted:  # the counted launch (`_counted_launch`): tokens and counter aliased in and out
+    if counted:  # the counted launch (`_fused_launch`): tokens and counter aliased in and out
         mv_ref, mi_ref, tok_ref, cnt_ref = refs[-4:]
     else:
         mv_ref, mi_ref = refs[-2:]
@@ -247,12 +220,9 @@ def _fused_kernel(
         src_rows = plt.load(map_ref.at[r0 + iota(row_tile)], mask=row_ok, other=0)
         if lat_map:  # the map names draft rows: kernel row q reads lat row map[q] and its base row
             lat_rows = src_rows
-            if slot_stride:
-                src_rows = (lat_rows // (slot_stride - 1)) * slot_stride + 1 + lat_rows % (slot_stride - 1)
+            src_rows = src_row(lat_rows, slot_stride)
     n_k = cdiv(rank, k_tile)
-    # A rank k_tile does not divide ends in a masked tail chunk: its lanes past the rank load 0 on
-    # both operands (adding nothing). Those loads index with arrays, never a slice past the end
-    # (JAX >= 0.12 refuses a static one; interpret mode would shift an unmasked one).
+    # A masked tail chunk loads with index arrays: never a slice past the end (JAX >= 0.12 refuses one).
     k_tail = rank % k_tile != 0
     precision = jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
     lat_mask = jnp.broadcast_to(row_ok[:, None], (row_tile, k_tile))
@@ -387,12 +357,9 @@ def _fused_kernel(
         return best, bidx
 
     if counted:
-        # Only row tiles with an active row do anything: they store their part's winners at [j, tile],
-        # count their arrival, and the last to arrive combines the tile's parts into its active rows'
-        # tokens (`_combine_if_last`). A tile without an active row reads, writes and counts nothing: its
-        # tokens stay the ones aliased in. With a run-time split (v_steps_full) only the live parts run
-        # and count (``live_parts`` arrivals). With a row map (`scan_failing`: packed rows) the tokens go
-        # to the draft rows the map names.
+        # Only row tiles with an active row (and, with v_steps_full, live parts) store their part's winners and
+        # count their arrival; the last to arrive writes the tile's tokens (`_combine_if_last`). Other tiles
+        # keep the tokens aliased in. With a row map the tokens go to the draft rows the map names.
         act = plt.load(active_ref.at[r0 + iota(row_tile)], mask=row_ok, other=0)
         go = jnp.max((act != 0).astype(jnp.int32)) > 0
 
@@ -401,10 +368,8 @@ def _fused_kernel(
             best, bidx = part()
             mv_ref[j, pl.ds(r0, row_tile)] = best
             mi_ref[j, pl.ds(r0, row_tile)] = bidx
-            # Packed rows: the map's first `rows` entries are a permutation of the draft rows (`pack_active`'s
-            # src), and the lanes past the rows go past the tokens' end, so no two lanes name one row: interpret
-            # mode's masked scatter writes the old value back on its masked lanes and loses the active lane's
-            # write where they share a row (a GPU skips masked lanes).
+            # Lanes past the rows go past the tokens' end, so no two lanes name one row (interpret mode's masked
+            # scatter writes the old value back on masked lanes).
             out_rows = jnp.where(row_ok, lat_rows, rows + iota(row_tile)) if row_map else None
             _combine_if_last(mv_ref, mi_ref, tok_ref, cnt_ref, i, r0, (act != 0) & row_ok, parts=counted,
                              row_tile=row_tile, counter_at=launch.counter_at, barrier=launch.barrier,
@@ -413,8 +378,7 @@ def _fused_kernel(
     if not has_active:
         best, bidx = part()
     else:
-        # Row tiles without an active row read nothing (neither w2 nor the logits) and write the
-        # "no winner" partials (-inf, BIG), which lose every comparison in the combine.
+        # Row tiles without an active row read nothing and write the "no winner" partials (-inf, BIG).
         act = plt.load(active_ref.at[r0 + iota(row_tile)], mask=row_ok, other=0)
         none = (jnp.full((row_tile,), -jnp.inf, jnp.float32), jnp.full((row_tile,), BIG, jnp.int32))
         go = jnp.max((act != 0).astype(jnp.int32)) > 0
@@ -425,12 +389,11 @@ def _fused_kernel(
 
 def _combine_if_last(mv_ref, mi_ref, tok_ref, cnt_ref, i, r0, write, *, parts: int, row_tile: int, counter_at: int,
                      barrier: bool, live_parts=None, out_rows=None):
-    """The counted launch's end of program (i, j), after it stored its part's winners at [j, tile i]: count the
-    arrival on ``cnt[counter_at + i]``; the last to arrive (of ``parts``, or the traced ``live_parts``) reduces the
-    tile's parts by the combine launch's rule, writes the rows in ``write`` (to ``out_rows`` where given) and sets
-    the counter back to 0. It sees every part: each program's stores precede a CTA barrier and its GPU-scope
-    acquire-release atomic increment, and the last program's loads are volatile. Interpret mode runs the programs
-    one after another."""
+    """The counted launch's end of program (i, j), after it stored its part's winners: count the arrival on
+    ``cnt[counter_at + i]``; the last to arrive (of ``parts`` or ``live_parts``) reduces the tile's parts, writes
+    the rows in ``write`` (to ``out_rows`` where given) and zeroes the counter. It sees every part: each program's
+    stores precede a CTA barrier and its acquire-release atomic increment, and the last program's loads are
+    volatile."""
     if barrier:
         plt.debug_barrier()
     old = plt.atomic_add(cnt_ref, (counter_at + i,), jnp.int32(1))
@@ -452,16 +415,13 @@ def _combine_if_last(mv_ref, mi_ref, tok_ref, cnt_ref, i, r0, write, *, parts: i
         cnt_ref[counter_at + i] = jnp.int32(0)
 
 
-# ---------------------------------------------------------------------------
 # Stage 2: reduce the parts.
 
 
 def _reduce_parts(load, *, parts: int, part_tile: int, row_tile: int):
-    """In a kernel: each of ``row_tile`` rows' winner over ``parts`` parts (largest value, lowest id on equal
-    values: `common.best`, `common.merge`), ``part_tile`` parts per step. ``load(p0, p, ok)`` returns the
-    (value, id) tiles [part_tile, row_tile] of parts ``p = p0 + iota(part_tile)`` (``ok``: those < ``parts``;
-    ``p0`` is a Python int where one step covers every part). Returns the ids [row_tile] int32. The combine launch and
-    the counted launch's last program (`_combine_if_last`) reduce this way."""
+    """In a kernel: the winning ids [row_tile] over ``parts`` parts, ``part_tile`` per step. ``load(p0, p, ok)``
+    returns the (value, id) tiles [part_tile, row_tile] of parts ``p = p0 + iota(part_tile)`` (``ok``: p < parts;
+    ``p0`` a Python int where one step covers every part)."""
     shape = (part_tile, row_tile)
 
     def step(t, carry):
@@ -492,8 +452,7 @@ def _combine_kernel(
 
     def load(p0, _, ok):
         if isinstance(p0, int) and p0 + part_tile > parts:
-            # A static slice past the end (one masked tile): JAX >= 0.12 refuses it at trace time,
-            # so index with arrays (the same addresses).
+            # A static slice past the end: JAX >= 0.12 refuses it, so index with arrays (the same addresses).
             idx = ((p0 + iota(part_tile))[:, None], rix[None, :])
         else:
             idx = (pl.ds(p0, part_tile), pl.ds(r0, row_tile))
@@ -509,10 +468,8 @@ def _combine_kernel(
 
 
 def _combine_row_tile(rows_pad: int) -> int:
-    """rows_pad is a multiple of the stage-1 row tile (a power of two, >= 16). Up to 128 rows per
-    program, but at least 8 programs where 16-row tiles allow it: the combine is latency-bound, and
-    one program reading every part of few rows cost 4.5 µs on an H200 (132 parts x 128 rows; the
-    certified mode's packed launch at N=16) where 8 programs share it."""
+    """Up to 128 rows per program, but at least 8 programs where 16-row tiles allow it (latency-bound).
+    H200: python -m benchmarks.bench_refine --n 16 --topc 0 --backends pallas@certified"""
     t = 1
     while t < 128 and rows_pad % (2 * t) == 0 and (t < 16 or rows_pad // (2 * t) >= 8):
         t *= 2
@@ -521,9 +478,8 @@ def _combine_row_tile(rows_pad: int) -> int:
 
 def combine_partials(mv: jax.Array, mi: jax.Array, *, interpret: bool = False, active: jax.Array | None = None,
                      fallback: jax.Array | None = None) -> jax.Array:
-    """[parts, rows_pad] float32 best values + int32 ids -> [rows_pad] int32: the largest value, the lowest id
-    among equal values. ``active``, ``fallback`` ([rows] each, rows <= rows_pad; both or neither; ``active`` bool
-    or int, nonzero = active): row q gets ``fallback[q]`` where ``active[q]`` is false."""
+    """[parts, rows_pad] float32 best values + int32 ids -> [rows_pad] int32 winners. ``active``, ``fallback``
+    ([rows <= rows_pad], both or neither): row q gets ``fallback[q]`` where ``active[q]`` is false."""
     parts, rows_pad = mv.shape
     extra, operands = {}, (mv, mi)
     if (active is None) != (fallback is None):
@@ -544,41 +500,26 @@ def combine_partials(mv: jax.Array, mi: jax.Array, *, interpret: bool = False, a
     part_tile = min(next_pow2(parts), max(1, 16384 // row_tile))
     return common.pallas_call(
         functools.partial(_combine_kernel, parts=parts, row_tile=row_tile, part_tile=part_tile, **extra),
-        name="xpress_pick_combine",
-        num_warps=8 if part_tile * row_tile >= 8192 else 4,
-        num_stages=1,
-        interpret=interpret,
-        grid=(rows_pad // row_tile,),
-        in_specs=[pl.no_block_spec] * len(operands),
-        out_specs=pl.BlockSpec((row_tile,), lambda i: (i,)),
-        out_shape=jax.ShapeDtypeStruct((rows_pad,), jnp.int32),
+        name="xpress_pick_combine", num_warps=8 if part_tile * row_tile >= 8192 else 4, interpret=interpret,
+        grid=(rows_pad // row_tile,), in_specs=[pl.no_block_spec] * len(operands),
+        out_specs=pl.BlockSpec((row_tile,), lambda i: (i,)), out_shape=jax.ShapeDtypeStruct((rows_pad,), jnp.int32),
     )(*operands)
 
 
-# ---------------------------------------------------------------------------
 # Wrappers.
-
-
-def _check_shapes(base, lat, w2, rows=None):
-    """``rows``: the draft rows ``base`` holds (default base.shape[0]; slot_stride passes N*(B-1))."""
-    if base.ndim != 2 or lat.ndim != 2 or w2.ndim != 2:
-        raise ValueError(f"need base [rows,V], lat [rows,r], w2 [V,r]; got {base.shape=} {lat.shape=} {w2.shape=}")
-    rows = base.shape[0] if rows is None else rows
-    vocab = base.shape[1]
-    if lat.shape[0] != rows or w2.shape != (vocab, lat.shape[1]):
-        raise ValueError(f"shapes disagree: {base.shape=} {lat.shape=} {w2.shape=}")
-    if not (base.dtype == lat.dtype == w2.dtype):
-        raise ValueError(f"dtypes must agree: {base.dtype=} {lat.dtype=} {w2.dtype=}")
 
 
 def _check_inputs(base, lat, w2, slot_stride: int, who: str):
     """The shape and dtype checks of every fused-pick wrapper; returns the dtype."""
-    if slot_stride:
-        if slot_stride < 2 or base.ndim != 2 or base.shape[0] % slot_stride:
-            raise ValueError(f"slot_stride={slot_stride} needs base [N*B, V] with B={slot_stride}; got {base.shape}")
-        _check_shapes(base, lat, w2, rows=base.shape[0] // slot_stride * (slot_stride - 1))
-    else:
-        _check_shapes(base, lat, w2)
+    if slot_stride and (slot_stride < 2 or base.ndim != 2 or base.shape[0] % slot_stride):
+        raise ValueError(f"slot_stride={slot_stride} needs base [N*B, V] with B={slot_stride}; got {base.shape}")
+    if base.ndim != 2 or lat.ndim != 2 or w2.ndim != 2:
+        raise ValueError(f"need base [rows,V], lat [rows,r], w2 [V,r]; got {base.shape=} {lat.shape=} {w2.shape=}")
+    rows = base.shape[0] // slot_stride * (slot_stride - 1) if slot_stride else base.shape[0]  # the draft rows
+    if lat.shape[0] != rows or w2.shape != (base.shape[1], lat.shape[1]):
+        raise ValueError(f"shapes disagree: {base.shape=} {lat.shape=} {w2.shape=}")
+    if not (base.dtype == lat.dtype == w2.dtype):
+        raise ValueError(f"dtypes must agree: {base.dtype=} {lat.dtype=} {w2.dtype=}")
     dtype = jnp.dtype(base.dtype)
     if dtype not in _KERNEL_DTYPES:
         raise TypeError(f"{who}: dtype {dtype.name} is not supported (bf16, f16, f32); "
@@ -586,51 +527,29 @@ def _check_inputs(base, lat, w2, slot_stride: int, who: str):
     return dtype
 
 
-def _fused_launch(operands, cfg: FullVocabConfig, launch: _Launch, *, interpret: bool, parts: int | None = None):
-    """One launch of `_fused_kernel` over ``launch.rows`` kernel rows: the [parts, rows_pad] float32 best values
-    and int32 ids (``parts`` default: one per ``cfg.v_steps`` vocabulary tiles)."""
+def _fused_launch(operands, cfg: FullVocabConfig, launch: _Launch, *, interpret: bool, parts: int | None = None,
+                  counted=()):
+    """One launch of `_fused_kernel`: the [parts, rows_pad] float32 best values and int32 ids. ``counted``: the
+    counted pick's (tokens, counter) (`full_vocab_pick`'s ``counter``, `scan_failing`), aliased in and out and
+    returned after them; the last program of each row tile combines its parts (`_combine_if_last`)."""
     parts = cdiv(launch.vocab, cfg.v_tile * cfg.v_steps) if parts is None else parts
     row_tiles = cdiv(launch.rows, cfg.row_tile)
-    out_spec = pl.BlockSpec((None, cfg.row_tile), lambda i, j: (j, i))
-    shape = (parts, row_tiles * cfg.row_tile)
-    return common.pallas_call(
-        functools.partial(_fused_kernel, cfg=cfg, launch=launch),
-        name="xpress_full_vocab_fused",
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-        interpret=interpret,
-        grid=(row_tiles, parts),
-        in_specs=[pl.no_block_spec] * len(operands),
-        out_specs=(out_spec, out_spec),
-        out_shape=(jax.ShapeDtypeStruct(shape, jnp.float32), jax.ShapeDtypeStruct(shape, jnp.int32)),
-    )(*operands)
-
-
-def _counted_launch(operands, fallback, counter, cfg: FullVocabConfig, launch: _Launch, *, interpret: bool,
-                    parts: int | None = None):
-    """The counted pick (`full_vocab_pick`'s ``counter``, `scan_failing`): one launch, grid (row tiles, parts);
-    the last program of each row tile with an active row combines its parts (`_combine_if_last`). ``operands``:
-    the kernel's inputs before the tokens. The parts' winners are scratch outputs; ``fallback`` (the tokens) and
-    ``counter`` are aliased in and out."""
-    parts = cdiv(launch.vocab, cfg.v_tile * cfg.v_steps) if parts is None else parts
-    row_tiles = cdiv(launch.rows, cfg.row_tile)
-    launch = dataclasses.replace(launch, has_active=True, counted=parts, barrier=not interpret)
     shape = (parts, row_tiles * cfg.row_tile)
     n = len(operands)
-    _, _, tok, cnt = common.pallas_call(
+    if counted:
+        launch = dataclasses.replace(launch, has_active=True, counted=parts, barrier=not interpret)
+        out_specs = (pl.no_block_spec,) * 4
+    else:
+        out_specs = (pl.BlockSpec((None, cfg.row_tile), lambda i, j: (j, i)),) * 2
+    return common.pallas_call(
         functools.partial(_fused_kernel, cfg=cfg, launch=launch),
-        name="xpress_full_vocab_counted",
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-        interpret=interpret,
-        grid=(row_tiles, parts),
-        in_specs=[pl.no_block_spec] * (n + 2),
-        out_specs=(pl.no_block_spec,) * 4,
+        name="xpress_full_vocab_counted" if counted else "xpress_full_vocab_fused",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, interpret=interpret, grid=(row_tiles, parts),
+        in_specs=[pl.no_block_spec] * (n + len(counted)), out_specs=out_specs,
         out_shape=(jax.ShapeDtypeStruct(shape, jnp.float32), jax.ShapeDtypeStruct(shape, jnp.int32),
-                   jax.ShapeDtypeStruct(fallback.shape, jnp.int32), jax.ShapeDtypeStruct(counter.shape, jnp.int32)),
-        input_output_aliases={n: 2, n + 1: 3},
-    )(*operands, fallback, counter)
-    return tok, cnt
+                   *(jax.ShapeDtypeStruct(a.shape, jnp.int32) for a in counted)),
+        input_output_aliases={n: 2, n + 1: 3} if counted else {},
+    )(*operands, *counted)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "config", "slot_stride", "partials", "capacity", "reverse",
@@ -655,26 +574,21 @@ def full_vocab_pick(
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """[rows,V], [rows,r], [V,r] -> [rows] int32: argmax_v float(dtype(base + dtype(lat @ w2.T))).
 
-    Lowest vocab id on ties, NaN as -inf (a row of -inf/NaN picks id 0). ``config``: block sizes (default
-    `default_config`). Float64 raises ``TypeError``.
-    ``slot_stride=B``: ``base`` is the whole logits [N*B, V]; draft row n*(B-1) + b reads row n*B + 1 + b.
+    Lowest vocab id on ties, NaN as -inf. ``config`` default: `default_config`. Float64 raises ``TypeError``. An
+    option never changes a computed row's result.
+    ``slot_stride=B``: ``base`` is the whole logits [N*B, V] (`common.src_row`).
     ``partials=True``: stage 1's per-part winners ``(score [parts, rows] float32, id [parts, rows] int32)``.
-    ``active`` ([rows] bool or int, a device value): only these rows' results are wanted; a row tile without an
-    active row reads nothing and writes "no winner" partials (-inf, `BIG`). An active row's result is the one it
-    gets without ``active``.
-    ``capacity`` (static int, with ``active``): the active rows are packed to the front and the kernel runs on the
-    first ``capacity`` of them (``ceil(capacity / row_tile)`` row tiles); active rows beyond read ``BIG``. With a
-    ``config`` that differs from the all-rows one only in ``v_steps`` the tokens match it bit for bit.
+    ``active`` ([rows] bool or int, a device value): only these rows are wanted; a row tile without one reads
+    nothing and writes "no winner" partials (-inf, `BIG`).
+    ``capacity`` (static int, with ``active``, without ``partials``): the active rows packed to the front, the
+    kernel runs on the first ``capacity`` of them; active rows beyond read ``BIG``.
     ``fallback`` ([rows] int, with ``active``, without ``capacity`` and ``partials``): inactive rows return it.
-    ``reverse`` (static): each program visits its tiles from the highest ids down (``>=`` with NaN as -inf keeps the
-    lowest id): the same winners. ``keep`` (static, a key of `KEEP_POLICIES`): the L2 hints / loop split on the
-    ``w2`` loads; the same result.
-    ``row_ids`` ([M] int32 in [0, rows)): pick only these rows, in this order ([M]; ``active`` then by position);
-    a row's result is the one it gets without ``row_ids``.
+    ``reverse`` (static): each program visits its tiles from the highest ids down. ``keep`` (static, a key of
+    `KEEP_POLICIES`): the L2 hints / loop split on the ``w2`` loads.
+    ``row_ids`` ([M] int32 in [0, rows)): pick only these rows, in this order (``active`` then by position).
     ``counter`` (int32 [k], with ``active`` and ``fallback``, without ``capacity``, ``partials``, ``row_ids``;
-    entries ``counter_at`` .. ``counter_at + row tiles - 1`` zero): one launch, returning ``(tokens, counter)``; the
-    last program of a row tile with an active row combines its parts (`_combine_if_last`), so where no row is active
-    nothing is written (``fallback`` is aliased in as the tokens). The counter entries come back zero."""
+    entries ``counter_at`` .. ``counter_at + row tiles - 1`` zero, and zero again after): one launch returning
+    ``(tokens, counter)`` (`_fused_launch`) that writes nothing where no row is active."""
     dtype = _check_inputs(base, lat, w2, slot_stride, "full-vocab pick kernel")
     vocab = base.shape[1]
     rows, rank = lat.shape
@@ -684,8 +598,8 @@ def full_vocab_pick(
         raise ValueError(f"active must be [{'rows' if row_ids is None else 'row_ids'}={n_act}] bool or int; "
                          f"got {active.shape} {active.dtype}")
     if capacity is not None:
-        if active is None:
-            raise ValueError("capacity needs active (the rows to compute)")
+        if active is None or partials:
+            raise ValueError("capacity needs active (the rows to compute) and goes without partials")
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
             raise ValueError(f"capacity must be an int >= 1, got {capacity!r}")
     if fallback is not None and (active is None or capacity is not None or partials or fallback.shape != (rows,)
@@ -704,8 +618,8 @@ def full_vocab_pick(
                              f"{counter.shape} {counter.dtype}, counter_at={counter_at!r}")
         act = active if active.dtype == jnp.int32 else (active != 0).astype(jnp.int32)
         launch = _Launch(rows, vocab, rank, dtype, slot_stride, reverse=reverse, keep=keep, counter_at=counter_at)
-        return _counted_launch((base, lat, w2, act), fallback.astype(jnp.int32), counter, cfg, launch,
-                               interpret=interpret)
+        return tuple(_fused_launch((base, lat, w2, act), cfg, launch, interpret=interpret,
+                                   counted=(fallback.astype(jnp.int32), counter))[2:])
     if row_ids is not None:
         if (capacity is not None or fallback is not None or row_ids.ndim != 1 or row_ids.shape[0] < 1
                 or row_ids.dtype != jnp.int32):
@@ -742,27 +656,19 @@ def full_vocab_pick(
     launch = _Launch(cap, vocab, rank, dtype, slot_stride, reverse=reverse, keep=keep, **extra)
     mv, mi = _fused_launch(operands, cfg, launch, interpret=interpret)
     if partials:
-        mv, mi = mv[:, :cap], mi[:, :cap]
-        if pos is None:
-            return mv, mi
-        kept = pos < cap  # packed beyond the capacity: never computed, reported as "no winner"
-        at = jnp.minimum(pos, cap - 1)
-        return jnp.where(kept, mv[:, at], -jnp.inf), jnp.where(kept, mi[:, at], BIG)
+        return mv[:, :cap], mi[:, :cap]
     if fallback is not None:
         return combine_partials(mv, mi, interpret=interpret, active=active, fallback=fallback)[:rows]
     tok = combine_partials(mv, mi, interpret=interpret)[:cap]
     return tok if pos is None else jnp.where(pos < cap, tok[jnp.minimum(pos, cap - 1)], BIG)
 
 
-# ---------------------------------------------------------------------------
 # The certified mode's scan of its failing rows: pack, one pick in packed order, combine back.
 
 
 def _pack_kernel(fail_ref, fallen_ref, pos_ref, src_ref, actp_ref, act_ref, flag_ref, *cnt_ref, rows: int, limit: int,
                  skip_slots: int = 0, slots: int = 1):
-    """One program over every row (``n_pad`` = a power of two >= rows): the rows to scan first. ``pos``
-    and ``act`` are [rows] (masked stores), ``src`` and ``act_p`` [n_pad], ``flag_ref`` [8], ``cnt_ref``
-    (``counters`` only) the counters, set to zero. Rows ``q`` with ``q % slots < skip_slots`` are never active."""
+    """One program over every row: the rows to scan first (`pack_active`); ``cnt_ref`` (``counters``) zeroed."""
     n_pad = src_ref.shape[0]
     q = iota(n_pad)
     rok = q < rows
@@ -787,15 +693,13 @@ def _pack_kernel(fail_ref, fallen_ref, pos_ref, src_ref, actp_ref, act_ref, flag
 
 def pack_active(fail: jax.Array, fallen: jax.Array, *, limit: int, interpret: bool = False, skip_slots: int = 0,
                 slots: int = 1, counters: int = 0):
-    """[rows] ``fail`` (bool or int32, nonzero: failed), a flag ``fallen`` -> the certified mode's rows to scan,
-    in one launch.
+    """[rows] ``fail`` (nonzero: failed), a flag ``fallen`` -> the certified mode's rows to scan, in one launch.
 
     ``full = fallen | (sum(fail) > limit)``; the active rows are ``act = fail | full``, except rows ``q`` with
-    ``q % slots < skip_slots`` (final draft slots; they still count in ``sum(fail)``). Returns int32 ``(pos [rows],
-    src [n_pad], act_p [n_pad], act [rows], flags [8])``, ``n_pad`` the next power of two >= rows: ``pos[q]`` row
-    q's packed position (active rows first, in row order), ``src[p]`` the row at position p, ``act_p[p]`` = p < the
-    number of active rows, ``flags`` = [full, sum(fail), 0, ...]. ``counters`` (static int >= 0): a sixth output,
-    int32 zeros [next_pow2(counters)] (the counted scan's row-tile counters)."""
+    ``q % slots < skip_slots`` (final draft slots, still counted in ``sum(fail)``). Returns int32 ``(pos [rows],
+    src [n_pad], act_p [n_pad], act [rows], flags [8])``, ``n_pad = next_pow2(rows)``: row q's packed position
+    (active rows first, in order), the row at each position, ``p < #active``, ``act``, [full, sum(fail), 0, ...].
+    ``counters`` (static int >= 0): a sixth output, int32 zeros [next_pow2(counters)] (the row-tile counters)."""
     rows = fail.shape[0]
     if fail.ndim != 1:
         raise ValueError(f"pack_active: need fail [rows]; got {fail.shape}")
@@ -815,14 +719,8 @@ def pack_active(fail: jax.Array, fallen: jax.Array, *, limit: int, interpret: bo
         shapes = (*shapes, jax.ShapeDtypeStruct((next_pow2(counters),), jnp.int32))
     return tuple(common.pallas_call(
         functools.partial(_pack_kernel, rows=rows, limit=int(limit), skip_slots=int(skip_slots), slots=int(slots)),
-        name="xpress_pack_active",
-        num_warps=4 if n_pad <= 1024 else 8,
-        num_stages=1,
-        interpret=interpret,
-        grid=(1,),
-        in_specs=[pl.no_block_spec] * 2,
-        out_specs=(pl.no_block_spec,) * len(shapes),
-        out_shape=shapes,
+        name="xpress_pack_active", num_warps=4 if n_pad <= 1024 else 8, interpret=interpret, grid=(1,),
+        in_specs=[pl.no_block_spec] * 2, out_specs=(pl.no_block_spec,) * len(shapes), out_shape=shapes,
     )(fail if fail.dtype == jnp.int32 else fail.astype(jnp.int32), fallen))
 
 
@@ -833,14 +731,11 @@ def scan_failing(base: jax.Array, lat: jax.Array, w2: jax.Array, fail: jax.Array
                  slot_stride: int = 0, v_steps_full: int | None = None, skip_slots: int = 0):
     """The certified mode's scan of the rows its bound did not certify: two launches, no XLA op.
 
-    ``full = fallen | (sum(fail) > limit)``; the rows ``fail | full`` are scanned: `pack_active` orders them first
-    (and zeroes one counter per row tile), then a counted pick (`full_vocab_pick`'s ``counter``) runs on every row in
-    that order through the packed index map, so a row tile without an active row returns at once and the last program
-    of a tile writes its active rows' tokens to the draft rows they hold; ``fallback`` is aliased in as the tokens.
-    Returns ``(tokens [rows] int32, flags [8] int32 = [full, sum(fail), 0, ...])``. An active row's token is
-    `full_vocab_pick`'s with ``config``; a smaller ``v_steps`` (`xpress_jax.dispatch.Table.capacity_config`) gives
-    the same scores. ``v_steps_full`` (static): the vocab tiles per part when the pass is full, read at run time.
-    ``skip_slots`` (static, with ``slot_stride`` = B): draft slots ``< skip_slots`` are never scanned."""
+    `pack_active` orders the rows ``fail | full`` first, then a counted pick runs on every row in that order through
+    the packed index map: a row tile without an active row returns at once, and the last program of a tile writes
+    its active rows' tokens (``fallback`` aliased in as the tokens). Returns ``(tokens [rows] int32, flags [8])``;
+    an active row's token is `full_vocab_pick`'s. ``v_steps_full`` (static): the vocab tiles per part when the pass
+    is full, read at run time. ``skip_slots`` (static, with ``slot_stride``): draft slots never scanned."""
     dtype = _check_inputs(base, lat, w2, slot_stride, "scan_failing")
     vocab = base.shape[1]
     rows, rank = lat.shape
@@ -863,20 +758,19 @@ def scan_failing(base: jax.Array, lat: jax.Array, w2: jax.Array, fail: jax.Array
     # The kernel reads rows < `rows` of src and act_p ([n_pad]) and element 0 of flags (the pass's full).
     operands = (base, lat, w2, src, act_p, *((flags,) if vs_full else ()))
     launch = _Launch(rows, vocab, rank, dtype, slot_stride, row_map=True, lat_map=True, v_steps_full=vs_full)
-    tok, _ = _counted_launch(operands, fallback.astype(jnp.int32), counters, cfg, launch, interpret=interpret,
-                             parts=parts)
+    tok = _fused_launch(operands, cfg, launch, interpret=interpret, parts=parts,
+                        counted=(fallback.astype(jnp.int32), counters))[2]
     return tok, flags
 
 
 def _pack_rows(act: jax.Array, lat: jax.Array, slot_stride: int):
-    """Active rows first, in order, then the others: (pos [rows]: row q's packed position, src [rows]
-    int32: the base row packed row p reads, lat [rows, r] in packed order, packed active mask [rows])."""
+    """Active rows first, in order: (row q's packed position, the base row each packed row reads, lat in packed
+    order, packed active mask), each [rows]."""
     rows = act.shape[0]
-    # The mask is materialised first: fused into the cumsum below, XLA:GPU recomputed the whole mask
-    # (the certified bound of every row) for every element of every prefix (61 µs at 240 rows on an H200).
+    # The mask is materialised first: fused into the cumsum, XLA:GPU recomputes it for every prefix element.
     a = jax.lax.optimization_barrier(act.astype(jnp.int32))
     n = jnp.sum(a)
     pos = jnp.where(act, jnp.cumsum(a) - 1, n + jnp.cumsum(1 - a) - 1).astype(jnp.int32)
     perm = jnp.zeros((rows,), jnp.int32).at[pos].set(jnp.arange(rows, dtype=jnp.int32), unique_indices=True)
-    src = perm if not slot_stride else (perm // (slot_stride - 1)) * slot_stride + 1 + perm % (slot_stride - 1)
+    src = src_row(perm, slot_stride)
     return pos, src.astype(jnp.int32), lat[perm], jnp.arange(rows, dtype=jnp.int32) < n

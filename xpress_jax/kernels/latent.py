@@ -8,25 +8,20 @@ One pass turns the current block into the draft slots' latents::
     lat[n, k]  = u[n, k] + (silu(u[n, k] @ mlp_gate) * (u[n, k] @ mlp_up)) @ mlp_down
     return lat[:, 1:]                                               [N, B-1, r]
 
-``xh`` is the pass-invariant hidden half of ``in_proj`` (`xpress_jax.head.hidden_input`). Precision as the jnp
-reference (`xpress_jax.head.latent`): matmul operands in the params' dtype ``cd`` with float32 accumulation
-(``Precision.HIGHEST``); ``x``, ``u``, the mixer and SwiGLU's elementwise work in float32; ``u`` and the SwiGLU
-activation are rounded to ``cd`` as matmul operands; the latent once at the end.
+``xh`` is the pass-invariant hidden half of ``in_proj``. Precision as the jnp reference (`xpress_jax.head.latent`):
+matmul operands in the params' dtype ``cd`` with float32 accumulation; the elementwise work in float32.
 
-``variant="fused"``: grid ``cdiv(N, blocks_per_program)``; each program owns whole blocks (``Bp`` = B rounded up to
-a power of two rows each; padded slots and blocks are masked): the ids, ``x`` (K tiled by ``k_block``), the mixer,
-then SwiGLU tiled over the hidden dim by ``h_block``; slots 1..B-1 are scattered to the output.
+``variant="fused"``: grid ``cdiv(N, blocks_per_program)``; each program owns whole blocks (B rounded up to a power
+of two rows each, padding masked): the ids, ``x`` (K tiled by ``k_block``), the mixer, then SwiGLU tiled over the
+hidden dim by ``h_block``; slots 1..B-1 are scattered to the output.
 
-``variant="split"`` spreads the ~1 MB of weights over many programs in three kernels (each dependency is a kernel
-boundary): ``xpress_latent_pass_mix`` (ids, ``x`` and the mixer for ``col_block`` rank columns: ``u`` [rows, r]
-float32 and its ``cd`` rounding), ``xpress_latent_pass_gateup`` (``act = silu(u @ gate) * (u @ up)``, [rows, M]
-in ``cd``) and ``xpress_latent_pass_down`` (``lat = u + act @ down``, all of M in one program), rows being the
-draft rows n*(B-1) + slot-1.
+``variant="split"`` spreads the weights over many programs in three kernels: ``xpress_latent_pass_mix`` (ids, ``x``
+and the mixer for ``col_block`` rank columns: ``u`` float32 and in ``cd``), ``xpress_latent_pass_gateup`` (``act =
+silu(u @ gate) * (u @ up)`` in ``cd``) and ``xpress_latent_pass_down`` (``lat = u + act @ down``), one row per
+draft row n*(B-1) + slot-1.
 
-Exactness: the float32 sums are grouped unlike XLA's (K chunks, hidden chunks, the mixer in order), so the latent
-is not bit-identical to the reference: float32 within 1e-6 relative, 16-bit within 1 ulp on >= 99.9% of elements
-(the tests' bounds). Float64 is refused (``TypeError``; `xpress_jax` routes it to the reference). B < 2 or N = 0
-returns an empty array without launching.
+The float32 sums are grouped unlike XLA's, so the latent is not bit-identical to the reference (the tests' bounds:
+float32 1e-6 relative, 16-bit 1 ulp on >= 99.9% of elements). Float64 is refused (``TypeError``).
 """
 
 from __future__ import annotations
@@ -48,18 +43,16 @@ __all__ = ["LatentConfig", "VARIANTS", "default_config", "latent_pass"]
 _HI = jax.lax.Precision.HIGHEST
 
 
-#: Kernel variants: ``"fused"`` (one kernel, one program per block(s)), ``"split"`` (three
-#: kernels that spread the weights over many programs).
 VARIANTS = ("fused", "split")
 
 @dataclasses.dataclass(frozen=True)
 class LatentConfig:
     """Static block configuration of the latent kernel (hashable: a jit static arg).
 
-    variant: one of `VARIANTS`. blocks_per_program: blocks per program (fused; split: stage 1), raised to 16 rows
-      for B <= 8 (`_dot_bpp`). k_block: K chunk of every dot. h_block: SwiGLU hidden chunk. col_block (split): rank
-      columns per program of stages 1 and 3. row_block (split): rows per program of stages 2 and 3 (0: from the row
-      count). All powers of two >= 16 (row_block 0 too). num_warps, num_stages: Triton parameters (all stages)."""
+    variant: one of `VARIANTS`. blocks_per_program: blocks per program (fused; split: stage 1; `_dot_bpp`).
+      k_block: K chunk of every dot. h_block: SwiGLU hidden chunk. col_block (split): rank columns per program of
+      stages 1 and 3. row_block (split): rows per program of stages 2 and 3 (0: from the row count). Powers of two
+      >= 16 (row_block 0 too). num_warps, num_stages: Triton parameters (all stages)."""
 
     blocks_per_program: int = 1
     k_block: int = 64
@@ -73,26 +66,17 @@ class LatentConfig:
     def __post_init__(self) -> None:
         if self.variant not in VARIANTS:
             raise ValueError(f"variant={self.variant!r} must be one of {VARIANTS}")
-        for name in ("blocks_per_program", "k_block", "h_block", "num_warps", "num_stages", "col_block"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name}={v!r} must be a positive int")
-        if isinstance(self.row_block, bool) or not isinstance(self.row_block, int) or self.row_block < 0:
-            raise ValueError(f"row_block={self.row_block!r} must be 0 (auto) or a positive int")
-        for name in ("blocks_per_program", "k_block", "h_block", "num_warps", "col_block", "row_block"):
-            v = getattr(self, name)
-            if v & (v - 1):
+        for name in ("blocks_per_program", "k_block", "h_block", "num_warps", "num_stages", "col_block", "row_block"):
+            v, lo = getattr(self, name), 0 if name == "row_block" else 1
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ValueError(f"{name}={v!r} must be an int >= {lo}")
+            if name != "num_stages" and v & (v - 1):
                 raise ValueError(f"{name}={v} must be a power of two")
-        for name in ("k_block", "h_block", "col_block"):
-            if getattr(self, name) < 16:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 16 (tensor-core dot minimum)")
-        if 0 < self.row_block < 16:
-            raise ValueError(f"row_block={self.row_block} must be 0 (auto) or >= 16 (tensor-core dot minimum)")
+            if name in ("k_block", "h_block", "col_block", "row_block") and 0 < v < 16:
+                raise ValueError(f"{name}={v} must be >= 16 (tensor-core dot minimum; row_block 0: auto)")
 
     def check_shape(self, rank: int, dtype: Any) -> None:
-        """Refuse (ValueError) a config the GPU cannot run at this rank: the fused kernel stages
-        rank-wide weight tiles in shared memory (`smem_bytes`), which must fit in `SMEM_LIMIT`.
-        The split variants tile every dimension by the config, so they run at any rank."""
+        """Refuse (ValueError) a fused config whose rank-wide tiles (`smem_bytes`) exceed `SMEM_LIMIT`."""
         if self.variant == "fused" and self.smem_bytes(rank, dtype) > SMEM_LIMIT:
             raise ValueError(
                 f"latent variant='fused' at rank={rank}, {jnp.dtype(dtype).name}: its rank-wide weight tiles "
@@ -100,29 +84,21 @@ class LatentConfig:
                 f"{SMEM_LIMIT // 1024} KB an H200 program may use; use variant='split' or smaller k_block/h_block")
 
     def smem_bytes(self, rank: int, dtype: Any) -> int:
-        """Fused variant: estimate of the shared memory of its dot operands (one K chunk of
-        in_proj_token plus the gate, up and down tiles of one hidden chunk, all rank-wide). At
-        r=256 (bf16, 64/64) this gives 128 KB; the offline sm_90a compile measured 108 KB."""
+        """Fused variant: estimate of its dot operands' shared memory (one K chunk of in_proj_token plus the gate,
+        up and down tiles of one hidden chunk, all rank-wide)."""
         rp = max(16, next_pow2(rank))
         return (min(self.k_block, rp) * rp + 3 * rp * self.h_block) * jnp.dtype(dtype).itemsize
 
 
 def default_config(n: int, dtype: Any, variant: str | None = None, rank: int = 256) -> LatentConfig:
-    """Block config for N blocks of params dtype ``dtype``.
-
-    ``variant=None`` picks ``"fused"``, or ``"split"`` when the fused kernel would not fit in shared memory at
-    ``rank``. Which variant serves where, and the fused blocks per program, is `xpress_jax.dispatch`'s decision.
-    Fused bf16: k_block = h_block = 64, 8 warps, 2 stages (~108 KB shared memory on sm_90a); float32 32-wide
-    chunks. Split: small tiles (32), 4 warps."""
-    auto = variant is None
+    """Block config for N blocks of ``dtype``; ``variant=None``: fused where it fits in shared memory, else split
+    (`xpress_jax.dispatch` decides where each serves)."""
     if variant is None:
-        variant = "fused"
+        fused = default_config(n, dtype, "fused", rank)
+        return fused if fused.smem_bytes(rank, dtype) <= SMEM_LIMIT else default_config(n, dtype, "split", rank)
     if variant not in VARIANTS:
         raise ValueError(f"variant={variant!r} must be one of {VARIANTS}")
     f32 = jnp.dtype(dtype).itemsize >= 4
-    if auto and variant == "fused":
-        fused = default_config(n, dtype, "fused", rank)
-        return fused if fused.smem_bytes(rank, dtype) <= SMEM_LIMIT else default_config(n, dtype, "split", rank)
     if variant != "fused":
         return LatentConfig(variant=variant, blocks_per_program=1, k_block=32 if f32 else 64, h_block=32,
                             col_block=32, row_block=0, num_warps=4, num_stages=2)
@@ -132,23 +108,16 @@ def default_config(n: int, dtype: Any, variant: str | None = None, rank: int = 2
 
 
 def _dot_bpp(bpp: int, bp: int) -> int:
-    """Blocks per program actually used: at least ``MIN_DOT / bp``, so that a program's rows
-    (``bpp * bp``, the dots' M) are >= `MIN_DOT` also for small blocks (B <= 8). Unchanged for
-    B > 8 (serving: B = 16)."""
+    """Blocks per program actually used: a program's rows (the dots' M) at least `MIN_DOT` (B <= 8)."""
     return max(bpp, MIN_DOT // bp)
 
 
-# In-kernel pieces shared by the fused kernel and the split variant's first stage. Rows are a program's ``bpp``
-# blocks of ``bp`` (B padded to a power of two) slots; ``col`` are the rank columns it computes.
+# In-kernel pieces of the fused kernel and split stage 1: rows are ``bpp`` blocks of ``bp`` (B padded) slots.
 
 
 def _and(a, b):
     """Combine two optional (broadcastable) masks; None = all true."""
-    if a is None:
-        return b
-    if b is None:
-        return a
-    return a & b
+    return b if a is None else a if b is None else a & b
 
 
 def _load(ref_at, mask):
@@ -173,6 +142,13 @@ def _pred_ids(ids_ref, prev_ref, slot, blk_c, valid, *, b: int, v: int):
     return jnp.clip(jnp.where(slot == 0, pid_prev, pid_blk), 0, v - 1)
 
 
+def _out_rows(slot, blk_c, valid, *, n: int, b: int):
+    """(keep, out row) of slots 1..B-1: row n*(B-1) + slot-1. Masked lanes point one past the end: never written on
+    the GPU, dropped by interpret mode's scatter (an in-bounds dummy row could take a real row's write)."""
+    keep = valid & (slot >= 1)
+    return keep, jnp.where(keep, blk_c * (b - 1) + slot - 1, n * (b - 1))
+
+
 def _x_rows(ids, xrow, valid, col, col_ok, xh_ref, w1_ref, wt_ref, *, r: int, kb: int, col_tail: bool):
     """``x[:, col] = xh + w1[ids] @ in_proj_token[:, col]`` in float32 [R, len(col)], K tiled by kb."""
     f32 = jnp.float32
@@ -192,11 +168,8 @@ def _x_rows(ids, xrow, valid, col, col_ok, xh_ref, w1_ref, wt_ref, *, r: int, kb
 
 
 def _mix_rows(x, slot, col, col_ok, mix_ref, *, b: int, bp: int, bpp: int, col_tail: bool, unroll: bool = False):
-    """Folded causal mixer in float32, j = 0, 1, ... in order: ``u[k] = sum_j mix[k, j] * x[j]`` per channel.
-
-    ``unroll``: straight-line code instead of a fori_loop over j (the same sums; the B loads of
-    mix are independent, so no load latency per loop trip).
-    """
+    """Folded causal mixer in float32, j = 0, 1, ... in order: ``u[k] = sum_j mix[k, j] * x[j]`` per channel;
+    ``unroll``: straight-line code (the same sums; the B loads of mix are independent)."""
     f32 = jnp.float32
     rows, cb = x.shape
     kslot = jnp.arange(bp, dtype=jnp.int32)
@@ -278,13 +251,8 @@ def _latent_kernel(
     u = _mix_rows(x, slot, col, col_ok, mix_ref, b=b, bp=bp, bpp=bpp, col_tail=tail)
     lat = _swiglu_rows(u, col, col_ok, wg_ref, wu_ref, wd_ref, m=m, hb=hb, col_tail=tail, cd=o_ref.dtype)
 
-    # Rows of slots 1..B-1 go to out[n*(B-1) + slot-1]. Masked lanes point one past the
-    # end: never written on the GPU, dropped by interpret mode's scatter (an in-bounds
-    # dummy row could collide with a real row of the same store and lose the write).
-    keep = valid & (slot >= 1)
-    orow = jnp.where(keep, blk_c * (b - 1) + slot - 1, n * (b - 1))
-    plt.store(o_ref.at[orow[:, None], col[None, :]], lat,
-              mask=keep[:, None] & col_ok[None, :])
+    keep, orow = _out_rows(slot, blk_c, valid, n=n, b=b)
+    plt.store(o_ref.at[orow[:, None], col[None, :]], lat, mask=keep[:, None] & col_ok[None, :])
 
 
 def _split_mix_kernel(
@@ -312,18 +280,13 @@ def _split_mix_kernel(
     col_ok = col < r
     c_tail = r % cb != 0
 
-    # x[:, cols] = xh[:, cols] + w1[ids] @ in_proj_token[:, cols] (contracts over all of r).
     ids = _pred_ids(ids_ref, prev_ref, slot, blk_c, valid, b=b, v=v)  # [R]
     xrow = jnp.where(valid, blk_c * b + slot, 0)
     x = _x_rows(ids, xrow, valid, col, col_ok, xh_ref, w1_ref, wt_ref, r=r, kb=kb, col_tail=c_tail)  # [R, cb]
 
-    # folded causal mixer on these channels, float32, j = 0..B-1 as straight-line code (the B loads
-    # of mix are independent; the same sums as the fused kernel's loop).
     u = _mix_rows(x, slot, col, col_ok, mix_ref, b=b, bp=bp, bpp=bpp, col_tail=c_tail, unroll=True)
 
-    # slots 1..B-1 -> row n*(B-1) + slot-1; masked lanes one past the end (see the fused kernel).
-    keep = valid & (slot >= 1)
-    orow = jnp.where(keep, blk_c * (b - 1) + slot - 1, n * (b - 1))
+    keep, orow = _out_rows(slot, blk_c, valid, n=n, b=b)
     smask = keep[:, None] & col_ok[None, :]
     plt.store(u_ref.at[orow[:, None], col[None, :]], u, mask=smask)
     for uc_ref in uc_refs:
@@ -331,8 +294,7 @@ def _split_mix_kernel(
 
 
 def _tile_rows(rb: int, rows: int):
-    """Split stages 2-3: (row_ok, load row, store row) of this program's rb rows. Rows past the
-    end load row 0 and store one past the end (never written)."""
+    """Split stages 2-3: (row_ok, load row, store row) of this program's rb rows (past the end: row 0 / rows)."""
     ri = pl.program_id(0) * rb + jnp.arange(rb, dtype=jnp.int32)
     row_ok = ri < rows
     return row_ok, jnp.where(row_ok, ri, 0), jnp.where(row_ok, ri, rows)
@@ -434,15 +396,11 @@ def _latent_split(xh, blk, prev_ids, w1, wt, mix, wg, wu, wd, *, cfg: LatentConf
     kb1 = min(cfg.k_block, rp)
     with_uc = jnp.dtype(cd) != jnp.dtype(f32)
     u_shape = jax.ShapeDtypeStruct((rows, r), f32)
-    mix_call = common.pallas_call(
-        functools.partial(_split_mix_kernel, n=n, b=b, bp=bp, bpp=bpp, v=v, r=r, cb=cb, kb=kb1),
-        name="xpress_latent_pass_mix",
-        out_shape=(u_shape, jax.ShapeDtypeStruct((rows, r), cd)) if with_uc else (u_shape,),
-        grid=(pl.cdiv(n, bpp), pl.cdiv(r, cb)),
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-        interpret=interpret,
-    )
+    call = functools.partial(common.pallas_call, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                             interpret=interpret)
+    mix_call = call(functools.partial(_split_mix_kernel, n=n, b=b, bp=bp, bpp=bpp, v=v, r=r, cb=cb, kb=kb1),
+                    name="xpress_latent_pass_mix", grid=(pl.cdiv(n, bpp), pl.cdiv(r, cb)),
+                    out_shape=(u_shape, jax.ShapeDtypeStruct((rows, r), cd)) if with_uc else (u_shape,))
     outs = mix_call(blk.reshape(n * b).astype(jnp.int32), prev_ids.astype(jnp.int32), xh.reshape(n * b, r),
                     w1, wt, mix)
     u = outs[0]
@@ -450,26 +408,12 @@ def _latent_split(xh, blk, prev_ids, w1, wt, mix, wg, wu, wd, *, cfg: LatentConf
 
     rb = min(cfg.row_block or _auto_row_block(rows), max(16, next_pow2(rows)))
     hb = min(cfg.h_block, mp)
-    gateup_call = common.pallas_call(
-        functools.partial(_split_gateup_kernel, rows=rows, r=r, m=m, rb=rb, hb=hb, kb=kb1),
-        name="xpress_latent_pass_gateup",
-        out_shape=jax.ShapeDtypeStruct((rows, m), cd),
-        grid=(pl.cdiv(rows, rb), pl.cdiv(m, hb)),
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-        interpret=interpret,
-    )
-    act = gateup_call(uc, wg, wu)
-    down_call = common.pallas_call(
-        functools.partial(_split_down_kernel, rows=rows, r=r, m=m, rb=rb, cb=cb, kb=min(cfg.k_block, mp)),
-        name="xpress_latent_pass_down",
-        out_shape=jax.ShapeDtypeStruct((rows, r), cd),
-        grid=(pl.cdiv(rows, rb), pl.cdiv(r, cb)),
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-        interpret=interpret,
-    )
-    return down_call(u, act, wd)
+    act = call(functools.partial(_split_gateup_kernel, rows=rows, r=r, m=m, rb=rb, hb=hb, kb=kb1),
+               name="xpress_latent_pass_gateup", grid=(pl.cdiv(rows, rb), pl.cdiv(m, hb)),
+               out_shape=jax.ShapeDtypeStruct((rows, m), cd))(uc, wg, wu)
+    return call(functools.partial(_split_down_kernel, rows=rows, r=r, m=m, rb=rb, cb=cb, kb=min(cfg.k_block, mp)),
+                name="xpress_latent_pass_down", grid=(pl.cdiv(rows, rb), pl.cdiv(r, cb)),
+                out_shape=jax.ShapeDtypeStruct((rows, r), cd))(u, act, wd)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "interpret"))
@@ -487,23 +431,12 @@ def _latent_pallas(xh, blk, prev_ids, w1, wt, mix, wg, wu, wd, *, cfg: LatentCon
     if cfg.variant != "fused":
         return _latent_split(xh, blk, prev_ids, w1, wt, mix, wg, wu, wd, cfg=cfg,
                              interpret=interpret).reshape(n, b - 1, r)
-    kernel = functools.partial(
-        _latent_kernel, n=n, b=b, bp=bp, bpp=bpp, v=v, r=r, rp=rp, m=m, mp=mp, kb=kb, hb=hb)
     call = common.pallas_call(
-        kernel,
-        name="xpress_latent_pass",
-        out_shape=jax.ShapeDtypeStruct((n * (b - 1), r), cd),
-        grid=(pl.cdiv(n, bpp),),
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-        interpret=interpret,
-    )
-    out = call(
-        blk.reshape(n * b).astype(jnp.int32),
-        prev_ids.astype(jnp.int32),
-        xh.reshape(n * b, r),
-        w1, wt, mix, wg, wu, wd,
-    )
+        functools.partial(_latent_kernel, n=n, b=b, bp=bp, bpp=bpp, v=v, r=r, rp=rp, m=m, mp=mp, kb=kb, hb=hb),
+        name="xpress_latent_pass", out_shape=jax.ShapeDtypeStruct((n * (b - 1), r), cd), grid=(pl.cdiv(n, bpp),),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, interpret=interpret)
+    out = call(blk.reshape(n * b).astype(jnp.int32), prev_ids.astype(jnp.int32), xh.reshape(n * b, r),
+               w1, wt, mix, wg, wu, wd)
     return out.reshape(n, b - 1, r)
 
 
@@ -515,12 +448,10 @@ def latent_pass(
     *,
     interpret: bool = False,
     config: LatentConfig | None = None,
-    variant: str | None = None,
 ) -> jax.Array:
     """[N,B,r], [N,B] int32, [N] int32 -> [N, B-1, r]: the draft slots' latents (`xpress_jax.reference.latent_pass`).
 
-    ``config``: a `LatentConfig`, else `default_config` for this N, dtype and ``variant``. Float64 params raise
-    ``TypeError``."""
+    ``config`` default: `default_config`. Float64 params raise ``TypeError``."""
     w1 = params["w1"]
     n, b = blk.shape
     v, r = w1.shape
@@ -538,9 +469,7 @@ def latent_pass(
     if cd not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)):
         raise TypeError(f"latent kernel: params dtype {cd.name} is not supported (bf16, f16, f32); "
                         "xpress_jax routes float64 to xpress_jax.reference.latent_pass")
-    if config is not None and variant is not None and config.variant != variant:
-        raise ValueError(f"variant={variant!r} contradicts config.variant={config.variant!r}")
-    cfg = config if config is not None else default_config(n, cd, variant, rank=r)
+    cfg = config if config is not None else default_config(n, cd, rank=r)
     cfg.check_shape(r, cd)
     return _latent_pallas(
         xh, blk, prev_ids, w1, params["in_proj_token"], params["mix"], params["mlp_gate"],

@@ -22,9 +22,8 @@ Algorithm (exact for any input: bound, gather, finish), on order-preserving int3
    ``t`` in vocab order. If ``M < c`` (heavy ties) the buffer goes in, then the first elements equal to ``L`` in
    a scan of the row. If ``M > cap`` (adversarial rows) the search runs over the whole row.
 
-float64 is refused (``TypeError``: keys are at most 32 bits). Interpret mode only: masked scatter lanes aim at
-a trash slot (outputs padded by one, sliced off). ``slot_stride=B``: ``base`` is the whole logits [N*B, V]; each
-kernel maps its draft row to the source row (`_src_row`), so logits[:, 1:] is never copied.
+float64 is refused (``TypeError``). Interpret mode only: masked scatter lanes aim at a trash slot (outputs padded
+by one, sliced off). ``slot_stride=B``: ``base`` is the whole logits [N*B, V] (`common.src_row`).
 """
 
 from __future__ import annotations
@@ -40,7 +39,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from . import common
-from .common import BIG, next_pow2
+from .common import BIG, next_pow2, src_row
 
 __all__ = ["SelectConfig", "select_candidates"]
 
@@ -89,13 +88,10 @@ class SelectConfig:
                 raise ValueError(f"{f}={v!r} must be a power of two >= {lo}")
         if self.segments is not None and (not isinstance(self.segments, int) or self.segments < 1):
             raise ValueError(f"segments={self.segments!r} must be a positive int or None")
-        if 16 * self.cap > _MAX_TENSOR:
-            raise ValueError(f"cap={self.cap} is too large: the finish holds [16, cap] in one Triton tensor "
-                             f"(at most {_MAX_TENSOR} elements), so cap <= {_MAX_TENSOR // 16}")
-        if self.segments is not None and next_pow2(self.segments) > _max_segments(self):
-            raise ValueError(f"segments={self.segments} with cap={self.cap}: the finish holds a "
-                             f"[next_pow2(segments), cap] mask in one Triton tensor (at most {_MAX_TENSOR} "
-                             f"elements), so segments <= {_max_segments(self)} at this cap")
+        if 16 * self.cap > _MAX_TENSOR:  # the finish's [16, cap] tensor
+            raise ValueError(f"cap={self.cap} is too large: cap <= {_MAX_TENSOR // 16} (Triton's largest tensor)")
+        if self.segments is not None and next_pow2(self.segments) > _max_segments(self):  # its [segments, cap] mask
+            raise ValueError(f"segments={self.segments} with cap={self.cap}: segments <= {_max_segments(self)}")
 
 
 #: Triton's largest tensor, in elements: the finish holds a [next_pow2(segments), cap] mask, and a
@@ -129,14 +125,16 @@ def _key_consts(dtype):
     return dict(bits=16, int_t=jnp.int16, mask=0x7FFF, inf=inf)
 
 
+def _neg_inf_key(k) -> int:
+    return ((k["inf"] | (1 << (k["bits"] - 1))) - (1 << k["bits"])) ^ k["mask"]  # of -inf's sign-extended bits
+
+
 def _to_key(x, dtype):
     """Order-preserving int32 key; NaN -> key(-inf). (-0.0 keys as -1, below +0.0's 0.)"""
     k = _key_consts(dtype)
     b = lax.bitcast_convert_type(x, k["int_t"]).astype(jnp.int32)
     key = b ^ ((b >> 31) & k["mask"])
-    neg_inf = (k["inf"] | (1 << (k["bits"] - 1))) - (1 << k["bits"])  # -inf bits, sign-extended
-    neg_inf_key = neg_inf ^ k["mask"]
-    return jnp.where((b & k["mask"]) > k["inf"], neg_inf_key, key)
+    return jnp.where((b & k["mask"]) > k["inf"], _neg_inf_key(k), key)
 
 
 def _from_key(key, dtype):
@@ -200,18 +198,6 @@ def _bound(gm, c, groups):
     return jnp.where(la == 0, -1, la)
 
 
-def _src_row(r, slot_stride: int):
-    """Row of ``base`` that draft row ``r`` reads.
-
-    slot_stride = 0: ``r`` itself (base is [rows, V]). slot_stride = B: base is the whole logits
-    [N*B, V] and draft row q = n*(B-1) + b' reads row n*B + 1 + b' (slot 0 of each block is never
-    read), so the caller never copies logits[:, 1:].
-    """
-    if not slot_stride:
-        return r
-    return (r // (slot_stride - 1)) * slot_stride + 1 + r % (slot_stride - 1)
-
-
 def _draft_rows(base_rows: int, slot_stride: int) -> int:
     return base_rows if not slot_stride else base_rows // slot_stride * (slot_stride - 1)
 
@@ -223,7 +209,7 @@ def _finish_kernel(L_ref, hi_ref, cnt_ref, st_ref, bk_ref, bi_ref, x_ref, cand_r
     # st: per segment, an element index at or before the segment's first element equal to L (BIG: none)
     # cand_ref [rows, c or c+1] int32, val_ref [rows, c or c+1] dtype (slot c = trash in interpret mode)
     r = pl.program_id(0)
-    xr = _src_row(r, slot_stride)
+    xr = src_row(r, slot_stride)
     L = L_ref[r]
     hi0 = hi_ref[r]
     j = jnp.arange(cap, dtype=jnp.int32)
@@ -320,20 +306,14 @@ def _barrier(interpret):
 
 
 def _block_keys(x, dtype):
-    """[tb, bs] logits -> [tb] canonical key of each row's max (NaN as -inf; -0.0 as +0.0).
-
-    Exact integer work (no float max: nothing depends on how a float max treats NaN or subnormals),
-    and cheaper than a max of keys: on the sign-extended bits ``b``, non-negative floats order like
-    ``b`` and negative ones in reverse, so the max key is ``max(b)`` if some ``b >= 0``, else the key
-    of ``min(b)``. Positive NaN (``b`` above +inf) is left out of the max; negative NaN lies above
-    -inf among the negative ``b``, so it only decides ``min(b)`` when the row holds nothing else.
-    """
+    """[tb, bs] logits -> [tb] canonical key of each row's max (NaN as -inf; -0.0 as +0.0), in integer work: on
+    the sign-extended bits ``b`` the max key is ``max(b)`` if some ``b >= 0``, else the key of ``min(b)``. Positive
+    NaN is left out of the max; negative NaN only decides ``min(b)`` when the row holds nothing else."""
     k = _key_consts(dtype)
     b = lax.bitcast_convert_type(x, k["int_t"]).astype(jnp.int32)
     bmax = jnp.max(jnp.where(b > k["inf"], _SENT, b), axis=1)
     bmin = jnp.min(b, axis=1)
-    neg_inf = (k["inf"] | (1 << (k["bits"] - 1))) - (1 << k["bits"])  # -inf bits, sign-extended
-    neg_inf_key = neg_inf ^ k["mask"]
+    neg_inf_key = _neg_inf_key(k)
     low = jnp.where(bmin < 0, jnp.maximum(bmin ^ k["mask"], neg_inf_key), neg_inf_key)  # all NaN -> -inf
     return _canon(jnp.where(bmax >= 0, bmax, low))
 
@@ -341,7 +321,7 @@ def _block_keys(x, dtype):
 def _blocks_bound(bm_ref, x_ref, r, xr, m, b, *, v, nb, bs, g, c, dtype):
     """(L, hi0, argmax) of row r from its block maxima; m/b: the row's max key and first block holding it.
 
-    ``xr``: the row of ``x_ref`` that draft row ``r`` reads (`_src_row`)."""
+    ``xr``: the row of ``x_ref`` that draft row ``r`` reads (`common.src_row`)."""
     lane = jnp.arange(g, dtype=jnp.int32)
 
     def body(i, gm):  # group j = blocks j, j + G, j + 2G, ...
@@ -364,7 +344,7 @@ def _bstats_kernel(x_ref, *out_refs, v, nb, bs, tb, unroll, per, g, c, fused, dt
     # fused: L, hi0, arg: 0-d blocks of [rows]; else smax / sblk: 0-d blocks of [rows, S]
     r = pl.program_id(0)
     s = pl.program_id(1)
-    xr = _src_row(r, slot_stride)
+    xr = src_row(r, slot_stride)
     bm_ref = out_refs[0]
     kdt = _key_consts(dtype)["int_t"]
     bix = jnp.arange(tb, dtype=jnp.int32)
@@ -419,7 +399,7 @@ def _bbound_kernel(bm_ref, smax_ref, sblk_ref, x_ref, L_ref, hi_ref, arg_ref, *,
     sblk = plt.load(sblk_ref.at[r, sidx], mask=sidx < nseg, other=BIG)
     m = jnp.max(smax)
     b = jnp.min(jnp.where(smax == m, sblk, BIG))  # segments in order: the first block
-    L, hi, arg = _blocks_bound(bm_ref, x_ref, r, _src_row(r, slot_stride), m, b, v=v, nb=nb, bs=bs, g=g, c=c,
+    L, hi, arg = _blocks_bound(bm_ref, x_ref, r, src_row(r, slot_stride), m, b, v=v, nb=nb, bs=bs, g=g, c=c,
                                dtype=dtype)
     L_ref[()] = L
     hi_ref[()] = hi
@@ -433,7 +413,7 @@ def _bgather_kernel(L_ref, bm_ref, x_ref, bl_ref, bk_ref, bi_ref, cnt_ref, st_re
     # bk_ref/bi_ref [rows, S, cap+1] (slot cap = trash); cnt_ref/st_ref: 0-d blocks of [rows, S]
     r = pl.program_id(0)
     s = pl.program_id(1)
-    xr = _src_row(r, slot_stride)
+    xr = src_row(r, slot_stride)
     T = L_ref[r]
     b0 = s * pb
     b1 = jnp.minimum(b0 + pb, nb)
@@ -481,16 +461,10 @@ def _bgather_kernel(L_ref, bm_ref, x_ref, bl_ref, bk_ref, bi_ref, cnt_ref, st_re
 
 
 # ----------------------------------------------------------------------------- wrapper
-def _scalar_spec2():
-    return pl.BlockSpec((None, None), lambda r, s: (r, s))
-
-
-def _scalar_spec2_1d():
-    return pl.BlockSpec((None,), lambda r, s: (r,))
-
-
-def _scalar_spec1():
-    return pl.BlockSpec((None,), lambda r: (r,))
+# 0-d blocks of [rows, S] and of [rows] on a (rows, S) grid, and of [rows] on a (rows,) grid.
+_SCALAR2 = pl.BlockSpec((None, None), lambda r, s: (r, s))
+_SCALAR2_1D = pl.BlockSpec((None,), lambda r, s: (r,))
+_SCALAR1 = pl.BlockSpec((None,), lambda r: (r,))
 
 
 def _tile_for(nunits: int, tile: int, unroll: int, want: int, min_tile: int) -> tuple[int, int]:
@@ -504,39 +478,13 @@ def _tile_for(nunits: int, tile: int, unroll: int, want: int, min_tile: int) -> 
     return tile, unroll
 
 
-@functools.partial(jax.jit, static_argnames=("c", "cfg", "interpret", "upto", "slot_stride"))
-def _select_pallas(base, *, c: int, cfg: SelectConfig, interpret: bool, upto: str = "finish", slot_stride: int = 0):
-    """The three stages; ``upto="stats"|"gather"`` stops early and returns the intermediates (benchmarks).
-
-    ``slot_stride``: see `select_candidates` (validated there)."""
+@functools.partial(jax.jit, static_argnames=("c", "cfg", "interpret", "slot_stride"))
+def _select_pallas(base, *, c: int, cfg: SelectConfig, interpret: bool, slot_stride: int = 0):
+    """The three stages (``slot_stride`` validated by `select_candidates`)."""
     v = base.shape[1]
     rows = _draft_rows(base.shape[0], slot_stride)
     dtype = jnp.dtype(base.dtype)
     want = _want_segments(rows, cfg)
-    out = _blocks_stages(base, c=c, cfg=cfg, interpret=interpret, want=want, upto=upto, slot_stride=slot_stride)
-    if upto != "finish":
-        return out
-    L, hi0, arg, cnt, st, bk, bi = out
-    nseg = cnt.shape[1]
-
-    # 3. finish
-    width = c + 1 if interpret else c
-    cand, vals = common.pallas_call(
-        functools.partial(_finish_kernel, v=v, c=c, cap=cfg.cap, nseg=nseg, ch=cfg.scan_chunk, dtype=dtype,
-                          trash=c if interpret else 0, slot_stride=slot_stride),
-        name="select_finish", grid=(rows,), interpret=interpret, num_warps=cfg.finish_warps,
-        in_specs=[pl.no_block_spec] * 7, out_specs=[pl.no_block_spec, pl.no_block_spec],
-        out_shape=[jax.ShapeDtypeStruct((rows, width), jnp.int32), jax.ShapeDtypeStruct((rows, width), dtype)],
-    )(L, hi0, cnt, st, bk, bi, base)
-    if width != c:
-        cand, vals = cand[:, :c], vals[:, :c]
-    return cand, vals, arg
-
-
-def _blocks_stages(base, *, c, cfg, interpret, want, upto, slot_stride=0):
-    v = base.shape[1]
-    rows = _draft_rows(base.shape[0], slot_stride)
-    dtype = jnp.dtype(base.dtype)
     g, cap, bs = cfg.groups, cfg.cap, cfg.block
     i32 = jnp.int32
     kdt = _key_consts(dtype)["int_t"]
@@ -555,47 +503,56 @@ def _blocks_stages(base, *, c, cfg, interpret, want, upto, slot_stride=0):
     if fused:
         bm, L, hi0, arg = call(
             kern, name="select_bstats_bound", grid=(rows, 1), in_specs=[anyspec],
-            out_specs=[anyspec] + [_scalar_spec2_1d() for _ in range(3)],
+            out_specs=[anyspec] + [_SCALAR2_1D] * 3,
             out_shape=[bm_shape] + [jax.ShapeDtypeStruct((rows,), i32)] * 3,
         )(base)
     else:
         bm, smax, sblk = call(
             kern, name="select_bstats", grid=(rows, s1), in_specs=[anyspec],
-            out_specs=[anyspec, _scalar_spec2(), _scalar_spec2()],
+            out_specs=[anyspec, _SCALAR2, _SCALAR2],
             out_shape=[bm_shape] + [jax.ShapeDtypeStruct((rows, s1), i32)] * 2,
         )(base)
         L, hi0, arg = call(
             functools.partial(_bbound_kernel, nseg=s1, v=v, nb=nb, bs=bs, g=g, c=c, dtype=dtype,
                               slot_stride=slot_stride),
             name="select_bbound", grid=(rows,),
-            in_specs=[anyspec] * 4, out_specs=[_scalar_spec1() for _ in range(3)],
+            in_specs=[anyspec] * 4, out_specs=[_SCALAR1] * 3,
             out_shape=[jax.ShapeDtypeStruct((rows,), i32)] * 3,
         )(bm, smax, sblk, base)
-    if upto == "stats":
-        return L, hi0, arg
 
     # 2. gather the elements above the bound from the blocks whose max is above it
     pb = -(-nb // want)
     s3 = -(-nb // pb)
-    bl, bk, bi, cnt, st = common.pallas_call(
+    _, bk, bi, cnt, st = common.pallas_call(
         functools.partial(_bgather_kernel, v=v, nb=nb, bs=bs, pb=pb, tbs=min(cfg.scan_blocks, next_pow2(pb)),
                           tb2=min(cfg.gather_blocks, next_pow2(pb)), cap=cap, dtype=dtype, interpret=interpret,
                           slot_stride=slot_stride),
         name="select_bgather", grid=(rows, s3), interpret=interpret, num_warps=cfg.gather_warps,
-        in_specs=[anyspec] * 3, out_specs=[anyspec] * 3 + [_scalar_spec2(), _scalar_spec2()],
+        in_specs=[anyspec] * 3, out_specs=[anyspec] * 3 + [_SCALAR2, _SCALAR2],
         out_shape=[jax.ShapeDtypeStruct((rows, s3, pb + 1), i32)] + [jax.ShapeDtypeStruct((rows, s3, cap + 1), i32)] * 2
         + [jax.ShapeDtypeStruct((rows, s3), i32)] * 2,
     )(L, bm, base)
-    del bl
-    return L, hi0, arg, cnt, st, bk, bi
+    nseg = cnt.shape[1]
+
+    # 3. finish
+    width = c + 1 if interpret else c
+    cand, vals = common.pallas_call(
+        functools.partial(_finish_kernel, v=v, c=c, cap=cfg.cap, nseg=nseg, ch=cfg.scan_chunk, dtype=dtype,
+                          trash=c if interpret else 0, slot_stride=slot_stride),
+        name="select_finish", grid=(rows,), interpret=interpret, num_warps=cfg.finish_warps,
+        in_specs=[pl.no_block_spec] * 7, out_specs=[pl.no_block_spec, pl.no_block_spec],
+        out_shape=[jax.ShapeDtypeStruct((rows, width), jnp.int32), jax.ShapeDtypeStruct((rows, width), dtype)],
+    )(L, hi0, cnt, st, bk, bi, base)
+    if width != c:
+        cand, vals = cand[:, :c], vals[:, :c]
+    return cand, vals, arg
 
 
 def select_candidates(base: jax.Array, c: int, *, interpret: bool = False, slot_stride: int = 0, **config):
-    """Per row of ``base`` [rows, V]: (cand [rows, c] int32, base_c [rows, c], argmax [rows] int32).
+    """Per row of ``base`` [rows, V]: (cand [rows, c] int32, base_c [rows, c], argmax [rows] int32) (module doc).
 
-    bf16/f16/f32 logits (float64 raises ``TypeError``); ``config``: `SelectConfig` fields (rules and algorithm: the
-    module doc). ``slot_stride=B`` (static, >= 2): ``base`` is the whole logits [N*B, V] and the draft rows are slots
-    1..B-1 of each block: the result for ``logits[:, 1:]`` without that copy, N*(B-1) rows."""
+    ``config``: `SelectConfig` fields. ``slot_stride=B`` (static, >= 2): ``base`` is the whole logits [N*B, V]; the
+    result is that of ``logits[:, 1:]`` (N*(B-1) rows) without the copy."""
     if base.ndim != 2:
         raise ValueError(f"base must be [rows, V], got shape {tuple(base.shape)}")
     if isinstance(slot_stride, bool) or not isinstance(slot_stride, numbers.Integral):
@@ -616,6 +573,4 @@ def select_candidates(base: jax.Array, c: int, *, interpret: bool = False, slot_
                         "xpress_jax routes float64 to xpress_jax.reference.select_candidates")
     if rows == 0:
         return jnp.zeros((0, c), jnp.int32), jnp.zeros((0, c), base.dtype), jnp.zeros((0,), jnp.int32)
-    if slot_stride:
-        return _select_pallas(base, c=c, cfg=cfg, interpret=interpret, slot_stride=slot_stride)
-    return _select_pallas(base, c=c, cfg=cfg, interpret=interpret)
+    return _select_pallas(base, c=c, cfg=cfg, interpret=interpret, slot_stride=slot_stride)

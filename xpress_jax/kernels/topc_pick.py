@@ -1,19 +1,14 @@
 """Top-C pick: the best of each row's C candidates, ``s = float(dtype(base_c + dtype(w2[cand] . lat)))``.
 
-Reference (the spec): `xpress_jax.reference.topc_pick` on `xpress_jax.reference.topc_gather` (w2, cand). The dot
-accumulates in float32 and is rounded to the logits' dtype; the sum is formed in float32 and rounded before
-comparing; NaN counts as -inf; the largest score wins; among equal scores the **larger base logit**, then the
-**lowest vocab id** (vLLM's rule, spelled without depending on the candidates' order). ``ties="id"`` breaks
-equal scores by the lowest id alone (the full-vocabulary rule: what the certified mode needs).
+The spec is `xpress_jax.reference.topc_pick` on `xpress_jax.reference.topc_gather` (w2, cand): among equal scores
+the **larger base logit**, then the **lowest vocab id** (vLLM's rule); ``ties="id"`` breaks them by the lowest id
+alone (the full-vocabulary rule, for the certified mode).
 
-Kernel: grid ``(rows, splits)``. Program (n, j) gathers its candidates' w2 rows straight from ``w2`` (``w2[cand]``
-is never stored), loops over ``c_steps`` tiles of ``c_tile`` candidates (the tail of C masked), computes each bias
-as a float32 multiply-and-sum over the rank in ``k_tile`` chunks (a matrix-vector product: no tensor cores) and
-keeps the best (score, base logit, id). With ``splits > 1`` `combine_splits` reduces the splits.
-
-The bias sums in another order than XLA's einsum, so tokens can differ from the reference only where a bias
-lies within an ulp of a rounding boundary. Float64 is refused (``TypeError``); `xpress_jax` routes it to the
-jnp reference.
+Kernel: grid ``(rows, splits)``. Program (n, j) gathers its candidates' w2 rows straight from ``w2``, loops over
+``c_steps`` tiles of ``c_tile`` candidates (the tail of C masked), computes each bias as a float32
+multiply-and-sum over the rank in ``k_tile`` chunks (no tensor cores) and keeps the best (score, base logit, id);
+`combine_splits` reduces the splits. The bias sums in another order than XLA's einsum, so tokens differ from the
+reference only near rounding boundaries. Float64 is refused (``TypeError``).
 """
 
 from __future__ import annotations
@@ -36,10 +31,8 @@ __all__ = ["TopCConfig", "TIES", "default_config", "topc_pick", "combine_splits"
 class TopCConfig:
     """Static block sizes of the top-C pick (hashable: a jit static arg).
 
-    c_tile: candidates per step (power of two). c_steps: steps per program.
-    k_tile: rank chunk per step (power of two; 0 = the whole rank): the chunk used is
-      ``min(k_tile, next_pow2(rank))``; a rank it does not divide ends in a masked tail chunk.
-    splits = cdiv(C, c_tile * c_steps) programs per row (1 = no combine launch).
+    c_tile: candidates per step (power of two). c_steps: steps per program; splits = cdiv(C, c_tile * c_steps)
+      programs per row. k_tile: rank chunk per step (power of two; 0 = the whole rank; `k_chunk`).
     """
 
     c_tile: int = 64
@@ -49,19 +42,15 @@ class TopCConfig:
     num_stages: int = 1
 
     def check(self) -> None:
-        for name in ("c_tile",):
-            v = getattr(self, name)
-            if v < 1 or v & (v - 1):
-                raise ValueError(f"{name}={v} must be a power of two")
+        if self.c_tile < 1 or self.c_tile & (self.c_tile - 1):
+            raise ValueError(f"c_tile={self.c_tile} must be a power of two")
         if self.k_tile < 0 or (self.k_tile and self.k_tile & (self.k_tile - 1)):
             raise ValueError(f"k_tile={self.k_tile} must be 0 or a power of two")
         if self.c_steps < 1:
             raise ValueError(f"c_steps={self.c_steps} must be >= 1")
 
     def check_shape(self, rows: int, c: int, rank: int, dtype) -> None:
-        """`check`, then refuse (ValueError) shapes the kernel cannot run. Any C (tail tiles are
-        masked, C = 1 included), any rank (tail chunk masked) and any row count work; the kernel
-        issues no tensor-core dot, so no tile has a minimum size."""
+        """`check`, then refuse empty shapes and unsupported dtypes (no tensor-core dot: no minimum tile)."""
         self.check()
         for name, v in (("rows", rows), ("c", c), ("rank", rank)):
             if v < 1:
@@ -127,8 +116,7 @@ def _topc_kernel(
     if has_rows:  # program n picks input row rows_ref[n] (its output stays at column n)
         n = rows_ref[n]
     n_k = cdiv(rank, k_tile)
-    # A rank k_tile does not divide ends in a masked tail chunk (zeros on both operands add nothing),
-    # loaded with index arrays: never a static slice past the end (JAX >= 0.12 refuses one).
+    # A masked tail chunk loads with index arrays: never a static slice past the end (JAX >= 0.12 refuses one).
     k_tail = rank % k_tile != 0
 
     def kcols(kk):  # rank columns of chunk kk and their mask (None: all inside the rank)
@@ -187,8 +175,7 @@ def _topc_kernel(
         if keep is None:
             write(*run())
             return
-        # keep = (hot splits, their L2 policy, the others'): splits j < hot gather with one eviction hint,
-        # the rest with the other (each branch a whole program: the hint is static per load).
+        # keep = (hot splits, their L2 policy, the others'): the hint is static per load, so two branches.
         hot_splits, hot, rest = keep
         is_hot = j < hot_splits
         pl.when(is_hot)(lambda: write(*run(hot)))
@@ -197,8 +184,7 @@ def _topc_kernel(
     if not has_skip:
         run_write()
     else:
-        # skip: read nothing and write the "no winner" triple (it loses every comparison in the
-        # combine). Both branches store (a cond returning these constants does not lower to Triton).
+        # skip: read nothing, write the "no winner" triple (a cond returning constants does not lower to Triton).
         go = skip_ref[0] == 0
         pl.when(go)(run_write)
         pl.when(jnp.logical_not(go))(lambda: write(jnp.float32(-jnp.inf), jnp.float32(-jnp.inf), jnp.int32(BIG)))
@@ -244,14 +230,12 @@ def topc_pick(
 
 
 def _partials(base_c, cand, lat, w2, *, interpret, config, ties, skip, lat_add=None, row_ids=None, keep=None):
-    """The pick kernel's launch: each split's winner, ``(score, base, id)`` each [splits, rows_pad]
-    (rows_pad = rows rounded up to 16; padding rows unwritten). Checks every argument."""
+    """The pick kernel's launch: ``(score, base, id)`` each [splits, rows_pad] (rows_pad: rows rounded up to 16)."""
     if ties not in TIES:
         raise ValueError(f"ties must be one of {TIES}, got {ties!r}")
     if base_c.ndim != 2 or cand.shape != base_c.shape or lat.ndim != 2 or lat.shape[0] != base_c.shape[0]:
-        raise ValueError(
-            f"need base_c [rows,C], cand [rows,C], lat [rows,r]; got {base_c.shape=} {cand.shape=} {lat.shape=}"
-        )
+        raise ValueError(f"need base_c [rows,C], cand [rows,C], lat [rows,r]; got {base_c.shape=} {cand.shape=} "
+                         f"{lat.shape=}")
     rows, c = base_c.shape
     rank = lat.shape[1]
     if w2.ndim != 2 or w2.shape[1] != rank:
@@ -265,9 +249,6 @@ def _partials(base_c, cand, lat, w2, *, interpret, config, ties, skip, lat_add=N
     elif not (base_c.dtype == lat.dtype == w2.dtype):
         raise ValueError(f"dtypes must agree: {base_c.dtype=} {lat.dtype=} {w2.dtype=}")
     dtype = jnp.dtype(base_c.dtype)
-    if dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)):
-        raise TypeError(f"top-C pick kernel: dtype {dtype.name} is not supported (bf16, f16, f32); "
-                        "xpress_jax routes float64 to xpress_jax.reference.topc_pick")
     cfg = config or default_config(rows, c, rank, dtype)
     cfg.check_shape(rows, c, rank, dtype)
     if row_ids is not None:
@@ -300,22 +281,12 @@ def _partials(base_c, cand, lat, w2, *, interpret, config, ties, skip, lat_add=N
     )
     rows_pad = cdiv(rows, 16) * 16  # padding rows are never written; combine_splits gets >= 16-row tiles
     out_spec = pl.BlockSpec((None, None), lambda n, j: (j, n))
-    mv, mb, mi = common.pallas_call(
-        kernel,
-        name="xpress_topc_pick",
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-        interpret=interpret,
-        grid=(rows, splits),
-        in_specs=[pl.no_block_spec] * len(operands),
-        out_specs=(out_spec, out_spec, out_spec),
-        out_shape=(
-            jax.ShapeDtypeStruct((splits, rows_pad), jnp.float32),
-            jax.ShapeDtypeStruct((splits, rows_pad), jnp.float32),
-            jax.ShapeDtypeStruct((splits, rows_pad), jnp.int32),
-        ),
+    f32, i32 = (jax.ShapeDtypeStruct((splits, rows_pad), t) for t in (jnp.float32, jnp.int32))
+    return common.pallas_call(
+        kernel, name="xpress_topc_pick", num_warps=cfg.num_warps, num_stages=cfg.num_stages, interpret=interpret,
+        grid=(rows, splits), in_specs=[pl.no_block_spec] * len(operands), out_specs=(out_spec, out_spec, out_spec),
+        out_shape=(f32, f32, i32),
     )(*operands)
-    return mv, mb, mi
 
 
 def _combine_kernel(mv_ref, mb_ref, mi_ref, o_ref, *, splits: int, row_tile: int, split_tile: int):
@@ -327,8 +298,7 @@ def _combine_kernel(mv_ref, mb_ref, mi_ref, o_ref, *, splits: int, row_tile: int
         p0 = t * split_tile
         ok = jnp.broadcast_to(((p0 + iota(split_tile)) < splits)[:, None], shape)
         if isinstance(p0, int) and p0 + split_tile > splits:
-            # A static slice past the end (one masked tile): JAX >= 0.12 refuses it at trace time,
-            # so index with arrays (the same addresses), as full_vocab's combine does.
+            # A static slice past the end: JAX >= 0.12 refuses it, so index with arrays (the same addresses).
             idx = ((p0 + iota(split_tile))[:, None], (r0 + iota(row_tile))[None, :])
         else:
             idx = (pl.ds(p0, split_tile), pl.ds(r0, row_tile))
@@ -345,11 +315,7 @@ def _combine_kernel(mv_ref, mb_ref, mi_ref, o_ref, *, splits: int, row_tile: int
 
 
 def combine_splits(mv: jax.Array, mb: jax.Array, mi: jax.Array, *, interpret: bool = False) -> jax.Array:
-    """[splits, rows_pad] best scores, their base logits (float32) and ids (int32) -> [rows_pad] int32.
-
-    The top-C rule across splits: the largest score, then the larger base logit, then the lowest id.
-    ``rows_pad`` must be a multiple of 16.
-    """
+    """[splits, rows_pad] (score, base logit, id) -> [rows_pad] int32 by the top-C rule (rows_pad: a multiple of 16)."""
     splits, rows_pad = mv.shape
     if splits == 1:
         return mi[0]
@@ -357,33 +323,22 @@ def combine_splits(mv: jax.Array, mb: jax.Array, mi: jax.Array, *, interpret: bo
     while row_tile < 128 and rows_pad % (2 * row_tile) == 0:
         row_tile *= 2
     split_tile = min(next_pow2(splits), max(1, 8192 // row_tile))
-    kernel = functools.partial(_combine_kernel, splits=splits, row_tile=row_tile, split_tile=split_tile)
     return common.pallas_call(
-        kernel,
-        name="xpress_topc_combine",
-        num_warps=4,
-        num_stages=1,
-        interpret=interpret,
-        grid=(rows_pad // row_tile,),
-        in_specs=[pl.no_block_spec] * 3,
-        out_specs=pl.BlockSpec((row_tile,), lambda i: (i,)),
+        functools.partial(_combine_kernel, splits=splits, row_tile=row_tile, split_tile=split_tile),
+        name="xpress_topc_combine", interpret=interpret, grid=(rows_pad // row_tile,),
+        in_specs=[pl.no_block_spec] * 3, out_specs=pl.BlockSpec((row_tile,), lambda i: (i,)),
         out_shape=jax.ShapeDtypeStruct((rows_pad,), jnp.int32),
     )(mv, mb, mi)
 
 
-# ---------------------------------------------------------------------------
 # The certified exact mode's per-pass decision (`xpress_jax.exact`), in one launch after the pick.
 
 
 def _certify_kernel(mv_ref, mi_ref, lat_ref, tau_ref, mex_ref, valid_ref, m_ref, fallen_ref, best_ref, fail_ref,
                     act_ref, *flag_ref, rows: int, splits: int, row_tile: int, split_tile: int, rank: int, k_tile: int,
                     dtype, slack: float, limit: int | None):
-    """Per row tile: the candidates' winner by the full-vocab rule (largest score, lowest id) over the
-    splits, the bound ``beta = R(fl(tau + R(U)))`` with ``U = M ||lat|| (1 + slack)^2``, and the decision
-    (the module doc of `xpress_jax.exact`). The outputs are whole [rows] arrays, each program storing
-    its own rows (masked: nothing is sliced afterwards). ``limit`` (single program only): also the
-    active rows of the all-rows scan, ``fail | full`` with ``full = fallen | (#fail > limit)``, and
-    ``flag_ref`` [8] int32 = [full, #fail, 0, ...]."""
+    """Per row tile: the candidates' winner by the full-vocab rule over the splits, the bound and the decision
+    (`certify`); each program stores its own rows of the whole [rows] outputs (masked)."""
     r0 = pl.program_id(0) * row_tile
     rix = r0 + iota(row_tile)
     rok = rix < rows
@@ -443,15 +398,14 @@ def certify(base_c: jax.Array, cand: jax.Array, lat: jax.Array, w2: jax.Array, t
     launch that decides every row. Returns ``(best_id, fail, act, flags)``, the first three [rows] int32:
 
     - ``best_id``: the candidates' winner by the full-vocab rule (`BIG` when ``fallen``);
-    - ``fail``: ``valid & ~certified & ~fallen``; a row is certified iff ``beta < best`` or (``beta == best`` and
-      ``best_id < mex``), ``beta = R(fl(tau + R(U)))``, ``R`` the rounding to the logits' dtype, ``U = fl(M n)
-      (1 + slack)``, ``n = ||lat|| (1 + slack)`` in float32 (docs/certified.md);
+    - ``fail``: ``valid & ~certified & ~fallen``; certified iff ``beta < best`` or (``beta == best`` and
+      ``best_id < mex``), ``beta = R(fl(tau + R(U)))``, ``U = fl(M n) (1 + slack)``, ``n = ||lat|| (1 + slack)``
+      (docs/certified.md);
     - ``act``: with ``limit``, ``fail | full``, ``full = fallen | (sum(fail) > limit)`` (else ``fail``);
     - ``flags``: with ``limit``, int32 [8] = [full, sum(fail), 0, ...]; None without.
 
-    ``tau`` [rows] float32: each row's C-th largest base logit; ``max_norm`` []: ``M``; ``mex`` [rows] int32: the
-    lowest id that is not a candidate; ``valid`` [rows] bool; ``fallen``: a flag (`common.flag_operand`). ``limit``
-    needs at most `CERTIFY_SINGLE_ROWS` rows (one program holds them all)."""
+    ``tau`` [rows]: each row's C-th largest base logit; ``max_norm`` []: ``M``; ``mex`` [rows]: the lowest id that is
+    not a candidate; ``valid`` [rows] bool; ``fallen``: a flag. ``limit``: at most `CERTIFY_SINGLE_ROWS` rows."""
     rows, c = base_c.shape
     rank = lat.shape[1]
     for name, a, want in (("tau", tau, (rows,)), ("mex", mex, (rows,)), ("valid", valid, (rows,)),
@@ -478,15 +432,8 @@ def certify(base_c: jax.Array, cand: jax.Array, lat: jax.Array, w2: jax.Array, t
     out = jax.ShapeDtypeStruct((rows,), jnp.int32)
     n_out = 3 if limit is None else 4
     outs = common.pallas_call(
-        kernel,
-        name="xpress_certify",
-        num_warps=4,
-        num_stages=1,
-        interpret=interpret,
-        grid=(grid,),
-        in_specs=[pl.no_block_spec] * 8,
-        out_specs=(pl.no_block_spec,) * n_out,
-        out_shape=(out, out, out, jax.ShapeDtypeStruct((8,), jnp.int32))[:n_out],
+        kernel, name="xpress_certify", interpret=interpret, grid=(grid,), in_specs=[pl.no_block_spec] * 8,
+        out_specs=(pl.no_block_spec,) * n_out, out_shape=(out, out, out, jax.ShapeDtypeStruct((8,), jnp.int32))[:n_out],
     )(mv, mi, lat, tau.astype(jnp.float32), mex.astype(jnp.int32), valid.astype(jnp.int32),
       jnp.reshape(max_norm, (1,)).astype(jnp.float32), fallen)
     return (*outs, None) if limit is None else tuple(outs)
