@@ -117,6 +117,7 @@ def test_tokens_equal_scan_xla(dtype, regime):
                                           pytest.param(jnp.bfloat16, "certified", marks=pytest.mark.slow),
                                           pytest.param(jnp.float32, "row_scan", marks=pytest.mark.slow)],
                          ids=lambda v: jnp.dtype(v).name if not isinstance(v, str) else v)
+@pytest.mark.slow
 def test_tokens_equal_scan_pallas_interpret(dtype, regime):
     """Pallas kernels in interpret mode: the candidates scored by the top-C kernel (ties="id"), the subset and
     the fallback by the full-vocab kernel; tokens equal the Pallas full scan."""
@@ -170,6 +171,7 @@ def test_unrolled_passes_skip_final_slots(regime, path):
 
 
 @pytest.mark.parametrize("backend", ["xla", pytest.param("pallas", marks=[pytest.mark.interpret_refine, SLOW])])
+@pytest.mark.slow
 def test_float64(backend):
     """float64 (the jnp path on either backend: the kernels refuse it): tokens equal the scan where most rows
     certify and the rest are scanned."""
@@ -238,6 +240,7 @@ def test_all_candidates():
 
 
 @pytest.mark.parametrize("unroll", [pytest.param(True, marks=SLOW), False])
+@pytest.mark.slow
 def test_no_conditional(unroll):
     """The compiled mode holds no conditional at all (the decisions are device values that the kernels read, no
     host round trip), in every regime's configuration; in a loop, one while loop (the passes)."""
@@ -648,6 +651,7 @@ def test_full_vocab_capacity():
     assert Ops.xla().full_vocab_capacity is None
 
 
+@pytest.mark.slow
 def test_server_auto_policy():
     """RefineServer(full_vocab=Auto(...)): small buckets scan (one executable); large ones start certified and,
     where the calls fall back (pruning fails), switch to the scan for ``retry_after`` calls, then try again;

@@ -42,6 +42,7 @@ def task(ex):
 
 
 @pytest.mark.parametrize("num_passes, topc", [pytest.param(7, 0, marks=pytest.mark.slow), (3, 5)])
+@pytest.mark.slow
 def test_draft_step_matches_what_is_computed_outside_it(ex, task, num_passes, topc):
     V, B = task.config.vocab_size, task.config.block_size
     head, _ = ex.random_head(task, 0, R)

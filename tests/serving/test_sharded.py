@@ -68,6 +68,7 @@ def test_sharded_equals_single_device_sweep(mesh):
 
 
 @pytest.mark.interpret
+@pytest.mark.slow
 def test_kernels_run_per_shard():
     """Every pallas_call inside the sharded refine sees shard-sized operands: no [V, r] weight and no
     [N, B, V] logits reach a kernel (the kernels run per shard, never on gathered inputs)."""
