@@ -176,6 +176,7 @@ def test_ops_are_typed_and_cached():
         Ops.xla("cuda")
 
 
+@pytest.mark.slow
 def test_refine_with_refuses_what_is_not_ops():
     cfg = xj.HeadConfig(vocab_size=97, hidden_size=16, block_size=5, rank=24, mlp_hidden=32, topc=7)
     head = xj.Head(cfg, make_head(cfg))
@@ -404,6 +405,7 @@ def _start_logits(n, b, v, dtype, seed):
       for n, b, v, dt in ((3, 5, 301, jnp.bfloat16), (3, 5, 301, jnp.float32), (2, 4, 7, jnp.bfloat16),
                           (1, 16, 4099, jnp.bfloat16), (1, 16, 4099, jnp.float32), (5, 3, 1, jnp.float32))),
 ])
+@pytest.mark.slow
 def test_full_vocab_start_through_the_selection(monkeypatch, n, b, v, dtype):
     """Where the entry's ``start_select`` says so a Pallas full-vocab refine starts with the
     selection's argmax output (c=1): equal to `reference.full_vocab_start` on every kind of row (NaN, -inf,

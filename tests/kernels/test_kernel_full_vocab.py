@@ -326,6 +326,7 @@ class TestFullVocabPick:
                                                        flat=True, prefetch_base=True, lazy=True)),
                      marks=pytest.mark.slow),
     ], ids=["rows37-V1001", "rows15-default", "rows25-flat-lazy"])
+    @pytest.mark.slow(interpret_only=True)
     def test_counted(self, shape):
         """``counter`` (the counted launch: the last program of a row tile combines its parts): the tokens of
         the pick with ``active`` and ``fallback`` for every mask kind, on random (not dyadic) bf16 inputs bit for

@@ -184,6 +184,7 @@ def test_float64(backend):
             _check_regime(stats, regime)
 
 
+@pytest.mark.slow
 def test_padding_rows_never_force_a_fallback():
     """Rows of invalid blocks (anchor -1 under jit, as RefineServer pads) with flat logits, which could never
     certify, do not count: the call stays certified, valid rows equal the scan's, padding rows are -1."""
@@ -228,6 +229,7 @@ def test_one_pass():
         _check_regime(stats, "row_scan")
 
 
+@pytest.mark.slow
 def test_all_candidates():
     """C >= V: every id is a candidate, every row certifies by construction (no bound needed)."""
     cfg = dataclasses.replace(CFG, vocab_size=97, topc=16)
@@ -515,6 +517,7 @@ def test_refine_server_passes_the_mode():
         xj.RefineServer(head, buckets=(1,), backend="xla", full_vocab="certified", mesh=mesh, progress=False)
 
 
+@pytest.mark.slow
 def test_certified_prepared():
     """``certified_prepared`` (prepare_certified of the same w2) gives the scan's tokens; a wrong one is used,
     not recomputed: M = 0 certifies rows the bound should not, and the tokens then differ from the scan (the

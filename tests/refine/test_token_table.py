@@ -88,6 +88,7 @@ def test_same_tokens_with_the_table(mode, dtype):
 
 @pytest.mark.interpret_refine
 @pytest.mark.parametrize("topc", [0, pytest.param(11, marks=pytest.mark.slow)])
+@pytest.mark.slow
 def test_same_tokens_with_the_table_pallas_interpret(topc):
     params = make_head(CFG, seed=7, std=0.5)
     logits, h, anchors, prev = make_inputs(CFG, 4, seed=8)

@@ -92,6 +92,7 @@ def test_draft_step_matches_what_is_computed_outside_it(ex, task, num_passes, to
     assert changed > 0 and finished > 0 and len(set(accepted)) > 2, (changed, finished, sorted(set(accepted)))
 
 
+@pytest.mark.slow
 def test_verify_accepts_the_greedy_continuation_and_adds_the_targets_token(ex, task):
     """A draft equal to the target's continuation: all B-1 accepted, and the token after the block."""
     V, B = task.config.vocab_size, task.config.block_size

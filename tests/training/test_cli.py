@@ -135,6 +135,7 @@ def test_a_failed_check_exits_1(capsys, monkeypatch):
     assert code == 1 and "DIFFERENT" in out and out.strip().endswith("FAILED")
 
 
+@pytest.mark.slow
 def test_console_entry_point_exits_with_mains_code():
     """The one subprocess check: `python -m xpress_jax.cli` exits with main's code (2 on usage)."""
     res = subprocess.run([sys.executable, "-m", "xpress_jax.cli", "bench", "--n", "0"], capture_output=True,
