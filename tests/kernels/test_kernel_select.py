@@ -196,6 +196,7 @@ class TestSelect:
         self.run(base, 700, groups=64, cap=1024, scan_chunk=128, block=4, stats_blocks=16, stats_unroll=2)
 
     @pytest.mark.parametrize("dtype,segments", DTYPE_SEGMENTS)
+    @pytest.mark.slow(interpret_only=True)
     def test_block_and_segment_edges(self, dtype, segments):
         # hot elements (far above the rest) at the edges of blocks, loads, segments and the row; C cuts
         # through a class of equal hot values, so the lowest ids must win there too

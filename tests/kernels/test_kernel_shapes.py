@@ -118,6 +118,7 @@ def _check_full_vocab(n, b, vocab, rank, dtype, seed):
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, pytest.param(jnp.float32, marks=slow)], ids=_name)
 @pytest.mark.parametrize("n,b", FV_BOUNDARY)
+@pytest.mark.slow
 def test_full_vocab_at_table_boundaries(n, b, dtype):
     """Both sides of every draft-row boundary of the served table, rank 24 (not a power of two).
 

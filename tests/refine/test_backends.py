@@ -119,7 +119,7 @@ def test_mixed_implementations_match_xla(steps):
     assert (want != np.asarray(jnp.argmax(x[0][:, 1:], -1))).mean() > 0.2
 
 
-@pytest.mark.parametrize("backend", [pytest.param("pallas:latent", marks=slow), "xla:latent", "XLA", "cuda", None, Ops.xla()])
+@pytest.mark.parametrize("backend", [pytest.param("pallas:latent", marks=slow), pytest.param("xla:latent", marks=slow), "XLA", "cuda", None, Ops.xla()])
 def test_backend_is_one_of_three_names(backend):
     """backend is only "auto" | "xla" | "pallas" (mixed implementations go through refine_with)."""
     params = make_head(CFG)

@@ -217,6 +217,7 @@ def test_adversarial_heads_fall_back_and_stay_exact(dtype):
         _check_regime(stats, "fallback")
 
 
+@pytest.mark.slow
 def test_one_pass():
     """K = 1 (no pass before the last: the loop runs zero times), unrolled and in a loop."""
     x, cert = _regime(jnp.float32, "row_scan")
@@ -540,6 +541,7 @@ def test_certified_prepared():
                   certified_prepared=CertifiedPrepared(jnp.zeros((2,), jnp.float32)))
 
 
+@pytest.mark.slow
 def test_server_keeps_the_bound_data_with_the_weights():
     """RefineServer(full_vocab="certified") computes prepare_certified at start-up and on reload (not per call):
     its M always equals the serving weights' M, a failed reload keeps both, and the tokens equal the scan's."""

@@ -75,6 +75,7 @@ def _server(**kw):
         return xj.RefineServer(head, buckets=(2,), **kw)
 
 
+@pytest.mark.slow
 def test_server_passes_its_options_to_xla():
     # A value XLA refuses, naming the option: proves the server's options reach every compile.
     with pytest.raises(Exception, match=OPTION):

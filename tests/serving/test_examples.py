@@ -105,6 +105,7 @@ def test_verify_accepts_the_greedy_continuation_and_adds_the_targets_token(ex, t
     np.testing.assert_array_equal(bonus, task.greedy_next[cont[:, -2], cont[:, -1]])
 
 
+@pytest.mark.slow
 def test_the_state_buffers_are_aliased_without_a_warning(ex, task):
     """XLA writes the new state into the donated one (input_output_alias), with no "donated buffers
     were not usable" warning: checked on the compiled step."""
