@@ -118,8 +118,14 @@ def pytest_collection_modifyitems(config, items):
         return
     skip = pytest.mark.skip(reason="slow sweep: run with `-m slow` or XPRESS_SLOW=1")
     for item in items:
-        if "slow" in item.keywords:
+        if any(_slow_here(m, item) for m in item.iter_markers("slow")):
             item.add_marker(skip)
+
+
+def _slow_here(mark, item) -> bool:
+    """`slow(interpret_only=True)` on a kernel class's method slows only its interpret twin
+    (``INTERPRET = True``): the compiled twin, run on a GPU, is cheap and stays in the fast suite."""
+    return not mark.kwargs.get("interpret_only") or bool(getattr(item.cls, "INTERPRET", True))
 
 
 #: The end-of-run summary's skip categories: (pattern in the reason, label), the first match wins. A

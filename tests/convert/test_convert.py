@@ -633,6 +633,7 @@ def run_cli(*args, cwd=None):
     return subprocess.run([*cmd, *map(str, args)], capture_output=True, text=True, env=env, cwd=cwd, timeout=120)
 
 
+@pytest.mark.slow
 def test_cli_convert_verify_and_inspect(tmp_path, raw, capsys):
     src = write_folder(tmp_path / "src", {**backbone(), **prefixed(raw, "model.xpress_head.")}, config=hf_config(), shards=2)
     dst = tmp_path / "out"

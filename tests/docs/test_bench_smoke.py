@@ -8,6 +8,7 @@ import jax
 import pytest
 
 
+@pytest.mark.slow
 def test_bench_refine_small_runs_on_cpu_and_writes_as_it_goes(tmp_path, capsys):
     from benchmarks import bench_refine
 
@@ -69,6 +70,7 @@ def test_bench_refine_table_backends(tmp_path):
 @pytest.mark.parametrize("std, topc", [(1.0, 0), pytest.param(0.02, 0, marks=pytest.mark.slow),
                                        pytest.param(1.0, 4, marks=pytest.mark.slow),
                                        pytest.param(0.02, 4, marks=pytest.mark.slow)])
+@pytest.mark.slow
 def test_fixed_point_study_matches_refine_early_exit(tmp_path, std, topc):
     """benchmarks.fixed_point: a block's first unchanged pass, as the study finds it, is where refine's own
     early exit (one check per pass: the loop form) stops on that block alone. std 0.02: converges at once;

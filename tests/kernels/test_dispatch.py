@@ -143,6 +143,7 @@ def test_float64_plans_the_reference():
 
 @pytest.mark.interpret_refine
 @pytest.mark.parametrize("topc", [pytest.param(0, marks=pytest.mark.slow), 7])
+@pytest.mark.slow
 def test_float64_refine_with_pallas_backend_is_the_reference(topc):
     """backend="pallas" routes float64 to the jnp reference (the kernels refuse it): same tokens as XLA."""
     cfg = xj.HeadConfig(vocab_size=97, hidden_size=16, block_size=5, rank=24, mlp_hidden=32, topc=topc)
@@ -175,6 +176,7 @@ def test_ops_are_typed_and_cached():
         Ops.xla("cuda")
 
 
+@pytest.mark.slow
 def test_refine_with_refuses_what_is_not_ops():
     cfg = xj.HeadConfig(vocab_size=97, hidden_size=16, block_size=5, rank=24, mlp_hidden=32, topc=7)
     head = xj.Head(cfg, make_head(cfg))
@@ -184,6 +186,7 @@ def test_refine_with_refuses_what_is_not_ops():
 
 @pytest.mark.parametrize("n,topc", [(3, 0), pytest.param(1, 0, marks=pytest.mark.slow),
                                     pytest.param(1, 7, marks=pytest.mark.slow)])
+@pytest.mark.slow
 def test_xla_gpu_spelling_gives_the_same_tokens(n, topc):
     """Ops.xla("gpu") only changes how the readout dot (the 16-bit result written directly) and the hidden
     input (`reference.hidden_input_gpu`: N=1 padded, xh behind a barrier) are spelled."""
@@ -199,6 +202,7 @@ def test_xla_gpu_spelling_gives_the_same_tokens(n, topc):
 @pytest.mark.interpret_refine
 @pytest.mark.parametrize("early_exit", [pytest.param(False, id="plain", marks=pytest.mark.slow),
                                         pytest.param((2,), id="early-exit")])
+@pytest.mark.slow
 def test_full_vocab_pass_pick(monkeypatch, early_exit):
     """An unrolled full-vocab refine runs `Ops.full_vocab_pass_pick` for every pass: pass q (0-based) picks only
     the draft slots from min(q, B-1) on (interpret mode skips wherever it can; at B=5, K=6 the last two passes
@@ -250,6 +254,7 @@ def test_full_vocab_pass_pick(monkeypatch, early_exit):
 @pytest.mark.interpret_refine
 @pytest.mark.parametrize("early_exit", [pytest.param(False, id="plain", marks=pytest.mark.slow),
                                         pytest.param((2,), id="early-exit")])
+@pytest.mark.slow
 def test_topc_pass_pick(monkeypatch, early_exit):
     """The same for top-C passes (`Ops.topc_pass_pick`): pass q's top-C pick runs only draft slots min(q, B-1)..
     (interpret mode), the residual's terms included, with the tokens of the plain pick of every row."""
@@ -395,11 +400,12 @@ def _start_logits(n, b, v, dtype, seed):
 
 @pytest.mark.parametrize("n,b,v,dtype", [
     pytest.param(2, 4, 7, jnp.float32, id="2-4-7-float32"),
-    pytest.param(5, 3, 1, jnp.bfloat16, id="5-3-1-bfloat16"),
+    pytest.param(5, 3, 1, jnp.bfloat16, id="5-3-1-bfloat16", marks=pytest.mark.slow),
     *(pytest.param(n, b, v, dt, id=f"{n}-{b}-{v}-{jnp.dtype(dt).name}", marks=pytest.mark.slow)
       for n, b, v, dt in ((3, 5, 301, jnp.bfloat16), (3, 5, 301, jnp.float32), (2, 4, 7, jnp.bfloat16),
                           (1, 16, 4099, jnp.bfloat16), (1, 16, 4099, jnp.float32), (5, 3, 1, jnp.float32))),
 ])
+@pytest.mark.slow
 def test_full_vocab_start_through_the_selection(monkeypatch, n, b, v, dtype):
     """Where the entry's ``start_select`` says so a Pallas full-vocab refine starts with the
     selection's argmax output (c=1): equal to `reference.full_vocab_start` on every kind of row (NaN, -inf,
@@ -562,6 +568,7 @@ def test_no_import_cycles():
     pytest.param(jnp.bfloat16, "xla", id="bfloat16-xla", marks=pytest.mark.slow),
     pytest.param(jnp.bfloat16, "pallas-interpret", id="bfloat16-pallas-interpret", marks=pytest.mark.slow),
 ])
+@pytest.mark.slow
 def test_best_steps_agree_with_the_picks(ops_name, dtype):
     """`full_vocab_best` / `topc_best` (the picks with their winning values, what the vocabulary-sharded
     path combines) give the picks' ids, and the scores the reference computes for those ids."""

@@ -137,6 +137,7 @@ class TestFullVocabPick:
     @pytest.mark.parametrize("shape", [pytest.param(SHAPES[2], id="flat"),
                                        pytest.param(SHAPES[3], id="one-tile", marks=pytest.mark.slow),
                                        pytest.param(SHAPES[5], id="flat-lazy", marks=pytest.mark.slow)])
+    @pytest.mark.slow(interpret_only=True)
     def test_l2_hints_are_the_same_pick(self, shape, keep):
         """``keep`` (L2 eviction hints on the w2 loads; the loop split where the policy changes: the part's last
         visited tile apart) gives the ids and per-part winners of the plain pick, in both orders, on random and
@@ -270,6 +271,7 @@ class TestFullVocabPick:
         pytest.param(ACTIVE_SHAPES[1], False, id="rows25-flat-lazy-tiles", marks=pytest.mark.slow),
         pytest.param(ACTIVE_SHAPES[1], True, id="rows25-flat-lazy-packed", marks=pytest.mark.slow),
     ])
+    @pytest.mark.slow(interpret_only=True)
     def test_active_rows(self, shape, pack):
         """``active``: the active rows' tokens (and partials' winners) are the plain pick's, for every mask
         kind (all, none, one row, one row tile, the last (partial) tile, random); rows not a multiple of
@@ -325,6 +327,7 @@ class TestFullVocabPick:
                                                        flat=True, prefetch_base=True, lazy=True)),
                      marks=pytest.mark.slow),
     ], ids=["rows37-V1001", "rows15-default", "rows25-flat-lazy"])
+    @pytest.mark.slow(interpret_only=True)
     def test_counted(self, shape):
         """``counter`` (the counted launch: the last program of a row tile combines its parts): the tokens of
         the pick with ``active`` and ``fallback`` for every mask kind, on random (not dyadic) bf16 inputs bit for
@@ -358,6 +361,7 @@ class TestFullVocabPick:
             with pytest.raises(ValueError, match=match):
                 fv.full_vocab_pick(base, lat, w2, interpret=self.INTERPRET, config=cfg, active=a, **bad)
 
+    @pytest.mark.slow(interpret_only=True)
     def test_active_with_slot_stride(self):
         """``active`` with ``slot_stride=B`` (how refine calls it): packed rows read their own logits row."""
         N, B, V, r = 5, 6, 700, 16
@@ -372,6 +376,7 @@ class TestFullVocabPick:
 
 
     @pytest.mark.parametrize("capacity", [16, *(pytest.param(c, marks=pytest.mark.slow) for c in (5, 20, 37, 64))])
+    @pytest.mark.slow(interpret_only=True)
     def test_active_capacity(self, capacity):
         """``capacity``: the first ``capacity`` active rows (in row order) get the plain pick's tokens, on a
         grid of only ``ceil(capacity / row_tile)`` row tiles; active rows beyond it read BIG. With
@@ -404,6 +409,7 @@ class TestFullVocabPick:
 
 
     @pytest.mark.parametrize("rows,slots", [(37, 6), pytest.param(75, 15, marks=pytest.mark.slow)])
+    @pytest.mark.slow(interpret_only=True)
     def test_pack_active_skips_final_slots(self, rows, slots):
         """``skip_slots`` (the certified mode's passes that know their number): rows ``q % slots < skip_slots``
         are never active, not even in a full pass or when ``fail`` names them (they still count in sum(fail));
@@ -472,6 +478,7 @@ class TestFullVocabPick:
         with pytest.raises(ValueError, match="fallen must be"):
             fv.pack_active(fail, jnp.zeros((2,), bool), limit=1, interpret=self.INTERPRET)
 
+    @pytest.mark.slow(interpret_only=True)
     def test_scan_failing(self):
         """`scan_failing`: the failing rows (every row once the pass is full: more than ``limit`` fail, or the call
         has fallen back) get the all-rows pick's tokens BIT FOR BIT on random bf16 inputs (`Table.capacity_config`'s

@@ -175,6 +175,7 @@ class TestLatentKernel:
         pytest.param(jnp.bfloat16, 7, "split", id="bf16_top7-split", marks=pytest.mark.slow),
         pytest.param(jnp.float32, 0, "split", id="f32_full-split", marks=pytest.mark.slow),
         pytest.param(jnp.bfloat16, 7, "fused", id="bf16_top7-fused", marks=pytest.mark.slow)])
+    @pytest.mark.slow(interpret_only=True)
     def test_refined_tokens_identical(self, dtype, topc, variant):
         """Downstream: K passes of refine with the kernel give the oracle's tokens."""
         cfg = HeadConfig(vocab_size=97, hidden_size=24, block_size=6, rank=48, mlp_hidden=80,

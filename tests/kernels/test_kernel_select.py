@@ -176,23 +176,27 @@ class TestSelect:
             assert set(np.asarray(cand[i]).tolist()) == want
 
     @pytest.mark.parametrize("dtype", [pytest.param(F16, id="float16"), pytest.param(BF16, id="bfloat16", marks=slow)])
+    @pytest.mark.slow(interpret_only=True)
     def test_45_rows_default_config(self, dtype):
         rng = np.random.default_rng(3)
         x = rng.standard_normal((45, 2500))
         x[::3] = np.round(x[::3] * 4) / 4
         self.run(jnp.asarray(x, dtype), 77)
 
+    @pytest.mark.slow(interpret_only=True)
     def test_serving_blocks_many_segments(self):
         # default block sizes, many stats segments (the bound kernel loops over them)
         base = jnp.asarray(np.random.default_rng(6).standard_normal((15, 40000)), BF16)
         self.run(base, 512, groups=1024, cap=2048, stats_blocks=64)
 
+    @pytest.mark.slow(interpret_only=True)
     def test_c_equals_v(self):
         base = jnp.asarray(np.round(np.random.default_rng(4).standard_normal((15, 700)) * 2), BF16)
         # c > groups: no bound, everything buffered
         self.run(base, 700, groups=64, cap=1024, scan_chunk=128, block=4, stats_blocks=16, stats_unroll=2)
 
     @pytest.mark.parametrize("dtype,segments", DTYPE_SEGMENTS)
+    @pytest.mark.slow(interpret_only=True)
     def test_block_and_segment_edges(self, dtype, segments):
         # hot elements (far above the rest) at the edges of blocks, loads, segments and the row; C cuts
         # through a class of equal hot values, so the lowest ids must win there too
@@ -214,6 +218,7 @@ class TestSelect:
         self.run(jnp.asarray(x, dtype), C, segments=segments, **self.small)
 
     @pytest.mark.parametrize("dtype,segments", dtype_segments("bfloat16-None"))
+    @pytest.mark.slow(interpret_only=True)
     def test_slot_stride_reads_slots_1_to_b(self, dtype, segments):
         # logits [N, B, V] with N=3, B=6: the 15 draft rows (slots 1..5) are the mixed rows (every
         # finish path: fast, heavy ties at the bound, flooded row); slot 0 of each block holds huge
@@ -235,6 +240,7 @@ class TestSelect:
             np.testing.assert_array_equal(np.asarray(g).view(np.uint8), np.asarray(w).view(np.uint8), err_msg=what)
 
     @pytest.mark.parametrize("c", [pytest.param(1024, marks=slow), 3000])
+    @pytest.mark.slow(interpret_only=True)
     def test_dispatch_configs_above_512(self, c):
         """The configs `dispatch.Table.select_config` serves for large C (bigger cap, more groups, smaller
         blocks) give the oracle's candidates at V = 151936."""
@@ -247,6 +253,7 @@ class TestSelect:
         self.run(base, 37)  # V < groups: empty groups, bound = the minimum
         self.run(base, 1)
 
+    @pytest.mark.slow(interpret_only=True)
     def test_x64_mode(self):
         with jax.enable_x64(True):  # int32 arithmetic must not widen inside the kernels
             self.run(jnp.asarray(_mixed_rows(seed=2), F32), C, **SMALL)

@@ -118,6 +118,7 @@ def _check_full_vocab(n, b, vocab, rank, dtype, seed):
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, pytest.param(jnp.float32, marks=slow)], ids=_name)
 @pytest.mark.parametrize("n,b", FV_BOUNDARY)
+@pytest.mark.slow
 def test_full_vocab_at_table_boundaries(n, b, dtype):
     """Both sides of every draft-row boundary of the served table, rank 24 (not a power of two).
 
@@ -211,6 +212,7 @@ def test_topc_ranks(rank, dtype):
     pytest.param(14, 211, jnp.float32, id="rows14-B8-CV-f32"),
     pytest.param(6, 211, jnp.bfloat16, id="rows6-B3-CV-bf16", marks=slow),
     pytest.param(14, 1, jnp.float32, id="rows14-B8-C1-f32", marks=slow)])
+@pytest.mark.slow
 def test_topc_c_edges(rows, c, dtype):
     """C = 1 and C = V (odd V=211: two 128-candidate tiles, the second partial), rank 40."""
     _check_topc(rows, 211, c, 40, dtype, seed=rows + c)
@@ -257,6 +259,7 @@ def test_select_at_the_large_c_switches(c, dtype):
     pytest.param(1, 3, 301, jnp.float32, id="B3-CV-f32"),
     pytest.param(1, 7, 1, jnp.float32, id="B7-C1-f32", marks=slow),
     pytest.param(1, 7, 301, jnp.bfloat16, id="B7-CV-bf16", marks=slow)])
+@pytest.mark.slow
 def test_select_small_blocks_and_c_edges(n, b, c, dtype):
     _check_select(n, b, 301, c, dtype, seed=b + c)
 
@@ -289,6 +292,7 @@ def _check_latent(n, b, rank, dtype, m=40, vocab=97, seed=0):
 
 
 @pytest.mark.parametrize("rank,dtype", rank_dtype_params("37-float32"))
+@pytest.mark.slow
 def test_latent_ranks(rank, dtype):
     """The split variant (interpret-mode plans up to LAT_XLA_ROWS draft rows) at every awkward rank, 2 blocks
     of B = 3 (compiled on a GPU, 4 rows take XLA's latent, and the test runs the split kernel itself)."""
@@ -311,6 +315,7 @@ def test_latent_at_dispatch_boundaries(n):
     _check_latent(n, 2, 40, jnp.bfloat16, seed=n)
 
 
+@pytest.mark.slow
 def test_latent_fused_at_awkward_shapes():
     """The fused variant (served above LAT_XLA_ROWS draft rows) at an odd rank and B = 3 (fast stand-in for N = 65)."""
     from test_kernel_latent import assert_close
@@ -368,6 +373,7 @@ refine_jit = jax.jit(xj.refine, static_argnames=xj.STATIC_ARGNAMES)
     pytest.param(48, 7, 2, V_ODD, _BF, id="r48-B7-topV-bf16", marks=slow),
     pytest.param(192, 3, 31, 0, _BF, id="r192-B3-rows62-full-bf16", marks=slow),
 ])
+@pytest.mark.slow
 def test_refine_pallas_equals_xla(rank, b, n, topc, dtype):
     cfg = _cfg(rank, b, topc=topc)
     params = make_head(cfg, dtype=dtype)

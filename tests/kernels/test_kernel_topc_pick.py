@@ -166,6 +166,7 @@ class TestTopCPick:
         np.testing.assert_array_equal(_reference(*args), want)  # the oracle obeys the rules as stated
         np.testing.assert_array_equal(np.asarray(self.pick(*args, cfg)), want)
 
+    @pytest.mark.slow(interpret_only=True)
     def test_ties_by_id(self):
         """``ties="id"`` (the full-vocab rule over the candidates, what the certified exact mode scores): equal
         scores go to the lowest id, not the larger base logit; ids and partials' scores as
@@ -247,6 +248,7 @@ class TestTopCPick:
             with pytest.raises(ValueError, match="row_ids"):
                 tp.topc_pick(base_c, cand, lat, w2, interpret=self.INTERPRET, row_ids=bad)
 
+    @pytest.mark.slow(interpret_only=True)
     def test_l2_hints_are_the_same_pick(self):
         """``keep`` (L2 eviction hints on the w2 gathers; splits ``j < hot`` one policy, the rest another, a whole
         program per branch) gives the per-split winners of the plain pick, with a rank tail chunk, with ``skip``

@@ -147,6 +147,7 @@ def _xla_latent_split(params, xh, blk, prev_ids, split=False):
 @pytest.mark.parametrize("topc,dtype", [
     pytest.param(c, dt, id=f"{c}-{jnp.dtype(dt).name}", marks=() if (c, dt) == (1, jnp.bfloat16) else SLOW)
     for c in (1, 11, 301) for dt in DTYPES])
+@pytest.mark.slow
 def test_refine_same_tokens_with_the_split_latent(topc, dtype):
     """Pallas steps (interpret) with XLA's latent: split (the picks add the terms) against not split."""
     params = make_head(CFG, seed=21, dtype=dtype, std=0.5)
@@ -159,6 +160,7 @@ def test_refine_same_tokens_with_the_split_latent(topc, dtype):
     np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.slow
 def test_split_latent_terms_sum_to_the_latent():
     """`head.latent(split=True)`'s terms, rounded after their float32 sum, are the latent bit for bit, and
     the pass's `LatentSum` is those terms."""
@@ -174,6 +176,7 @@ def test_split_latent_terms_sum_to_the_latent():
     assert not np.array_equal(np.asarray(s.d), np.zeros_like(np.asarray(s.d)))
 
 
+@pytest.mark.slow
 def test_pallas_steps_split_up_to_the_dispatch_bound():
     """The compiled Pallas steps' latent (XLA's where the plan says so: jnp, runs on a CPU too) is split
     up to the table's last ``split_latent`` draft-row count and not one block above; never without ``split``."""
@@ -196,6 +199,7 @@ def test_pallas_steps_split_up_to_the_dispatch_bound():
 
 @pytest.mark.parametrize("dtype", [pytest.param(jnp.float32, id="float32"),
                                    pytest.param(jnp.bfloat16, id="bfloat16", marks=pytest.mark.slow)])
+@pytest.mark.slow
 def test_mixer_barrier_same_latent_up_to_the_dispatch_bound(dtype):
     """`head.latent(barrier=True)` (the mixer's output behind an optimization barrier) is the latent bit for
     bit, jitted, split or not; the compiled Pallas steps use it for an unsplit latent up to

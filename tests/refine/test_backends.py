@@ -33,6 +33,7 @@ slow = pytest.mark.slow
     pytest.param(1, 0, _BF, id="1-0-bfloat16", marks=slow), pytest.param(3, 0, _F32, id="3-0-float32", marks=slow),
     pytest.param(1, 50, _F32, id="1-50-float32", marks=slow), pytest.param(3, 50, _BF, id="3-50-bfloat16", marks=slow),
 ])
+@pytest.mark.slow
 def test_pallas_interpret_equals_xla(dtype, topc, n):
     params = make_head(CFG, dtype=dtype)
     x = make_inputs(CFG, n, seed=n + topc, dtype=dtype)
@@ -102,6 +103,7 @@ def test_refine_lowers_to_triton_kernels(topc):
 @pytest.mark.interpret_refine
 @pytest.mark.parametrize("steps", [pytest.param("latent", marks=slow), "pick", pytest.param("select", marks=slow),
                                    pytest.param("latent+pick", marks=slow)])
+@pytest.mark.slow
 def test_mixed_implementations_match_xla(steps):
     """One kernel step at a time in the XLA refine, as bench_refine builds them (`dataclasses.replace` on
     `Ops`, run with `refine_with`: the documented way to build mixed implementations); a pair is `slow`."""
@@ -117,7 +119,7 @@ def test_mixed_implementations_match_xla(steps):
     assert (want != np.asarray(jnp.argmax(x[0][:, 1:], -1))).mean() > 0.2
 
 
-@pytest.mark.parametrize("backend", ["pallas:latent", "xla:latent", "XLA", "cuda", None, Ops.xla()])
+@pytest.mark.parametrize("backend", [pytest.param("pallas:latent", marks=slow), pytest.param("xla:latent", marks=slow), "XLA", "cuda", None, Ops.xla()])
 def test_backend_is_one_of_three_names(backend):
     """backend is only "auto" | "xla" | "pallas" (mixed implementations go through refine_with)."""
     params = make_head(CFG)

@@ -117,6 +117,7 @@ def test_tokens_equal_scan_xla(dtype, regime):
                                           pytest.param(jnp.bfloat16, "certified", marks=pytest.mark.slow),
                                           pytest.param(jnp.float32, "row_scan", marks=pytest.mark.slow)],
                          ids=lambda v: jnp.dtype(v).name if not isinstance(v, str) else v)
+@pytest.mark.slow
 def test_tokens_equal_scan_pallas_interpret(dtype, regime):
     """Pallas kernels in interpret mode: the candidates scored by the top-C kernel (ties="id"), the subset and
     the fallback by the full-vocab kernel; tokens equal the Pallas full scan."""
@@ -170,6 +171,7 @@ def test_unrolled_passes_skip_final_slots(regime, path):
 
 
 @pytest.mark.parametrize("backend", ["xla", pytest.param("pallas", marks=[pytest.mark.interpret_refine, SLOW])])
+@pytest.mark.slow
 def test_float64(backend):
     """float64 (the jnp path on either backend: the kernels refuse it): tokens equal the scan where most rows
     certify and the rest are scanned."""
@@ -182,6 +184,7 @@ def test_float64(backend):
             _check_regime(stats, regime)
 
 
+@pytest.mark.slow
 def test_padding_rows_never_force_a_fallback():
     """Rows of invalid blocks (anchor -1 under jit, as RefineServer pads) with flat logits, which could never
     certify, do not count: the call stays certified, valid rows equal the scan's, padding rows are -1."""
@@ -214,6 +217,7 @@ def test_adversarial_heads_fall_back_and_stay_exact(dtype):
         _check_regime(stats, "fallback")
 
 
+@pytest.mark.slow
 def test_one_pass():
     """K = 1 (no pass before the last: the loop runs zero times), unrolled and in a loop."""
     x, cert = _regime(jnp.float32, "row_scan")
@@ -226,6 +230,7 @@ def test_one_pass():
         _check_regime(stats, "row_scan")
 
 
+@pytest.mark.slow
 def test_all_candidates():
     """C >= V: every id is a candidate, every row certifies by construction (no bound needed)."""
     cfg = dataclasses.replace(CFG, vocab_size=97, topc=16)
@@ -238,6 +243,7 @@ def test_all_candidates():
 
 
 @pytest.mark.parametrize("unroll", [pytest.param(True, marks=SLOW), False])
+@pytest.mark.slow
 def test_no_conditional(unroll):
     """The compiled mode holds no conditional at all (the decisions are device values that the kernels read, no
     host round trip), in every regime's configuration; in a loop, one while loop (the passes)."""
@@ -512,6 +518,7 @@ def test_refine_server_passes_the_mode():
         xj.RefineServer(head, buckets=(1,), backend="xla", full_vocab="certified", mesh=mesh, progress=False)
 
 
+@pytest.mark.slow
 def test_certified_prepared():
     """``certified_prepared`` (prepare_certified of the same w2) gives the scan's tokens; a wrong one is used,
     not recomputed: M = 0 certifies rows the bound should not, and the tokens then differ from the scan (the
@@ -534,6 +541,7 @@ def test_certified_prepared():
                   certified_prepared=CertifiedPrepared(jnp.zeros((2,), jnp.float32)))
 
 
+@pytest.mark.slow
 def test_server_keeps_the_bound_data_with_the_weights():
     """RefineServer(full_vocab="certified") computes prepare_certified at start-up and on reload (not per call):
     its M always equals the serving weights' M, a failed reload keeps both, and the tokens equal the scan's."""
@@ -648,6 +656,7 @@ def test_full_vocab_capacity():
     assert Ops.xla().full_vocab_capacity is None
 
 
+@pytest.mark.slow
 def test_server_auto_policy():
     """RefineServer(full_vocab=Auto(...)): small buckets scan (one executable); large ones start certified and,
     where the calls fall back (pruning fails), switch to the scan for ``retry_after`` calls, then try again;

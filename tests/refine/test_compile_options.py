@@ -56,6 +56,7 @@ def test_check_compiler_options():
 
 
 @pytest.mark.parametrize("topc", [pytest.param(7, marks=pytest.mark.slow), 0])
+@pytest.mark.slow
 def test_same_tokens_with_and_without(topc):
     """The options change only the schedule: the same tokens as XLA's defaults (on the platform run on)."""
     head = xj.Head(CFG, make_head(CFG, dtype=jnp.bfloat16))
@@ -74,6 +75,7 @@ def _server(**kw):
         return xj.RefineServer(head, buckets=(2,), **kw)
 
 
+@pytest.mark.slow
 def test_server_passes_its_options_to_xla():
     # A value XLA refuses, naming the option: proves the server's options reach every compile.
     with pytest.raises(Exception, match=OPTION):

@@ -107,6 +107,7 @@ def test_early_exit_pallas_interpret(topc):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, pytest.param(jnp.float64, marks=slow)])
+@pytest.mark.slow
 def test_jacobi_exactness_with_early_exit(dtype):
     """K >= B-1 full vocab with early exit == the sequential greedy decode."""
     with jax.enable_x64(dtype == jnp.float64):

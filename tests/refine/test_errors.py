@@ -135,6 +135,7 @@ def test_backend_name(setup):
         xj.refine(params, *x, num_passes=1, topc=0, backend="cuda")
 
 
+@pytest.mark.slow
 def test_errors_also_under_jit(setup):
     cfg, params, (logits, h, a, p) = setup
     f = jax.jit(xj.refine, static_argnames=xj.STATIC_ARGNAMES)

@@ -33,6 +33,7 @@ def test_topc_larger_than_vocab_is_clamped_as_vllm_does():
     assert xj.HeadConfig(vocab_size=151936, hidden_size=4096).topc == 512
 
 
+@pytest.mark.slow
 def test_head_runs_with_its_own_c_and_k(head):
     x = make_inputs(CFG, 3)
     want = np.asarray(xj.refine(head.params, *x, config=CFG))

@@ -95,6 +95,7 @@ def test_latent_is_causal(small_cfg):
         assert np.all(np.any(lat2[:, max(c, 1) - 1] != lat[:, max(c, 1) - 1], axis=-1))
 
 
+@pytest.mark.slow
 def test_refine_output_is_causal_in_the_logits(small_cfg):
     params = make_head(small_cfg)
     logits, h, a, p = make_inputs(small_cfg, 4)
@@ -297,6 +298,7 @@ def test_jit_matches_eager_and_does_not_retrace(small_cfg):
         np.testing.assert_array_equal(np.asarray(out2), np.asarray(xj.refine(params2, *x2, **kw)))
 
 
+@pytest.mark.slow
 def test_bf16_refine_runs_and_returns_int32(small_cfg):
     params = make_head(small_cfg, dtype=jnp.bfloat16)
     x = make_inputs(small_cfg, 2, dtype=jnp.bfloat16)

@@ -36,6 +36,7 @@ def test_table_is_the_product_in_the_accumulation_dtype(dtype):
     np.testing.assert_array_equal(np.asarray(xj.token_table(xj.Head(CFG, params))), np.asarray(table))
 
 
+@pytest.mark.slow
 def test_table_in_float64():
     with jax.enable_x64(True):
         params = make_head(CFG, seed=2, dtype=jnp.float64)
@@ -46,6 +47,7 @@ def test_table_in_float64():
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, pytest.param(jnp.bfloat16, marks=pytest.mark.slow)])
+@pytest.mark.slow
 def test_latent_bit_for_bit_where_every_sum_is_exact(dtype):
     """Dyadic w1 and in_proj_token: every partial sum of a table row is exact in float32 in any order,
     so the latents with and without the table must agree bit for bit (in every later step too)."""
@@ -86,6 +88,7 @@ def test_same_tokens_with_the_table(mode, dtype):
 
 @pytest.mark.interpret_refine
 @pytest.mark.parametrize("topc", [0, pytest.param(11, marks=pytest.mark.slow)])
+@pytest.mark.slow
 def test_same_tokens_with_the_table_pallas_interpret(topc):
     params = make_head(CFG, seed=7, std=0.5)
     logits, h, anchors, prev = make_inputs(CFG, 4, seed=8)

@@ -95,6 +95,7 @@ def test_jnp_rule_equals_sorted_first_position(dtype_name, rows, vocab, rank, c)
     pytest.param(*case, dt, id=(name := "-".join(map(str, case + (dt,)))),
                  marks=() if name == "45-300-16-37-float32" else pytest.mark.slow)
     for case in CASES for dt in DTYPES])  # default run: one case; the rest `slow`
+@pytest.mark.slow
 def test_kernels_equal_sorted_first_position(dtype_name, rows, vocab, rank, c):
     """Selection kernel + top-C pick kernel with the configs serving uses (interpret mode)."""
     base, lat, w2, want, old = _case(dtype_name, rows, vocab, rank, c, seed=rows + c)

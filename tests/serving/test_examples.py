@@ -42,6 +42,7 @@ def task(ex):
 
 
 @pytest.mark.parametrize("num_passes, topc", [pytest.param(7, 0, marks=pytest.mark.slow), (3, 5)])
+@pytest.mark.slow
 def test_draft_step_matches_what_is_computed_outside_it(ex, task, num_passes, topc):
     V, B = task.config.vocab_size, task.config.block_size
     head, _ = ex.random_head(task, 0, R)
@@ -91,6 +92,7 @@ def test_draft_step_matches_what_is_computed_outside_it(ex, task, num_passes, to
     assert changed > 0 and finished > 0 and len(set(accepted)) > 2, (changed, finished, sorted(set(accepted)))
 
 
+@pytest.mark.slow
 def test_verify_accepts_the_greedy_continuation_and_adds_the_targets_token(ex, task):
     """A draft equal to the target's continuation: all B-1 accepted, and the token after the block."""
     V, B = task.config.vocab_size, task.config.block_size
@@ -103,6 +105,7 @@ def test_verify_accepts_the_greedy_continuation_and_adds_the_targets_token(ex, t
     np.testing.assert_array_equal(bonus, task.greedy_next[cont[:, -2], cont[:, -1]])
 
 
+@pytest.mark.slow
 def test_the_state_buffers_are_aliased_without_a_warning(ex, task):
     """XLA writes the new state into the donated one (input_output_alias), with no "donated buffers
     were not usable" warning: checked on the compiled step."""

@@ -219,6 +219,7 @@ def test_reload_reuses_the_executables_and_bad_weights_keep_the_old_ones(server,
         assert compiles() == 0
 
 
+@pytest.mark.slow
 def test_from_checkpoint_and_reload_from(tmp_path, head):
     path = xj.save_params(tmp_path / "a", head)
     path2 = xj.save_params(tmp_path / "b", jax.tree.map(lambda w: w * 1.5, head))
@@ -241,6 +242,7 @@ def test_from_checkpoint_and_reload_from(tmp_path, head):
         np.testing.assert_array_equal(np.asarray(server(*x)), want2)
 
 
+@pytest.mark.slow
 def test_host_output_same_tokens_in_pinned_host_memory_without_trace_or_compile(server, head):
     """output="host": every executable puts the tokens in pinned host memory; the same tokens as the
     device-output server for every input kind and every num_valid, and serving never traces or compiles."""
@@ -437,5 +439,6 @@ print("OK")
 """
 
 
+@pytest.mark.slow
 def test_on_a_2x2_mesh_same_tokens_as_refine_and_no_compile_after_start_up():
     run_on_4_host_devices(_MESH_SCRIPT)

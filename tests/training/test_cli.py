@@ -39,6 +39,7 @@ def test_bench_tiny_runs_both_modes_and_checks(capsys, backend):
         assert ("(interpret mode)" in out) == (jax.default_backend() != "gpu")
 
 
+@pytest.mark.slow
 def test_bench_default_topc_is_clamped_to_a_small_vocab(capsys):
     # `xpress bench --vocab 100` (then `xpress demo`) used to fail: the default C=512 exceeded V.
     code, out, err = run(capsys, "bench", *TINY, "--passes", "2", "-q")
@@ -102,6 +103,7 @@ def test_version_matches_pyproject():
     assert meta["project"]["version"] == xj.__version__
 
 
+@pytest.mark.slow
 def test_bench_on_a_converted_checkpoint(tmp_path, capsys):
     cfg = xj.HeadConfig(vocab_size=61, hidden_size=12, block_size=5, rank=8, mlp_hidden=8, topc=7, num_passes=3,
                         max_num_reqs=4)
@@ -133,6 +135,7 @@ def test_a_failed_check_exits_1(capsys, monkeypatch):
     assert code == 1 and "DIFFERENT" in out and out.strip().endswith("FAILED")
 
 
+@pytest.mark.slow
 def test_console_entry_point_exits_with_mains_code():
     """The one subprocess check: `python -m xpress_jax.cli` exits with main's code (2 on usage)."""
     res = subprocess.run([sys.executable, "-m", "xpress_jax.cli", "bench", "--n", "0"], capture_output=True,
@@ -148,6 +151,7 @@ def _demo_tiny(tmp_path, capsys):
     return out_dir, out, err
 
 
+@pytest.mark.slow
 def test_demo_tiny_runs_end_to_end(tmp_path, capsys):
     out_dir, out, err = _demo_tiny(tmp_path, capsys)
     assert out.strip().endswith("OK")

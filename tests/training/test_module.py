@@ -45,6 +45,7 @@ def test_params_are_the_checkpoint_names_in_pytorch_layouts():
                                   np.asarray(jnp.argmax(logits[:, 1:], axis=-1)))
 
 
+@pytest.mark.slow
 def test_fold_identity_module_latents_equal_serving_latents():
     """x + (raw_L*tril) x with whole in_proj (training) == Lf x with split in_proj (serving), float64."""
     with jax.enable_x64(True):

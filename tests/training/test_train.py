@@ -132,6 +132,7 @@ class _Interrupt(Exception):
     pass
 
 
+@pytest.mark.slow
 def test_resume_after_an_interruption_gives_the_same_trajectory(tmp_path, task, request):
     if jax.default_backend() == "gpu" and "--xla_gpu_deterministic_ops=true" not in os.environ.get("XLA_FLAGS", ""):
         # GPU scatter-adds (the w1 gather's gradient) sum in a varying order unless XLA is told to be
@@ -168,6 +169,7 @@ def test_resume_after_an_interruption_gives_the_same_trajectory(tmp_path, task, 
               checkpoint_dir=tmp_path / "b", resume=True, progress=False)
 
 
+@pytest.mark.slow
 def test_bf16_params_and_the_kpass_loss_train(task):
     cfg = task.head_config(rank=8, mlp_hidden=16, topc=4)
     tc = TrainConfig(steps=20, batch_size=16, param_dtype="bfloat16", kpass_weight=0.5, kpass_passes=2)
