@@ -285,17 +285,6 @@ class TestTopCPick:
             tp.topc_pick(base_c, cand, lat, w2[:, :4], interpret=self.INTERPRET)
 
 
-def _shape_dtypes(fast: str):
-    """Every shape and dtype: the case ``fast`` in the default run, the rest `slow`."""
-    out = []
-    for sh in SHAPES:
-        for dt in DTYPES:
-            name = f"rows{sh[0]}-V{sh[1]}-C{sh[2]}-r{sh[3]}-{jnp.dtype(dt).name}"
-            out.append(pytest.param(sh, dt, id=name, marks=() if name == fast else pytest.mark.slow))
-    return out
-
-
-SHAPE_DTYPES = _shape_dtypes("rows15-V1000-C100-r32-float32")
 
 
 class TestTopCPickInterpret(TestTopCPick):
