@@ -112,7 +112,8 @@ def latent(params: Params, xh: jax.Array, prev: jax.Array, *, split: bool = Fals
     uc = round_to(u, cd)
     if barrier:
         u, uc = jax.lax.optimization_barrier((u, uc))
-    act = round_to(jax.nn.silu(_dot(uc, params["mlp_gate"], acc)) * _dot(uc, params["mlp_up"], acc), cd)
+    gate, up = _dot(uc, params["mlp_gate"], acc), _dot(uc, params["mlp_up"], acc)
+    act = round_to(jax.nn.silu(gate) * up, cd)
     d = _dot(act, params["mlp_down"], acc)
     return (u, d) if split else round_to(u + d, cd)
 
