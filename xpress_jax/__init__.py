@@ -17,6 +17,7 @@ from .params import (HYBRID_KEY_MAP, PARAM_NAMES, Head, check_params, config_fro
                      init_params, param_shapes, params_from_state_dict)
 from .refine import BACKENDS, INVALID_TOKEN, refine
 from .refine import STATIC as STATIC_ARGNAMES
+from .sampling import Proposal
 from .serving import RefineServer, default_buckets
 
 __version__ = "0.1.0"
@@ -25,4 +26,4 @@ __all__ = ["Head", "HeadConfig", "init_head", "XPressHead", "HYBRID_KEY_MAP", "P
            "BACKENDS", "GPU_COMPILER_OPTIONS", "compiler_options", "RefineServer", "default_buckets", "INVALID_TOKEN",
            "check_params", "config_from_params", "fold_causal_mixer", "hidden_input", "init_params", "latent",
            "round_to", "token_table", "param_shapes", "params_from_state_dict", "refine", "load_params",
-           "save_params"]
+           "save_params", "Proposal"]

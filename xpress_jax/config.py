@@ -38,7 +38,7 @@ class HeadConfig:
 
     def __post_init__(self) -> None:
         for field, minimum in (("vocab_size", 1), ("hidden_size", 1), ("block_size", 2), ("rank", 1),
-                               ("mlp_hidden", 1), ("topc", 0), ("num_passes", 1), ("max_num_reqs", 1)):
+                               ("mlp_hidden", 1), ("topc", 0), ("num_passes", 0), ("max_num_reqs", 1)):
             object.__setattr__(self, field, _check_int(field, getattr(self, field), minimum=minimum))
         object.__setattr__(self, "topc", min(self.topc, self.vocab_size))  # vLLM's rule
 

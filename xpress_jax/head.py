@@ -221,10 +221,10 @@ class XPressHead(nnx.Module):
 
     def refine(self, logits: jax.Array, h: jax.Array, anchors: jax.Array, prev_ids: jax.Array | None = None, *,
                num_passes: int, topc: int = 0) -> jax.Array:
-        """K greedy Jacobi passes from ``[anchor, argmax base]``: [N, B-1] int32 draft tokens. ``topc=0``:
+        """K >= 0 greedy Jacobi passes from ``[anchor, argmax base]``: [N, B-1] int32 draft tokens. ``topc=0``:
         argmax over the vocabulary (lowest id on ties); ``topc=C``: over each slot's C largest base logits
         in ``lax.top_k``'s order. Both are static under jit."""
-        num_passes = _check_static_int("num_passes", num_passes, 1)
+        num_passes = _check_static_int("num_passes", num_passes, 0)
         topc = _check_static_int("topc", topc, 0)
         N, B, V = logits.shape
         if topc > V:

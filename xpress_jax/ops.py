@@ -22,6 +22,10 @@ The steps (static shapes; ``rows`` = N * (B-1) draft rows):
   tokens of draft slots ``s..B-2``, ``s <= min(q, B-1)``. Used only while ``PassPick.pick`` is this `Ops`' pick.
 - ``gated_pick``: None or a `PassPick` whose ``run(logits, lat, prepared, active, fallback, flags, q=None) ->
   (tokens, flags)`` writes nothing where no row is active (the certified mode; ``flags`` int32 [8]).
+- ``full_vocab_sample(logits, lat, prepared, seeds [rows] int32, inv_t, proposal=None) -> (tokens [rows] int32,
+  extras)`` and ``topc_sample(base_c, cand, lat, prepared, seeds, inv_t, proposal=None)``: the sampled picks
+  (`xpress_jax.sampling`; ``lat`` None: the seed block, scored on the base logits); ``extras`` None, or with a
+  ``proposal`` (token_score [rows] float32, lse [rows] float32, scores or None) (`reference.sample_extras`).
 - ``latent(params, xh [N,B,r], blk [N,B] int32, prev_ids [N] int32, split=False) -> [N,B-1,r]``; with
   ``split=True`` possibly a `reference.LatentSum` that only ``topc_pick`` accepts; ``split_latent``: whether
   `xpress_jax.refine` asks for it (top-C passes).
@@ -78,6 +82,8 @@ class Ops:
     start: Callable[..., Any]
     full_vocab_best: Callable[..., Any]
     topc_best: Callable[..., Any]
+    full_vocab_sample: Callable[..., Any] | None = None
+    topc_sample: Callable[..., Any] | None = None
     candidates_best: Callable[..., Any] | None = None
     full_vocab_capacity: Callable[..., Any] | None = None
     certify: Callable[..., Any] | None = None
@@ -123,6 +129,8 @@ def _xla_ops(platform: str) -> Ops:
         start=ref.full_vocab_start,
         full_vocab_best=functools.partial(_xla_full_vocab_best, direct_readout=gpu),
         topc_best=ref.topc_pick_best,
+        full_vocab_sample=functools.partial(_xla_full_vocab_sample, direct_readout=gpu),
+        topc_sample=ref.topc_sample,
         candidates_best=_xla_candidates_best,
         certify=_xla_certify,
         hidden=ref.hidden_input_gpu if gpu else None,
@@ -145,6 +153,8 @@ def _pallas_ops(interpret: bool, table: dispatch.Table) -> Ops:
         start=functools.partial(_pallas_start, **kw),
         full_vocab_best=functools.partial(_pallas_full_vocab, best=True, **kw),
         topc_best=functools.partial(_pallas_topc, best=True, **kw),
+        full_vocab_sample=functools.partial(_xla_full_vocab_sample, direct_readout=not interpret),
+        topc_sample=_pallas_topc_sample,
         candidates_best=functools.partial(_pallas_topc, best=True, ties="id", **kw),
         full_vocab_capacity=functools.partial(_pallas_full_vocab_capacity, **kw),
         certify=functools.partial(_pallas_certify, **kw),
@@ -178,6 +188,10 @@ def _xla_topc_pick(base_c, cand, lat, w2c):
 def _xla_full_vocab_pick(logits, lat, w2, active=None, fallback=None, *, direct_readout: bool, q=None):
     return with_fallback(ref.full_vocab_pick(ref.draft_rows(logits), lat, w2, direct_readout=direct_readout),
                          active, fallback)
+
+
+def _xla_full_vocab_sample(logits, lat, w2, seeds, inv_t, proposal=None, *, direct_readout: bool):
+    return ref.full_vocab_sample(ref.draft_rows(logits), lat, w2, seeds, inv_t, proposal, direct_readout=direct_readout)
 
 
 def with_fallback(tok, active, fallback):
@@ -243,6 +257,11 @@ def _pallas_topc(base_c, cand, lat, prepared, skip=None, *, interpret, table, be
     if by_id:
         return ref.best_by_score(out[0], out[2], axis=0)
     return ref.best_by_topc_rule(*out, axis=0) if best else out
+
+
+def _pallas_topc_sample(base_c, cand, lat, prepared, seeds, inv_t, proposal=None):
+    w2c = prepared if prepared.ndim == 3 or lat is None else ref.topc_gather(prepared, cand)
+    return ref.topc_sample(base_c, cand, lat, w2c, seeds, inv_t, proposal)
 
 
 def _pallas_certify(base_c, cand, lat, prepared, tau, max_norm, mex, valid, fallen, limit=None, *, interpret, table):

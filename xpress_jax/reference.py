@@ -17,12 +17,14 @@ import jax
 import jax.numpy as jnp
 
 from .head import _dot, acc_dtype, hidden_input, latent, precision_for, round_to
+from .kernels.common import gumbel, sample_key
 
 __all__ = [
     "GPU_MATERIALIZE_XH_N", "hidden_input_gpu", "SLACK", "bound_upper", "bound_beta", "certify_rows", "clean",
     "round_sum", "topc_winner", "readout", "draft_rows", "full_vocab_start", "latent_pass", "LatentSum",
     "latent_value", "full_vocab_pick", "full_vocab_best", "select_candidates", "topc_gather", "topc_pick",
-    "topc_pick_best", "topc_scores", "candidates_best", "best_by_score", "best_by_topc_rule",
+    "topc_pick_best", "topc_scores", "candidates_best", "best_by_score", "best_by_topc_rule", "full_vocab_sample",
+    "full_vocab_sample_best", "topc_sample", "topc_sample_best", "sample_extras",
 ]
 
 
@@ -211,6 +213,62 @@ def topc_scores(base_c: jax.Array, lat: jax.Array, w2c: jax.Array) -> jax.Array:
         "nr,ncr->nc", lat, w2c, precision=precision_for(lat.dtype), preferred_element_type=acc
     ), base_c.dtype)
     return round_sum(base_c, bias_c)
+
+
+# ----------------------------------------------------------------------------- sampling (temperature > 0)
+# A sampled pick maximises ``key = s * inv_t + g`` (`kernels.common.sample_key`; ``inv_t = 1 / T``, 0 for greedy) with
+# ``g`` the frozen noise of (row seed, vocab id) (`kernels.common.gumbel`), under the mode's tie rule. ``lat`` None
+# scores the base logits themselves: the seed block. The extras of a pick (``proposal`` "logprob" or "scores"):
+# (token_score [rows] float32: the winner's s; lse [rows] float32: logsumexp(s * inv_t) over the scored ids, +inf at
+# T = 0; scores: s in the logits' dtype, or None).
+
+def full_vocab_sample_best(base: jax.Array, lat, w2: jax.Array, seeds: jax.Array, inv_t: jax.Array, *,
+                           id_offset=0, direct_readout: bool = False):
+    """[rows,V], [rows,r] or None, [V,r], [rows] int32, [] float32 -> (key [rows], id [rows] int32, s [rows,V]): the
+    sampled full-vocab pick (the largest key, lowest id on ties) and the scores. ``id_offset``: the global id of
+    column 0 (a vocabulary shard)."""
+    s = clean(base) if lat is None else round_sum(base, readout(lat, w2, base.dtype, direct=direct_readout))
+    acc = acc_dtype(base.dtype)
+    ids = id_offset + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
+    key = sample_key(s.astype(acc), inv_t.astype(acc), gumbel(seeds[:, None], ids).astype(acc))
+    idx = jnp.argmax(key, axis=-1).astype(jnp.int32)
+    return jnp.take_along_axis(key, idx[:, None], axis=-1)[:, 0], idx + id_offset, s
+
+
+def sample_extras(s: jax.Array, local: jax.Array, inv_t: jax.Array, proposal: str | None):
+    """The extras (section comment) of a pick of ``s`` [rows, n] whose winner sits at column ``local`` [rows]."""
+    if proposal is None:
+        return None
+    acc = acc_dtype(s.dtype)
+    sf = s.astype(acc)
+    token_score = jnp.take_along_axis(sf, local[:, None], axis=-1)[:, 0]
+    lse = jnp.where(inv_t > 0, jax.nn.logsumexp(sf * inv_t.astype(acc), axis=-1), jnp.inf)
+    return token_score.astype(jnp.float32), lse.astype(jnp.float32), s if proposal == "scores" else None
+
+
+def full_vocab_sample(base: jax.Array, lat, w2: jax.Array, seeds: jax.Array, inv_t: jax.Array,
+                      proposal: str | None = None, *, direct_readout: bool = False):
+    """The sampled full-vocab pick: (tokens [rows] int32, extras or None)."""
+    _, idx, s = full_vocab_sample_best(base, lat, w2, seeds, inv_t, direct_readout=direct_readout)
+    return idx, sample_extras(s, idx, inv_t, proposal)
+
+
+def topc_sample_best(base_c: jax.Array, cand: jax.Array, lat, w2c, seeds: jax.Array, inv_t: jax.Array):
+    """(key, base, id, s [rows,C], position [rows]) of the sampled top-C pick: the largest key, then the larger base
+    logit, then the lowest id. ``lat`` None: the seed (the base logits themselves)."""
+    s = clean(base_c) if lat is None else topc_scores(base_c, lat, w2c)
+    acc = acc_dtype(base_c.dtype)
+    key = sample_key(s.astype(acc), inv_t.astype(acc), gumbel(seeds[:, None], cand).astype(acc))
+    k, b, idx = best_by_topc_rule(key, clean(base_c).astype(acc), cand)
+    pos = jnp.argmax(cand == idx[:, None], axis=-1)  # the winner's column (candidate ids are distinct)
+    return k, b, idx, s, pos
+
+
+def topc_sample(base_c: jax.Array, cand: jax.Array, lat, w2c, seeds: jax.Array, inv_t: jax.Array,
+                proposal: str | None = None):
+    """The sampled top-C pick: (tokens [rows] int32, extras or None; extras' scores are the candidates')."""
+    _, _, idx, s, pos = topc_sample_best(base_c, cand, lat, w2c, seeds, inv_t)
+    return idx, sample_extras(s, pos, inv_t, proposal)
 
 
 # ----------------------------------------------------------------------------- the certified mode's bound

@@ -8,7 +8,7 @@ pass, run by one loop (`run_passes`). The platform is read once per call, at the
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +19,7 @@ from .exact import Certified, CertifiedPrepared, certified_mode, resolve_full_vo
 from .head import TOKEN_TABLE, acc_dtype, hidden_input
 from .ops import Ops
 from .params import Head, check_params
+from .sampling import Proposal, check_sampling, inverse_temperature, row_seeds
 
 __all__ = ["refine", "refine_with", "run_passes", "INVALID_TOKEN", "BACKENDS", "STATIC"]
 
@@ -30,7 +31,7 @@ BACKENDS = ("auto", "xla", "pallas")
 
 #: The keyword arguments of `refine` that must be static under ``jax.jit`` (``xj.STATIC_ARGNAMES``).
 STATIC = ("num_passes", "topc", "max_num_reqs", "config", "backend", "interpret", "unroll", "full_vocab",
-          "return_stats", "early_exit")
+          "return_stats", "early_exit", "proposal")
 
 
 def _is_concrete(x: Any) -> bool:
@@ -69,8 +70,8 @@ def _validate(params, logits, h, anchors, prev_ids, num_passes, topc, max_num_re
             raise ValueError(f"prev_ids must have shape ({N},), got {getattr(prev_ids, 'shape', prev_ids)}")
         if not jnp.issubdtype(prev_ids.dtype, jnp.integer):
             raise TypeError(f"prev_ids must be integer token ids, got dtype {jnp.dtype(prev_ids.dtype)}")
-    if isinstance(num_passes, bool) or not isinstance(num_passes, (int, np.integer)) or num_passes < 1:
-        raise ValueError(f"num_passes must be a positive int, got {num_passes!r}")
+    if isinstance(num_passes, bool) or not isinstance(num_passes, (int, np.integer)) or num_passes < 0:
+        raise ValueError(f"num_passes must be an int >= 0 (0: the seed block), got {num_passes!r}")
     if isinstance(topc, bool) or not isinstance(topc, (int, np.integer)):
         raise TypeError(f"topc must be an int (0 = full vocabulary), got {topc!r}")
     if not 0 <= topc <= V:
@@ -102,8 +103,9 @@ def refine(params: Head | Mapping[str, jax.Array], logits: jax.Array, h: jax.Arr
            max_num_reqs: int | None = None, config: HeadConfig | None = None, backend: str = "auto",
            interpret: bool = False, unroll: bool | None = None, full_vocab: Any = "scan", return_stats: bool = False,
            certified_prepared: Any = None, early_exit: bool | tuple = False,
-           token_table: jax.Array | None = None) -> jax.Array:
-    """Refine N draft blocks with K greedy Jacobi passes; returns the draft [N, B-1] int32.
+           token_table: jax.Array | None = None, temperature: Any = None, key: jax.Array | None = None,
+           proposal: str | None = None) -> jax.Array:
+    """Refine N draft blocks with K Jacobi passes, greedy or sampled; returns the draft [N, B-1] int32.
 
     Args:
       params: a `xpress_jax.Head` (what `load_params` and `init_head` return), or the plain params dict.
@@ -111,7 +113,7 @@ def refine(params: Head | Mapping[str, jax.Array], logits: jax.Array, h: jax.Arr
       h: [N, B, H] drafter hidden states, params' dtype.
       anchors: [N] int, the verified token of each block (slot 0).
       prev_ids: [N] int, the token before each anchor; defaults to ``anchors`` (what vLLM's speculator passes).
-      num_passes, topc, max_num_reqs: K >= 1; 0 = exact full-vocabulary scoring or C in [1, V] = score only
+      num_passes, topc, max_num_reqs: K >= 0 (0: the seed block, as vLLM returns it); 0 = exact full-vocabulary scoring or C in [1, V] = score only
         each draft slot's C largest base logits; the largest accepted N. Default: the config's.
       config: the `HeadConfig` for plain params. With a `Head` it may be left out (if given, it must equal
         the Head's). No silent defaults: with a plain dict and no config, num_passes and topc are required.
@@ -136,6 +138,14 @@ def refine(params: Head | Mapping[str, jax.Array], logits: jax.Array, h: jax.Arr
         names them instead. False (the default): all K passes.
       token_table: `xpress_jax.token_table` of these very weights ([V, r], V*r*4 bytes): each pass gathers
         its rows instead of running a gather and a GEMM (the same sums).
+      temperature, key: sample instead (`xpress_jax.sampling`): each draft slot takes ``argmax(s / T + g)`` with
+        frozen Gumbel noise ``g``, a function of ``key`` (a `jax.random.key`), the draft row and the vocab id,
+        the same for the seed block and every pass. ``temperature`` may be traced (changing it never recompiles);
+        0 gives the greedy tokens. In top-C mode the seed block is sampled among the candidates too. Not with
+        ``full_vocab="certified"``.
+      proposal: with a temperature, also return the draft distribution: ``(tokens, xpress_jax.Proposal)``;
+        ``"logprob"`` (each drafted token's score and the log-normalizer) or ``"scores"`` (also the last pass's
+        scores: [N, B-1, V], or the C candidates' with their ids).
 
     Rules (docs/semantics.md): a slot's score is ``float(dtype(base + bias))``; the largest score wins.
     Ties: full-vocab mode, the lowest vocab id; top-C mode, the larger base logit, then the lowest id. The
@@ -153,7 +163,7 @@ def refine(params: Head | Mapping[str, jax.Array], logits: jax.Array, h: jax.Arr
     return _run(_select_ops(backend, interpret), params, logits, h, anchors, prev_ids, num_passes=num_passes,
                 topc=topc, max_num_reqs=max_num_reqs, config=config, unroll=unroll, full_vocab=full_vocab,
                 return_stats=return_stats, certified_prepared=certified_prepared, early_exit=early_exit,
-                token_table=token_table)
+                token_table=token_table, temperature=temperature, key=key, proposal=proposal)
 
 
 def _platform() -> str:
@@ -194,9 +204,13 @@ def refine_with(ops: Ops, params, logits, h, anchors, prev_ids=None, **kwargs) -
 
 def _run(ops: Ops, params, logits, h, anchors, prev_ids=None, *, num_passes=None, topc=None, max_num_reqs=None,
          config=None, unroll=None, full_vocab="scan", return_stats=False, certified_prepared=None, early_exit=False,
-         token_table=None):
+         token_table=None, temperature=None, key=None, proposal=None):
     """`refine`'s body: the config's defaults, every check, then `_refine` with ``ops``."""
     certified = resolve_full_vocab(full_vocab)
+    check_sampling(temperature, key, proposal)
+    if temperature is not None and certified is not None:
+        raise ValueError(f"full_vocab={full_vocab!r}: the certified mode's bound is for greedy picks; sample with "
+                         "full_vocab='scan' (or topc > 0)")
     if not isinstance(return_stats, bool):
         raise TypeError(f"return_stats must be a bool, got {return_stats!r}")
     if not isinstance(early_exit, (bool, tuple)) or (isinstance(early_exit, tuple) and not all(
@@ -217,9 +231,13 @@ def _run(ops: Ops, params, logits, h, anchors, prev_ids=None, *, num_passes=None
     if token_table is not None:
         _check_token_table(token_table, params)
         params = {**params, TOKEN_TABLE: token_table}  # read by `head.latent`
+    sampler = None
+    if temperature is not None:
+        sampler = Sampler(row_seeds(key, logits.shape[0] * (logits.shape[1] - 1)), inverse_temperature(temperature),
+                          proposal)
     return _refine(ops, params, logits, h, anchors, prev_ids, num_passes, topc, unroll,
                    certified=None if topc else certified, return_stats=return_stats,
-                   certified_prepared=certified_prepared, early_exit=early_exit)
+                   certified_prepared=certified_prepared, early_exit=early_exit, sampler=sampler)
 
 
 def _check_token_table(table, params) -> None:
@@ -277,13 +295,23 @@ def resolve_call(params, logits, h, anchors, prev_ids=None, *, num_passes=None, 
     return params, prev_ids, int(num_passes), int(topc), bool(unroll)
 
 
+class Sampler(NamedTuple):
+    """A sampled call's data: each draft row's noise seed ([rows] int32, `xpress_jax.sampling.row_seeds`), ``1 / T``
+    (float32 scalar, 0 = greedy) and the proposal wanted (None, "logprob", "scores"; static)."""
+
+    seeds: jax.Array
+    inv_t: jax.Array
+    proposal: str | None = None
+
+
 def _refine(ops: Ops, params, logits, h, anchors, prev_ids, num_passes, topc, unroll=False, vocab_size=None,
             certified: Certified | None = None, return_stats=False, certified_prepared=None, early_exit=False,
-            return_passes=False):
+            return_passes=False, sampler: Sampler | None = None):
     """The data path. ``vocab_size``: the global V when ``logits``, ``w1`` and ``w2`` hold one vocabulary
     shard (`xpress_jax.sharded`; ``ops`` then combines across shards). ``certified`` (with ``topc=0``): run
     the certified mode; ``return_stats`` then also returns its `CertifiedStats`. ``return_passes``
-    (benchmarks): also return the number of passes run, an int32 scalar."""
+    (benchmarks): also return the number of passes run, an int32 scalar. ``sampler``: sample (`Sampler`); with
+    its ``proposal`` the result is ``(tokens, Proposal)``."""
     N, B, V = logits.shape
     V = V if vocab_size is None else vocab_size
     # Range check in the ids' own dtype, before any narrowing cast (an int64 2**32 + id must not
@@ -298,11 +326,25 @@ def _refine(ops: Ops, params, logits, h, anchors, prev_ids, num_passes, topc, un
         start, state, one_pass, stats = certified_mode(ops, params, logits, xh, prev_ids, valid, num_passes,
                                                        certified, certified_prepared)
         numbered = unroll
+    elif sampler is not None:
+        start, state, one_pass, numbered, final_pass = _sampled_mode(ops, params, logits, xh, prev_ids, topc, sampler,
+                                                                        num_passes)
+        if early_exit:
+            checks = exit_checks(N, num_passes) if early_exit is True else early_exit
     else:
         start, state, one_pass, numbered = _plain_mode(ops, params, logits, xh, prev_ids, topc, unroll)
         if early_exit:
             checks = exit_checks(N, num_passes) if early_exit is True else early_exit
     blk = jnp.concatenate([anchors[:, None], start.reshape(N, B - 1)], axis=1)
+    if sampler is not None and sampler.proposal is not None:
+        # The proposal is the last pass's: K - 1 passes, then the last one with its extras (K = 0: the seed's).
+        if num_passes and checks:
+            checks = tuple(q for q in checks if q < num_passes - 1) or None
+        (blk, state), passes = run_passes(one_pass, (blk, state), max(num_passes - 1, 0), unroll=unroll,
+                                          numbered=numbered, checks=checks)
+        blk, extras = final_pass(blk)
+        out = jnp.where(valid[:, None], blk[:, 1:], INVALID_TOKEN)
+        return out, _proposal(extras, N, B)
     (blk, state), passes = run_passes(one_pass, (blk, state), num_passes, unroll=unroll, numbered=numbered,
                                       checks=checks)
     out = jnp.where(valid[:, None], blk[:, 1:], INVALID_TOKEN)
@@ -347,6 +389,50 @@ def _plain_mode(ops: Ops, params, logits, xh, prev_ids, topc: int, unroll: bool)
     # Unrolled steps without a pass pick keep fori_loop(unroll=True): on a CPU its compiled HLO differs from a
     # Python loop's for XLA's full-vocab steps (one convert per pass).
     return start, (), one_pass, unroll and pass_pick is not None
+
+
+def _sampled_mode(ops: Ops, params, logits, xh, prev_ids, topc: int, sampler: Sampler, num_passes: int):
+    """The sampled top-C or full-vocab mode (`xpress_jax.sampling`): (start, state (none), one_pass, numbered,
+    final_pass). ``final_pass(blk)`` -> (blk, extras): the last pass with the proposal's extras (K = 0: the seed's,
+    the block unchanged); top-C extras end with the candidates' ids."""
+    N, B, _ = logits.shape
+    r = params["w1"].shape[1]
+    seeds, inv_t, proposal = sampler
+    if topc:
+        cand, base_c, _ = ops.select(logits, topc)
+        prepared = ops.topc_prepare(params["w2"], cand)  # once per call
+
+        def pick(lat, want=None):
+            tok, extras = ops.topc_sample(base_c, cand, lat, prepared, seeds, inv_t, want)
+            return tok, extras if extras is None else (*extras, cand)
+    else:
+        prepared = ops.full_vocab_prepare(params["w2"])
+
+        def pick(lat, want=None):
+            return ops.full_vocab_sample(logits, lat, prepared, seeds, inv_t, want)
+
+    # The seed block: the base logits with the same noise (its extras are the proposal only when K = 0).
+    start, seed_extras = pick(None, None if num_passes else proposal)
+
+    def step(blk, want=None):
+        lat = ops.latent(params, xh, blk, prev_ids).reshape(N * (B - 1), r)
+        tok, extras = pick(lat, want)
+        return blk.at[:, 1:].set(tok.reshape(N, B - 1)), extras
+
+    def one_pass(carry, q):
+        return step(carry[0])[0], carry[1]
+
+    def final_pass(blk):
+        return (blk, seed_extras) if not num_passes else step(blk, proposal)
+
+    return start, (), one_pass, False, final_pass
+
+
+def _proposal(extras, N: int, B: int) -> Proposal:
+    """The extras of the last pick ([rows] ...) as a `Proposal` of [N, B-1, ...] arrays."""
+    token_score, lse, scores, *ids = extras
+    shape = lambda x: None if x is None else x.reshape(N, B - 1, *x.shape[1:])  # noqa: E731
+    return Proposal(shape(token_score), shape(lse), shape(scores), shape(ids[0]) if ids and scores is not None else None)
 
 
 def exit_checks(num_blocks: int, num_passes: int) -> tuple[int, ...]:

@@ -100,7 +100,7 @@ def test_module_jits_with_static_passes_and_does_not_retrace_on_new_weights():
     with pytest.raises(TypeError, match="static"):
         nnx.jit(lambda m, K: m.refine(logits, h, a, num_passes=K))(m1, 2)
     with pytest.raises(ValueError, match="num_passes"):
-        m1.refine(logits, h, a, num_passes=0)
+        m1.refine(logits, h, a, num_passes=-1)
     with pytest.raises(ValueError, match="topc"):
         m1.refine(logits, h, a, num_passes=1, topc=CFG.vocab_size + 1)
 

@@ -15,7 +15,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 __all__ = ["pallas_call", "compiler_params", "lower_triton", "gpu_supported", "BIG", "MIN_DOT", "SMEM_LIMIT", "iota",
-           "cdiv", "next_pow2", "k_chunk", "score", "best", "merge", "flag_operand", "flags_row", "src_row"]
+           "cdiv", "next_pow2", "k_chunk", "score", "best", "merge", "flag_operand", "flags_row", "src_row",
+           "mix32", "noise_seed", "gumbel", "GUMBEL_MAX", "sample_key"]
 
 #: Index of a lane that must never win (masked columns, padded parts); also int32's largest value.
 BIG = 2**31 - 1
@@ -141,3 +142,50 @@ def merge(best, bidx, m, idx):
     """Keep the larger value; on equal values the lower id (order-independent)."""
     take = (m > best) | ((m == best) & (idx < bidx))
     return jnp.where(take, m, best), jnp.where(take, idx, bidx)
+
+
+# Sampling noise (docs/semantics.md, "Sampling"): a counter-based function of (key, draft row, vocab id), the same
+# jnp spelling in XLA and in every kernel, so a kernel recomputes the same value in every pass and never stores it.
+# int32 arithmetic only (multiplies wrap in both XLA and Triton; shifts are logical).
+_M1, _M2, _GOLDEN = 0x85EBCA6B - 2**32, 0xC2B2AE35 - 2**32, 0x9E3779B9 - 2**32
+
+
+def _srl(x: jax.Array, n: int) -> jax.Array:
+    return jax.lax.shift_right_logical(x, jnp.full_like(x, n))
+
+
+def mix32(x: jax.Array) -> jax.Array:
+    """MurmurHash3's 32-bit finalizer on int32 bits: a bijection whose every output bit depends on every input bit."""
+    x = x ^ _srl(x, 16)
+    x = x * jnp.int32(_M1)
+    x = x ^ _srl(x, 13)
+    x = x * jnp.int32(_M2)
+    return x ^ _srl(x, 16)
+
+
+def noise_seed(k0: jax.Array, k1: jax.Array, row: jax.Array) -> jax.Array:
+    """int32 key words ``k0``, ``k1`` and int32 draft rows -> each row's int32 seed ``mix32(mix32(row * G + k0) ^ k1)``
+    (G = 0x9E3779B9), computed once per call."""
+    return mix32(mix32(row * jnp.int32(_GOLDEN) + k0) ^ k1)
+
+
+def gumbel(seed: jax.Array, vid: jax.Array) -> jax.Array:
+    """The float32 Gumbel noise of vocab ids ``vid`` in the rows of ``seed`` (int32, broadcast together):
+    ``-log(-log(u))``, ``u = (2 m + 1) / 2**24`` with m the top 23 bits of ``mix32(seed ^ vid * G)``.
+
+    ``u`` lies in [2**-24, 1 - 2**-24] (exact in float32), so neither log sees 0 and the noise lies in
+    [-2.82, `GUMBEL_MAX`]: the official runtime's clamps (1e-20) never act."""
+    h = mix32(seed ^ (vid * jnp.int32(_GOLDEN)))
+    m = _srl(h, 9)
+    u = (m * 2 + 1).astype(jnp.float32) * jnp.float32(2.0**-24)
+    return -jnp.log(-jnp.log(u))
+
+
+#: The largest value `gumbel` can return: ``-log(-log(1 - 2**-24))`` (about 16.64; rounded up).
+GUMBEL_MAX = 16.7
+
+
+def sample_key(s: jax.Array, inv_t: jax.Array, g: jax.Array) -> jax.Array:
+    """The value a sampled pick maximises: ``s * inv_t + g`` (``inv_t`` = 1 / temperature, float32), or the score
+    ``s`` itself where ``inv_t`` is 0 (temperature 0: greedy, the same ties). ``s``: float32 (NaN already -inf)."""
+    return jnp.where(inv_t > 0, s * inv_t + g, s)
