@@ -249,7 +249,8 @@ def _pallas_topc(base_c, cand, lat, prepared, skip=None, *, interpret, table, be
 
 def _topc_stream(base_c, cand, lat, lat_add, w2, p: dispatch.Plan, *, interpret, row_ids=None, skip_slots=None):
     """`topc_stream.topc_stream_pick` in the blocks of the plan's top-C config (the same biases, the same tokens).
-    Its pairs' sort depends on ``cand`` alone: one sort per call (XLA merges the passes' identical sorts)."""
+    Its pairs' sort depends on ``cand`` alone: XLA merges the unrolled passes' identical sorts and hoists it out of
+    a pass loop (one sort per call); each early-exit branch (`refine.run_passes` checks) sorts once more."""
     t = p.topc
     cfg = topc_stream.like_topc(t.c_tile, t.k_tile, t.num_warps, t.num_stages)
     return topc_stream.topc_stream_pick(base_c, cand, lat, w2, topc_stream.prepare(cand), config=cfg,
