@@ -196,16 +196,6 @@ class _Launch:
         return 2 + (3 if self.extras else 0) + (self.extras == "scores")
 
 
-def _online_lse(m, l, x):
-    """One step of a running ``logsumexp`` per row: (max ``m``, sum ``l`` of ``exp(. - m)``) [row_tile] and the
-    values ``x`` [row_tile, n] -> the updated (m, l). Infinite maxima are shifted by 0 (+inf: the sum is +inf;
-    -inf: it is 0), so no ``inf - inf`` is formed."""
-    m_new = jnp.maximum(m, jnp.max(x, axis=1))
-    shift = jnp.where(jnp.abs(m_new) < jnp.inf, m_new, 0.0)
-    l_new = l * jnp.exp(m - shift) + jnp.sum(jnp.exp(x - shift[:, None]), axis=1)
-    return m_new, l_new
-
-
 def _fused_kernel(
     base_ref,  # [rows, V] whole array
     lat_ref,  # [rows, r] whole array
@@ -311,7 +301,7 @@ def _fused_kernel(
         if extras == "scores":
             out = (r0 + iota(row_tile))[:, None], cols[None, :]
             plt.store(x_refs[3].at[out], s.astype(x_refs[3].dtype), mask=row_ok[:, None] & (cols < vocab)[None, :])
-        return (*st[:3], *_online_lse(st[3], st[4], s * inv_t))
+        return (*st[:3], *common.online_lse(st[3], st[4], s * inv_t, axis=1))
 
     def epilogue_eager(acc, b, v0, st):  # round, add base, keep each row's best
         cols = v0 + iota(v_tile)
@@ -794,11 +784,7 @@ def _sample(base, lat, w2, seeds, inv_t, proposal, *, config, interpret, slot_st
         return tok
     ms, mm, ml = (x[:, :cap] for x in out[2:5])
     token_score = jnp.max(jnp.where(mi[:, :cap] == tok[None, :], ms, -jnp.inf), axis=0)  # the winner's part
-    top = jnp.max(mm, axis=0)
-    shift = jnp.where(jnp.isfinite(top), top, 0.0)  # as `_online_lse`: no inf - inf
-    lse = jnp.log(jnp.sum(ml * jnp.exp(mm - shift[None, :]), axis=0)) + shift
-    lse = jnp.where(inv_t[0] > 0, lse, jnp.inf)
-    return tok, (token_score, lse, out[5] if proposal == "scores" else None)
+    return tok, (token_score, common.finish_lse(mm, ml, inv_t[0]), out[5] if proposal == "scores" else None)
 
 
 # The certified mode's scan of its failing rows: pack, one pick in packed order, combine back.
