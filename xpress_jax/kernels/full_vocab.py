@@ -6,6 +6,11 @@ grid ``(row tiles, vocab parts)``, dim 0 fastest so the row tiles sharing a w2 t
 and lowest id to ``[parts, rows_pad]``; a part is ``v_steps`` tiles of ``v_tile`` ids. Stage 2
 (`combine_partials`) keeps the largest value, lowest id. The float32 dot may sum in another order than XLA's, so
 tokens differ only at near ties. Float64 is refused (``TypeError``).
+
+The sampled pick (``seeds``, ``inv_t``; `xpress_jax.reference.full_vocab_sample`) compares the keys
+``common.sample_key(s, inv_t, common.gumbel(seed, id))`` instead of the scores, recomputing the noise in the
+epilogue; with a proposal the same launch also keeps each part's winner score and running logsumexp, and writes
+the scores once.
 """
 
 from __future__ import annotations

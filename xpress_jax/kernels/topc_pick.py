@@ -9,6 +9,10 @@ Kernel: grid ``(rows, splits)``. Program (n, j) gathers its candidates' w2 rows 
 multiply-and-sum over the rank in ``k_tile`` chunks (no tensor cores) and keeps the best (score, base logit, id);
 `combine_splits` reduces the splits. The bias sums in another order than XLA's einsum, so tokens differ from the
 reference only near rounding boundaries. Float64 is refused (``TypeError``).
+
+The sampled pick (``seeds``, ``inv_t``; `xpress_jax.reference.topc_sample`) applies the rule to the candidates'
+keys ``common.sample_key(s, inv_t, common.gumbel(seed, id))``; with a proposal each split also returns its winner's
+score and running logsumexp, and the candidates' scores are written once.
 """
 
 from __future__ import annotations
