@@ -260,8 +260,9 @@ def main(argv=None):
                          "vocab as refine(full_vocab=Certified(candidates=C, scan_blocks=S)): same tokens; top-C rows "
                          "skip it; adds its stats to the row) or @sample[-logprob|-scores] (refine(temperature="
                          "--temperature, key=jax.random.key(0), proposal=None|'logprob'|'scores'): sampled tokens; "
-                         "the proposal kept alive by a false dependence of the tokens on it) or @table (refine with a prepared "
-                         "xj.token_table, as RefineServer keeps; '-table' after another flag adds it to that one). "
+                         "the proposal kept alive by a false dependence of the tokens on it) or @table (refine with "
+                         "a prepared xj.token_table, as RefineServer keeps; '-table' after another flag adds it to "
+                         "that one). "
                          "Default: xla,pallas on a GPU, "
                          "xla elsewhere (pallas off a GPU runs in interpret mode: slow)")
     ap.add_argument("--xla-options", choices=("on", "off", "both"), default="on",
@@ -308,7 +309,8 @@ def main(argv=None):
               flush=True)
     meta = dict(date=time.strftime("%Y-%m-%d"), device=dev.device_kind, platform=dev.platform,
                 jax=jax.__version__, shape=shape, K=cfg.num_passes, dtype="bfloat16", wall_only=args.wall_only,
-                std=args.std, temperature=args.temperature, xla_flags=os.environ.get("XLA_FLAGS", ""), xla_options=args.xla_options,
+                std=args.std, temperature=args.temperature, xla_flags=os.environ.get("XLA_FLAGS", ""),
+                xla_options=args.xla_options,
                 compiler_options=xj.compiler_options())
     os.makedirs(args.out, exist_ok=True)
     stream = open(os.path.join(args.out, "bench.jsonl"), "w")

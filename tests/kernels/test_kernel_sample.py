@@ -186,7 +186,8 @@ class TestFullVocabSample:
         base, lat, w2 = pick_inputs(20, 300, 16, jnp.float32, seed=1)
         seeds, inv_t = _seeds(20), _inv(1.0)
         call = functools.partial(fv.full_vocab_pick, base, lat, w2, interpret=True)
-        for name, kw in (("active", dict(active=jnp.ones(20, bool))), ("counter", dict(counter=jnp.zeros(8, jnp.int32))),
+        for name, kw in (("active", dict(active=jnp.ones(20, bool))),
+                         ("counter", dict(counter=jnp.zeros(8, jnp.int32))),
                          ("fallback", dict(fallback=jnp.zeros(20, jnp.int32)))):
             with pytest.raises(ValueError, match=name):
                 call(seeds=seeds, inv_t=inv_t, **kw)

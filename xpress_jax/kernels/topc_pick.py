@@ -359,8 +359,8 @@ def _partials(base_c, cand, lat, w2, *, interpret, config, ties, skip, lat_add=N
         out_specs, out_shape = (*out_specs, pl.no_block_spec), (*out_shape, jax.ShapeDtypeStruct((rows, c), dtype))
     return common.pallas_call(
         kernel, name="xpress_topc_sample" if sample is not None else "xpress_topc_pick", num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, interpret=interpret, grid=(rows, splits), in_specs=[pl.no_block_spec] * len(operands),
-        out_specs=out_specs, out_shape=out_shape,
+        num_stages=cfg.num_stages, interpret=interpret, grid=(rows, splits),
+        in_specs=[pl.no_block_spec] * len(operands), out_specs=out_specs, out_shape=out_shape,
     )(*operands)
 
 
