@@ -203,6 +203,29 @@ def certified_flag(flag):
     return Certified(**kw)
 
 
+#: ``@sample`` flags -> the proposal asked for (`xpress_jax.sampling.PROPOSALS`; "sample" alone: none).
+SAMPLE_FLAGS = {"sample": None, "sample-logprob": "logprob", "sample-scores": "scores"}
+
+
+def sample_flag(flag):
+    """"sample" / "sample-logprob" / "sample-scores" -> (True, proposal); anything else -> (False, None)."""
+    if not flag.startswith("sample"):
+        return False, None
+    if flag not in SAMPLE_FLAGS:
+        raise SystemExit(f"bench_refine: {flag!r} must be one of {sorted(SAMPLE_FLAGS)}")
+    return True, SAMPLE_FLAGS[flag]
+
+
+def with_proposal(out):
+    """The tokens of a sampled refine, made to depend on its `xpress_jax.Proposal` (every array of it, a slice
+    each) so XLA keeps the proposal's computation; the dependence is always false and changes no token."""
+    if not isinstance(out, tuple):
+        return out
+    tokens, prop = out
+    x = sum(a.reshape(a.shape[0], -1)[:, :1].astype(jnp.float32) for a in prop if a is not None)
+    return tokens + ((x != x) & (x == x)).astype(tokens.dtype)
+
+
 def make_mesh(spec):
     """"mesh2x1" -> a ("data", "model") Mesh of the first 2*1 devices (blocks x vocabulary)."""
     from jax.sharding import Mesh
@@ -235,8 +258,11 @@ def main(argv=None):
                          "devices, inputs and weights placed as it expects) or "
                          "@loop (passes in a lax.fori_loop instead of unrolled) or @certified[-c<C>][-s<S>] (full "
                          "vocab as refine(full_vocab=Certified(candidates=C, scan_blocks=S)): same tokens; top-C rows "
-                         "skip it; adds its stats to the row) or @table (refine with a prepared "
-                         "xj.token_table, as RefineServer keeps; '-table' after another flag adds it to that one). "
+                         "skip it; adds its stats to the row) or @sample[-logprob|-scores] (refine(temperature="
+                         "--temperature, key=jax.random.key(0), proposal=None|'logprob'|'scores'): sampled tokens; "
+                         "the proposal kept alive by a false dependence of the tokens on it) or @table (refine with "
+                         "a prepared xj.token_table, as RefineServer keeps; '-table' after another flag adds it to "
+                         "that one). "
                          "Default: xla,pallas on a GPU, "
                          "xla elsewhere (pallas off a GPU runs in interpret mode: slow)")
     ap.add_argument("--xla-options", choices=("on", "off", "both"), default="on",
@@ -244,6 +270,8 @@ def main(argv=None):
                          "uses; on a GPU the CUDA graph's kernels overlap where they can), off = XLA's defaults, "
                          "both = each backend twice, the second as '<backend>/xla-default' (same tokens, compared). "
                          "Mesh backends always take XLA's defaults, as RefineServer does")
+    ap.add_argument("--temperature", type=float, default=1.0,
+                    help="the temperature of the @sample backends (0: the greedy tokens through the sampled path)")
     ap.add_argument("--reps", type=int, default=5, help="timed repeats of each chained measurement (median)")
     ap.add_argument("--walls", type=int, default=20, help="single calls timed for the wall latency (median)")
     ap.add_argument("--wall-only", action="store_true",
@@ -275,12 +303,14 @@ def main(argv=None):
     meshes = {b: make_mesh(spec_of(b).partition("@")[2]) for b in backends
               if spec_of(b).partition("@")[2].startswith("mesh")}
     certs = {b: certified_flag(spec_of(b).partition("@")[2].removesuffix("-table")) for b in backends}
+    samples = {b: sample_flag(spec_of(b).partition("@")[2].removesuffix("-table")) for b in backends}
     if not on_gpu and any(b != "xla" for b in backends):
         print(f"# note: no GPU ({dev.platform}): Pallas kernels run in interpret mode (slow, for checking only)",
               flush=True)
     meta = dict(date=time.strftime("%Y-%m-%d"), device=dev.device_kind, platform=dev.platform,
                 jax=jax.__version__, shape=shape, K=cfg.num_passes, dtype="bfloat16", wall_only=args.wall_only,
-                std=args.std, xla_flags=os.environ.get("XLA_FLAGS", ""), xla_options=args.xla_options,
+                std=args.std, temperature=args.temperature, xla_flags=os.environ.get("XLA_FLAGS", ""),
+                xla_options=args.xla_options,
                 compiler_options=xj.compiler_options())
     os.makedirs(args.out, exist_ok=True)
     stream = open(os.path.join(args.out, "bench.jsonl"), "w")
@@ -311,6 +341,8 @@ def main(argv=None):
                 flag = "" if flag == "table" else flag.removesuffix("-table")
                 ops, unroll = impls[backend], False if flag == "loop" else None
                 cert = certs[backend]
+                sampled, proposal = samples[backend]
+                sample_kw = dict(temperature=args.temperature, proposal=proposal) if sampled else {}
                 if cert is not None and topc:
                     continue  # the certified mode is a way to compute topc=0
                 # With a token table the params argument is (params, table): an argument, not a constant.
@@ -320,11 +352,13 @@ def main(argv=None):
                 prep = None if cert is None else exact.prepare_certified(problem[0]["w2"])
 
                 def refine_fn(p, l, h, a, ops=ops, topc=topc, unroll=unroll, cert=cert, stats=False, prep=prep,
-                              table=table):
+                              table=table, sample_kw=sample_kw):
                     p, t = p if table else (p, None)
-                    return refine_with(ops, p, l, h, a, config=cfg, topc=topc, unroll=unroll,
-                                       full_vocab=cert or "scan", return_stats=stats, certified_prepared=prep,
-                                       token_table=t)
+                    if sample_kw:  # the noise key a constant of the call
+                        sample_kw = dict(sample_kw, key=jax.random.key(0))
+                    return with_proposal(refine_with(ops, p, l, h, a, config=cfg, topc=topc, unroll=unroll,
+                                                     full_vocab=cert or "scan", return_stats=stats,
+                                                     certified_prepared=prep, token_table=t, **sample_kw))
 
                 if backend in meshes:
                     from xpress_jax.sharded import input_shardings, param_shardings, refine_sharded

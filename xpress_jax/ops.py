@@ -153,8 +153,8 @@ def _pallas_ops(interpret: bool, table: dispatch.Table) -> Ops:
         start=functools.partial(_pallas_start, **kw),
         full_vocab_best=functools.partial(_pallas_full_vocab, best=True, **kw),
         topc_best=functools.partial(_pallas_topc, best=True, **kw),
-        full_vocab_sample=functools.partial(_xla_full_vocab_sample, direct_readout=not interpret),
-        topc_sample=_pallas_topc_sample,
+        full_vocab_sample=functools.partial(_pallas_full_vocab_sample, **kw),
+        topc_sample=functools.partial(_pallas_topc_sample, **kw),
         candidates_best=functools.partial(_pallas_topc, best=True, ties="id", **kw),
         full_vocab_capacity=functools.partial(_pallas_full_vocab_capacity, **kw),
         certify=functools.partial(_pallas_certify, **kw),
@@ -261,9 +261,20 @@ def _pallas_topc(base_c, cand, lat, prepared, skip=None, *, interpret, table, be
     return ref.best_by_topc_rule(*out, axis=0) if best else out
 
 
-def _pallas_topc_sample(base_c, cand, lat, prepared, seeds, inv_t, proposal=None):
-    w2c = prepared if prepared.ndim == 3 or lat is None else ref.topc_gather(prepared, cand)
-    return ref.topc_sample(base_c, cand, lat, w2c, seeds, inv_t, proposal)
+def _pallas_topc_sample(base_c, cand, lat, prepared, seeds, inv_t, proposal=None, *, interpret, table):
+    """`Ops.topc_sample`: the pick kernel with the noise (`topc_pick.topc_pick`'s ``seeds``); the jnp spelling for
+    the seed block (``lat`` None) and float64."""
+    if lat is None or prepared.ndim == 3:
+        w2c = prepared if lat is None or prepared.ndim == 3 else ref.topc_gather(prepared, cand)
+        return ref.topc_sample(base_c, cand, lat if lat is None else ref.latent_value(lat, base_c.dtype), w2c, seeds,
+                               inv_t, proposal)
+    lat, lat_add = lat if isinstance(lat, ref.LatentSum) else (lat, None)  # the residual's terms: the kernel adds them
+    rows, c = base_c.shape
+    v, r = prepared.shape
+    p = _plan(rows, 2, v, r, c, base_c.dtype, interpret, table)
+    out = topc_pick.topc_pick(base_c, cand, lat, prepared, config=p.topc, interpret=interpret, lat_add=lat_add,
+                              seeds=seeds, inv_t=inv_t, proposal=proposal)
+    return out if proposal is not None else (out, None)
 
 
 def _topc_stream(base_c, cand, lat, lat_add, w2, p: dispatch.Plan, *, interpret, row_ids=None, skip_slots=None):
@@ -305,6 +316,18 @@ def _pallas_full_vocab(logits, lat, w2, active=None, fallback=None, *, interpret
                                      slot_stride=b, partials=best, active=active, capacity=capacity,
                                      fallback=fallback, reverse=reverse, keep=keep)
     return ref.best_by_score(*out, axis=0) if best else out
+
+
+def _pallas_full_vocab_sample(logits, lat, w2, seeds, inv_t, proposal=None, *, interpret, table):
+    """`Ops.full_vocab_sample`: the fused pick with the noise (`full_vocab.full_vocab_pick`'s ``seeds``), reading the
+    draft rows of the whole logits in place; the jnp spelling for the seed block (``lat`` None) and float64."""
+    n, b, v = logits.shape
+    p = None if lat is None else _plan(n, b, v, lat.shape[1], 0, logits.dtype, interpret, table)
+    if p is None or p.full_vocab is None:
+        return _xla_full_vocab_sample(logits, lat, w2, seeds, inv_t, proposal, direct_readout=not interpret)
+    out = full_vocab.full_vocab_pick(logits.reshape(n * b, v), lat, w2, config=p.full_vocab, interpret=interpret,
+                                     slot_stride=b, seeds=seeds, inv_t=inv_t, proposal=proposal)
+    return out if proposal is not None else (out, None)
 
 
 def _pallas_gated_pick(logits, lat, w2, active, fallback, flags, *, interpret, table, q=None):

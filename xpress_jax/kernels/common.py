@@ -16,7 +16,7 @@ from jax.experimental.pallas import triton as plt
 
 __all__ = ["pallas_call", "compiler_params", "lower_triton", "gpu_supported", "BIG", "MIN_DOT", "SMEM_LIMIT", "iota",
            "cdiv", "next_pow2", "k_chunk", "score", "best", "merge", "flag_operand", "flags_row", "src_row",
-           "mix32", "noise_seed", "gumbel", "GUMBEL_MAX", "sample_key"]
+           "mix32", "noise_seed", "gumbel", "GUMBEL_MAX", "sample_key", "online_lse", "finish_lse"]
 
 #: Index of a lane that must never win (masked columns, padded parts); also int32's largest value.
 BIG = 2**31 - 1
@@ -189,3 +189,21 @@ def sample_key(s: jax.Array, inv_t: jax.Array, g: jax.Array) -> jax.Array:
     """The value a sampled pick maximises: ``s * inv_t + g`` (``inv_t`` = 1 / temperature, float32), or the score
     ``s`` itself where ``inv_t`` is 0 (temperature 0: greedy, the same ties). ``s``: float32 (NaN already -inf)."""
     return jnp.where(inv_t > 0, s * inv_t + g, s)
+
+
+def online_lse(m: jax.Array, l: jax.Array, x: jax.Array, axis: int = -1):
+    """One step of a running ``logsumexp`` (in a kernel, or across parts in XLA): the max ``m`` and the sum ``l`` of
+    ``exp(. - m)`` so far, and values ``x`` (reduced along ``axis``) -> the updated (m, l). An infinite max shifts by
+    0 (+inf: the sum becomes +inf; -inf: it stays 0), so no ``inf - inf`` is formed."""
+    m_new = jnp.maximum(m, jnp.max(x, axis=axis))
+    shift = jnp.where(jnp.abs(m_new) < jnp.inf, m_new, 0.0)
+    return m_new, l * jnp.exp(m - shift) + jnp.sum(jnp.exp(x - jnp.expand_dims(shift, axis)), axis=axis)
+
+
+def finish_lse(mm: jax.Array, ml: jax.Array, inv_t: jax.Array) -> jax.Array:
+    """`online_lse`'s (max, sum) pairs [parts, rows] -> [rows] ``logsumexp`` over every part (in XLA); +inf where
+    ``inv_t`` is 0 (the greedy pick: no distribution)."""
+    top = jnp.max(mm, axis=0)
+    shift = jnp.where(jnp.abs(top) < jnp.inf, top, 0.0)  # as in online_lse
+    total = jnp.sum(ml * jnp.exp(mm - shift[None]), axis=0)
+    return jnp.where(inv_t > 0, jnp.log(total) + shift, jnp.inf)

@@ -6,6 +6,11 @@ grid ``(row tiles, vocab parts)``, dim 0 fastest so the row tiles sharing a w2 t
 and lowest id to ``[parts, rows_pad]``; a part is ``v_steps`` tiles of ``v_tile`` ids. Stage 2
 (`combine_partials`) keeps the largest value, lowest id. The float32 dot may sum in another order than XLA's, so
 tokens differ only at near ties. Float64 is refused (``TypeError``).
+
+The sampled pick (``seeds``, ``inv_t``; `xpress_jax.reference.full_vocab_sample`) compares the keys
+``common.sample_key(s, inv_t, common.gumbel(seed, id))`` instead of the scores, recomputing the noise in the
+epilogue; with a proposal the same launch also keeps each part's winner score and running logsumexp, and writes
+the scores once.
 """
 
 from __future__ import annotations
@@ -166,6 +171,11 @@ class _Launch:
     reverse, keep: the vocabulary visit order and L2 hint (`full_vocab_pick`).
     counted: the counted launch's parts (0: the plain launch), its counters from ``counter_at``, and
       ``barrier`` (compiled: a CTA barrier before the arrival count, volatile loads after it).
+    sample: the sampled pick (`full_vocab_pick`'s ``seeds``): seeds [draft rows] int32 and inv_t [1] float32
+      follow the other inputs; the values compared are the keys ``common.sample_key`` (largest, lowest id).
+    extras: with ``sample``, the proposal wanted (None, "logprob", "scores"): three more [parts, rows_pad] float32
+      outputs (the part winner's score, the running max and sum of ``exp(s * inv_t - max)``), and with "scores"
+      the scores [rows, V] in the logits' dtype.
     """
 
     rows: int
@@ -182,6 +192,13 @@ class _Launch:
     counted: int = 0
     counter_at: int = 0
     barrier: bool = False
+    sample: bool = False
+    extras: str | None = None
+
+    @property
+    def n_out(self) -> int:
+        """The outputs besides the counted launch's: (value, id), then the extras' three and the scores."""
+        return 2 + (3 if self.extras else 0) + (self.extras == "scores")
 
 
 def _fused_kernel(
@@ -189,7 +206,9 @@ def _fused_kernel(
     lat_ref,  # [rows, r] whole array
     w2_ref,  # [V, r] whole array
     *refs,  # in order: map_ref [rows] int32 (row_map); active_ref [rows] int32 (has_active); flags (v_steps_full);
-    #   then mv_ref, mi_ref: [row_tile] blocks of [parts, rows_pad] (counted: whole arrays, then tok_ref, cnt_ref)
+    #   seeds_ref [draft rows] int32, invt_ref [1] float32 (sample); then mv_ref, mi_ref: [row_tile] blocks of
+    #   [parts, rows_pad] (counted: whole arrays, then tok_ref, cnt_ref); extras: ms_ref, mm_ref, ml_ref (blocks
+    #   like mv_ref) and sc_ref [rows, V] (whole array, "scores")
     cfg: FullVocabConfig,
     launch: _Launch,
 ):
@@ -202,10 +221,13 @@ def _fused_kernel(
     refs = list(refs)
     map_ref = refs.pop(0) if row_map else None
     active_ref = refs.pop(0) if has_active else None
+    sample, extras = launch.sample, launch.extras
+    if sample:  # no v_steps_full with sample: the flags operand is absent
+        seeds_ref, invt_ref = refs.pop(0), refs.pop(0)
     if counted:  # the counted launch (`_fused_launch`): tokens and counter aliased in and out
         mv_ref, mi_ref, tok_ref, cnt_ref = refs[-4:]
     else:
-        mv_ref, mi_ref = refs[-2:]
+        mv_ref, mi_ref, *x_refs = refs[-launch.n_out:]
     i, j = pl.program_id(0), pl.program_id(1)
     live = None  # v_steps_full: whether this program's part holds any vocab id
     live_parts = None  # v_steps_full: the parts that hold a vocab id (the counted launch's arrivals per row tile)
@@ -221,6 +243,9 @@ def _fused_kernel(
         if lat_map:  # the map names draft rows: kernel row q reads lat row map[q] and its base row
             lat_rows = src_rows
             src_rows = src_row(lat_rows, slot_stride)
+    if sample:  # each kernel row's noise seed (by draft row) and 1 / T, read once
+        seed = plt.load(seeds_ref.at[lat_rows if lat_map else r0 + iota(row_tile)], mask=row_ok, other=0)
+        inv_t = invt_ref[0]
     n_k = cdiv(rank, k_tile)
     # A masked tail chunk loads with index arrays: never a slice past the end (JAX >= 0.12 refuses one).
     k_tail = rank % k_tile != 0
@@ -272,27 +297,55 @@ def _fused_kernel(
     def next_base(t):  # the tile visited after visit t, or nothing after the last one
         return load_base(v_start(visit(t + 1)), (t + 1) < v_steps)
 
-    def epilogue_eager(acc, b, v0, best, bidx):  # round, add base, keep each row's best
+    def key_of(s, cols):  # the value compared: the score, or with ``sample`` its key (`common.sample_key`)
+        return common.sample_key(s, inv_t, common.gumbel(seed[:, None], cols[None, :])) if sample else s
+
+    def side(s, cols, st):  # extras: the running logsumexp of s * inv_t; "scores": s written once
+        if extras is None:
+            return st
+        if extras == "scores":
+            out = (r0 + iota(row_tile))[:, None], cols[None, :]
+            plt.store(x_refs[3].at[out], s.astype(x_refs[3].dtype), mask=row_ok[:, None] & (cols < vocab)[None, :])
+        return (*st[:3], *common.online_lse(st[3], st[4], s * inv_t, axis=1))
+
+    def epilogue_eager(acc, b, v0, st):  # round, add base, keep each row's best
         cols = v0 + iota(v_tile)
         col_ok = cols < vocab
         s = jnp.where(col_ok[None, :], score(b, acc.astype(dtype), dtype), -jnp.inf)
+        key = jnp.where(col_ok[None, :], key_of(s, cols), -jnp.inf) if sample else s
         ids = jnp.where(col_ok, cols, BIG)
-        m, k = common.best(s, jnp.broadcast_to(ids[None, :], s.shape), axis=1)
-        return common.merge(best, bidx, m, k)
+        m, k = common.best(key, jnp.broadcast_to(ids[None, :], s.shape), axis=1)
+        best, bidx = st[:2]
+        take = (m > best) | ((m == best) & (k < bidx))  # `common.merge`
+        st = (jnp.where(take, m, best), jnp.where(take, k, bidx), *st[2:])
+        if extras:  # the winner's score
+            s_k = jnp.max(jnp.where(ids[None, :] == k[:, None], s, -jnp.inf), axis=1)
+            st = (*st[:2], jnp.where(take, s_k, st[2]), *st[3:])
+        return side(s, cols, st)
 
     lanes = jax.lax.broadcasted_iota(jnp.int32, (row_tile, v_tile), 1)
 
-    def epilogue_lazy(acc, b, v0, best, bidx):  # elementwise: each (row, lane) keeps its best
+    def epilogue_lazy(acc, b, v0, st):  # elementwise: each (row, lane) keeps its best
         # Past-V columns: b = -inf (masked load) and acc = 0 -> s = -inf never beats best.
         s = (b.astype(jnp.float32) + acc.astype(dtype).astype(jnp.float32)).astype(dtype).astype(jnp.float32)
-        if reverse:  # tiles visited from the highest ids down: the last equal score seen has the lowest id
-            s = jnp.where(s == s, s, -jnp.inf)  # NaN ranks as -inf (ascending order gets this from `>`)
-            better = s >= best
+        best, bidx = st[:2]
+        if sample:
+            s = jnp.where(s == s, s, -jnp.inf)  # NaN ranks as -inf; keys are never NaN
+            key = key_of(s, v0 + iota(v_tile))
         else:
-            better = s > best
-        return jnp.where(better, s, best), jnp.where(better, v0 + lanes, bidx)
+            key = s
+        if reverse:  # tiles visited from the highest ids down: the last equal score seen has the lowest id
+            key = jnp.where(key == key, key, -jnp.inf)  # NaN ranks as -inf (ascending order gets this from `>`)
+            better = key >= best
+        else:
+            better = key > best
+        st = (jnp.where(better, key, best), jnp.where(better, v0 + lanes, bidx), *st[2:])
+        if extras:
+            st = (*st[:2], jnp.where(better, s, st[2]), *st[3:])
+            return side(s, v0 + iota(v_tile), st)
+        return st
 
-    def part():  # this program's part: each row's best (score, lowest id) over its vocab tiles
+    def part():  # this program's part: each row's best (score or key, lowest id) over its vocab tiles
         zeros = jnp.zeros((row_tile, v_tile), jnp.float32)
         if lazy:
             epilogue = epilogue_lazy
@@ -300,6 +353,8 @@ def _fused_kernel(
         else:
             epilogue = epilogue_eager
             init = (jnp.full((row_tile,), -jnp.inf, jnp.float32), jnp.full((row_tile,), BIG, jnp.int32))
+        if extras:  # the winner's score (like best), the running max and sum of exp (per row)
+            init = (*init, init[0], jnp.full((row_tile,), -jnp.inf, jnp.float32), jnp.zeros((row_tile,), jnp.float32))
         # The carried base tile (prefetch_base) or an unused stand-in.
         b0 = load_base(v_start(visit(0))) if prefetch_base else jnp.zeros((), jnp.int32)
 
@@ -308,7 +363,7 @@ def _fused_kernel(
             shift = n_k.bit_length() - 1
 
             def flat_step(t, carry, evict=None):
-                acc, best, bidx, b = carry
+                acc, st, b = carry
                 if n_k & (n_k - 1) == 0:
                     vt, kk = t >> shift, t & (n_k - 1)
                 else:
@@ -317,24 +372,24 @@ def _fused_kernel(
                 acc = dot_chunk(acc, v0, kk * k_tile, evict=evict)
 
                 def finish(ops):
-                    acc, best, bidx, b = ops
-                    best, bidx = epilogue(acc, b if prefetch_base else load_base(v0), v0, best, bidx)
-                    return zeros, best, bidx, next_base(vt) if prefetch_base else b
+                    acc, st, b = ops
+                    st = epilogue(acc, b if prefetch_base else load_base(v0), v0, st)
+                    return zeros, st, next_base(vt) if prefetch_base else b
 
                 if n_k == 1:
-                    return finish((acc, best, bidx, b))
-                return jax.lax.cond(kk == n_k - 1, finish, lambda ops: ops, (acc, best, bidx, b))
+                    return finish((acc, st, b))
+                return jax.lax.cond(kk == n_k - 1, finish, lambda ops: ops, (acc, st, b))
 
-            carry = (zeros, *init, b0)
+            carry = (zeros, init, b0)
             for lo, hi, evict in _keep_segments(launch.keep, v_steps):  # the visits sharing one eviction policy
                 carry = jax.lax.fori_loop(lo * n_k, hi * n_k, functools.partial(flat_step, evict=evict), carry)
-            _, best, bidx, _ = carry
+            _, st, _ = carry
         else:
             # hold_lat: the latent tile is loop-invariant, load it once (n_k chunks of [row_tile, k_tile]).
             held = [load_lat(kk * k_tile) for kk in range(n_k)] if hold_lat else None
 
             def step(t, carry, evict=None):
-                best, bidx, b = carry
+                st, b = carry
                 v0 = v_start(visit(t))
                 b_next = next_base(t) if prefetch_base else b  # issued before the dots
                 acc = zeros
@@ -345,16 +400,20 @@ def _fused_kernel(
                     acc = dot_chunk(acc, v0, 0, evict=evict)
                 else:
                     acc = jax.lax.fori_loop(0, n_k, lambda kk, a: dot_chunk(a, v0, kk * k_tile, evict=evict), acc)
-                best, bidx = epilogue(acc, b if prefetch_base else load_base(v0), v0, best, bidx)
-                return best, bidx, b_next
+                st = epilogue(acc, b if prefetch_base else load_base(v0), v0, st)
+                return st, b_next
 
-            carry = (*init, b0)
+            carry = (init, b0)
             for lo, hi, evict in _keep_segments(launch.keep, v_steps):
                 carry = jax.lax.fori_loop(lo, hi, functools.partial(step, evict=evict), carry)
-            best, bidx, _ = carry
-        if lazy:  # one reduction over the lanes per part
-            best, bidx = common.best(best, bidx, axis=1)
-        return best, bidx
+            st, _ = carry
+        if lazy:  # one reduction over the lanes per part (lanes hold distinct ids)
+            best, bidx = common.best(st[0], st[1], axis=1)
+            if extras:
+                s_k = jnp.max(jnp.where(st[1] == bidx[:, None], st[2], -jnp.inf), axis=1)
+                return best, bidx, s_k, *st[3:]
+            return best, bidx
+        return st
 
     if counted:
         # Only row tiles with an active row (and, with v_steps_full, live parts) store their part's winners and
@@ -376,7 +435,9 @@ def _fused_kernel(
                              live_parts=live_parts, out_rows=out_rows)
         return
     if not has_active:
-        best, bidx = part()
+        best, bidx, *more = part()
+        for ref, x in zip(x_refs, more):  # extras: the winner's score, the running max and sum
+            ref[...] = x
     else:
         # Row tiles without an active row read nothing and write the "no winner" partials (-inf, BIG).
         act = plt.load(active_ref.at[r0 + iota(row_tile)], mask=row_ok, other=0)
@@ -531,29 +592,37 @@ def _fused_launch(operands, cfg: FullVocabConfig, launch: _Launch, *, interpret:
                   counted=()):
     """One launch of `_fused_kernel`: the [parts, rows_pad] float32 best values and int32 ids. ``counted``: the
     counted pick's (tokens, counter) (`full_vocab_pick`'s ``counter``, `scan_failing`), aliased in and out and
-    returned after them; the last program of each row tile combines its parts (`_combine_if_last`)."""
+    returned after them; the last program of each row tile combines its parts (`_combine_if_last`). ``launch.extras``:
+    three more float32 [parts, rows_pad] outputs, and with "scores" the scores [rows, V] (`_Launch`)."""
     parts = cdiv(launch.vocab, cfg.v_tile * cfg.v_steps) if parts is None else parts
     row_tiles = cdiv(launch.rows, cfg.row_tile)
     shape = (parts, row_tiles * cfg.row_tile)
     n = len(operands)
+    more = ()
     if counted:
         launch = dataclasses.replace(launch, has_active=True, counted=parts, barrier=not interpret)
         out_specs = (pl.no_block_spec,) * 4
+        more = tuple(jax.ShapeDtypeStruct(a.shape, jnp.int32) for a in counted)
     else:
-        out_specs = (pl.BlockSpec((None, cfg.row_tile), lambda i, j: (j, i)),) * 2
+        out_specs = (pl.BlockSpec((None, cfg.row_tile), lambda i, j: (j, i)),) * (2 + 3 * bool(launch.extras))
+        if launch.extras:
+            more = (jax.ShapeDtypeStruct(shape, jnp.float32),) * 3
+        if launch.extras == "scores":
+            out_specs = (*out_specs, pl.no_block_spec)
+            more = (*more, jax.ShapeDtypeStruct((launch.rows, launch.vocab), launch.dtype))
     return common.pallas_call(
         functools.partial(_fused_kernel, cfg=cfg, launch=launch),
-        name="xpress_full_vocab_counted" if counted else "xpress_full_vocab_fused",
+        name="xpress_full_vocab_counted" if counted else
+        ("xpress_full_vocab_sample" if launch.sample else "xpress_full_vocab_fused"),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, interpret=interpret, grid=(row_tiles, parts),
         in_specs=[pl.no_block_spec] * (n + len(counted)), out_specs=out_specs,
-        out_shape=(jax.ShapeDtypeStruct(shape, jnp.float32), jax.ShapeDtypeStruct(shape, jnp.int32),
-                   *(jax.ShapeDtypeStruct(a.shape, jnp.int32) for a in counted)),
+        out_shape=(jax.ShapeDtypeStruct(shape, jnp.float32), jax.ShapeDtypeStruct(shape, jnp.int32), *more),
         input_output_aliases={n: 2, n + 1: 3} if counted else {},
     )(*operands, *counted)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "config", "slot_stride", "partials", "capacity", "reverse",
-                                             "keep", "counter_at"))
+                                             "keep", "counter_at", "proposal"))
 def full_vocab_pick(
     base: jax.Array,
     lat: jax.Array,
@@ -571,6 +640,9 @@ def full_vocab_pick(
     keep: str | None = None,
     counter: jax.Array | None = None,
     counter_at: int = 0,
+    seeds: jax.Array | None = None,
+    inv_t: jax.Array | None = None,
+    proposal: str | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """[rows,V], [rows,r], [V,r] -> [rows] int32: argmax_v float(dtype(base + dtype(lat @ w2.T))).
 
@@ -588,10 +660,23 @@ def full_vocab_pick(
     ``row_ids`` ([M] int32 in [0, rows)): pick only these rows, in this order (``active`` then by position).
     ``counter`` (int32 [k], with ``active`` and ``fallback``, without ``capacity``, ``partials``, ``row_ids``;
     entries ``counter_at`` .. ``counter_at + row tiles - 1`` zero, and zero again after): one launch returning
-    ``(tokens, counter)`` (`_fused_launch`) that writes nothing where no row is active."""
+    ``(tokens, counter)`` (`_fused_launch`) that writes nothing where no row is active.
+    ``seeds`` ([rows] int32, by draft row = lat row), ``inv_t`` (float32 scalar, 1 / T; 0 = greedy): the sampled
+    pick, the largest ``common.sample_key(s, inv_t, common.gumbel(seeds[row], id))``, lowest id on ties (with
+    ``row_ids``, ``reverse``, ``keep``, ``partials``: the keys; not with ``active``, ``capacity``, ``fallback``,
+    ``counter``). ``proposal`` ("logprob" / "scores", with ``seeds``, without ``partials``): returns ``(tokens,
+    (token_score [rows] float32: the winner's s, lse [rows] float32: logsumexp(s * inv_t) over V, +inf where
+    inv_t is 0, scores [rows, V] in the logits' dtype or None))``, the scores written once by the pick."""
     dtype = _check_inputs(base, lat, w2, slot_stride, "full-vocab pick kernel")
     vocab = base.shape[1]
     rows, rank = lat.shape
+    if seeds is not None or inv_t is not None or proposal is not None:
+        for name, v in (("active", active), ("capacity", capacity), ("fallback", fallback), ("counter", counter)):
+            if v is not None:
+                raise ValueError(f"{name} is for the greedy pick (the certified mode); the sampled pick (seeds) "
+                                 f"goes without it")
+        return _sample(base, lat, w2, seeds, inv_t, proposal, config=config, interpret=interpret,
+                       slot_stride=slot_stride, partials=partials, reverse=reverse, row_ids=row_ids, keep=keep)
     n_act = rows if row_ids is None else row_ids.shape[0]  # active is by kernel row: row_ids' positions
     if active is not None and (active.shape != (n_act,) or not (active.dtype == jnp.bool_
                                                                   or jnp.issubdtype(active.dtype, jnp.integer))):
@@ -661,6 +746,50 @@ def full_vocab_pick(
         return combine_partials(mv, mi, interpret=interpret, active=active, fallback=fallback)[:rows]
     tok = combine_partials(mv, mi, interpret=interpret)[:cap]
     return tok if pos is None else jnp.where(pos < cap, tok[jnp.minimum(pos, cap - 1)], BIG)
+
+
+def _sample(base, lat, w2, seeds, inv_t, proposal, *, config, interpret, slot_stride, partials, reverse, row_ids,
+            keep):
+    """`full_vocab_pick` with ``seeds`` (its docstring): one launch, then the parts combined (the keys by the
+    stage-2 kernel; the extras' winner score and logsumexp in XLA)."""
+    dtype = jnp.dtype(base.dtype)
+    vocab = base.shape[1]
+    rows, rank = lat.shape
+    if proposal not in (None, "logprob", "scores"):
+        raise ValueError(f"proposal must be None, 'logprob' or 'scores'; got {proposal!r}")
+    if seeds is None or inv_t is None:
+        raise ValueError("the sampled pick needs both seeds ([rows] int32) and inv_t (a float32 scalar)")
+    if seeds.shape != (rows,) or not jnp.issubdtype(seeds.dtype, jnp.integer):
+        raise ValueError(f"seeds must be [rows={rows}] int32 (by draft row); got {seeds.shape} {seeds.dtype}")
+    if jnp.size(inv_t) != 1 or not jnp.issubdtype(jnp.asarray(inv_t).dtype, jnp.floating):
+        raise ValueError(f"inv_t must be a float scalar (1 / temperature); got {jnp.shape(inv_t)} "
+                         f"{jnp.asarray(inv_t).dtype}")
+    if proposal is not None and partials:
+        raise ValueError("proposal goes without partials (the extras need the parts combined)")
+    inv_t = jnp.reshape(jnp.asarray(inv_t), (1,)).astype(jnp.float32)
+    operands = (base, lat, w2)
+    extra = {}
+    cap = rows
+    if row_ids is not None:
+        if row_ids.ndim != 1 or row_ids.shape[0] < 1 or row_ids.dtype != jnp.int32:
+            raise ValueError(f"row_ids must be [M >= 1] int32; got {row_ids.shape} {row_ids.dtype}")
+        cap = row_ids.shape[0]
+        operands = (*operands, row_ids)
+        extra = dict(row_map=True, lat_map=True)
+    cfg = config or default_config(cap, vocab, rank, dtype)
+    cfg.check_shape(cap, vocab, rank, dtype)
+    launch = _Launch(cap, vocab, rank, dtype, slot_stride, reverse=reverse, keep=keep, sample=True, extras=proposal,
+                     **extra)
+    out = _fused_launch((*operands, seeds.astype(jnp.int32), inv_t), cfg, launch, interpret=interpret)
+    mv, mi = out[:2]
+    if partials:
+        return mv[:, :cap], mi[:, :cap]
+    tok = combine_partials(mv, mi, interpret=interpret)[:cap]
+    if proposal is None:
+        return tok
+    ms, mm, ml = (x[:, :cap] for x in out[2:5])
+    token_score = jnp.max(jnp.where(mi[:, :cap] == tok[None, :], ms, -jnp.inf), axis=0)  # the winner's part
+    return tok, (token_score, common.finish_lse(mm, ml, inv_t[0]), out[5] if proposal == "scores" else None)
 
 
 # The certified mode's scan of its failing rows: pack, one pick in packed order, combine back.

@@ -9,6 +9,10 @@ Kernel: grid ``(rows, splits)``. Program (n, j) gathers its candidates' w2 rows 
 multiply-and-sum over the rank in ``k_tile`` chunks (no tensor cores) and keeps the best (score, base logit, id);
 `combine_splits` reduces the splits. The bias sums in another order than XLA's einsum, so tokens differ from the
 reference only near rounding boundaries. Float64 is refused (``TypeError``).
+
+The sampled pick (``seeds``, ``inv_t``; `xpress_jax.reference.topc_sample`) applies the rule to the candidates'
+keys ``common.sample_key(s, inv_t, common.gumbel(seed, id))``; with a proposal each split also returns its winner's
+score and running logsumexp, and the candidates' scores are written once.
 """
 
 from __future__ import annotations
@@ -92,9 +96,11 @@ def _topc_kernel(
     w_ref,  # [V, r] (w2), whole array
     *refs,  # in order: add_ref [rows, r] float32 whole array (has_add only: the latent is
     #   round(lat + add)); rows_ref [M] int32 (has_rows only: program n picks row rows_ref[n]); skip_ref [k]
-    #   int32 (has_skip only: element 0 nonzero = return at once); then the outputs
-    #   mv_ref [] block of [splits, rows_pad] float32: best score; mb_ref (same) float32: the largest
-    #   base logit holding it; mi_ref (same) int32: the lowest vocab id holding both
+    #   int32 (has_skip only: element 0 nonzero = return at once); seeds_ref [rows] int32, invt_ref [1] float32
+    #   (sample only); then the outputs mv_ref [] block of [splits, rows_pad] float32: best score (sample: key);
+    #   mb_ref (same) float32: the largest base logit holding it; mi_ref (same) int32: the lowest vocab id holding
+    #   both; extras only: ms_ref, mm_ref, ml_ref (same, float32): the winner's score, the running max and sum of
+    #   exp(s * inv_t - max); "scores" only: sc_ref [programs, C] (whole array, the logits' dtype)
     c: int,
     rank: int,
     c_tile: int,
@@ -106,15 +112,22 @@ def _topc_kernel(
     has_add: bool = False,
     has_rows: bool = False,
     keep: tuple | None = None,
+    sample: bool = False,
+    extras: str | None = None,
 ):
     refs = list(refs)
     add_ref = refs.pop(0) if has_add else None
     rows_ref = refs.pop(0) if has_rows else None
     skip_ref = refs.pop(0) if has_skip else None
-    mv_ref, mb_ref, mi_ref = refs
+    if sample:
+        seeds_ref, invt_ref = refs.pop(0), refs.pop(0)
+    mv_ref, mb_ref, mi_ref, *x_refs = refs
     n, j = pl.program_id(0), pl.program_id(1)
+    out_row = n
     if has_rows:  # program n picks input row rows_ref[n] (its output stays at column n)
         n = rows_ref[n]
+    if sample:  # the row's noise seed (by draft row) and 1 / T
+        seed, inv_t = seeds_ref[n], invt_ref[0]
     n_k = cdiv(rank, k_tile)
     # A masked tail chunk loads with index arrays: never a static slice past the end (JAX >= 0.12 refuses one).
     k_tail = rank % k_tile != 0
@@ -160,16 +173,32 @@ def _topc_kernel(
             bf = jnp.where(ok & (bf == bf), bf, -jnp.inf)  # NaN base (and masked lanes) rank as -inf
             if ties == "id":  # every real candidate ranks alike on base: equal scores go to the lowest id
                 bf = jnp.where(ok, 0.0, -jnp.inf)
-            return _merge3(*carry, *_best3(s, bf, jnp.where(ok, ids, BIG), axis=0))
+            # The value compared: the score, or (sample) its key; masked lanes have s = key = -inf.
+            key = jnp.where(ok, common.sample_key(s, inv_t, common.gumbel(seed, ids)), -jnp.inf) if sample else s
+            idm = jnp.where(ok, ids, BIG)
+            m, mb, k = _best3(key, bf, idm, axis=0)
+            if not extras:
+                return _merge3(*carry, m, mb, k)
+            best, bbase, bidx, bs, lm, ll = carry
+            take = (m > best) | ((m == best) & ((mb > bbase) | ((mb == bbase) & (k < bidx))))  # `_merge3`
+            s_k = jnp.max(jnp.where(idm == k, s, -jnp.inf))  # the winner's score
+            if extras == "scores":
+                plt.store(x_refs[3].at[out_row, c0 + iota(c_tile)], s.astype(x_refs[3].dtype), mask=ok)
+            return (*_merge3(best, bbase, bidx, m, mb, k), jnp.where(take, s_k, bs),
+                    *common.online_lse(lm, ll, s * inv_t, axis=0))
 
         init = (jnp.array(-jnp.inf, jnp.float32), jnp.array(-jnp.inf, jnp.float32), jnp.array(BIG, jnp.int32))
-        best, bbase, bidx = step(0, init) if c_steps == 1 else jax.lax.fori_loop(0, c_steps, step, init)
-        return best, bbase, bidx
+        if extras:
+            init = (*init, jnp.array(-jnp.inf, jnp.float32), jnp.array(-jnp.inf, jnp.float32),
+                    jnp.array(0.0, jnp.float32))
+        return step(0, init) if c_steps == 1 else jax.lax.fori_loop(0, c_steps, step, init)
 
-    def write(best, bbase, bidx):
+    def write(best, bbase, bidx, *more):
         mv_ref[...] = best
         mb_ref[...] = bbase
         mi_ref[...] = bidx
+        for ref, x in zip(x_refs, more):  # extras: the winner's score, the running max and sum
+            ref[...] = x
 
     def run_write():
         if keep is None:
@@ -193,7 +222,7 @@ def _topc_kernel(
 TIES = ("base", "id")
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "config", "partials", "ties", "keep"))
+@functools.partial(jax.jit, static_argnames=("interpret", "config", "partials", "ties", "keep", "proposal"))
 def topc_pick(
     base_c: jax.Array,
     cand: jax.Array,
@@ -208,6 +237,9 @@ def topc_pick(
     lat_add: jax.Array | None = None,
     row_ids: jax.Array | None = None,
     keep: tuple | None = None,
+    seeds: jax.Array | None = None,
+    inv_t: jax.Array | None = None,
+    proposal: str | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array, jax.Array]:
     """[rows,C], [rows,C] int, [rows,r], [V,r] -> [rows] int32 vocab ids (candidate ids in [0, V)).
 
@@ -220,17 +252,40 @@ def topc_pick(
     dtype, formed as each program loads it (`xpress_jax.reference.LatentSum`): the same values.
     ``row_ids`` ([M] int32 in [0, rows)): pick only these rows, in this order; each as without ``row_ids``.
     ``keep`` (static; None: no hints): ``(hot, hot_policy, rest_policy)``: splits ``j < hot`` gather ``w2`` with
-    ``hot_policy``, the others with ``rest_policy`` (L2 hints only: the same result)."""
-    mv, mb, mi = _partials(base_c, cand, lat, w2, interpret=interpret, config=config, ties=ties, skip=skip,
-                           lat_add=lat_add, row_ids=row_ids, keep=keep)
+    ``hot_policy``, the others with ``rest_policy`` (L2 hints only: the same result).
+    ``seeds`` ([rows] int32, by input row), ``inv_t`` (float32 scalar, 1 / T; 0 = greedy): the sampled pick, the top-C
+    rule on ``(common.sample_key(s, inv_t, common.gumbel(seeds[row], cand)), base logit, id)`` (with ``lat_add``,
+    ``row_ids``, ``keep``, ``partials``: the keys; not with ``skip`` or ``ties="id"``). ``proposal`` ("logprob" /
+    "scores", with ``seeds``, without ``partials``): returns ``(tokens, (token_score [rows] float32: the winner's s,
+    lse [rows] float32: logsumexp(s * inv_t) over the C candidates, +inf where inv_t is 0, scores [rows, C] in the
+    logits' dtype or None))``; candidate ids distinct within a row."""
+    sampled = seeds is not None or inv_t is not None or proposal is not None
+    if sampled:
+        if skip is not None or ties != "base":
+            raise ValueError("skip and ties='id' are for the certified mode's greedy pick; the sampled pick (seeds) "
+                             "goes without them")
+        if proposal is not None and partials:
+            raise ValueError("proposal goes without partials (the extras need the splits combined)")
+    out = _partials(base_c, cand, lat, w2, interpret=interpret, config=config, ties=ties, skip=skip,
+                    lat_add=lat_add, row_ids=row_ids, keep=keep, sample=(seeds, inv_t, proposal) if sampled else None)
+    mv, mb, mi = out[:3]
     rows = base_c.shape[0] if row_ids is None else row_ids.shape[0]
     if partials:
         return mv[:, :rows], mb[:, :rows], mi[:, :rows]
-    return combine_splits(mv, mb, mi, interpret=interpret)[:rows]
+    tok = combine_splits(mv, mb, mi, interpret=interpret)[:rows]
+    if proposal is None:
+        return tok
+    ms, mm, ml = (x[:, :rows] for x in out[3:6])
+    token_score = jnp.max(jnp.where(mi[:, :rows] == tok[None, :], ms, -jnp.inf), axis=0)  # the winner's split
+    lse = common.finish_lse(mm, ml, jnp.reshape(inv_t, ()).astype(jnp.float32))
+    return tok, (token_score, lse, out[6] if proposal == "scores" else None)
 
 
-def _partials(base_c, cand, lat, w2, *, interpret, config, ties, skip, lat_add=None, row_ids=None, keep=None):
-    """The pick kernel's launch: ``(score, base, id)`` each [splits, rows_pad] (rows_pad: rows rounded up to 16)."""
+def _partials(base_c, cand, lat, w2, *, interpret, config, ties, skip, lat_add=None, row_ids=None, keep=None,
+              sample=None):
+    """The pick kernel's launch: ``(score, base, id)`` each [splits, rows_pad] (rows_pad: rows rounded up to 16).
+    ``sample`` = (seeds, inv_t, proposal): the keys; with a proposal three more [splits, rows_pad] float32 (the
+    winner's score, the running max and sum of exp) and with "scores" the [rows, C] scores."""
     if ties not in TIES:
         raise ValueError(f"ties must be one of {TIES}, got {ties!r}")
     if base_c.ndim != 2 or cand.shape != base_c.shape or lat.ndim != 2 or lat.shape[0] != base_c.shape[0]:
@@ -268,6 +323,21 @@ def _partials(base_c, cand, lat, w2, *, interpret, config, ties, skip, lat_add=N
     if skip is not None:
         operands = (*operands, common.flag_operand(skip, "skip"))
         extra["has_skip"] = True
+    proposal = None
+    if sample is not None:
+        seeds, inv_t, proposal = sample
+        n_in = base_c.shape[0]
+        if proposal not in (None, "logprob", "scores"):
+            raise ValueError(f"proposal must be None, 'logprob' or 'scores'; got {proposal!r}")
+        if seeds is None or inv_t is None:
+            raise ValueError("the sampled pick needs both seeds ([rows] int32) and inv_t (a float32 scalar)")
+        if seeds.shape != (n_in,) or not jnp.issubdtype(seeds.dtype, jnp.integer):
+            raise ValueError(f"seeds must be [rows={n_in}] int32 (by input row); got {seeds.shape} {seeds.dtype}")
+        if jnp.size(inv_t) != 1 or not jnp.issubdtype(jnp.asarray(inv_t).dtype, jnp.floating):
+            raise ValueError(f"inv_t must be a float scalar (1 / temperature); got {jnp.shape(inv_t)} "
+                             f"{jnp.asarray(inv_t).dtype}")
+        operands = (*operands, seeds.astype(jnp.int32), jnp.reshape(jnp.asarray(inv_t), (1,)).astype(jnp.float32))
+        extra.update(sample=True, extras=proposal)
     if keep is not None:
         policies = (None, "evict_first", "evict_last", "evict_normal")
         if (not isinstance(keep, tuple) or len(keep) != 3 or isinstance(keep[0], bool) or not isinstance(keep[0], int)
@@ -282,10 +352,15 @@ def _partials(base_c, cand, lat, w2, *, interpret, config, ties, skip, lat_add=N
     rows_pad = cdiv(rows, 16) * 16  # padding rows are never written; combine_splits gets >= 16-row tiles
     out_spec = pl.BlockSpec((None, None), lambda n, j: (j, n))
     f32, i32 = (jax.ShapeDtypeStruct((splits, rows_pad), t) for t in (jnp.float32, jnp.int32))
+    out_specs, out_shape = (out_spec,) * 3, (f32, f32, i32)
+    if proposal:
+        out_specs, out_shape = (*out_specs, *(out_spec,) * 3), (*out_shape, f32, f32, f32)
+    if proposal == "scores":
+        out_specs, out_shape = (*out_specs, pl.no_block_spec), (*out_shape, jax.ShapeDtypeStruct((rows, c), dtype))
     return common.pallas_call(
-        kernel, name="xpress_topc_pick", num_warps=cfg.num_warps, num_stages=cfg.num_stages, interpret=interpret,
-        grid=(rows, splits), in_specs=[pl.no_block_spec] * len(operands), out_specs=(out_spec, out_spec, out_spec),
-        out_shape=(f32, f32, i32),
+        kernel, name="xpress_topc_sample" if sample is not None else "xpress_topc_pick", num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, interpret=interpret, grid=(rows, splits),
+        in_specs=[pl.no_block_spec] * len(operands), out_specs=out_specs, out_shape=out_shape,
     )(*operands)
 
 
