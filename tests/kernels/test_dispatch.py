@@ -162,8 +162,8 @@ def test_ops_are_typed_and_cached():
     assert Ops.xla("gpu") != Ops.xla("cpu")
     fields = {f.name for f in dataclasses.fields(Ops)}
     assert fields == {"name", "select", "topc_prepare", "topc_pick", "full_vocab_prepare", "full_vocab_pick", "latent", "start",
-                      "full_vocab_best", "topc_best", "candidates_best", "full_vocab_capacity", "certify",
-                      "scan_failing", "hidden", "split_latent", "full_vocab_pass_pick",
+                      "full_vocab_best", "topc_best", "full_vocab_sample", "topc_sample", "candidates_best",
+                      "full_vocab_capacity", "certify", "scan_failing", "hidden", "split_latent", "full_vocab_pass_pick",
                       "topc_pass_pick", "gated_pick"}
     for topc in (False, True):
         assert Ops.xla().pass_pick(topc) is None and Ops.pallas(True).pass_pick(topc) is not None
