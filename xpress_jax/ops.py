@@ -22,10 +22,11 @@ The steps (static shapes; ``rows`` = N * (B-1) draft rows):
   tokens of draft slots ``s..B-2``, ``s <= min(q, B-1)``. Used only while ``PassPick.pick`` is this `Ops`' pick.
 - ``gated_pick``: None or a `PassPick` whose ``run(logits, lat, prepared, active, fallback, flags, q=None) ->
   (tokens, flags)`` writes nothing where no row is active (the certified mode; ``flags`` int32 [8]).
-- ``full_vocab_sample(logits, lat, prepared, seeds [rows] int32, inv_t, proposal=None) -> (tokens [rows] int32,
-  extras)`` and ``topc_sample(base_c, cand, lat, prepared, seeds, inv_t, proposal=None)``: the sampled picks
-  (`xpress_jax.sampling`; ``lat`` None: the seed block, scored on the base logits); ``extras`` None, or with a
+- ``full_vocab_sample(logits, lat, prepared, seeds [rows] int32, inv_t, proposal=None, q=None) -> (tokens, extras,
+  s)`` and ``topc_sample(base_c, cand, lat, prepared, seeds, inv_t, proposal=None, q=None, n=None)``: the sampled
+  picks (`xpress_jax.sampling`; ``lat`` None: the seed block, scored on the base logits); ``extras`` None, or with a
   ``proposal`` (token_score [rows] float32, lse [rows] float32, scores or None) (`reference.sample_extras`).
+  ``q`` (unrolled passes, no proposal) as for the pass picks: the tokens of draft slots ``s..B-2`` only.
 - ``latent(params, xh [N,B,r], blk [N,B] int32, prev_ids [N] int32, split=False) -> [N,B-1,r]``; with
   ``split=True`` possibly a `reference.LatentSum` that only ``topc_pick`` accepts; ``split_latent``: whether
   `xpress_jax.refine` asks for it (top-C passes).
@@ -129,8 +130,8 @@ def _xla_ops(platform: str) -> Ops:
         start=ref.full_vocab_start,
         full_vocab_best=functools.partial(_xla_full_vocab_best, direct_readout=gpu),
         topc_best=ref.topc_pick_best,
-        full_vocab_sample=functools.partial(_xla_full_vocab_sample, direct_readout=gpu),
-        topc_sample=ref.topc_sample,
+        full_vocab_sample=_xla_sampled(functools.partial(_xla_full_vocab_sample, direct_readout=gpu)),
+        topc_sample=_xla_sampled(ref.topc_sample),
         candidates_best=_xla_candidates_best,
         certify=_xla_certify,
         hidden=ref.hidden_input_gpu if gpu else None,
@@ -192,6 +193,13 @@ def _xla_full_vocab_pick(logits, lat, w2, active=None, fallback=None, *, direct_
 
 def _xla_full_vocab_sample(logits, lat, w2, seeds, inv_t, proposal=None, *, direct_readout: bool):
     return ref.full_vocab_sample(ref.draft_rows(logits), lat, w2, seeds, inv_t, proposal, direct_readout=direct_readout)
+
+
+def _xla_sampled(step):
+    """A jnp sampled pick as an `Ops` step: every row (``q`` and ``n`` unused), so ``s`` = 0."""
+    def run(*args, q=None, n=None, **kw):
+        return (*step(*args, **kw), 0)
+    return run
 
 
 def with_fallback(tok, active, fallback):
@@ -261,20 +269,29 @@ def _pallas_topc(base_c, cand, lat, prepared, skip=None, *, interpret, table, be
     return ref.best_by_topc_rule(*out, axis=0) if best else out
 
 
-def _pallas_topc_sample(base_c, cand, lat, prepared, seeds, inv_t, proposal=None, *, interpret, table):
+def _pallas_topc_sample(base_c, cand, lat, prepared, seeds, inv_t, proposal=None, *, interpret, table, q=None,
+                        n=None):
     """`Ops.topc_sample`: the pick kernel with the noise (`topc_pick.topc_pick`'s ``seeds``); the jnp spelling for
-    the seed block (``lat`` None) and float64."""
+    the seed block (``lat`` None) and float64. Pass ``q`` of ``n`` blocks (no proposal): the greedy pass pick's
+    slots (`_pallas_topc_pass_pick`)."""
     if lat is None or prepared.ndim == 3:
         w2c = prepared if lat is None or prepared.ndim == 3 else ref.topc_gather(prepared, cand)
-        return ref.topc_sample(base_c, cand, lat if lat is None else ref.latent_value(lat, base_c.dtype), w2c, seeds,
-                               inv_t, proposal)
+        return (*ref.topc_sample(base_c, cand, lat if lat is None else ref.latent_value(lat, base_c.dtype), w2c,
+                                 seeds, inv_t, proposal), 0)
     lat, lat_add = lat if isinstance(lat, ref.LatentSum) else (lat, None)  # the residual's terms: the kernel adds them
     rows, c = base_c.shape
     v, r = prepared.shape
     p = _plan(rows, 2, v, r, c, base_c.dtype, interpret, table)
+    s, kw = 0, {}
+    if q is not None and proposal is None:
+        b = rows // n + 1
+        s = dispatch.pass_pick_rows(n, b, q, 1, skip=table.entry(rows).topc_skip_final_slots, everywhere=interpret)
+        if s == b - 1:  # every draft slot is final: nothing to pick
+            return jnp.zeros((0,), jnp.int32), None, s
+        kw = dict(row_ids=_slot_rows(n, b, s)) if s else {}
     out = topc_pick.topc_pick(base_c, cand, lat, prepared, config=p.topc, interpret=interpret, lat_add=lat_add,
-                              seeds=seeds, inv_t=inv_t, proposal=proposal)
-    return out if proposal is not None else (out, None)
+                              seeds=seeds, inv_t=inv_t, proposal=proposal, **kw)
+    return (*out, s) if proposal is not None else (out, None, s)
 
 
 def _topc_stream(base_c, cand, lat, lat_add, w2, p: dispatch.Plan, *, interpret, row_ids=None, skip_slots=None):
@@ -318,16 +335,25 @@ def _pallas_full_vocab(logits, lat, w2, active=None, fallback=None, *, interpret
     return ref.best_by_score(*out, axis=0) if best else out
 
 
-def _pallas_full_vocab_sample(logits, lat, w2, seeds, inv_t, proposal=None, *, interpret, table):
+def _pallas_full_vocab_sample(logits, lat, w2, seeds, inv_t, proposal=None, *, interpret, table, q=None):
     """`Ops.full_vocab_sample`: the fused pick with the noise (`full_vocab.full_vocab_pick`'s ``seeds``), reading the
-    draft rows of the whole logits in place; the jnp spelling for the seed block (``lat`` None) and float64."""
+    draft rows of the whole logits in place; the jnp spelling for the seed block (``lat`` None) and float64. Pass
+    ``q`` (no proposal): the greedy pass pick's slots and read order (`_pallas_pass_pick`)."""
     n, b, v = logits.shape
     p = None if lat is None else _plan(n, b, v, lat.shape[1], 0, logits.dtype, interpret, table)
     if p is None or p.full_vocab is None:
-        return _xla_full_vocab_sample(logits, lat, w2, seeds, inv_t, proposal, direct_readout=not interpret)
+        return (*_xla_full_vocab_sample(logits, lat, w2, seeds, inv_t, proposal, direct_readout=not interpret), 0)
+    s, kw = 0, {}
+    if q is not None and proposal is None:
+        s = dispatch.pass_pick_rows(n, b, q, p.full_vocab.row_tile, skip=p.entry.skip_final_slots,
+                                    everywhere=interpret)
+        if s == b - 1:  # every draft slot is final: nothing to pick
+            return jnp.zeros((0,), jnp.int32), None, s
+        reverse, keep = _pass_order(p, q, p.full_vocab)
+        kw = dict(reverse=reverse, keep=keep, row_ids=_slot_rows(n, b, s) if s else None)
     out = full_vocab.full_vocab_pick(logits.reshape(n * b, v), lat, w2, config=p.full_vocab, interpret=interpret,
-                                     slot_stride=b, seeds=seeds, inv_t=inv_t, proposal=proposal)
-    return out if proposal is not None else (out, None)
+                                     slot_stride=b, seeds=seeds, inv_t=inv_t, proposal=proposal, **kw)
+    return (*out, s) if proposal is not None else (out, None, s)
 
 
 def _pallas_gated_pick(logits, lat, w2, active, fallback, flags, *, interpret, table, q=None):

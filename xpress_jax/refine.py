@@ -328,7 +328,7 @@ def _refine(ops: Ops, params, logits, h, anchors, prev_ids, num_passes, topc, un
         numbered = unroll
     elif sampler is not None:
         start, state, one_pass, numbered, final_pass = _sampled_mode(ops, params, logits, xh, prev_ids, topc, sampler,
-                                                                        num_passes)
+                                                                        num_passes, unroll)
         if early_exit:
             checks = exit_checks(N, num_passes) if early_exit is True else early_exit
     else:
@@ -391,10 +391,12 @@ def _plain_mode(ops: Ops, params, logits, xh, prev_ids, topc: int, unroll: bool)
     return start, (), one_pass, unroll and pass_pick is not None
 
 
-def _sampled_mode(ops: Ops, params, logits, xh, prev_ids, topc: int, sampler: Sampler, num_passes: int):
+def _sampled_mode(ops: Ops, params, logits, xh, prev_ids, topc: int, sampler: Sampler, num_passes: int,
+                  unroll: bool):
     """The sampled top-C or full-vocab mode (`xpress_jax.sampling`): (start, state (none), one_pass, numbered,
     final_pass). ``final_pass(blk)`` -> (blk, extras): the last pass with the proposal's extras (K = 0: the seed's,
-    the block unchanged); top-C extras end with the candidates' ids."""
+    the block unchanged); top-C extras end with the candidates' ids. Unrolled, the passes are numbered as in
+    `_plain_mode` (the final draft slots skipped, the same tokens)."""
     N, B, _ = logits.shape
     r = params["w1"].shape[1]
     seeds, inv_t, proposal = sampler
@@ -402,30 +404,31 @@ def _sampled_mode(ops: Ops, params, logits, xh, prev_ids, topc: int, sampler: Sa
         cand, base_c, _ = ops.select(logits, topc)
         prepared = ops.topc_prepare(params["w2"], cand)  # once per call
 
-        def pick(lat, want=None):
-            tok, extras = ops.topc_sample(base_c, cand, lat, prepared, seeds, inv_t, want)
-            return tok, extras if extras is None else (*extras, cand)
+        def pick(lat, want=None, q=None):
+            tok, extras, s = ops.topc_sample(base_c, cand, lat, prepared, seeds, inv_t, want, q=q, n=N)
+            return tok, extras if extras is None else (*extras, cand), s
     else:
         prepared = ops.full_vocab_prepare(params["w2"])
 
-        def pick(lat, want=None):
-            return ops.full_vocab_sample(logits, lat, prepared, seeds, inv_t, want)
+        def pick(lat, want=None, q=None):
+            return ops.full_vocab_sample(logits, lat, prepared, seeds, inv_t, want, q=q)
 
     # The seed block: the base logits with the same noise (its extras are the proposal only when K = 0).
-    start, seed_extras = pick(None, None if num_passes else proposal)
+    start, seed_extras, _ = pick(None, None if num_passes else proposal)
+    split = ops.split_latent and bool(topc)  # as in `_plain_mode`: the top-C pick adds the residual's terms
 
-    def step(blk, want=None):
-        lat = ops.latent(params, xh, blk, prev_ids).reshape(N * (B - 1), r)
-        tok, extras = pick(lat, want)
-        return blk.at[:, 1:].set(tok.reshape(N, B - 1)), extras
+    def step(blk, want=None, q=None):
+        lat = ops.latent(params, xh, blk, prev_ids, split=split).reshape(N * (B - 1), r)
+        tok, extras, s = pick(lat, want, q)  # the tokens of draft slots s.. (the slots before s are final)
+        return (blk.at[:, 1 + s:].set(tok.reshape(N, B - 1 - s)) if s < B - 1 else blk), extras
 
     def one_pass(carry, q):
-        return step(carry[0])[0], carry[1]
+        return step(carry[0], q=q)[0], carry[1]
 
     def final_pass(blk):
         return (blk, seed_extras) if not num_passes else step(blk, proposal)
 
-    return start, (), one_pass, False, final_pass
+    return start, (), one_pass, unroll, final_pass
 
 
 def _proposal(extras, N: int, B: int) -> Proposal:
