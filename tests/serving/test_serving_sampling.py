@@ -107,7 +107,7 @@ def test_proposal_comes_back_like_the_tokens(server, head):
         for got, rows in ((getattr(prop, name), 2), (getattr(hp, name), 1), (getattr(lp, name, None), 2)):
             if got is not None:
                 np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(w, np.float32)[:rows],
-                                           rtol=1e-5, atol=1e-5, err_msg=name)
+                                           rtol=1e-5, atol=1e-4, err_msg=name)
     # The proposal describes the drafted tokens: log q(x) <= 0, and token_score is the drafted token's score.
     assert (np.asarray(prop.log_prob(t)) <= 1e-5).all()
     out = np.asarray(out)
@@ -205,7 +205,7 @@ for topc in (0, 7):
         assert prop.scores.sharding.is_equivalent_to(want_sharding, 3), prop.scores.sharding
     for name in ("token_score", "lse", "scores"):
         np.testing.assert_allclose(np.asarray(getattr(prop, name), np.float32)[:3],
-                                   np.asarray(getattr(wp, name), np.float32), rtol=1e-5, atol=1e-5)
+                                   np.asarray(getattr(wp, name), np.float32), rtol=1e-5, atol=1e-4)
 print("OK")
 """
 

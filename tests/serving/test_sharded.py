@@ -192,7 +192,8 @@ def _check_sampled(case):
                     proposal_differ.append(name)
                 continue
             a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)  # -inf and +inf must match exactly
-            if a.shape != b.shape or not (np.array_equal(a, b) if name == "ids" else np.allclose(a, b, rtol=1e-5)):
+            same = np.array_equal(a, b) if name == "ids" else np.allclose(a, b, rtol=1e-5, atol=1e-4)
+            if a.shape != b.shape or not same:
                 proposal_differ.append(name)
     return dict(case=case, differ=int((got_tok != want_tok).sum()), proposal_differ=proposal_differ,
                 not_greedy=float((want_tok != greedy).mean()))
