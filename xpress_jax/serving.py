@@ -34,10 +34,6 @@ __all__ = ["RefineServer", "default_buckets"]
 
 _ARGS = ("logits", "h", "anchors", "prev_ids")
 
-#: The PRNG implementation of the keys the sampled executables take (JAX's default: ``jax.random.key``'s).
-_KEY_IMPL = str(jax.random.key_impl(jax.random.key(0)))
-_KEY_DTYPE = jax.random.key(0).dtype
-
 #: How many device scalars of distinct temperatures a server keeps (each made once, then reused).
 _TEMPERATURE_CACHE = 64
 
@@ -131,6 +127,10 @@ class RefineServer:
             raise ValueError(f"RefineServer: proposal={proposal!r} is what the sampled executables return; "
                              "pass sampling=True as well")
         self.sampling, self.proposal = sampling, proposal
+        # The keys the sampled executables take: JAX's default PRNG implementation's (``jax.random.key``'s).
+        default_key = jax.random.key(0)
+        self._key_impl, self._key_dtype = str(jax.random.key_impl(default_key)), default_key.dtype
+        self._raw_key_shape = tuple(jax.random.key_data(default_key).shape)  # jax.random.PRNGKey(seed)'s
         auto = full_vocab if isinstance(full_vocab, Auto) else Auto() if full_vocab == "auto" else None
         self._auto_given = auto is not None  # "auto" in top-C mode or on a mesh: the scan
         if auto is None:
@@ -309,7 +309,7 @@ class RefineServer:
         }
         if self.sampling:  # the sampled executables' runtime arguments: a float32 scalar and a `jax.random.key`
             specs["temperature"] = jax.ShapeDtypeStruct((), jnp.float32, sharding=sh["num_valid"])
-            specs["key"] = jax.ShapeDtypeStruct((), _KEY_DTYPE, sharding=sh["num_valid"])
+            specs["key"] = jax.ShapeDtypeStruct((), self._key_dtype, sharding=sh["num_valid"])
         return specs
 
     def _compile_all(self, progress: bool) -> None:
@@ -401,13 +401,13 @@ class RefineServer:
                 t = self._temperature_cache[value] = jax.device_put(np.float32(value), spec["temperature"].sharding)
         want = spec["key"]
         if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):  # a raw key (jax.random.PRNGKey(seed))
-            if tuple(key.shape) != jax.random.key_data(jax.random.key(0)).shape:
-                raise ValueError(f"RefineServer: key must be one {_KEY_IMPL} key (jax.random.key(seed)), got a raw "
-                                 f"key of shape {tuple(key.shape)}")
-            key = jax.random.wrap_key_data(jnp.asarray(key, jnp.uint32), impl=_KEY_IMPL)
+            if tuple(key.shape) != self._raw_key_shape:
+                raise ValueError(f"RefineServer: key must be one {self._key_impl} key (jax.random.key(seed)), got "
+                                 f"a raw key of shape {tuple(key.shape)}")
+            key = jax.random.wrap_key_data(jnp.asarray(key, jnp.uint32), impl=self._key_impl)
         if key.dtype != want.dtype:
             raise ValueError(f"RefineServer: key is a {jax.random.key_impl(key)} key; the sampled executables take "
-                             f"{_KEY_IMPL} keys (jax.random.key(seed))")
+                             f"{self._key_impl} keys (jax.random.key(seed))")
         if not key.sharding.is_equivalent_to(want.sharding, 0):
             key = jax.device_put(key, want.sharding)
         return t, key, proposal
