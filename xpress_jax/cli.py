@@ -79,6 +79,10 @@ def _add_demo_parser(sub) -> None:
                         f"{','.join(map(str, TINY['topcs']))}); the first is the exported xpress_topc")
     d.add_argument("--dtype", choices=["float32", "bfloat16"], dest="param_dtype",
                    help="the params' dtype in training and export (default: float32)")
+    d.add_argument("--temperature", type=float, metavar="T",
+                   help="measure speculative sampling at temperature T > 0 instead of the greedy check: refine "
+                        "samples the draft at T (K = 0: the seed sample) and a rejection sampler verifies it "
+                        "against the target at T (default: greedy)")
     d.add_argument("--resume", action="store_true",
                    help="continue training from OUT/train_state (same options) instead of starting over")
     d.add_argument("--tiny", action="store_true",
@@ -98,6 +102,8 @@ def _demo_options(args: argparse.Namespace, error):
         error(f"--vocab must be <= 256 (the task's tables hold V^3 floats), got {values['vocab_size']}")
     if args.learning_rate is not None and not 0 < args.learning_rate < float("inf"):  # also refuses nan
         error(f"--lr must be a finite number > 0, got {args.learning_rate}")
+    if args.temperature is not None and not 0 < args.temperature < float("inf"):  # also refuses nan
+        error(f"--temperature must be a finite number > 0, got {args.temperature}")
     V = values.get("vocab_size", DemoOptions.vocab_size)
     values["topcs"] = tuple(c for c in values.get("topcs", DemoOptions.topcs) if c <= V)
     if args.topcs is not None:
@@ -116,7 +122,7 @@ def _demo_options(args: argparse.Namespace, error):
     except OSError as e:
         error(f"--out {args.out}: cannot write there ({e.strerror or e})")
     return DemoOptions(out=args.out, resume=args.resume, plot=not args.no_plot, progress=not args.quiet,
-                       smoke=args.tiny, **values)
+                       smoke=args.tiny, temperature=args.temperature, **values)
 
 
 def demo(args: argparse.Namespace, error) -> int:

@@ -7,6 +7,10 @@
 4. Measure with the jitted `xpress_jax.refine` on the converted head the mean accepted length per block
    of the drafter alone (K = 0) and refined with K = 1..B-1 passes, full vocabulary and each top-C;
    print the table, write ``OUT/accepted_length.png`` and ``OUT/results.json``.
+
+With a temperature T (``xpress demo --temperature T``) step 4 measures speculative sampling at T instead
+(`evaluate_sampled`): refine samples the draft (``temperature=T``, ``proposal="scores"``) and
+`xpress_jax.sampling.accept` verifies it against the target chain's logits at the draft positions.
 """
 
 from __future__ import annotations
@@ -19,13 +23,16 @@ from pathlib import Path
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 import xpress_jax as xj
 from .export import export_serving, export_vllm
+from .refine import STATIC, refine
+from .sampling import accept
 from .toy import ToyConfig, ToyTask, evaluate
 
-__all__ = ["DemoOptions", "TINY", "run_demo", "format_table"]
+__all__ = ["DemoOptions", "TINY", "run_demo", "format_table", "evaluate_sampled"]
 
 #: What ``xpress demo`` writes inside ``--out`` (and replaces on a re-run; nothing else is touched).
 OUTPUTS = ("train_state", "head_orbax", "vllm_head", "converted", "accepted_length.png", "results.json")
@@ -53,6 +60,7 @@ class DemoOptions:
     plot: bool = True
     progress: bool = True
     smoke: bool = False  # --tiny: a smoke run (every step runs; the numbers are not a result)
+    temperature: float | None = None  # measure speculative sampling at this T > 0 (None: the greedy check)
 
 
 #: ``--tiny``: the smoke-run size (a few seconds).
@@ -61,15 +69,61 @@ TINY = dict(vocab_size=16, block_size=4, hidden_size=8, rank=8, mlp_hidden=16, s
 
 
 def format_table(result: dict) -> list[str]:
-    """The accepted-length table: rows K = 0..B-1, columns full vocab and each top-C."""
+    """The accepted-length table: rows K = 0..B-1, columns full vocab and each top-C. A sampled result's row
+    K = 0 is each mode's seed sample (top-C: the drafter's sample among its C best)."""
     modes = list(result["refined"])
     names = ["full vocab" if int(c) == 0 else f"top-{c}" for c in modes]
     width = max(10, *(len(n) for n in names))
     lines = ["  K  " + "".join(f"{n:>{width + 2}}" for n in names)]
-    lines.append("  0  " + "".join(f"{result['drafter']:>{width + 2}.2f}" for _ in modes) + "   (drafter alone)")
+    if "seed_block" in result:
+        lines.append("  0  " + "".join(f"{result['seed_block'][c]:>{width + 2}.2f}" for c in modes)
+                     + "   (drafter alone: the seed sample)")
+    else:
+        lines.append("  0  " + "".join(f"{result['drafter']:>{width + 2}.2f}" for _ in modes) + "   (drafter alone)")
     for k in range(len(result["refined"][modes[0]])):
         lines.append(f"{k + 1:>3}  " + "".join(f"{result['refined'][c][k]:>{width + 2}.2f}" for c in modes))
     return lines
+
+
+def evaluate_sampled(task: ToyTask, head, *, temperature: float, n_blocks: int = 4096, seed: int = 1234,
+                     topcs: tuple[int, ...] = (0,), max_passes: int | None = None, backend: str = "auto") -> dict:
+    """Mean accepted length per block under speculative sampling at ``temperature`` T > 0, K = 0..B-1.
+
+    Each block's draft is the jitted `xpress_jax.refine` with ``temperature=T``, a key and ``proposal="scores"``
+    (K = 0: the seed sample; in full-vocabulary mode the drafter alone). `xpress_jax.sampling.accept` verifies it:
+    the target's logits at draft position j are the chain's next-token log-probabilities after the two tokens
+    before it (the draft's own prefix: the block is scored as drafted), both sides at T. The accepted length is
+    the number of draft tokens accepted (0..B-1; the token the target adds is not counted). The same keys for
+    every K and mode. Returns ``{"n_blocks", "seed", "temperature", "drafter", "seed_block": {C: at K = 0},
+    "refined": {C: [at K = 1, 2, ...]}}`` (C = 0: full vocabulary; ``drafter`` = its K = 0)."""
+    t = float(temperature)
+    if not (np.isfinite(t) and t > 0):
+        raise ValueError(f"temperature must be a finite float > 0 (speculative sampling), got {temperature!r}")
+    K_max = task.config.block_size - 1 if max_passes is None else max_passes
+    batch = ToyTask.sample(task.tables, jax.random.key(seed), n_blocks)
+    x = (batch.logits.astype(head.dtype), batch.h.astype(head.dtype), batch.anchors, batch.prev_ids)
+    next_logp = jnp.asarray(np.log(np.maximum(task.next_probs, 1e-30)), jnp.float32)  # [a, b, c]
+    draft_key, accept_key = jax.random.split(jax.random.key(seed + 1))
+    run = jax.jit(refine, static_argnames=STATIC)
+
+    @jax.jit
+    def accepted(draft, proposal, prev_ids, anchors, t, key):
+        seq = jnp.concatenate([prev_ids[:, None], anchors[:, None], draft], axis=1)  # x_{-1}, x_0, the draft
+        target = next_logp[seq[:, :-2], seq[:, 1:-1]]  # [N, B-1, V]: position j after (x_{j-2}, x_{j-1})
+        tokens, _ = accept(target, draft, proposal, t, key)
+        n_acc = jnp.sum(jnp.cumprod(tokens == draft, axis=1), axis=1)  # a replacement never equals the draft
+        return jnp.mean(n_acc.astype(jnp.float32))
+
+    def mean_accepted(k, c):
+        draft, proposal = run(head, *x, num_passes=k, topc=c, max_num_reqs=n_blocks, backend=backend,
+                              temperature=jnp.float32(t), key=draft_key, proposal="scores")
+        return float(accepted(draft, proposal, batch.prev_ids, batch.anchors, jnp.float32(t), accept_key))
+
+    seed_block = {int(c): mean_accepted(0, c) for c in topcs}
+    refined = {int(c): [mean_accepted(k, c) for k in range(1, K_max + 1)] for c in topcs}
+    drafter = seed_block[0] if 0 in seed_block else mean_accepted(0, 0)
+    return {"n_blocks": n_blocks, "seed": seed, "temperature": t, "drafter": drafter, "seed_block": seed_block,
+            "refined": refined}
 
 
 def _plot(path: Path, result: dict, block_size: int, title: str) -> None:
@@ -79,12 +133,18 @@ def _plot(path: Path, result: dict, block_size: int, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    seed_block = result.get("seed_block", {})
     for c, row in result["refined"].items():
         ks = list(range(len(row) + 1))
-        ax.plot(ks, [result["drafter"], *row], marker="o", label="full vocab" if int(c) == 0 else f"top-{c}")
+        ax.plot(ks, [seed_block.get(c, result["drafter"]), *row], marker="o",
+                label="full vocab" if int(c) == 0 else f"top-{c}")
     ax.axhline(result["drafter"], color="grey", linestyle="--", label="drafter alone")
     ax.set_xlabel("K (Jacobi passes of the refiner)")
-    ax.set_ylabel(f"mean accepted draft tokens per block (of {block_size - 1})")
+    if "temperature" in result:
+        ax.set_ylabel(f"mean draft tokens per block accepted (of {block_size - 1}),\nspeculative sampling at "
+                      f"T={result['temperature']:g}", fontsize=9)
+    else:
+        ax.set_ylabel(f"mean accepted draft tokens per block (of {block_size - 1})")
     ax.set_ylim(0, block_size - 1)
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
@@ -154,27 +214,45 @@ def run_demo(opts: DemoOptions, say: Callable[[str], None] = print,
     say(f"check : the converted checkpoint's params are {'bitwise identical to' if ok else 'DIFFERENT from'} "
         "the Orbax export's")
 
-    note(f"measuring: refine on the converted head, K = 1..{B - 1}, modes {['full'] + list(opts.topcs)}")
+    T = opts.temperature
+    at = "" if T is None else f" at T={T:g}"
+    note(f"measuring: refine on the converted head{at}, K = {0 if T else 1}..{B - 1}, "
+         f"modes {['full'] + list(opts.topcs)}")
     topcs = (0, *[c for c in opts.topcs if c])
-    result = evaluate(task, head, n_blocks=opts.eval_blocks, seed=1000 + opts.seed, topcs=topcs)
-    say(f"\nMean accepted length per block: draft tokens (of B-1 = {B - 1}) that the target's greedy check accepts, "
-        f"i.e. the longest prefix of the draft equal to the target's greedy continuation; {opts.eval_blocks} "
-        f"blocks (contexts from the chain's stationary distribution, seed {result['seed']}); K = 0 is the drafter "
-        "alone; refined = the jitted xpress_jax.refine on the converted checkpoint.\n")
+    if T is None:
+        result = evaluate(task, head, n_blocks=opts.eval_blocks, seed=1000 + opts.seed, topcs=topcs)
+        say(f"\nMean accepted length per block: draft tokens (of B-1 = {B - 1}) that the target's greedy check "
+            f"accepts, i.e. the longest prefix of the draft equal to the target's greedy continuation; "
+            f"{opts.eval_blocks} blocks (contexts from the chain's stationary distribution, seed {result['seed']}); "
+            "K = 0 is the drafter alone; refined = the jitted xpress_jax.refine on the converted checkpoint.\n")
+    else:
+        result = evaluate_sampled(task, head, temperature=T, n_blocks=opts.eval_blocks, seed=1000 + opts.seed,
+                                  topcs=topcs)
+        say(f"\nMean accepted length per block under speculative sampling at T={T:g}: draft tokens (of B-1 = "
+            f"{B - 1}) that the rejection sampler accepts (min(1, p/q) per token, p = the target chain at T, q = "
+            f"the draft's distribution at T, until the first rejection); {opts.eval_blocks} blocks (contexts from "
+            f"the chain's stationary distribution, seed {result['seed']}); drafts = the jitted xpress_jax.refine "
+            "with temperature=T on the converted checkpoint; K = 0 is its seed sample (full vocabulary: the drafter "
+            "alone; top-C: the drafter's sample among its C best).\n")
     for line in format_table(result) + [""]:
         say(line)
     best = max(result["refined"][0])
     if opts.smoke:
         say("smoke run: every step ran. These numbers are no result: run `xpress demo` without --tiny to measure.")
     else:
-        say(f"Full vocabulary, K = {B - 1}: {best:.2f} accepted tokens per block vs {result['drafter']:.2f} for the "
-            f"drafter alone ({best / max(result['drafter'], 1e-9):.2f}x); with the target's own next token, "
+        say(f"Full vocabulary{at}, K = {B - 1}: {best:.2f} accepted tokens per block vs {result['drafter']:.2f} for "
+            f"the drafter alone ({best / max(result['drafter'], 1e-9):.2f}x); with the target's own next token, "
             f"{best + 1:.2f} vs {result['drafter'] + 1:.2f} tokens per verification step. Top-C cannot pick a "
             "token outside the drafter's C best, which caps it below full vocabulary.")
+        if T is not None:
+            say("The head is trained on the target's greedy continuation (cross-entropy against it), so its refined "
+                "distribution q puts more mass on the greedy token than the target at T does; a drafted token is "
+                "accepted with min(1, p/q). That favours refinement at low T and can favour the drafter alone (whose "
+                "slot 1 is the target's exact next-token distribution) at high T.")
     if opts.plot:
         try:
             _plot(out / "accepted_length.png", result, B,
-                  f"XPress refiner on the embedded task (V={V}, B={B}, r={opts.rank}, {opts.steps} steps)")
+                  f"XPress refiner on the embedded task (V={V}, B={B}, r={opts.rank}, {opts.steps} steps{at})")
             say(f"plot  : {out / 'accepted_length.png'}")
         except ImportError:
             say("plot  : skipped (matplotlib is not installed: pip install matplotlib)")

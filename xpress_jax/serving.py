@@ -28,10 +28,14 @@ from .exact import Auto, prepare_certified, resolve_full_vocab
 from .head import token_table as token_table_of
 from .params import PARAM_NAMES, Head, check_params, param_shapes
 from .refine import INVALID_TOKEN, check_backend, refine
+from .sampling import PROPOSALS, Proposal, check_sampling
 
 __all__ = ["RefineServer", "default_buckets"]
 
 _ARGS = ("logits", "h", "anchors", "prev_ids")
+
+#: How many device scalars of distinct temperatures a server keeps (each made once, then reused).
+_TEMPERATURE_CACHE = 64
 
 
 def default_buckets(max_num_reqs: int) -> tuple[int, ...]:
@@ -62,6 +66,13 @@ class RefineServer:
       the device array [bucket, B-1] int32. Rows ``>= num_valid`` (a runtime argument) are padding: their
       anchors are set to -1 inside and they come back as `INVALID_TOKEN` (-1).
     - ``server.tokens(...)``: the same call, the first ``num_valid`` rows as a numpy array.
+    - Sampling (built with ``sampling=True``): ``server(..., temperature=T, key=jax.random.key(s), proposal=None)``
+      runs the bucket's sampled executable: `refine`'s sampled tokens for that key (T and the key are runtime
+      arguments: changing them never compiles; T = 0 gives the greedy tokens). The noise is a function of the
+      draft row, and padding rows come after the real ones, so the real rows' tokens are `refine`'s on the
+      unpadded inputs. ``proposal`` (at most the constructor's): also return the `xpress_jax.Proposal`, device
+      arrays of bucket rows (``tokens()``: numpy, the first ``num_valid`` rows). A temperature given as a
+      jax.Array (a float scalar) is not range-checked (that would wait for the device).
 
     Inputs: jax arrays must match the bucket exactly (shape, dtype: the params' for logits and h, int32 for
     the ids, and a sharding equivalent to ``input_specs(bucket)``'s), else an error naming the argument.
@@ -88,6 +99,12 @@ class RefineServer:
       compiler_options: XLA compile options for every executable. None: on one device
         `xpress_jax.compiler_options` for its platform, with a mesh of several devices XLA's defaults;
         ``{}``: XLA's defaults.
+      sampling: also compile each bucket's sampled executable (``temperature`` and ``key`` are its arguments).
+        Sampled calls score the full vocabulary with the scan whatever ``full_vocab`` says (the certified bound
+        is for greedy picks); ``topc > 0`` samples among the candidates.
+      proposal: with ``sampling``, what the sampled executables also compute (`refine`'s ``proposal``): None,
+        ``"logprob"`` or ``"scores"`` (also every draft slot's scores: [bucket, B-1, V] for the full vocabulary).
+        A call asks for it, or for less, with ``proposal=``; the executables compute it either way.
     """
 
     def __init__(self, head: Head, *, buckets: Sequence[int] | None = None, backend: str = "auto",
@@ -95,12 +112,25 @@ class RefineServer:
                  model_axis: str | None = "model", num_passes: int | None = None, topc: int | None = None,
                  interpret: bool = False, progress: bool = True, full_vocab: Any = "auto", output: str = "device",
                  early_exit: bool | tuple = False, token_table: bool | None = None,
-                 compiler_options: Mapping[str, Any] | None = None):
+                 compiler_options: Mapping[str, Any] | None = None, sampling: bool = False,
+                 proposal: str | None = None):
         if not isinstance(head, Head):
             raise TypeError(f"RefineServer(head): head must be a xpress_jax.Head (xj.load_params, xj.init_head, or "
                             f"xj.Head(config, params) around a params dict), got {type(head).__name__}; "
                             "or build it with RefineServer.from_checkpoint(path)")
         check_backend(backend, interpret)
+        if not isinstance(sampling, bool):
+            raise TypeError(f"RefineServer: sampling must be True or False, got {sampling!r}")
+        if proposal is not None and proposal not in PROPOSALS:
+            raise ValueError(f"RefineServer: proposal must be None or one of {PROPOSALS}, got {proposal!r}")
+        if proposal is not None and not sampling:
+            raise ValueError(f"RefineServer: proposal={proposal!r} is what the sampled executables return; "
+                             "pass sampling=True as well")
+        self.sampling, self.proposal = sampling, proposal
+        # The keys the sampled executables take: JAX's default PRNG implementation's (``jax.random.key``'s).
+        default_key = jax.random.key(0)
+        self._key_impl, self._key_dtype = str(jax.random.key_impl(default_key)), default_key.dtype
+        self._raw_key_shape = tuple(jax.random.key_data(default_key).shape)  # jax.random.PRNGKey(seed)'s
         auto = full_vocab if isinstance(full_vocab, Auto) else Auto() if full_vocab == "auto" else None
         self._auto_given = auto is not None  # "auto" in top-C mode or on a mesh: the scan
         if auto is None:
@@ -162,6 +192,8 @@ class RefineServer:
             self._prepare_exe = jax.jit(prepare_certified).lower(self._param_specs["w2"]).compile(compiler_options=opts)
             self._extra = (self._prepare_exe(self._params["w2"]),)
         self.executables: dict[int, Any] = {}  # bucket -> jax.stages.Compiled (with "auto": the scan)
+        self.sampled_executables: dict[int, Any] = {}  # bucket -> the sampled executable (``sampling=True``)
+        self._temperature_cache: dict[float, jax.Array] = {}
         # "auto": the certified executables (returning their stats) of the buckets >= min_blocks, and their state.
         self.certified_executables: dict[int, Any] = {}
         self._auto_state: dict[int, dict[str, Any]] = {}
@@ -203,7 +235,8 @@ class RefineServer:
 
     def input_shardings(self, bucket: int) -> dict[str, jax.sharding.Sharding]:
         """Where ``bucket``'s executable takes its inputs and puts its result: ``"logits"``, ``"h"``, ``"ids"``
-        (anchors and prev_ids), ``"num_valid"`` and ``"out"`` (with ``output="host"``: pinned host memory)."""
+        (anchors and prev_ids), ``"num_valid"`` (also the temperature and the key) and ``"out"`` (with
+        ``output="host"``: pinned host memory)."""
         if bucket not in self.buckets:
             raise ValueError(f"{bucket} is not a bucket; the buckets are {self.buckets}")
         if self.mesh is None:
@@ -217,29 +250,49 @@ class RefineServer:
             out["out"] = out["out"].with_memory_kind("pinned_host")
         return out
 
-    def _serve_fn(self, full_vocab=None, return_stats=False):
+    def _serve_fn(self, full_vocab=None, return_stats=False, sampled=False):
         config, kw = self.config, dict(num_passes=self.num_passes, topc=self.topc, backend=self.backend,
                                         interpret=self.interpret)
         if self.mesh is None:
-            kw["full_vocab"] = full_vocab or ("scan" if self._auto_given else self.full_vocab)
+            kw["full_vocab"] = "scan" if sampled else full_vocab or ("scan" if self._auto_given else self.full_vocab)
             kw["early_exit"] = self.early_exit
             if return_stats:
                 kw["return_stats"] = True
         mesh = self.mesh
 
-        def serve(params, table, logits, h, anchors, prev_ids, num_valid, *prepared):
-            # Padding rows get anchor -1: refine's sentinel rule reads nothing for them, returns -1.
+        def serve(params, table, logits, h, anchors, prev_ids, num_valid, *extra):
+            # Padding rows get anchor -1: refine's sentinel rule reads nothing for them, returns -1. They come
+            # after the real rows, so a sampled call draws the real rows' noise from their own row indices.
             pad = jnp.arange(anchors.shape[0]) >= num_valid
             anchors = jnp.where(pad, INVALID_TOKEN, anchors)
             prev_ids = jnp.where(pad, INVALID_TOKEN, prev_ids)
             head = Head(config, params)
+            call = dict(kw)
+            if sampled:  # extra: the temperature and the key
+                call.update(temperature=extra[0], key=extra[1], proposal=self.proposal)
             if mesh is None:
-                return refine(head, logits, h, anchors, prev_ids, certified_prepared=prepared[0] if prepared else None,
-                              token_table=table, **kw)
+                prepared = None if sampled or not extra else extra[0]
+                return refine(head, logits, h, anchors, prev_ids, certified_prepared=prepared, token_table=table,
+                              **call)
             return sharded.refine_sharded(head, logits, h, anchors, prev_ids, mesh=mesh, data_axis=self.data_axis,
-                                          model_axis=self.model_axis, **kw)
+                                          model_axis=self.model_axis, **call)
 
         return serve
+
+    def _proposal_shardings(self, bucket: int) -> Proposal:
+        """Where the sampled executables put the proposal: on the device(s), never in host memory; with a mesh
+        split like the tokens (full-vocab scores also like the logits' vocabulary)."""
+        sh = self.input_shardings(bucket)
+        if self.mesh is None:
+            rows = whole = sh["logits"]
+        else:
+            da = sh["logits"].spec[0]
+            rows = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(da, None))
+            whole = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(da, None, None))
+        scores = ids = None
+        if self.proposal == "scores":
+            scores, ids = (whole, whole) if self.topc else (sh["logits"], None)
+        return Proposal(rows, rows, scores, ids)
 
     def input_specs(self, bucket: int) -> dict[str, jax.ShapeDtypeStruct]:
         """The abstract inputs of ``bucket``'s executable (shape, dtype, sharding), by argument name
@@ -247,13 +300,17 @@ class RefineServer:
         input buffer must look like."""
         c, sh = self.config, self.input_shardings(bucket)
         ids = jax.ShapeDtypeStruct((bucket,), jnp.int32, sharding=sh["ids"])
-        return {
+        specs = {
             "logits": jax.ShapeDtypeStruct((bucket, c.block_size, c.vocab_size), self.dtype, sharding=sh["logits"]),
             "h": jax.ShapeDtypeStruct((bucket, c.block_size, c.hidden_size), self.dtype, sharding=sh["h"]),
             "anchors": ids,
             "prev_ids": ids,
             "num_valid": jax.ShapeDtypeStruct((), jnp.int32, sharding=sh["num_valid"]),
         }
+        if self.sampling:  # the sampled executables' runtime arguments: a float32 scalar and a `jax.random.key`
+            specs["temperature"] = jax.ShapeDtypeStruct((), jnp.float32, sharding=sh["num_valid"])
+            specs["key"] = jax.ShapeDtypeStruct((), self._key_dtype, sharding=sh["num_valid"])
+        return specs
 
     def _compile_all(self, progress: bool) -> None:
         serve = self._serve_fn()
@@ -261,9 +318,11 @@ class RefineServer:
         devices = 1 if self.mesh is None else self.mesh.size
         say(f"RefineServer: compiling {len(self.buckets)} bucket(s) {self.buckets} (V={self.config.vocab_size}, "
             f"B={self.config.block_size}, {self.dtype.name}, topc={self.topc}, K={self.num_passes}, "
-            f"backend={self.backend}, {devices} device(s))")
+            f"backend={self.backend}, {devices} device(s){', sampling' if self.sampling else ''})")
         if self._auto is not None:
             serve_cert = self._serve_fn(full_vocab=self._auto.certified, return_stats=True)
+        if self.sampling:
+            serve_sampled = self._serve_fn(sampled=True)
         opts, t_all = self.compiler_options, time.perf_counter()
         for i, b in enumerate(self.buckets):
             t0 = time.perf_counter()
@@ -281,6 +340,11 @@ class RefineServer:
                 self._auto_state[b] = dict(mode="certified", last="certified", since=0, scan_left=0, pending=None,
                                            switches=0)
                 what = " (scan and certified)"
+            if self.sampling:
+                outs = out if self.proposal is None else (out, self._proposal_shardings(b))
+                self.sampled_executables[b] = jax.jit(serve_sampled, out_shardings=outs).lower(
+                    *args, spec["temperature"], spec["key"]).compile(compiler_options=opts)
+                what = " (scan, certified and sampled)" if what else " (greedy and sampled)"
             self.compile_seconds[b] = time.perf_counter() - t0
             say(f"RefineServer: [{i + 1}/{len(self.buckets)}] N={b}: compiled{what} in {self.compile_seconds[b]:.2f} s")
         say(f"RefineServer: ready, {time.perf_counter() - t_all:.2f} s")
@@ -292,10 +356,72 @@ class RefineServer:
             raise ValueError(f"N={n} blocks: must be in [1, {self.buckets[-1]}] (the largest bucket)")
         return self.buckets[i]
 
-    def __call__(self, logits, h, anchors, prev_ids=None, num_valid: int | None = None) -> jax.Array:
-        """Refine the first ``num_valid`` blocks (default: all N): [bucket, B-1] int32 (class docstring)."""
+    def __call__(self, logits, h, anchors, prev_ids=None, num_valid: int | None = None, *, temperature=None,
+                 key: jax.Array | None = None, proposal: str | None = None):
+        """Refine the first ``num_valid`` blocks (default: all N): [bucket, B-1] int32 (class docstring); with a
+        ``temperature`` sampled, and with a ``proposal`` ``(tokens, xpress_jax.Proposal)``."""
+        sample = self._sampling_args(temperature, key, proposal)
         args, bucket, num_valid = self._prepare(logits, h, anchors, prev_ids, num_valid)
-        return self._run(bucket, args, self._num_valid(bucket, num_valid))
+        if sample is None:
+            return self._run(bucket, args, self._num_valid(bucket, num_valid))
+        return self._run_sampled(bucket, args, self._num_valid(bucket, num_valid), *sample)
+
+    def _sampling_args(self, temperature, key, proposal):
+        """None for a greedy call, else (the temperature, the key, the proposal wanted), checked and placed where
+        the executables take them (no value read back from a device, nothing converted on a device)."""
+        if temperature is None:
+            check_sampling(None, key, proposal)  # a key or proposal without a temperature
+            return None
+        if not self.sampling:
+            raise ValueError("RefineServer: temperature is for the sampled executables, which this server did not "
+                             "compile; build it with RefineServer(..., sampling=True)")
+        if isinstance(temperature, jax.core.Tracer):
+            raise TypeError("RefineServer: temperature must be a concrete scalar (a float or a jax.Array), not a "
+                            "traced value: the server runs compiled executables and is not traced")
+        on_device = isinstance(temperature, jax.Array)
+        if on_device and (temperature.shape != () or temperature.dtype != jnp.float32):
+            raise ValueError(f"RefineServer: temperature must be a Python or numpy scalar, or a float32 jax.Array "
+                             f"scalar; got a jax.Array {tuple(temperature.shape)} {jnp.dtype(temperature.dtype).name}")
+        check_sampling(1.0 if on_device else temperature, key, proposal)
+        if proposal is not None and (self.proposal is None or (proposal, self.proposal) == ("scores", "logprob")):
+            raise ValueError(f"RefineServer: proposal={proposal!r}, but the sampled executables compute "
+                             f"proposal={self.proposal!r}; build the server with RefineServer(..., sampling=True, "
+                             f"proposal={proposal!r})")
+        spec = self._specs[self.buckets[0]]
+        if on_device:
+            t = temperature
+            if not t.sharding.is_equivalent_to(spec["temperature"].sharding, 0):
+                t = jax.device_put(t, spec["temperature"].sharding)
+        else:
+            value = float(np.asarray(temperature))
+            t = self._temperature_cache.get(value)
+            if t is None:  # a device scalar made once per value (else copied to the device on every call)
+                if len(self._temperature_cache) >= _TEMPERATURE_CACHE:
+                    self._temperature_cache.clear()
+                t = self._temperature_cache[value] = jax.device_put(np.float32(value), spec["temperature"].sharding)
+        want = spec["key"]
+        if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):  # a raw key (jax.random.PRNGKey(seed))
+            if tuple(key.shape) != self._raw_key_shape:
+                raise ValueError(f"RefineServer: key must be one {self._key_impl} key (jax.random.key(seed)), got "
+                                 f"a raw key of shape {tuple(key.shape)}")
+            key = jax.random.wrap_key_data(jnp.asarray(key, jnp.uint32), impl=self._key_impl)
+        if key.dtype != want.dtype:
+            raise ValueError(f"RefineServer: key is a {jax.random.key_impl(key)} key; the sampled executables take "
+                             f"{self._key_impl} keys (jax.random.key(seed))")
+        if not key.sharding.is_equivalent_to(want.sharding, 0):
+            key = jax.device_put(key, want.sharding)
+        return t, key, proposal
+
+    def _run_sampled(self, bucket: int, args: tuple, num_valid: jax.Array, temperature, key, proposal):
+        out = self.sampled_executables[bucket](self._params, self._table, *args, num_valid, temperature, key)
+        if self.proposal is None:
+            return out
+        tokens, prop = out
+        if proposal is None:
+            return tokens
+        if proposal == "logprob":
+            prop = prop._replace(scores=None, ids=None)
+        return tokens, prop
 
     def _main_extra(self) -> tuple:
         """What ``executables`` take after num_valid: the certified data, unless they are auto's scans."""
@@ -340,12 +466,18 @@ class RefineServer:
             self._num_valid_cache[key] = jax.device_put(np.int32(num_valid), sharding)
         return self._num_valid_cache[key]
 
-    def tokens(self, logits, h, anchors, prev_ids=None, num_valid: int | None = None) -> np.ndarray:
+    def tokens(self, logits, h, anchors, prev_ids=None, num_valid: int | None = None, *, temperature=None,
+               key: jax.Array | None = None, proposal: str | None = None):
         """``server(...)``'s valid rows on the host: numpy [num_valid, B-1] int32 (with ``output="device"``
-        a device-to-host copy; with ``output="host"`` the tokens are there already)."""
-        args, bucket, num_valid = self._prepare(logits, h, anchors, prev_ids, num_valid)
-        out = self._run(bucket, args, self._num_valid(bucket, num_valid))
-        return np.asarray(out)[:num_valid]
+        a device-to-host copy; with ``output="host"`` the tokens are there already). With a ``proposal``:
+        ``(tokens, Proposal)``, its arrays numpy too, the same rows."""
+        out = self(logits, h, anchors, prev_ids, num_valid, temperature=temperature, key=key, proposal=proposal)
+        num_valid = logits.shape[0] if num_valid is None else int(num_valid)
+        if proposal is None:
+            return np.asarray(out)[:num_valid]
+        tokens, prop = out
+        return np.asarray(tokens)[:num_valid], Proposal(*(None if x is None else np.asarray(x)[:num_valid]
+                                                          for x in prop))
 
     def _prepare(self, logits, h, anchors, prev_ids, num_valid):
         if prev_ids is None:

@@ -16,6 +16,14 @@ per shard, on that shard's arrays, never on gathered inputs.
 
 Every rule is a total order, so the best of the per-shard bests is the best overall: the tokens equal the
 single-device `refine`'s on the same backend, in both modes (not the certified mode).
+
+Sampling (``temperature``, ``key``): every draft row's noise seed is computed once, from its GLOBAL row index, before
+the blocks are split, and the noise of a vocab id is drawn with its GLOBAL id, so every shard adds the noise one
+device would. Full vocabulary: each device's sampled pick over its ids (the largest key, the lowest id), then the
+same cross-shard rule; the proposal's token score comes from the winning shard, its log-normalizer is the
+logsumexp of the shards' (equal to one device's up to float rounding), its scores stay split over the vocabulary.
+Top-C: each device scores the candidates it holds and a ``psum`` (one non-zero term per candidate: exact) gives
+every device all C scores, so the pick and the proposal are one device's, computed on every device.
 """
 
 from __future__ import annotations
@@ -29,9 +37,12 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from . import reference as ref
+from .head import acc_dtype
+from .kernels.common import gumbel, sample_key
 from .ops import Ops, same
 from .params import PARAM_NAMES, Head
-from .refine import check_backend, _refine, _select_ops, resolve_call
+from .refine import Sampler, check_backend, _refine, _select_ops, resolve_call
+from .sampling import Proposal, check_sampling, inverse_temperature, row_seeds
 
 __all__ = ["refine_sharded", "param_shardings", "input_shardings", "vocab_sharded_ops", "axis_size"]
 
@@ -76,11 +87,17 @@ def refine_sharded(params: Head | Mapping[str, jax.Array], logits: jax.Array, h:
                    prev_ids: jax.Array | None = None, *, mesh: Mesh, data_axis: str | None = "data",
                    model_axis: str | None = "model", num_passes: int | None = None, topc: int | None = None,
                    max_num_reqs: int | None = None, config=None, backend: str = "auto", interpret: bool = False,
-                   unroll: bool | None = None) -> jax.Array:
+                   unroll: bool | None = None, temperature=None, key: jax.Array | None = None,
+                   proposal: str | None = None) -> jax.Array:
     """`xpress_jax.refine` on ``mesh``: same arguments, checks and tokens. ``data_axis`` / ``model_axis``: the
     mesh axes for the blocks and the vocabulary (None: not used). Jit it with ``mesh``, the axes and
-    `refine`'s static arguments static. The result is [N, B-1] int32, split over ``data_axis``."""
+    `refine`'s static arguments static. The result is [N, B-1] int32, split over ``data_axis``.
+
+    ``temperature``, ``key``, ``proposal``: sample, as `refine` does (the same tokens as one device for the same
+    key); with a ``proposal`` the result is ``(tokens, xpress_jax.Proposal)``, split over ``data_axis`` (full-vocab
+    ``scores`` [N, B-1, V] also over ``model_axis``)."""
     check_backend(backend, interpret)
+    check_sampling(temperature, key, proposal)
     ops = _select_ops(backend, interpret)
     params, prev_ids, k, c, unroll = resolve_call(params, logits, h, anchors, prev_ids, num_passes=num_passes,
                                                   topc=topc, max_num_reqs=max_num_reqs, config=config, unroll=unroll)
@@ -103,14 +120,39 @@ def refine_sharded(params: Head | Mapping[str, jax.Array], logits: jax.Array, h:
         ops = vocab_sharded_ops(ops, model_axis)
     da, ma = data_axis, model_axis
     param_specs = {name: P(ma, None) if name in _VOCAB_PARAMS else P() for name in params}
+    in_specs = (param_specs, P(da, None, ma), P(da, None, None), P(da), P(da))
+    if temperature is None:
+        def body(p, lg, hh, a, q):
+            return _refine(ops, p, lg, hh, a, q, k, c, unroll, vocab_size=v)
 
-    def body(p, lg, hh, a, q):
-        return _refine(ops, p, lg, hh, a, q, k, c, unroll, vocab_size=v)
+        run = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=P(da, None), check_vma=False)
+        out = run(dict(params), logits, h, anchors, prev_ids)
+        return out[:n] if n_pad else out
 
-    run = jax.shard_map(body, mesh=mesh, in_specs=(param_specs, P(da, None, ma), P(da, None, None), P(da), P(da)),
-                        out_specs=P(da, None), check_vma=False)
-    out = run(dict(params), logits, h, anchors, prev_ids)
-    return out[:n] if n_pad else out
+    # The seeds of the GLOBAL draft rows (padding rows come last: the real rows keep their indices), split with
+    # the blocks.
+    seeds = row_seeds(key, (n + n_pad) * (b - 1)).reshape(n + n_pad, b - 1)
+
+    def sampled_body(p, lg, hh, a, q, sd, inv_t):
+        return _refine(ops, p, lg, hh, a, q, k, c, unroll, vocab_size=v,
+                       sampler=Sampler(sd.reshape(-1), inv_t, proposal))
+
+    out_specs = P(da, None)
+    if proposal is not None:  # top-C: every device holds all C candidates' scores and ids
+        scores = None if proposal != "scores" else P(da, None, None) if c else P(da, None, ma)
+        ids = P(da, None, None) if c and proposal == "scores" else None
+        out_specs = (out_specs, Proposal(P(da, None), P(da, None), scores, ids))
+    run = jax.shard_map(sampled_body, mesh=mesh, in_specs=(*in_specs, P(da, None), P()), out_specs=out_specs,
+                        check_vma=False)
+    out = run(dict(params), logits, h, anchors, prev_ids, seeds, inverse_temperature(temperature))
+    if proposal is None:
+        return out[:n] if n_pad else out
+    tokens, prop = out
+    if n_pad:
+        tokens, prop = tokens[:n], Proposal(*(None if x is None else x[:n] for x in prop))
+    if v_pad and not c and prop.scores is not None:  # the padded ids' scores (-inf)
+        prop = prop._replace(scores=prop.scores[..., :v])
+    return tokens, prop
 
 
 # ----------------------------------------------------------------------------- vocab-sharded steps
@@ -134,6 +176,8 @@ def vocab_sharded_ops(inner: Ops, axis: str) -> Ops:
         start=functools.partial(_start, axis=axis),
         full_vocab_best=functools.partial(_full_vocab_best, inner=inner, axis=axis),
         topc_best=functools.partial(_topc_best, inner=inner, axis=axis),
+        full_vocab_sample=functools.partial(_full_vocab_sample, inner=inner, axis=axis),
+        topc_sample=functools.partial(_topc_sample, inner=inner, axis=axis),
     )
 
 
@@ -236,3 +280,44 @@ def _latent(params, xh, blk, prev_ids, *, inner, axis):
     blk2 = jnp.minimum(base + jnp.arange(1, b + 1, dtype=jnp.int32)[None, :], n * b - 1)
     return inner.latent(dict(params, w1=rows), xh, blk2, base[:, 0])
 
+
+
+def _direct_readout(inner: Ops) -> bool:
+    """Whether ``inner``'s sampled full-vocab pick lets the readout dot write the 16-bit bias itself (the same
+    values either way; `reference.readout`)."""
+    return bool(getattr(inner.full_vocab_sample, "keywords", {}).get("direct_readout", False))
+
+
+def _full_vocab_sample(logits, lat, w2, seeds, inv_t, proposal=None, *, inner, axis):
+    """The sampled full-vocab pick of one vocabulary shard (noise of the global ids), combined across ``axis`` by
+    the full-vocab rule on the keys (the largest key, the lowest id); with a ``proposal`` the extras (module doc)."""
+    vs = w2.shape[0]
+    off = _offset(axis, vs)
+    key, idx, s = ref.full_vocab_sample_best(ref.draft_rows(logits), lat, w2, seeds, inv_t, id_offset=off,
+                                             direct_readout=_direct_readout(inner))
+    ids = _gather(idx, axis)  # the keys compare in their own dtype (float64 keys are not rounded to float32)
+    tok = ref.best_by_score(_gather(key, axis), ids, axis=0)[1]
+    if proposal is None:
+        return tok, None
+    token_score, lse, scores = ref.sample_extras(s, idx - off, inv_t, proposal)
+    # The winner's shard holds its score (the global ids are distinct across shards).
+    token_score = jnp.max(jnp.where(ids == tok, _gather(token_score, axis), -jnp.inf), axis=0)
+    lse = jnp.where(inv_t > 0, jax.nn.logsumexp(_gather(lse, axis), axis=0), jnp.inf).astype(jnp.float32)
+    return tok, (token_score, lse, scores)
+
+
+def _topc_sample(base_c, cand, lat, prepared, seeds, inv_t, proposal=None, *, inner, axis):
+    """The sampled top-C pick: every candidate's score (``lat`` None: its base logit; else scored on the device
+    holding its ``w2`` row and summed over ``axis``, one non-zero term each), then `reference.topc_sample_best`'s
+    rule on those scores, the same on every device."""
+    if lat is None:
+        s = ref.clean(base_c)
+    else:
+        inner_prep, loc, own, _ = prepared
+        _, (_, _, s_own) = inner.topc_sample(base_c, loc, lat, inner_prep, seeds, inv_t, "scores")
+        s = jax.lax.psum(jnp.where(own, s_own, jnp.zeros((), s_own.dtype)), axis)
+    acc = acc_dtype(base_c.dtype)
+    key = sample_key(s.astype(acc), inv_t.astype(acc), gumbel(seeds[:, None], cand).astype(acc))
+    _, _, tok = ref.best_by_topc_rule(key, ref.clean(base_c).astype(acc), cand)
+    pos = jnp.argmax(cand == tok[:, None], axis=-1)  # the winner's column (candidate ids are distinct)
+    return tok, ref.sample_extras(s, pos, inv_t, proposal)

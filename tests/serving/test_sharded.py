@@ -7,6 +7,10 @@ divides it); both modes (top-C with C = 1, 7 and V; full vocabulary); both backe
 Pallas kernels in interpret mode); inputs with ties across shards (equal logits and equal w2 rows
 on ids held by different devices, so membership at the C-th place and the pick's tie breaks cross
 shards) and with non-finite logits (NaN, +-inf, a row of all -inf, a row of all NaN).
+
+Sampled (``temperature``, ``key``, ``proposal``): the same tokens as one device for the same key, on every mesh
+and both modes; the proposal's candidate ids equal, its values up to float rounding (XLA may sum a shard's smaller
+products in another order).
 """
 
 from __future__ import annotations
@@ -66,6 +70,29 @@ def test_sharded_equals_single_device_sweep(mesh):
     results = _run_child(sweep(mesh))
     bad = [r for r in results if r["differ"]]
     assert not bad, bad
+
+
+# (mesh, topc, backend, dtype, inputs, temperature, proposal): every mesh and mode at T > 0 and T = 0, N = 3 and
+# V = 301 that no axis divides; a noise that lands on the wrong row or id changes most tokens.
+SAMPLED = [
+    ((2, 2), 0, "xla", "float32", "random", 1.0, "scores"),
+    ((1, 4), 7, "xla", "bfloat16", "ties", 3.0, "scores"),
+    ((4, 1), 7, "xla", "float32", "random", 1.3, "logprob"),
+    ((1, 4), 0, "xla", "bfloat16", "nonfinite", 0.0, "logprob"),
+    ((2, 2), V, "pallas", "float32", "ties", 2.0, None),
+    ((1, 4), 0, "pallas", "bfloat16", "random", 0.5, "scores"),
+]
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("cases", [pytest.param(SAMPLED[:2], id="2x2-1x4"),
+                                   pytest.param(SAMPLED[2:], id="more", marks=pytest.mark.slow)])
+def test_sharded_sampling_equals_single_device(cases):
+    results = _run_child([["sample", *c] for c in cases])
+    bad = [r for r in results if r["differ"] or r["proposal_differ"]]
+    assert not bad, bad
+    # The sampled tokens are not the greedy ones (T > 0), so the noise is in play.
+    assert all(r["not_greedy"] > 0.2 for r in results if r["case"][5] > 0), results
 
 
 @pytest.mark.interpret
@@ -132,6 +159,46 @@ def _check(case):
     return dict(case=case, kind=kind, differ=int((got != want).sum()), changed=float((want != start).mean()))
 
 
+def _check_sampled(case):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh
+
+    import xpress_jax as xj
+    from xpress_jax.sharded import refine_sharded
+
+    mesh_shape, topc, backend, dtype, kind, temp, proposal = case
+    cfg = xj.HeadConfig(vocab_size=V, hidden_size=16, block_size=5, rank=24, mlp_hidden=32, topc=topc or 1,
+                        num_passes=3)
+    head, logits, h, anchors, prev = _inputs(cfg, kind, jnp.dtype(dtype))
+    interpret = backend == "pallas"
+    key = jax.random.key(11)
+    kw = dict(topc=topc, backend=backend, interpret=interpret, proposal=proposal)
+    want = xj.refine(head, logits, h, anchors, prev, temperature=temp, key=key, **kw)
+    greedy = np.asarray(xj.refine(head, logits, h, anchors, prev, topc=topc, backend=backend, interpret=interpret))
+    mesh = Mesh(np.array(jax.devices()).reshape(mesh_shape), ("data", "model"))
+    # The temperature traced: one executable serves every T.
+    f = jax.jit(lambda t, k, *a: refine_sharded(*a, mesh=mesh, temperature=t, key=k, **kw))
+    got = f(jnp.float32(temp), key, head, logits, h, anchors, prev)
+    want_tok, got_tok = (np.asarray(x[0] if proposal else x) for x in (want, got))
+    proposal_differ = []
+    if proposal:
+        w, g = want[1], got[1]
+        for name in ("token_score", "lse", "scores", "ids"):
+            a, b = getattr(w, name), getattr(g, name)
+            if a is None or b is None:
+                if (a is None) != (b is None):
+                    proposal_differ.append(name)
+                continue
+            a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)  # -inf and +inf must match exactly
+            same = np.array_equal(a, b) if name == "ids" else np.allclose(a, b, rtol=1e-5, atol=1e-4)
+            if a.shape != b.shape or not same:
+                proposal_differ.append(name)
+    return dict(case=case, differ=int((got_tok != want_tok).sum()), proposal_differ=proposal_differ,
+                not_greedy=float((want_tok != greedy).mean()))
+
+
 def _kernel_shapes():
     import jax
     import jax.numpy as jnp
@@ -175,5 +242,7 @@ if __name__ == "__main__":
     cases = json.loads(sys.argv[1])
     if cases == [["kernel-shapes"]]:
         print(json.dumps(_kernel_shapes()))
+    elif cases and cases[0][0] == "sample":
+        print(json.dumps([_check_sampled(c[1:]) for c in cases]))
     else:
         print(json.dumps([_check(c) for c in cases]))

@@ -193,6 +193,42 @@ def test_demo_tiny_resumed_measures_the_same(tmp_path, capsys):
     assert json.loads((out_dir / "results.json").read_text())["accepted_length"] == acc
 
 
+@pytest.mark.slow
+def test_demo_tiny_with_a_temperature_measures_speculative_sampling(tmp_path, capsys):
+    out_dir = tmp_path / "out"
+    code, out, err = run(capsys, "demo", "--tiny", "--temperature", "1", "--out", str(out_dir), "-q", "--no-plot")
+    assert code == 0, err
+    assert out.strip().endswith("OK") and "speculative sampling at T=1" in out
+    acc = json.loads((out_dir / "results.json").read_text())["accepted_length"]
+    B = json.loads((out_dir / "results.json").read_text())["task"]["block_size"]
+    assert acc["temperature"] == 1.0 and set(acc["seed_block"]) == set(acc["refined"]) == {"0", "4"}
+    # The printed table is the measured numbers: row K=0 each mode's seed sample, row K=k the refined k passes.
+    rows = {int(line.split()[0]): line.split()[1:3] for line in out.splitlines()
+            if re.match(r"^\s+\d+\s+\d+\.\d\d\s+\d+\.\d\d", line)}
+    assert sorted(rows) == list(range(B)) and "(drafter alone: the seed sample)" in out
+    assert [float(v) for v in rows[0]] == [round(acc["seed_block"][c], 2) for c in ("0", "4")]
+    for k in range(1, B):
+        assert [float(v) for v in rows[k]] == [round(acc["refined"][c][k - 1], 2) for c in ("0", "4")]
+
+
+def test_sampled_accepted_length_aligns_the_target_with_the_draft():
+    """The drafter's slot 1 is the target's own next-token distribution (the 1-step marginal), so at K = 0 the
+    rejection sampler accepts it in every block: a target read at the wrong positions would not. Top-V's seed
+    sample is the full-vocabulary one (the same noise of the same ids)."""
+    from xpress_jax.demo import evaluate_sampled
+    from xpress_jax.toy import ToyConfig, ToyTask
+
+    task = ToyTask(ToyConfig(vocab_size=16, block_size=4, hidden_size=8))
+    cfg = task.head_config(rank=8, mlp_hidden=8, topc=16, max_num_reqs=64)
+    head = xj.Head(cfg, xj.init_params(cfg, jax.random.key(0), std=0.3))
+    res = evaluate_sampled(task, head, temperature=1.0, n_blocks=64, topcs=(0, 16), max_passes=1)
+    assert res["drafter"] == res["seed_block"][0] == res["seed_block"][16]
+    assert 1.0 <= res["drafter"] < 3.0  # slot 1 always; not every block whole
+    assert all(len(row) == 1 and 0 <= row[0] <= 3 for row in res["refined"].values())
+    with pytest.raises(ValueError, match="temperature must be a finite float > 0"):
+        evaluate_sampled(task, head, temperature=0.0, n_blocks=8)
+
+
 @pytest.mark.parametrize(
     "argv,option",
     [
@@ -205,6 +241,9 @@ def test_demo_tiny_resumed_measures_the_same(tmp_path, capsys):
         (["--lr", "0"], "--lr"),
         (["--eval-blocks", "0"], "--eval-blocks"),
         (["--dtype", "float16"], "--dtype"),
+        (["--temperature", "0"], "--temperature"),
+        (["--temperature", "nan"], "--temperature"),
+        (["--temperature", "-1"], "--temperature"),
     ],
 )
 def test_demo_refuses_nonsense_with_exit_2_naming_the_option(tmp_path, capsys, argv, option):
@@ -241,6 +280,7 @@ def test_train_progress_eta_starts_after_the_first_step():
 def test_demo_help_names_every_option_and_its_default(capsys):
     assert cli.main(["demo", "--help"]) == 0
     text = " ".join(capsys.readouterr().out.split())
-    for opt in ("--steps", "--batch", "--topc", "--out", "--tiny", "--resume", "--dtype", "--eval-blocks"):
+    for opt in ("--steps", "--batch", "--topc", "--out", "--tiny", "--resume", "--dtype", "--eval-blocks",
+                "--temperature"):
         assert opt in text
     assert "default: 1500" in text and "with --tiny: 40" in text
