@@ -282,31 +282,25 @@ def _latent(params, xh, blk, prev_ids, *, inner, axis):
 
 
 
-def _direct_readout(inner: Ops) -> bool:
-    """Whether ``inner``'s sampled full-vocab pick lets the readout dot write the 16-bit bias itself (the same
-    values either way; `reference.readout`)."""
-    return bool(getattr(inner.full_vocab_sample, "keywords", {}).get("direct_readout", False))
-
-
-def _full_vocab_sample(logits, lat, w2, seeds, inv_t, proposal=None, *, inner, axis):
-    """The sampled full-vocab pick of one vocabulary shard (noise of the global ids), combined across ``axis`` by
-    the full-vocab rule on the keys (the largest key, the lowest id); with a ``proposal`` the extras (module doc)."""
+def _full_vocab_sample(logits, lat, w2, seeds, inv_t, proposal=None, *, inner, axis, q=None, n=None):
+    """The sampled full-vocab pick of one vocabulary shard (noise of the global ids; the jnp spelling), combined
+    across ``axis`` by the full-vocab rule on the keys (the largest key, the lowest id); with a ``proposal`` the
+    extras (module doc). Every draft row (``s`` = 0)."""
     vs = w2.shape[0]
     off = _offset(axis, vs)
-    key, idx, s = ref.full_vocab_sample_best(ref.draft_rows(logits), lat, w2, seeds, inv_t, id_offset=off,
-                                             direct_readout=_direct_readout(inner))
+    key, idx, s = ref.full_vocab_sample_best(ref.draft_rows(logits), lat, w2, seeds, inv_t, id_offset=off)
     ids = _gather(idx, axis)  # the keys compare in their own dtype (float64 keys are not rounded to float32)
     tok = ref.best_by_score(_gather(key, axis), ids, axis=0)[1]
     if proposal is None:
-        return tok, None
+        return tok, None, 0
     token_score, lse, scores = ref.sample_extras(s, idx - off, inv_t, proposal)
     # The winner's shard holds its score (the global ids are distinct across shards).
     token_score = jnp.max(jnp.where(ids == tok, _gather(token_score, axis), -jnp.inf), axis=0)
     lse = jnp.where(inv_t > 0, jax.nn.logsumexp(_gather(lse, axis), axis=0), jnp.inf).astype(jnp.float32)
-    return tok, (token_score, lse, scores)
+    return tok, (token_score, lse, scores), 0
 
 
-def _topc_sample(base_c, cand, lat, prepared, seeds, inv_t, proposal=None, *, inner, axis):
+def _topc_sample(base_c, cand, lat, prepared, seeds, inv_t, proposal=None, *, inner, axis, q=None, n=None):
     """The sampled top-C pick: every candidate's score (``lat`` None: its base logit; else scored on the device
     holding its ``w2`` row and summed over ``axis``, one non-zero term each), then `reference.topc_sample_best`'s
     rule on those scores, the same on every device."""
@@ -314,10 +308,10 @@ def _topc_sample(base_c, cand, lat, prepared, seeds, inv_t, proposal=None, *, in
         s = ref.clean(base_c)
     else:
         inner_prep, loc, own, _ = prepared
-        _, (_, _, s_own) = inner.topc_sample(base_c, loc, lat, inner_prep, seeds, inv_t, "scores")
+        _, (_, _, s_own), _ = inner.topc_sample(base_c, loc, lat, inner_prep, seeds, inv_t, "scores")
         s = jax.lax.psum(jnp.where(own, s_own, jnp.zeros((), s_own.dtype)), axis)
     acc = acc_dtype(base_c.dtype)
     key = sample_key(s.astype(acc), inv_t.astype(acc), gumbel(seeds[:, None], cand).astype(acc))
     _, _, tok = ref.best_by_topc_rule(key, ref.clean(base_c).astype(acc), cand)
     pos = jnp.argmax(cand == tok[:, None], axis=-1)  # the winner's column (candidate ids are distinct)
-    return tok, ref.sample_extras(s, pos, inv_t, proposal)
+    return tok, ref.sample_extras(s, pos, inv_t, proposal), 0
