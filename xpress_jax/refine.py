@@ -418,7 +418,8 @@ def _sampled_mode(ops: Ops, params, logits, xh, prev_ids, topc: int, sampler: Sa
     split = ops.split_latent and bool(topc)  # as in `_plain_mode`: the top-C pick adds the residual's terms
 
     def step(blk, want=None, q=None):
-        lat = ops.latent(params, xh, blk, prev_ids, split=split).reshape(N * (B - 1), r)
+        lat = (ops.latent(params, xh, blk, prev_ids, split=True) if split
+               else ops.latent(params, xh, blk, prev_ids)).reshape(N * (B - 1), r)
         tok, extras, s = pick(lat, want, q)  # the tokens of draft slots s.. (the slots before s are final)
         return (blk.at[:, 1 + s:].set(tok.reshape(N, B - 1 - s)) if s < B - 1 else blk), extras
 
