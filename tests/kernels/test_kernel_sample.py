@@ -370,7 +370,7 @@ def _tc_call(base_c, cand, lat, w2, seeds, inv_t, **kw):
 
 
 @pytest.mark.interpret_refine
-@pytest.mark.parametrize("topc", [0, pytest.param(23, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("topc", [pytest.param(0, marks=pytest.mark.slow), pytest.param(23, marks=pytest.mark.slow)])
 def test_refine_pallas_matches_xla(topc):
     """``refine(backend="pallas", interpret=True)`` with a temperature and ``proposal="scores"`` (the kernels in
     every pass but the seed) == the XLA backend: the same tokens; the proposal within one rounding (the kernels'

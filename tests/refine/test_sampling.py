@@ -238,7 +238,7 @@ def sequential_sample(params, logits, h, anchors, prev_ids, key, T):
     return draft
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("float64", marks=pytest.mark.slow)])
 def test_enough_passes_give_the_sequential_sample(dtype):
     with jax.enable_x64(dtype == "float64"):
         params = make_head(CFG, dtype=jnp.dtype(dtype))
