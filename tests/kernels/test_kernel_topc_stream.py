@@ -269,3 +269,44 @@ def test_refine_with_the_stream_pick(unroll):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     start = np.asarray(R.full_vocab_start(logits)).reshape(3, -1)
     assert (np.asarray(got) != start).mean() > 0.3
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("temperature", [0.0, 0.7, 3.0])
+def test_sampled_stream_pick_is_the_sampled_topc_pick(temperature):
+    """With the noise (``seeds``, ``inv_t``), the stream pick's tokens are `topc_pick.topc_pick`'s sampled ones on
+    every row (the same biases, the same key per (row, candidate)), also through ``row_ids`` / ``skip_slots``; the
+    noise changes some rows' winners (T > 0) and none at T = 0 (the greedy tokens)."""
+    rows, v, c, r, cfg = SHAPES[0]
+    base, lat, w2 = pick_inputs(rows, v, r, jnp.bfloat16, seed=7)
+    base_c, cand = jax.lax.top_k(R.clean(base), c)
+    cand = cand.astype(jnp.int32)
+    seeds = jax.random.randint(jax.random.key(5), (rows,), -2**31, 2**31 - 1, jnp.int32)
+    inv_t = jnp.float32(0.0 if temperature == 0 else 1 / temperature)
+    scfg = ts.like_topc(cfg.c_tile, cfg.k_tile, cfg.num_warps, cfg.num_stages)
+    kw = dict(seeds=seeds, inv_t=inv_t, interpret=True)
+    want = np.asarray(tp.topc_pick(base_c, cand, lat, w2, config=cfg, **kw))
+    got = np.asarray(ts.topc_stream_pick(base_c, cand, lat, w2, config=scfg, **kw))
+    np.testing.assert_array_equal(got, want)
+    greedy = np.asarray(tp.topc_pick(base_c, cand, lat, w2, config=cfg, interpret=True))
+    assert (got != greedy).any() == (temperature > 0)
+    ids = np.arange(2, rows, dtype=np.int32)  # the rows of "slots" 2.. of blocks of 3 rows, as a pass pick asks
+    ids = ids[ids % 3 >= 2]
+    part = np.asarray(ts.topc_stream_pick(base_c, cand, lat, w2, config=scfg, row_ids=jnp.asarray(ids),
+                                          skip_slots=(3, 2), **kw))
+    np.testing.assert_array_equal(part, want[ids])
+
+
+@pytest.mark.slow
+@pytest.mark.interpret_refine
+@pytest.mark.parametrize("unroll", [True, False])
+def test_sampled_refine_with_the_stream_pick(unroll):
+    """A sampled top-C refine with `dispatch.Entry.topc_stream` on gives the default table's tokens."""
+    cfg = xj.HeadConfig(**SMALL)
+    params = make_head(cfg, dtype=jnp.bfloat16)
+    logits, h, anchors, prev = make_inputs(cfg, 3, dtype=jnp.bfloat16)
+    kw = dict(config=cfg, unroll=unroll, temperature=0.8, key=jax.random.key(11))
+    stream = Ops.pallas(interpret=True, table=dispatch.TABLE.with_columns(topc_stream=True))
+    want = refine_with(Ops.pallas(interpret=True), params, logits, h, anchors, prev, **kw)
+    got = refine_with(stream, params, logits, h, anchors, prev, **kw)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

@@ -123,15 +123,20 @@ def _merge3(best, bbase, bidx, m, mb, k):
 
 
 def _winner_kernel(bias_ref, base_ref, cand_ref, *refs, m_rows: int, c: int, row_tile: int, c_tile: int, dtype,
-                   has_rows: bool):
+                   has_rows: bool, sampled: bool):
     """Program i: output rows [i * row_tile, ...): each (input row ``rows_ref[q]`` or q) row's winner over its C
-    candidates, in [row_tile, c_tile] blocks."""
+    candidates, in [row_tile, c_tile] blocks. ``sampled``: the operands end with seeds [rows] int32 and inv_t [1]
+    float32, and the score of the rule is the sampling key (`common.sample_key`)."""
     refs = list(refs)
     rows_ref = refs.pop(0) if has_rows else None
+    seeds_ref, inv_t_ref = (refs.pop(0), refs.pop(0)) if sampled else (None, None)
     (o_ref,) = refs
     q = pl.program_id(0) * row_tile + iota(row_tile)
     qok = q < m_rows
     src = jnp.where(qok, plt.load(rows_ref.at[q], mask=qok, other=0), 0) if has_rows else jnp.where(qok, q, 0)
+    if sampled:
+        seed = plt.load(seeds_ref.at[src], mask=qok, other=0)
+        inv_t = inv_t_ref[0]
 
     def step(t, carry):
         cc = t * c_tile + iota(c_tile)
@@ -141,6 +146,8 @@ def _winner_kernel(bias_ref, base_ref, cand_ref, *refs, m_rows: int, c: int, row
         b = plt.load(base_ref.at[idx], mask=ok, other=0.0)
         ids = plt.load(cand_ref.at[idx], mask=ok, other=0)
         s = jnp.where(ok, score(b, bias, dtype), -jnp.inf)
+        if sampled:
+            s = jnp.where(ok, common.sample_key(s, inv_t, common.gumbel(seed[:, None], ids)), -jnp.inf)
         bf = b.astype(jnp.float32)
         bf = jnp.where(ok & (bf == bf), bf, -jnp.inf)  # NaN base (and masked lanes) rank as -inf
         return _merge3(*carry, *_best3(s, bf, jnp.where(ok, ids, BIG), axis=1))
@@ -165,6 +172,8 @@ def topc_stream_pick(
     lat_add: jax.Array | None = None,
     row_ids: jax.Array | None = None,
     skip_slots: tuple[int, int] | None = None,
+    seeds: jax.Array | None = None,
+    inv_t: jax.Array | None = None,
 ) -> jax.Array:
     """[rows,C], [rows,C] int, [rows,r], [V,r] -> [rows] int32: `topc_pick.topc_pick`'s tokens.
 
@@ -174,6 +183,8 @@ def topc_stream_pick(
     ``row_ids`` ([M] int32 in [0, rows)): the winners of these rows only, in this order.
     ``skip_slots`` (static ``(slots, s)``): rows with ``row % slots < s`` are not scored (a pass whose first s
     draft slots of each block are final); ``row_ids`` must then hold none of them (their winners are unspecified).
+    ``seeds`` ([rows] int32, by input row) and ``inv_t`` (float32 scalar, 1 / T; 0 = greedy): the sampled pick,
+    `topc_pick.topc_pick`'s with the same ``seeds`` (the top-C rule on the key ``s * inv_t + gumbel(seed, id)``).
     """
     if base_c.ndim != 2 or cand.shape != base_c.shape or lat.ndim != 2 or lat.shape[0] != base_c.shape[0]:
         raise ValueError(f"need base_c [rows,C], cand [rows,C], lat [rows,r]; got {base_c.shape=} {cand.shape=} "
@@ -210,8 +221,16 @@ def topc_stream_pick(
     if prepared.order.shape != (p,) or prepared.ids.shape != (p,):
         raise ValueError(f"prepared must be prepare(cand) of these {rows}x{c} candidates; got "
                          f"{prepared.order.shape}, {prepared.ids.shape}")
+    if (seeds is None) != (inv_t is None):
+        raise ValueError("seeds and inv_t come together (the sampled pick)")
+    noise = None
+    if seeds is not None:
+        if seeds.shape != (rows,) or seeds.dtype != jnp.int32:
+            raise ValueError(f"seeds must be [rows={rows}] int32; got {seeds.shape} {seeds.dtype}")
+        noise = (seeds, jnp.reshape(jnp.asarray(inv_t, jnp.float32), (1,)))
     bias = _biases(prepared, lat, w2, c=c, cfg=cfg, dtype=dtype, interpret=interpret, skip_slots=skip_slots)
-    return _winners(bias, base_c, cand.astype(jnp.int32), row_ids, cfg=cfg, dtype=dtype, interpret=interpret)
+    return _winners(bias, base_c, cand.astype(jnp.int32), row_ids, cfg=cfg, dtype=dtype, interpret=interpret,
+                    noise=noise)
 
 
 def _biases(prepared, lat, w2, *, c, cfg, dtype, interpret, skip_slots):
@@ -227,15 +246,16 @@ def _biases(prepared, lat, w2, *, c, cfg, dtype, interpret, skip_slots):
     )(prepared.order, prepared.ids, lat, w2)
 
 
-def _winners(bias, base_c, cand, row_ids, *, cfg, dtype, interpret):
-    """The winner kernel's launch: [M] int32 (M = len(row_ids), else rows); blocks of row_tile, the last padded."""
+def _winners(bias, base_c, cand, row_ids, *, cfg, dtype, interpret, noise=None):
+    """The winner kernel's launch: [M] int32 (M = len(row_ids), else rows); blocks of row_tile, the last padded.
+    ``noise``: (seeds, inv_t [1]) of the sampled pick."""
     rows, c = base_c.shape
     m_rows = rows if row_ids is None else row_ids.shape[0]
     c_tile = min(cfg.c_tile, next_pow2(c))
     row_tile = min(cfg.row_tile, next_pow2(m_rows))
-    operands = (bias, base_c, cand) if row_ids is None else (bias, base_c, cand, row_ids)
+    operands = (bias, base_c, cand) + (() if row_ids is None else (row_ids,)) + (noise or ())
     kernel = functools.partial(_winner_kernel, m_rows=m_rows, c=c, row_tile=row_tile, c_tile=c_tile, dtype=dtype,
-                               has_rows=row_ids is not None)
+                               has_rows=row_ids is not None, sampled=noise is not None)
     grid = cdiv(m_rows, row_tile)
     out = common.pallas_call(
         kernel, name="xpress_topc_stream_winner", num_warps=cfg.winner_warps, interpret=interpret,
