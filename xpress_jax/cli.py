@@ -80,9 +80,10 @@ def _add_demo_parser(sub) -> None:
     d.add_argument("--dtype", choices=["float32", "bfloat16"], dest="param_dtype",
                    help="the params' dtype in training and export (default: float32)")
     d.add_argument("--temperature", type=float, metavar="T",
-                   help="measure speculative sampling at temperature T > 0 instead of the greedy check: refine "
-                        "samples the draft at T (K = 0: the seed sample) and a rejection sampler verifies it "
-                        "against the target at T (default: greedy)")
+                   help="speculative sampling at temperature T > 0 instead of the greedy check: the target is "
+                        "sampled at T (the drafter: its marginals at T), the head is trained on continuations "
+                        "sampled from it at T, refine samples the draft at T (K = 0: the seed sample) and a "
+                        "rejection sampler verifies it against the target at T (default: greedy)")
     d.add_argument("--resume", action="store_true",
                    help="continue training from OUT/train_state (same options) instead of starting over")
     d.add_argument("--tiny", action="store_true",

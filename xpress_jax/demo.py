@@ -8,9 +8,12 @@
    of the drafter alone (K = 0) and refined with K = 1..B-1 passes, full vocabulary and each top-C;
    print the table, write ``OUT/accepted_length.png`` and ``OUT/results.json``.
 
-With a temperature T (``xpress demo --temperature T``) step 4 measures speculative sampling at T instead
-(`evaluate_sampled`): refine samples the draft (``temperature=T``, ``proposal="scores"``) and
-`xpress_jax.sampling.accept` verifies it against the target chain's logits at the draft positions.
+With a temperature T (``xpress demo --temperature T``) the demo is about speculative sampling at T: the task's
+target is sampled at T (``ToyConfig(temperature=T)``: its contexts and drafter are those of the chain at T,
+`xpress_jax.toy`), step 1 trains the head on continuations sampled from the target at T, scored at T
+(``TrainConfig(sample_temperature=T)``), and step 4 measures speculative sampling at T (`evaluate_sampled`):
+refine samples the draft (``temperature=T``, ``proposal="scores"``) and `xpress_jax.sampling.accept` verifies it
+against the target chain's logits at the draft positions.
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ class DemoOptions:
     plot: bool = True
     progress: bool = True
     smoke: bool = False  # --tiny: a smoke run (every step runs; the numbers are not a result)
-    temperature: float | None = None  # measure speculative sampling at this T > 0 (None: the greedy check)
+    temperature: float | None = None  # sample the target, train and measure at this T > 0 (None: greedy)
 
 
 #: ``--tiny``: the smoke-run size (a few seconds).
@@ -85,31 +88,34 @@ def format_table(result: dict) -> list[str]:
     return lines
 
 
-def evaluate_sampled(task: ToyTask, head, *, temperature: float, n_blocks: int = 4096, seed: int = 1234,
+def evaluate_sampled(task: ToyTask, head, *, temperature: float | None = None, n_blocks: int = 4096, seed: int = 1234,
                      topcs: tuple[int, ...] = (0,), max_passes: int | None = None, backend: str = "auto") -> dict:
-    """Mean accepted length per block under speculative sampling at ``temperature`` T > 0, K = 0..B-1.
+    """Mean accepted length per block under speculative sampling at ``temperature`` T > 0 (None: the task's), K =
+    0..B-1.
 
     Each block's draft is the jitted `xpress_jax.refine` with ``temperature=T``, a key and ``proposal="scores"``
     (K = 0: the seed sample; in full-vocabulary mode the drafter alone). `xpress_jax.sampling.accept` verifies it:
-    the target's logits at draft position j are the chain's next-token log-probabilities after the two tokens
-    before it (the draft's own prefix: the block is scored as drafted), both sides at T. The accepted length is
-    the number of draft tokens accepted (0..B-1; the token the target adds is not counted). The same keys for
-    every K and mode. Returns ``{"n_blocks", "seed", "temperature", "drafter", "seed_block": {C: at K = 0},
-    "refined": {C: [at K = 1, 2, ...]}}`` (C = 0: full vocabulary; ``drafter`` = its K = 0)."""
-    t = float(temperature)
+    the target's logits at draft position j are the chain's raw logits (``next_logits``) after the two tokens
+    before it (the draft's own prefix: the block is scored as drafted), both sides at T. At the task's own
+    temperature the target is the task's chain and the drafter's K = 0 sample its exact marginals; at another T
+    the target is the chain's logits sampled at that T (the contexts and the drafter stay the task's). The
+    accepted length is the number of draft tokens accepted (0..B-1; the token the target adds is not counted).
+    The same keys for every K and mode. Returns ``{"n_blocks", "seed", "temperature", "drafter", "seed_block":
+    {C: at K = 0}, "refined": {C: [at K = 1, 2, ...]}}`` (C = 0: full vocabulary; ``drafter`` = its K = 0)."""
+    t = float(task.config.temperature if temperature is None else temperature)
     if not (np.isfinite(t) and t > 0):
         raise ValueError(f"temperature must be a finite float > 0 (speculative sampling), got {temperature!r}")
     K_max = task.config.block_size - 1 if max_passes is None else max_passes
     batch = ToyTask.sample(task.tables, jax.random.key(seed), n_blocks)
     x = (batch.logits.astype(head.dtype), batch.h.astype(head.dtype), batch.anchors, batch.prev_ids)
-    next_logp = jnp.asarray(np.log(np.maximum(task.next_probs, 1e-30)), jnp.float32)  # [a, b, c]
+    next_logits = jnp.asarray(task.tables["next_logits"])  # [a, b, c], the raw logits
     draft_key, accept_key = jax.random.split(jax.random.key(seed + 1))
     run = jax.jit(refine, static_argnames=STATIC)
 
     @jax.jit
     def accepted(draft, proposal, prev_ids, anchors, t, key):
         seq = jnp.concatenate([prev_ids[:, None], anchors[:, None], draft], axis=1)  # x_{-1}, x_0, the draft
-        target = next_logp[seq[:, :-2], seq[:, 1:-1]]  # [N, B-1, V]: position j after (x_{j-2}, x_{j-1})
+        target = next_logits[seq[:, :-2], seq[:, 1:-1]]  # [N, B-1, V]: position j after (x_{j-2}, x_{j-1})
         tokens, _ = accept(target, draft, proposal, t, key)
         n_acc = jnp.sum(jnp.cumprod(tokens == draft, axis=1), axis=1)  # a replacement never equals the draft
         return jnp.mean(n_acc.astype(jnp.float32))
@@ -169,12 +175,15 @@ def run_demo(opts: DemoOptions, say: Callable[[str], None] = print,
 
     t_all = time.perf_counter()
     note("building the task (target chain, drafter tables)")
-    toy_cfg = ToyConfig(opts.vocab_size, opts.block_size, opts.hidden_size, seed=opts.seed)
+    T = opts.temperature
+    toy_cfg = ToyConfig(opts.vocab_size, opts.block_size, opts.hidden_size, seed=opts.seed,
+                        temperature=1.0 if T is None else T)
     task = ToyTask(toy_cfg)
     head_cfg = task.head_config(rank=opts.rank, mlp_hidden=opts.mlp_hidden, topc=opts.topcs[0] if opts.topcs else 0,
                                 max_num_reqs=max(opts.eval_blocks, 1))
     tc = TrainConfig(steps=opts.steps, batch_size=opts.batch_size, learning_rate=opts.learning_rate,
-                     param_dtype=opts.param_dtype, seed=opts.seed, checkpoint_every=opts.checkpoint_every)
+                     param_dtype=opts.param_dtype, seed=opts.seed, checkpoint_every=opts.checkpoint_every,
+                     sample_temperature=T)
     V, B = toy_cfg.vocab_size, toy_cfg.block_size
     say("xpress demo: train an XPress refiner head on the embedded task, export it, convert it, refine")
     if opts.smoke:
@@ -182,8 +191,14 @@ def run_demo(opts: DemoOptions, say: Callable[[str], None] = print,
             "numbers to mean anything")
     say(f"task  : target = 2nd-order Markov chain over V={V} tokens; drafter = each of the B-1={B - 1} draft "
         f"slots predicted independently (its exact k-step marginal); seed {opts.seed}")
+    if T is not None:
+        say(f"        the target is sampled at T={T:g}: the chain is softmax(logits / T), and so are the contexts' "
+            "distribution and the drafter's marginals")
     say(f"head  : H={toy_cfg.hidden_size} r={opts.rank} M={opts.mlp_hidden} B={B}, {opts.param_dtype} params; "
         f"AdamW (peak lr {opts.learning_rate:g}, warmup + cosine), {opts.steps} steps x {opts.batch_size} blocks")
+    if T is not None:
+        say(f"        trained on continuations sampled from the target at T={T:g} (cross-entropy of "
+            "softmax(scores / T)), not on its greedy continuation")
 
     note(f"training ({opts.steps} steps)")
     res = train(head_cfg, task.tables, ToyTask.sample, tc, checkpoint_dir=out / "train_state", resume=opts.resume,
@@ -214,7 +229,6 @@ def run_demo(opts: DemoOptions, say: Callable[[str], None] = print,
     say(f"check : the converted checkpoint's params are {'bitwise identical to' if ok else 'DIFFERENT from'} "
         "the Orbax export's")
 
-    T = opts.temperature
     at = "" if T is None else f" at T={T:g}"
     note(f"measuring: refine on the converted head{at}, K = {0 if T else 1}..{B - 1}, "
          f"modes {['full'] + list(opts.topcs)}")
@@ -245,10 +259,10 @@ def run_demo(opts: DemoOptions, say: Callable[[str], None] = print,
             f"{best + 1:.2f} vs {result['drafter'] + 1:.2f} tokens per verification step. Top-C cannot pick a "
             "token outside the drafter's C best, which caps it below full vocabulary.")
         if T is not None:
-            say("The head is trained on the target's greedy continuation (cross-entropy against it), so its refined "
-                "distribution q puts more mass on the greedy token than the target at T does; a drafted token is "
-                "accepted with min(1, p/q). That favours refinement at low T and can favour the drafter alone (whose "
-                "slot 1 is the target's exact next-token distribution) at high T.")
+            say("The head is trained on continuations sampled from the target at T, so its refined distribution "
+                "q = softmax(scores / T) approximates the target's conditional distribution given the draft's "
+                "prefix; a drafted token is accepted with min(1, p/q). The drafter alone samples every slot from "
+                "its exact marginal, right at slot 1 and ever less so further on.")
     if opts.plot:
         try:
             _plot(out / "accepted_length.png", result, B,

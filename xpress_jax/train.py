@@ -2,9 +2,13 @@
 
 **Loss.** Every draft slot is scored as at serving time, ``base + bias``, with its predecessors
 teacher-forced to the target's tokens (the Jacobi fixed-point condition); the loss is the mean
-cross-entropy against the target's tokens. With ``kpass_weight > 0`` a second term scores them from the
-head's own tokens after ``kpass_passes - 1`` greedy passes (no gradient through the picks). The optimizer
-is ``clip_by_global_norm`` then ``optax.adamw`` (params in ``param_dtype``, loss in float32).
+cross-entropy against the target's tokens. By default those are the target's greedy continuation (the head
+learns to predict it: refine's greedy mode). With ``sample_temperature=T`` they are a continuation sampled from
+the target at T and the cross-entropy is that of softmax(scores / T): the head learns the target's conditional
+distribution at T, what speculative sampling at T accepts (a head trained on the greedy continuation is sharper
+than the target at T, and the rejection sampler rejects the excess). With ``kpass_weight > 0`` a second term
+scores them from the head's own tokens after ``kpass_passes - 1`` greedy passes (no gradient through the picks).
+The optimizer is ``clip_by_global_norm`` then ``optax.adamw`` (params in ``param_dtype``, loss in float32).
 
 **State and resume.** The train state is one pytree (params, optimizer state, step, PRNG key data); step
 ``s`` draws its batch with ``fold_in(key, s)``. Orbax writes it every ``checkpoint_every`` steps;
@@ -46,7 +50,9 @@ class TrainConfig:
     """Training hyperparameters (a changed value is a different run). ``steps`` is the schedule's length;
     the learning rate warms up linearly to ``learning_rate`` over ``warmup_steps`` (None: ``min(100, steps //
     10)``), then decays (cosine) to ``learning_rate * final_lr_fraction``. ``kpass_weight`` weighs the loss on
-    the head's own inputs after ``kpass_passes - 1`` passes (0: off). ``seed`` sets the init and the data.
+    the head's own inputs after ``kpass_passes - 1`` passes (0: off). ``sample_temperature``: train on
+    continuations sampled from the target at this T > 0, scored at T (None: on the greedy continuation; the
+    sampler is called as ``sample(tables, key, n, temperature=T)``). ``seed`` sets the init and the data.
     ``checkpoint_every``: write the train state every this many steps (0: only at the end)."""
 
     steps: int = 1500
@@ -59,6 +65,7 @@ class TrainConfig:
     param_dtype: str = "float32"
     kpass_weight: float = 0.0
     kpass_passes: int = 2
+    sample_temperature: float | None = None
     seed: int = 0
     checkpoint_every: int = 0
 
@@ -76,6 +83,10 @@ class TrainConfig:
                 raise ValueError(f"{name} must be a finite float >= 0, got {v!r}")
         if not self.learning_rate > 0 or not self.clip_norm > 0:
             raise ValueError(f"learning_rate and clip_norm must be > 0, got {self.learning_rate}, {self.clip_norm}")
+        t = self.sample_temperature
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t)
+                              or t <= 0):
+            raise ValueError(f"sample_temperature must be None or a finite float > 0, got {t!r}")
         if self.param_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"param_dtype must be 'float32' or 'bfloat16', got {self.param_dtype!r}")
 
@@ -96,12 +107,16 @@ def _ce(scores: jax.Array, target: jax.Array) -> jax.Array:
     return -jnp.take_along_axis(logp, target[..., None], axis=-1)[..., 0]
 
 
-def loss_and_metrics(model: XPressHead, batch: Batch, *, kpass_weight: float = 0.0,
-                     kpass_passes: int = 2) -> tuple[jax.Array, dict]:
+def loss_and_metrics(model: XPressHead, batch: Batch, *, kpass_weight: float = 0.0, kpass_passes: int = 2,
+                     temperature: float | None = None) -> tuple[jax.Array, dict]:
     """The training loss (module docstring) and its metrics: ``loss``, ``ce`` (teacher-forced),
-    ``slot_accuracy`` [B-1] (teacher-forced argmax == target, per draft slot)."""
+    ``slot_accuracy`` [B-1] (teacher-forced argmax == target, per draft slot). ``temperature`` T: the
+    cross-entropy of softmax(scores / T) (None: of softmax(scores))."""
+    inv_t = None if temperature is None else 1.0 / jnp.asarray(temperature, jnp.float32)
     blk = jnp.concatenate([batch.anchors[:, None], batch.target], axis=1)
     scores = model(batch.logits, batch.h, XPressHead.prev_tokens(blk, batch.prev_ids))  # [N, B-1, V]
+    if inv_t is not None:
+        scores = scores * inv_t
     ce = jnp.mean(_ce(scores, batch.target))
     slot_acc = jnp.mean((jnp.argmax(scores, axis=-1) == batch.target).astype(jnp.float32), axis=0)
     metrics = {"ce": ce, "slot_accuracy": slot_acc, "loss": ce}
@@ -112,6 +127,8 @@ def loss_and_metrics(model: XPressHead, batch: Batch, *, kpass_weight: float = 0
             draft = jnp.argmax(batch.logits[:, 1:], axis=-1).astype(jnp.int32)
         own_blk = jax.lax.stop_gradient(jnp.concatenate([batch.anchors[:, None], draft], axis=1))
         kscores = model(batch.logits, batch.h, XPressHead.prev_tokens(own_blk, batch.prev_ids))
+        if inv_t is not None:
+            kscores = kscores * inv_t
         metrics["kpass_ce"] = jnp.mean(_ce(kscores, batch.target))
         metrics["loss"] = ce + kpass_weight * metrics["kpass_ce"]
     return metrics["loss"], metrics
@@ -131,11 +148,12 @@ def _make_step(graphdef, tc: TrainConfig, sample: Callable):
 
     def step(state: dict, tables: Mapping[str, jax.Array]) -> tuple[dict, dict]:
         key = jax.random.fold_in(jax.random.wrap_key_data(state["key"]), state["step"])
-        batch = sample(tables, key, tc.batch_size)
+        t = tc.sample_temperature
+        batch = sample(tables, key, tc.batch_size) if t is None else sample(tables, key, tc.batch_size, temperature=t)
 
         def loss_fn(params):
             return loss_and_metrics(nnx.merge(graphdef, params), batch, kpass_weight=tc.kpass_weight,
-                                    kpass_passes=tc.kpass_passes)
+                                    kpass_passes=tc.kpass_passes, temperature=t)
 
         (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
         metrics["grad_norm"] = jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads)))
@@ -218,7 +236,8 @@ def train(head_config: HeadConfig, tables: Mapping[str, Any],
           checkpoint_dir: str | os.PathLike | None = None, resume: bool = False,
           task_meta: Mapping[str, Any] | None = None, progress: bool = True,
           log: Callable[[dict], None] | None = None) -> TrainResult:
-    """Train a head from scratch (or resume one) on batches from ``sample(tables, key, n)``.
+    """Train a head from scratch (or resume one) on batches from ``sample(tables, key, n)`` (with
+    ``tc.sample_temperature``: ``sample(tables, key, n, temperature=T)``).
 
     ``tables`` (e.g. `xpress_jax.toy.ToyTask.tables`) enter the jitted step as arguments; ``sample`` is
     jit-able (e.g. ``ToyTask.sample``). ``checkpoint_dir``: where Orbax writes the train state; ``resume``

@@ -199,8 +199,10 @@ def test_demo_tiny_with_a_temperature_measures_speculative_sampling(tmp_path, ca
     code, out, err = run(capsys, "demo", "--tiny", "--temperature", "1", "--out", str(out_dir), "-q", "--no-plot")
     assert code == 0, err
     assert out.strip().endswith("OK") and "speculative sampling at T=1" in out
+    assert "trained on continuations sampled from the target at T=1" in out  # not on the greedy continuation
     acc = json.loads((out_dir / "results.json").read_text())["accepted_length"]
     B = json.loads((out_dir / "results.json").read_text())["task"]["block_size"]
+    assert json.loads((out_dir / "results.json").read_text())["task"]["temperature"] == 1.0  # the task's chain at T
     assert acc["temperature"] == 1.0 and set(acc["seed_block"]) == set(acc["refined"]) == {"0", "4"}
     # The printed table is the measured numbers: row K=0 each mode's seed sample, row K=k the refined k passes.
     rows = {int(line.split()[0]): line.split()[1:3] for line in out.splitlines()
