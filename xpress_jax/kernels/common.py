@@ -16,7 +16,7 @@ from jax.experimental.pallas import triton as plt
 
 __all__ = ["pallas_call", "compiler_params", "lower_triton", "gpu_supported", "BIG", "MIN_DOT", "SMEM_LIMIT", "iota",
            "cdiv", "next_pow2", "k_chunk", "score", "best", "merge", "flag_operand", "flags_row", "src_row",
-           "mix32", "noise_seed", "gumbel", "GUMBEL_MAX", "sample_key", "online_lse", "finish_lse"]
+           "best3", "merge3", "check_noise", "mix32", "noise_seed", "gumbel", "GUMBEL_MAX", "sample_key", "online_lse", "finish_lse"]
 
 #: Index of a lane that must never win (masked columns, padded parts); also int32's largest value.
 BIG = 2**31 - 1
@@ -138,6 +138,21 @@ def best(s: jax.Array, ids: jax.Array, axis: int):
     return m, idx
 
 
+def best3(s: jax.Array, b: jax.Array, ids: jax.Array, axis: int):
+    """The winner along ``axis`` by the top-C rule: (max score, max base logit among those, lowest id among those)."""
+    m = jnp.max(s, axis=axis)
+    tied = s == jnp.expand_dims(m, axis)
+    mb = jnp.max(jnp.where(tied, b, -jnp.inf), axis=axis)
+    k = jnp.min(jnp.where(tied & (b == jnp.expand_dims(mb, axis)), ids, BIG), axis=axis)
+    return m, mb, k
+
+
+def merge3(best, bbase, bidx, m, mb, k):
+    """Keep the better of two (score, base logit, id) triples: larger score, larger base, lower id."""
+    take = (m > best) | ((m == best) & ((mb > bbase) | ((mb == bbase) & (k < bidx))))
+    return jnp.where(take, m, best), jnp.where(take, mb, bbase), jnp.where(take, k, bidx)
+
+
 def merge(best, bidx, m, idx):
     """Keep the larger value; on equal values the lower id (order-independent)."""
     take = (m > best) | ((m == best) & (idx < bidx))
@@ -183,6 +198,20 @@ def gumbel(seed: jax.Array, vid: jax.Array) -> jax.Array:
 
 #: The largest value `gumbel` can return: ``-log(-log(1 - 2**-24))`` (about 16.64; rounded up).
 GUMBEL_MAX = 16.7
+
+
+def check_noise(seeds: Any, inv_t: Any, proposal: Any, rows: int, by: str) -> None:
+    """Refuse (ValueError) a sampled pick's bad arguments: ``seeds`` [rows] int32 (one per ``by``), ``inv_t`` a float
+    scalar, ``proposal`` None, "logprob" or "scores"."""
+    if proposal not in (None, "logprob", "scores"):
+        raise ValueError(f"proposal must be None, 'logprob' or 'scores'; got {proposal!r}")
+    if seeds is None or inv_t is None:
+        raise ValueError("the sampled pick needs both seeds ([rows] int32) and inv_t (a float32 scalar)")
+    if seeds.shape != (rows,) or not jnp.issubdtype(seeds.dtype, jnp.integer):
+        raise ValueError(f"seeds must be [rows={rows}] int32 (by {by}); got {seeds.shape} {seeds.dtype}")
+    if jnp.size(inv_t) != 1 or not jnp.issubdtype(jnp.asarray(inv_t).dtype, jnp.floating):
+        raise ValueError(f"inv_t must be a float scalar (1 / temperature); got {jnp.shape(inv_t)} "
+                         f"{jnp.asarray(inv_t).dtype}")
 
 
 def sample_key(s: jax.Array, inv_t: jax.Array, g: jax.Array) -> jax.Array:

@@ -755,15 +755,7 @@ def _sample(base, lat, w2, seeds, inv_t, proposal, *, config, interpret, slot_st
     dtype = jnp.dtype(base.dtype)
     vocab = base.shape[1]
     rows, rank = lat.shape
-    if proposal not in (None, "logprob", "scores"):
-        raise ValueError(f"proposal must be None, 'logprob' or 'scores'; got {proposal!r}")
-    if seeds is None or inv_t is None:
-        raise ValueError("the sampled pick needs both seeds ([rows] int32) and inv_t (a float32 scalar)")
-    if seeds.shape != (rows,) or not jnp.issubdtype(seeds.dtype, jnp.integer):
-        raise ValueError(f"seeds must be [rows={rows}] int32 (by draft row); got {seeds.shape} {seeds.dtype}")
-    if jnp.size(inv_t) != 1 or not jnp.issubdtype(jnp.asarray(inv_t).dtype, jnp.floating):
-        raise ValueError(f"inv_t must be a float scalar (1 / temperature); got {jnp.shape(inv_t)} "
-                         f"{jnp.asarray(inv_t).dtype}")
+    common.check_noise(seeds, inv_t, proposal, rows, "draft row")
     if proposal is not None and partials:
         raise ValueError("proposal goes without partials (the extras need the parts combined)")
     inv_t = jnp.reshape(jnp.asarray(inv_t), (1,)).astype(jnp.float32)

@@ -26,7 +26,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from . import common
-from .common import BIG, cdiv, iota, k_chunk, next_pow2, score
+from .common import BIG, best3, cdiv, iota, k_chunk, merge3, next_pow2, score
 
 __all__ = ["TopCConfig", "TIES", "default_config", "topc_pick", "combine_splits", "certify", "CERTIFY_SINGLE_ROWS"]
 
@@ -72,21 +72,6 @@ def default_config(rows: int, c: int, rank: int, dtype) -> TopCConfig:
     while splits < tiles and rows * splits < 512:
         splits *= 2
     return TopCConfig(c_tile=c_tile, c_steps=cdiv(tiles, splits), k_tile=k_tile, num_warps=4, num_stages=2)
-
-
-def _best3(s: jax.Array, b: jax.Array, ids: jax.Array, axis: int):
-    """The winner along ``axis`` by the top-C rule: (max score, max base logit among those, lowest id among those)."""
-    m = jnp.max(s, axis=axis)
-    tied = s == jnp.expand_dims(m, axis)
-    mb = jnp.max(jnp.where(tied, b, -jnp.inf), axis=axis)
-    k = jnp.min(jnp.where(tied & (b == jnp.expand_dims(mb, axis)), ids, BIG), axis=axis)
-    return m, mb, k
-
-
-def _merge3(best, bbase, bidx, m, mb, k):
-    """Keep the better of two (score, base logit, id) triples: larger score, larger base, lower id."""
-    take = (m > best) | ((m == best) & ((mb > bbase) | ((mb == bbase) & (k < bidx))))
-    return jnp.where(take, m, best), jnp.where(take, mb, bbase), jnp.where(take, k, bidx)
 
 
 def _topc_kernel(
@@ -176,15 +161,15 @@ def _topc_kernel(
             # The value compared: the score, or (sample) its key; masked lanes have s = key = -inf.
             key = jnp.where(ok, common.sample_key(s, inv_t, common.gumbel(seed, ids)), -jnp.inf) if sample else s
             idm = jnp.where(ok, ids, BIG)
-            m, mb, k = _best3(key, bf, idm, axis=0)
+            m, mb, k = best3(key, bf, idm, axis=0)
             if not extras:
-                return _merge3(*carry, m, mb, k)
+                return merge3(*carry, m, mb, k)
             best, bbase, bidx, bs, lm, ll = carry
-            take = (m > best) | ((m == best) & ((mb > bbase) | ((mb == bbase) & (k < bidx))))  # `_merge3`
+            take = (m > best) | ((m == best) & ((mb > bbase) | ((mb == bbase) & (k < bidx))))  # `common.merge3`
             s_k = jnp.max(jnp.where(idm == k, s, -jnp.inf))  # the winner's score
             if extras == "scores":
                 plt.store(x_refs[3].at[out_row, c0 + iota(c_tile)], s.astype(x_refs[3].dtype), mask=ok)
-            return (*_merge3(best, bbase, bidx, m, mb, k), jnp.where(take, s_k, bs),
+            return (*merge3(best, bbase, bidx, m, mb, k), jnp.where(take, s_k, bs),
                     *common.online_lse(lm, ll, s * inv_t, axis=0))
 
         init = (jnp.array(-jnp.inf, jnp.float32), jnp.array(-jnp.inf, jnp.float32), jnp.array(BIG, jnp.int32))
@@ -327,15 +312,7 @@ def _partials(base_c, cand, lat, w2, *, interpret, config, ties, skip, lat_add=N
     if sample is not None:
         seeds, inv_t, proposal = sample
         n_in = base_c.shape[0]
-        if proposal not in (None, "logprob", "scores"):
-            raise ValueError(f"proposal must be None, 'logprob' or 'scores'; got {proposal!r}")
-        if seeds is None or inv_t is None:
-            raise ValueError("the sampled pick needs both seeds ([rows] int32) and inv_t (a float32 scalar)")
-        if seeds.shape != (n_in,) or not jnp.issubdtype(seeds.dtype, jnp.integer):
-            raise ValueError(f"seeds must be [rows={n_in}] int32 (by input row); got {seeds.shape} {seeds.dtype}")
-        if jnp.size(inv_t) != 1 or not jnp.issubdtype(jnp.asarray(inv_t).dtype, jnp.floating):
-            raise ValueError(f"inv_t must be a float scalar (1 / temperature); got {jnp.shape(inv_t)} "
-                             f"{jnp.asarray(inv_t).dtype}")
+        common.check_noise(seeds, inv_t, proposal, n_in, "input row")
         operands = (*operands, seeds.astype(jnp.int32), jnp.reshape(jnp.asarray(inv_t), (1,)).astype(jnp.float32))
         extra.update(sample=True, extras=proposal)
     if keep is not None:
@@ -380,7 +357,7 @@ def _combine_kernel(mv_ref, mb_ref, mi_ref, o_ref, *, splits: int, row_tile: int
         v = jnp.where(ok, plt.load(mv_ref.at[idx], mask=ok, other=-jnp.inf), -jnp.inf)
         b = jnp.where(ok, plt.load(mb_ref.at[idx], mask=ok, other=-jnp.inf), -jnp.inf)
         ix = jnp.where(ok, plt.load(mi_ref.at[idx], mask=ok, other=BIG), BIG)
-        return _merge3(*carry, *_best3(v, b, ix, axis=0))
+        return merge3(*carry, *best3(v, b, ix, axis=0))
 
     init = (jnp.full((row_tile,), -jnp.inf, jnp.float32), jnp.full((row_tile,), -jnp.inf, jnp.float32),
             jnp.full((row_tile,), BIG, jnp.int32))

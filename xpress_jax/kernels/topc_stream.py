@@ -28,7 +28,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from . import common
-from .common import BIG, cdiv, iota, k_chunk, next_pow2, score
+from .common import BIG, best3, cdiv, iota, k_chunk, merge3, next_pow2, score
 
 __all__ = ["StreamConfig", "StreamPrepared", "like_topc", "prepare", "topc_stream_pick"]
 
@@ -107,21 +107,6 @@ def _bias_kernel(order_ref, ids_ref, lat_ref, w_ref, out_ref, *, p: int, c: int,
     plt.store(out_ref.at[pos], acc.astype(dtype), mask=ok)
 
 
-def _best3(s, b, ids, axis: int):
-    """The winner along ``axis`` by the top-C rule: (max score, max base logit among those, lowest id among those)."""
-    m = jnp.max(s, axis=axis)
-    tied = s == jnp.expand_dims(m, axis)
-    mb = jnp.max(jnp.where(tied, b, -jnp.inf), axis=axis)
-    k = jnp.min(jnp.where(tied & (b == jnp.expand_dims(mb, axis)), ids, BIG), axis=axis)
-    return m, mb, k
-
-
-def _merge3(best, bbase, bidx, m, mb, k):
-    """The better of two (score, base logit, id) triples: larger score, larger base, lower id."""
-    take = (m > best) | ((m == best) & ((mb > bbase) | ((mb == bbase) & (k < bidx))))
-    return jnp.where(take, m, best), jnp.where(take, mb, bbase), jnp.where(take, k, bidx)
-
-
 def _winner_kernel(bias_ref, base_ref, cand_ref, *refs, m_rows: int, c: int, row_tile: int, c_tile: int, dtype,
                    has_rows: bool, sampled: bool):
     """Program i: output rows [i * row_tile, ...): each (input row ``rows_ref[q]`` or q) row's winner over its C
@@ -150,7 +135,7 @@ def _winner_kernel(bias_ref, base_ref, cand_ref, *refs, m_rows: int, c: int, row
             s = jnp.where(ok, common.sample_key(s, inv_t, common.gumbel(seed[:, None], ids)), -jnp.inf)
         bf = b.astype(jnp.float32)
         bf = jnp.where(ok & (bf == bf), bf, -jnp.inf)  # NaN base (and masked lanes) rank as -inf
-        return _merge3(*carry, *_best3(s, bf, jnp.where(ok, ids, BIG), axis=1))
+        return merge3(*carry, *best3(s, bf, jnp.where(ok, ids, BIG), axis=1))
 
     init = (jnp.full((row_tile,), -jnp.inf, jnp.float32), jnp.full((row_tile,), -jnp.inf, jnp.float32),
             jnp.full((row_tile,), BIG, jnp.int32))
@@ -221,13 +206,10 @@ def topc_stream_pick(
     if prepared.order.shape != (p,) or prepared.ids.shape != (p,):
         raise ValueError(f"prepared must be prepare(cand) of these {rows}x{c} candidates; got "
                          f"{prepared.order.shape}, {prepared.ids.shape}")
-    if (seeds is None) != (inv_t is None):
-        raise ValueError("seeds and inv_t come together (the sampled pick)")
     noise = None
-    if seeds is not None:
-        if seeds.shape != (rows,) or seeds.dtype != jnp.int32:
-            raise ValueError(f"seeds must be [rows={rows}] int32; got {seeds.shape} {seeds.dtype}")
-        noise = (seeds, jnp.reshape(jnp.asarray(inv_t, jnp.float32), (1,)))
+    if seeds is not None or inv_t is not None:
+        common.check_noise(seeds, inv_t, None, rows, "input row")
+        noise = (seeds.astype(jnp.int32), jnp.reshape(jnp.asarray(inv_t, jnp.float32), (1,)))
     bias = _biases(prepared, lat, w2, c=c, cfg=cfg, dtype=dtype, interpret=interpret, skip_slots=skip_slots)
     return _winners(bias, base_c, cand.astype(jnp.int32), row_ids, cfg=cfg, dtype=dtype, interpret=interpret,
                     noise=noise)
