@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import warnings
@@ -146,6 +147,21 @@ def skip_summary(reasons: list[str]) -> str:
 
 # Small enough for 2 CPU cores, large enough that refinement changes most draft tokens.
 SMALL = dict(vocab_size=611, hidden_size=48, block_size=8, rank=24, mlp_hidden=40, topc=37, max_num_reqs=8)
+
+
+#: Every XLA compile of this process, by event name (`serving` counts them).
+COMPILES: list[str] = []
+jax.monitoring.register_event_duration_secs_listener(
+    lambda name, *a, **kw: COMPILES.append(name) if "backend_compile" in name else None
+)
+
+
+@contextlib.contextmanager
+def serving():
+    """No trace (raises) and counts XLA compiles: ``with serving() as n: ...; assert n() == 0``."""
+    start = len(COMPILES)
+    with jax.no_tracing():
+        yield lambda: len(COMPILES) - start
 
 
 def make_head(cfg: xj.HeadConfig, seed: int = 0, dtype=jnp.float32, std: float = 0.25):

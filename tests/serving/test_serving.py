@@ -18,27 +18,13 @@ import pytest
 
 import xpress_jax as xj
 
-from conftest import make_head, make_inputs, run_on_host_devices
+from conftest import COMPILES, make_head, make_inputs, run_on_host_devices, serving
 
 # Tiny, B not a power of two, top-C on (the candidate path), K < B-1.
 CFG = xj.HeadConfig(vocab_size=300, hidden_size=32, block_size=5, rank=24, mlp_hidden=32, topc=7, num_passes=3,
                     max_num_reqs=8)
 BUCKETS = (2, 5)
 B1 = CFG.block_size - 1
-
-_COMPILES: list[str] = []
-jax.monitoring.register_event_duration_secs_listener(
-    lambda name, *a, **kw: _COMPILES.append(name) if "backend_compile" in name else None
-)
-
-
-@contextlib.contextmanager
-def serving():
-    """No trace (raises) and counts XLA compiles: ``with serving() as n: ...; assert n() == 0``."""
-    start = len(_COMPILES)
-    with jax.no_tracing():
-        yield lambda: len(_COMPILES) - start
-
 
 @pytest.fixture(scope="module")
 def head():
@@ -51,10 +37,10 @@ def started(head):
     # On a GPU the server's default options are checked once per process by a one-op compile
     # (`xpress_jax.compile_options`): done here first, so that only the server's own compiles count.
     xj.compiler_options(jax.devices()[0].platform)
-    err, start = io.StringIO(), len(_COMPILES)
+    err, start = io.StringIO(), len(COMPILES)
     with contextlib.redirect_stderr(err):
         server = xj.RefineServer(head, buckets=BUCKETS)
-    return server, err.getvalue(), len(_COMPILES) - start
+    return server, err.getvalue(), len(COMPILES) - start
 
 
 @pytest.fixture
@@ -230,9 +216,9 @@ def test_from_checkpoint_and_reload_from(tmp_path, head):
     with serving() as compiles:
         np.testing.assert_array_equal(np.asarray(server(*x)), want1)
     assert compiles() == 0
-    start = len(_COMPILES)
+    start = len(COMPILES)
     server.reload_from(path2)
-    assert len(_COMPILES) == start  # restoring checkpoints compiles nothing either
+    assert len(COMPILES) == start  # restoring checkpoints compiles nothing either
     want2 = np.asarray(xj.refine(jax.tree.map(lambda w: w * 1.5, head), *x))
     with serving():
         np.testing.assert_array_equal(np.asarray(server(*x)), want2)
@@ -246,9 +232,9 @@ def test_from_checkpoint_and_reload_from(tmp_path, head):
 def test_host_output_same_tokens_in_pinned_host_memory_without_trace_or_compile(server, head):
     """output="host": every executable puts the tokens in pinned host memory; the same tokens as the
     device-output server for every input kind and every num_valid, and serving never traces or compiles."""
-    start = len(_COMPILES)
+    start = len(COMPILES)
     host = xj.RefineServer(head, buckets=BUCKETS, output="host", progress=False)
-    assert len(_COMPILES) - start == len(BUCKETS)
+    assert len(COMPILES) - start == len(BUCKETS)
     assert host.input_shardings(5)["out"].memory_kind == "pinned_host"
     assert server.input_shardings(5)["out"].memory_kind in (None, "device")
     x = make_inputs(CFG, 5, seed=3)

@@ -7,7 +7,6 @@ back like the tokens (bucket rows from ``server(...)``, the valid rows from ``to
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 import jax
@@ -17,27 +16,13 @@ import pytest
 
 import xpress_jax as xj
 
-from conftest import make_head, make_inputs, run_on_host_devices
+from conftest import COMPILES, make_head, make_inputs, run_on_host_devices, serving
 
 # Another V than test_serving.py's: no executable of one file is a cache hit of the other's (it counts compiles).
 CFG = xj.HeadConfig(vocab_size=310, hidden_size=32, block_size=5, rank=24, mlp_hidden=32, topc=7, num_passes=3,
                     max_num_reqs=8)
 BUCKETS = (2, 5)
 B1 = CFG.block_size - 1
-
-_COMPILES: list[str] = []
-jax.monitoring.register_event_duration_secs_listener(
-    lambda name, *a, **kw: _COMPILES.append(name) if "backend_compile" in name else None
-)
-
-
-@contextlib.contextmanager
-def serving():
-    """No trace (raises) and counts XLA compiles: ``with serving() as n: ...; assert n() == 0``."""
-    start = len(_COMPILES)
-    with jax.no_tracing():
-        yield lambda: len(_COMPILES) - start
-
 
 @pytest.fixture(scope="module")
 def head():
