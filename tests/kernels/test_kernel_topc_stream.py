@@ -255,8 +255,8 @@ class TestTopCStreamLowering:
 
 
 @pytest.mark.interpret_refine
-@pytest.mark.parametrize("unroll", [pytest.param(True, id="unrolled", marks=pytest.mark.slow),
-                                    pytest.param(False, id="loop")])
+@pytest.mark.slow
+@pytest.mark.parametrize("unroll", [pytest.param(True, id="unrolled"), pytest.param(False, id="loop")])
 def test_refine_with_the_stream_pick(unroll):
     """A whole top-C refine with `dispatch.Entry.topc_stream` on (the plain pick, the unrolled pass pick over the
     slots not yet final, the split latent of small N) gives the default table's tokens, which change most drafts."""

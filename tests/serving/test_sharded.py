@@ -85,8 +85,8 @@ SAMPLED = [
 
 
 @pytest.mark.interpret
-@pytest.mark.parametrize("cases", [pytest.param(SAMPLED[:2], id="2x2-1x4"),
-                                   pytest.param(SAMPLED[2:], id="more", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("cases", [pytest.param(SAMPLED[:2], id="2x2-1x4"), pytest.param(SAMPLED[2:], id="more")])
 def test_sharded_sampling_equals_single_device(cases):
     results = _run_child([["sample", *c] for c in cases])
     bad = [r for r in results if r["differ"] or r["proposal_differ"]]
