@@ -293,6 +293,9 @@ def _pallas_topc_sample(base_c, cand, lat, prepared, seeds, inv_t, proposal=None
         return _topc_stream(base_c, cand, lat, lat_add, prepared, p, interpret=interpret, seeds=seeds, inv_t=inv_t,
                             **kw), None, s
     kw.pop("skip_slots", None)
+    if q is not None:  # the greedy pass pick's L2 hints (`dispatch.Table.topc_keep`)
+        kw["keep"] = table.topc_keep(rows, c, r, jnp.dtype(prepared.dtype).itemsize,
+                                     -(-c // (p.topc.c_tile * p.topc.c_steps)))
     out = topc_pick.topc_pick(base_c, cand, lat, prepared, config=p.topc, interpret=interpret, lat_add=lat_add,
                               seeds=seeds, inv_t=inv_t, proposal=proposal, **kw)
     return (*out, s) if proposal is not None else (out, None, s)
