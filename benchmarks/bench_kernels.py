@@ -11,13 +11,7 @@ device time per call = median of ``--reps`` / M, including the loop's own cost p
 which is measured alone and reported (``loop``). The Pallas side is what `refine` serves at that
 shape (the dispatch's kernel and config); the jnp side is the reference `refine(backend="xla")`
 runs. Writes kernels.jsonl as it goes and kernels.md at the end.
-
-Steps on request only (the Pallas side alone): ``topc_stream`` (one pick of `xpress_jax.kernels.topc_stream`,
-the pairs sorted once outside the timed loop, in the served top-C config's blocks: the same tokens as ``topc``)
-and ``topc_sort`` (that sort, `topc_stream.prepare`, paid once per call). ``--topc`` lists the C values::
-
-    PYTHONPATH=$PWD python -m benchmarks.bench_kernels --steps topc,topc_stream,topc_sort --n 16,64,128,256 \
-        --topc 512,1024 --impls pallas
+``--topc`` lists the C values of the top-C steps.
 """
 
 from __future__ import annotations
@@ -34,20 +28,16 @@ import jax.numpy as jnp
 import xpress_jax as xj
 from benchmarks.bench_refine import SERVING, make_problem
 from benchmarks.timing import time_jitted
-from xpress_jax import dispatch
-from xpress_jax.kernels import topc_stream
 from xpress_jax.ops import Ops
 
 STEPS = ("select", "latent", "full_vocab", "topc")
-#: Steps run only when named, and only for the Pallas implementation.
-PALLAS_STEPS = ("topc_stream", "topc_sort")
 
 
 def _impls(interpret: bool):
     return {"pallas": Ops.pallas(interpret), "xla": Ops.xla(jax.default_backend())}
 
 
-def step_fn(step, ops, cfg, problem, interpret=False):
+def step_fn(step, ops, cfg, problem):
     """(fn(state) -> state, initial state): one call of ``step`` whose output feeds the next call."""
     params, logits, h, anchors = problem
     N, B, V = logits.shape
@@ -80,24 +70,6 @@ def step_fn(step, ops, cfg, problem, interpret=False):
             tok = ops.topc_pick(base_c, cand, lat, prepared)
             return lat.at[0, 0].add((tok[0] % 2).astype(lat.dtype))
         return f, lat0
-    if step == "topc_stream":
-        cand, base_c, _ = ops.select(logits, c)
-        prepared = topc_stream.prepare(cand)  # once per call: outside the timed loop
-        t = dispatch.plan(rows, 2, V, r, c, logits.dtype, kernels_everywhere=interpret).topc
-        scfg = topc_stream.like_topc(t.c_tile, t.k_tile, t.num_warps, t.num_stages)
-
-        def f(lat):
-            tok = topc_stream.topc_stream_pick(base_c, cand, lat, params["w2"], prepared, config=scfg,
-                                               interpret=interpret)
-            return lat.at[0, 0].add((tok[0] % 2).astype(lat.dtype))
-        return f, lat0
-    if step == "topc_sort":
-        cand, _, _ = ops.select(logits, c)
-
-        def f(cd):
-            prepared = topc_stream.prepare(cd)
-            return cd.at[0, 0].set(prepared.ids[0])
-        return f, cand
     raise ValueError(f"step {step!r} must be one of {STEPS}")
 
 
@@ -112,7 +84,7 @@ def time_step(f, x0, m, reps):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", default="1,4,16,64,256", help="comma list of N (blocks)")
-    ap.add_argument("--steps", default=",".join(STEPS), help=f"comma list of {STEPS + PALLAS_STEPS}")
+    ap.add_argument("--steps", default=",".join(STEPS), help=f"comma list of {STEPS}")
     ap.add_argument("--topc", default="512", help="comma list of C (top-C steps; --small maps 512 to its C)")
     ap.add_argument("--impls", default="pallas,xla", help="comma list of pallas | xla")
     ap.add_argument("--chain", type=int, default=20, help="calls chained per measurement (M)")
@@ -125,8 +97,7 @@ def main(argv=None):
         shape.update(vocab_size=4099, hidden_size=128, rank=64, mlp_hidden=128, topc=64)
     cfg = xj.HeadConfig(**shape)
     dev = jax.devices()[0]
-    interpret = dev.platform != "gpu"
-    impls = _impls(interpret=interpret)
+    impls = _impls(interpret=dev.platform != "gpu")
     topcs = [shape["topc"] if (args.small and int(x) == 512) else int(x) for x in args.topc.split(",")]
     os.makedirs(args.out, exist_ok=True)
     meta = dict(date=time.strftime("%Y-%m-%d"), device=dev.device_kind, jax=jax.__version__, shape=shape)
@@ -140,9 +111,7 @@ def main(argv=None):
                 for c in (topcs if step.startswith("topc") else [cfg.topc]):
                     step_cfg = dataclasses.replace(cfg, topc=c)
                     for name in args.impls.split(","):
-                        if step in PALLAS_STEPS and name != "pallas":
-                            continue
-                        f, x0 = step_fn(step, impls[name], step_cfg, problem, interpret=interpret)
+                        f, x0 = step_fn(step, impls[name], step_cfg, problem)
                         rows.append(dict(N=n, C=c, step=step, impl=name,
                                          device_us=time_step(f, x0, args.chain, args.reps), loop_us=loop))
                         print(json.dumps(rows[-1]), flush=True)

@@ -42,7 +42,6 @@ class Entry:
     skip_final_slots, topc_skip_final_slots: unrolled passes skip the final draft slots (`pass_pick_rows`).
     scan_one_launch: the certified mode scans its failing rows in one launch (`full_vocab.scan_failing`), else
       in a packed launch of the failing rows plus an all-rows launch.
-    topc_stream: the top-C pick scores the vocab-sorted pairs (`topc_stream`: w2 read about once per pass).
     """
 
     max_rows: int | None
@@ -60,7 +59,6 @@ class Entry:
     skip_final_slots: bool = False
     topc_skip_final_slots: bool = False
     scan_one_launch: bool = True
-    topc_stream: bool = False
 
     def keep(self, config: FullVocabConfig) -> str | None:
         return self.full_vocab_keep if config.hold_lat else None

@@ -53,7 +53,7 @@ import numpy as np
 from . import dispatch
 from . import reference as ref
 from .head import TOKEN_TABLE
-from .kernels import full_vocab, latent, select, topc_pick, topc_stream
+from .kernels import full_vocab, latent, select, topc_pick
 
 __all__ = ["Ops", "PassPick", "PLATFORMS"]
 
@@ -260,8 +260,6 @@ def _pallas_topc(base_c, cand, lat, prepared, skip=None, *, interpret, table, be
     v, r = prepared.shape
     # The plan by draft rows: N = rows, B = 2 gives the same row count.
     p = _plan(rows, 2, v, r, c, base_c.dtype, interpret, table)
-    if p.entry.topc_stream and not best and not by_id and skip is None:
-        return _topc_stream(base_c, cand, lat, lat_add, prepared, p, interpret=interpret)
     out = topc_pick.topc_pick(base_c, cand, lat, prepared, config=p.topc, interpret=interpret, partials=best,
                               ties=ties, skip=skip, lat_add=lat_add)
     if by_id:
@@ -288,29 +286,13 @@ def _pallas_topc_sample(base_c, cand, lat, prepared, seeds, inv_t, proposal=None
         s = dispatch.pass_pick_rows(n, b, q, 1, skip=table.entry(rows).topc_skip_final_slots, everywhere=interpret)
         if s == b - 1:  # every draft slot is final: nothing to pick
             return jnp.zeros((0,), jnp.int32), None, s
-        kw = dict(row_ids=_slot_rows(n, b, s), skip_slots=(b - 1, s)) if s else {}
-    if p.entry.topc_stream and proposal is None:  # the stream pick where the table has it (no extras there)
-        return _topc_stream(base_c, cand, lat, lat_add, prepared, p, interpret=interpret, seeds=seeds, inv_t=inv_t,
-                            **kw), None, s
-    kw.pop("skip_slots", None)
+        kw = dict(row_ids=_slot_rows(n, b, s)) if s else {}
     if q is not None:  # the greedy pass pick's L2 hints (`dispatch.Table.topc_keep`)
         kw["keep"] = table.topc_keep(rows, c, r, jnp.dtype(prepared.dtype).itemsize,
                                      -(-c // (p.topc.c_tile * p.topc.c_steps)))
     out = topc_pick.topc_pick(base_c, cand, lat, prepared, config=p.topc, interpret=interpret, lat_add=lat_add,
                               seeds=seeds, inv_t=inv_t, proposal=proposal, **kw)
     return (*out, s) if proposal is not None else (out, None, s)
-
-
-def _topc_stream(base_c, cand, lat, lat_add, w2, p: dispatch.Plan, *, interpret, row_ids=None, skip_slots=None,
-                 **noise):
-    """`topc_stream.topc_stream_pick` in the blocks of the plan's top-C config (the same biases, the same tokens).
-    Its pairs' sort depends on ``cand`` alone: XLA merges the unrolled passes' identical sorts and hoists it out of
-    a pass loop (one sort per call); each early-exit branch (`refine.run_passes` checks) sorts once more."""
-    t = p.topc
-    cfg = topc_stream.like_topc(t.c_tile, t.k_tile, t.num_warps, t.num_stages)
-    return topc_stream.topc_stream_pick(base_c, cand, lat, w2, topc_stream.prepare(cand), config=cfg,
-                                        interpret=interpret, lat_add=lat_add, row_ids=row_ids, skip_slots=skip_slots,
-                                        **noise)
 
 
 def _pallas_certify(base_c, cand, lat, prepared, tau, max_norm, mex, valid, fallen, limit=None, *, interpret, table):
@@ -412,10 +394,6 @@ def _pallas_topc_pass_pick(base_c, cand, lat, prepared, q, n, *, interpret, tabl
         return _pallas_topc(base_c, cand, lat, prepared, interpret=interpret, table=table, best=False), 0
     v, r = prepared.shape
     p = _plan(rows, 2, v, r, c, base_c.dtype, interpret, table)
-    if p.entry.topc_stream:  # the final slots' pairs are not scored
-        lat, lat_add = lat if isinstance(lat, ref.LatentSum) else (lat, None)
-        return _topc_stream(base_c, cand, lat, lat_add, prepared, p, interpret=interpret,
-                            row_ids=_slot_rows(n, b, s) if s else None, skip_slots=(b - 1, s) if s else None), s
     keep = table.topc_keep(rows, c, r, jnp.dtype(prepared.dtype).itemsize, -(-c // (p.topc.c_tile * p.topc.c_steps)))
     if s == 0 and keep is None:  # every row
         return _pallas_topc(base_c, cand, lat, prepared, interpret=interpret, table=table, best=False), 0
