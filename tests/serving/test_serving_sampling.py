@@ -24,6 +24,7 @@ CFG = xj.HeadConfig(vocab_size=310, hidden_size=32, block_size=5, rank=24, mlp_h
 BUCKETS = (2, 5)
 B1 = CFG.block_size - 1
 
+
 @pytest.fixture(scope="module")
 def head():
     return xj.Head(CFG, make_head(CFG))
