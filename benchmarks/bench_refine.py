@@ -219,7 +219,7 @@ def sample_flag(flag):
 def with_proposal(out):
     """The tokens of a sampled refine, made to depend on its `xpress_jax.Proposal` (every array of it, a slice
     each) so XLA keeps the proposal's computation; the dependence is always false and changes no token."""
-    if not isinstance(out, tuple):
+    if not (isinstance(out, tuple) and isinstance(out[1], xj.Proposal)):  # tokens, or (tokens, certified stats)
         return out
     tokens, prop = out
     x = sum(a.reshape(a.shape[0], -1)[:, :1].astype(jnp.float32) for a in prop if a is not None)
