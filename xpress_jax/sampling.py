@@ -65,8 +65,11 @@ def check_sampling(temperature: Any, key: Any, proposal: Any) -> None:
                                          or (key.dtype == jnp.uint32 and key.ndim >= 1)):
         raise TypeError(f"key must be a JAX PRNG key (jax.random.key(seed) or jax.random.PRNGKey(seed)), "
                         f"got {type(key).__name__} {getattr(key, 'dtype', '')}")
-    if getattr(key, "shape", ()) != () and jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) and key.shape != ():
         raise ValueError(f"key must be one key (shape ()), got shape {key.shape}")
+    raw = tuple(jax.random.key_data(jax.random.key(0)).shape)  # jax.random.PRNGKey(seed)'s shape
+    if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key) and tuple(key.shape) != raw:
+        raise ValueError(f"key must be one key: a raw uint32 key has shape {raw}, got shape {tuple(key.shape)}")
     if hasattr(temperature, "shape") and temperature.shape != ():
         raise ValueError(f"temperature must be a scalar, got shape {temperature.shape}")
     if not isinstance(temperature, jax.core.Tracer):

@@ -525,6 +525,8 @@ def test_errors_name_the_argument(setup):
         xj.refine(params, *x, temperature=1.0, key=0, **kw)
     with pytest.raises(ValueError, match="key"):
         xj.refine(params, *x, temperature=1.0, key=jax.random.split(key, 2), **kw)
+    with pytest.raises(ValueError, match="key"):  # raw uint32 keys: one, of jax.random.PRNGKey's shape
+        xj.refine(params, *x, temperature=1.0, key=jnp.zeros((3, 2), jnp.uint32), **kw)
     with pytest.raises(ValueError, match="full_vocab"):
         xj.refine(params, *x, temperature=1.0, key=key, full_vocab="certified", **kw)
     n, d = x[0].shape[0], CFG.block_size - 1
