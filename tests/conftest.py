@@ -48,6 +48,15 @@ def pytest_configure(config):
                             "the XLA backend; CPU only (refine lowers for JAX's default backend)")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _compile_caches_per_module():
+    """Drop JAX's compiled programs after each test module: a worker that runs the whole slow suite would otherwise
+    keep every executable, and their memory mappings, until the kernel's mapping limit (vm.max_map_count) stops
+    XLA's CPU compiler ("Cannot allocate memory")."""
+    yield
+    jax.clear_caches()
+
+
 @pytest.fixture(autouse=True)
 def _interpret_mode_on_the_cpu_device(request):
     """Interpret-mode tests run on the host's CPU device, also on a GPU machine.
