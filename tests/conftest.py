@@ -158,6 +158,23 @@ def skip_summary(reasons: list[str]) -> str:
 SMALL = dict(vocab_size=611, hidden_size=48, block_size=8, rank=24, mlp_hidden=40, topc=37, max_num_reqs=8)
 
 
+def chi2(counts: np.ndarray, probs: np.ndarray, z: float = 3.719) -> tuple[float, float]:
+    """(Pearson's statistic, its upper critical value) of ``counts`` against ``probs`` (any shape, flattened); cells
+    expecting fewer than 5 are pooled; a count where the probability is 0 gives inf. The critical value is Wilson and
+    Hilferty's approximation of the chi-square quantile at the standard normal's upper quantile ``z`` (3.719: 1e-4)."""
+    counts, probs = np.asarray(counts, np.float64).reshape(-1), np.asarray(probs, np.float64).reshape(-1)
+    if np.any(counts[probs == 0] > 0):
+        return np.inf, 0.0
+    e = counts.sum() * probs
+    small = e < 5
+    obs = np.append(counts[~small], counts[small].sum())
+    exp = np.append(e[~small], e[small].sum())
+    obs, exp = obs[exp > 0], exp[exp > 0]
+    df = len(obs) - 1
+    crit = df * (1 - 2 / (9 * df) + z * np.sqrt(2 / (9 * df))) ** 3
+    return float(np.sum((obs - exp) ** 2 / exp)), float(crit)
+
+
 #: Every XLA compile of this process, by event name (`serving` counts them).
 COMPILES: list[str] = []
 jax.monitoring.register_event_duration_secs_listener(

@@ -19,7 +19,7 @@ from xpress_jax.head import hidden_input, latent
 from xpress_jax.kernels.common import GUMBEL_MAX, gumbel
 from xpress_jax.sampling import row_seeds
 
-from conftest import make_head, make_inputs
+from conftest import chi2, make_head, make_inputs
 
 refine_jit = jax.jit(xj.refine, static_argnames=xj.STATIC_ARGNAMES)
 
@@ -252,25 +252,6 @@ def test_enough_passes_give_the_sequential_sample(dtype):
 
 
 # ----------------------------------------------------------------------------- the emitted distribution
-def chi2(counts: np.ndarray, probs: np.ndarray) -> tuple[float, float]:
-    """(Pearson's statistic, its 1e-4 upper critical value) of ``counts`` against ``probs``; cells expecting
-    fewer than 5 are pooled; a count where the probability is 0 gives inf. The critical value is Wilson and
-    Hilferty's approximation of the chi-square quantile."""
-    n = counts.sum()
-    if np.any(counts[probs == 0] > 0):
-        return np.inf, 0.0
-    e = n * probs
-    small = e < 5
-    obs = np.append(counts[~small], counts[small].sum())
-    exp = np.append(e[~small], e[small].sum())
-    keep = exp > 0
-    obs, exp = obs[keep], exp[keep]
-    df = len(obs) - 1
-    z = 3.719  # the standard normal's 1e-4 upper quantile
-    crit = df * (1 - 2 / (9 * df) + z * np.sqrt(2 / (9 * df))) ** 3
-    return float(np.sum((obs - exp) ** 2 / exp)), float(crit)
-
-
 def softmax(s: np.ndarray, T: float) -> np.ndarray:
     z = np.asarray(s, np.float64) / T
     p = np.exp(z - z.max())

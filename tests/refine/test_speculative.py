@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import xpress_jax as xj
+from conftest import chi2
 from xpress_jax.sampling import accept
 from xpress_jax.toy import ToyConfig, ToyTask
 
@@ -63,22 +64,6 @@ def first_two_tokens(head, tables, a, b, key, wrong_q):
     out2, _, _ = one_round(head, tables, b, x1, k2, wrong_q)  # the next round, used where round 1 emitted one token
     x2 = jnp.where(n1 >= 2, out1[:, 1], out2[:, 0])
     return jnp.stack([x1, x2], axis=1), jnp.mean(n1.astype(jnp.float32)), (q1[0], base1[0])
-
-
-def chi2(counts: np.ndarray, probs: np.ndarray) -> tuple[float, float]:
-    """(Pearson's statistic, its 1e-4 upper critical value, Wilson-Hilferty) of ``counts`` against ``probs``, cells
-    expecting fewer than 5 pooled; a count where the probability is 0 gives inf."""
-    counts, probs = counts.reshape(-1), probs.reshape(-1)
-    if np.any(counts[probs == 0] > 0):
-        return np.inf, 0.0
-    e = counts.sum() * probs
-    small = e < 5
-    obs = np.append(counts[~small], counts[small].sum())
-    exp = np.append(e[~small], e[small].sum())
-    obs, exp = obs[exp > 0], exp[exp > 0]
-    df = len(obs) - 1
-    crit = df * (1 - 2 / (9 * df) + 3.719 * np.sqrt(2 / (9 * df))) ** 3
-    return float(np.sum((obs - exp) ** 2 / exp)), float(crit)
 
 
 def joint_test(topc: int, num_passes: int, n: int, context: tuple[int, int], seed: int):

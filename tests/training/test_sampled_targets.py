@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from conftest import chi2
 from xpress_jax.head import XPressHead
 from xpress_jax.toy import ToyConfig, ToyTask
 from xpress_jax.train import TrainConfig, loss_and_metrics, train
@@ -29,24 +30,10 @@ def _softmax(x):
     return e / e.sum(-1, keepdims=True)
 
 
-def _chi2(tokens: np.ndarray, p: np.ndarray) -> tuple[float, int]:
-    """Pearson's statistic of ``tokens`` against ``p`` (bins expected below 5 pooled) and its degrees of freedom."""
-    n = len(tokens)
-    observed = np.bincount(tokens, minlength=len(p)).astype(float)
-    expected = n * p
-    small = expected < 5
-    obs = np.append(observed[~small], observed[small].sum())
-    exp = np.append(expected[~small], expected[small].sum())
-    keep = exp > 0
-    obs, exp = obs[keep], exp[keep]
-    assert obs.sum() == n
-    return float(np.sum((obs - exp) ** 2 / exp)), len(obs) - 1
-
-
-def _accepts(stat: float, df: int) -> bool:
-    """Not rejected at about p = 1e-5 (the chi-square quantile by Wilson-Hilferty)."""
-    z = 4.26
-    return stat < df * (1 - 2 / (9 * df) + z * np.sqrt(2 / (9 * df))) ** 3
+def _accepts(tokens: np.ndarray, p: np.ndarray) -> bool:
+    """``tokens`` are not rejected as draws of ``p`` at about p = 1e-5 (`conftest.chi2`)."""
+    stat, crit = chi2(np.bincount(tokens, minlength=len(p)), p, z=4.26)
+    return stat < crit
 
 
 def _one_context(tables: dict, row: int) -> dict:
@@ -68,12 +55,12 @@ def test_sampled_continuation_is_distributed_as_the_chain_at_t(task, t):
     assert tgt.shape == (n, TOY.block_size - 1) and tgt.dtype == np.int32
     p = _softmax(task.next_logits.astype(np.float64) / t)  # [a, b, c] the chain at t
     # The first token: P(x1 | a, b) at t; a negative control: the chain at another temperature.
-    assert _accepts(*_chi2(tgt[:, 0], p[a, b]))
-    assert not _accepts(*_chi2(tgt[:, 0], _softmax(task.next_logits[a, b] / (t + 0.5))))
+    assert _accepts(tgt[:, 0], p[a, b])
+    assert not _accepts(tgt[:, 0], _softmax(task.next_logits[a, b] / (t + 0.5)))
     # The second token: sum_x1 P(x1 | a, b) P(x2 | b, x1) (the walk shifts its context); a negative control:
     # the same mixture with the context not shifted, P(x2 | a, x1).
-    assert _accepts(*_chi2(tgt[:, 1], p[a, b] @ p[b]))
-    assert not _accepts(*_chi2(tgt[:, 1], p[a, b] @ p[a]))
+    assert _accepts(tgt[:, 1], p[a, b] @ p[b])
+    assert not _accepts(tgt[:, 1], p[a, b] @ p[a])
 
 
 def test_greedy_batches_are_unchanged_and_share_all_but_the_target(task):
