@@ -113,7 +113,8 @@ def refine(params: Head | Mapping[str, jax.Array], logits: jax.Array, h: jax.Arr
       h: [N, B, H] drafter hidden states, params' dtype.
       anchors: [N] int, the verified token of each block (slot 0).
       prev_ids: [N] int, the token before each anchor; defaults to ``anchors`` (what vLLM's speculator passes).
-      num_passes, topc, max_num_reqs: K >= 0 (0: the seed block, as vLLM returns it); 0 = exact full-vocabulary scoring or C in [1, V] = score only
+      num_passes, topc, max_num_reqs: K >= 0 (0: the seed block, as vLLM returns it); 0 = exact full-vocabulary
+        scoring or C in [1, V] = score only
         each draft slot's C largest base logits; the largest accepted N. Default: the config's.
       config: the `HeadConfig` for plain params. With a `Head` it may be left out (if given, it must equal
         the Head's). No silent defaults: with a plain dict and no config, num_passes and topc are required.
@@ -138,7 +139,7 @@ def refine(params: Head | Mapping[str, jax.Array], logits: jax.Array, h: jax.Arr
         names them instead. False (the default): all K passes.
       token_table: `xpress_jax.token_table` of these very weights ([V, r], V*r*4 bytes): each pass gathers
         its rows instead of running a gather and a GEMM (the same sums).
-      temperature, key: sample instead (`xpress_jax.sampling`): each draft slot takes ``argmax(s / T + g)`` with
+      temperature, key: sample instead (`xpress_jax.sampling`): each draft slot takes ``argmax(s * (1/T) + g)`` with
         frozen Gumbel noise ``g``, a function of ``key`` (a `jax.random.key`), the draft row and the vocab id,
         the same for the seed block and every pass. ``temperature`` may be traced (changing it never recompiles);
         0 gives the greedy tokens. In top-C mode the seed block is sampled among the candidates too. Not with
@@ -358,7 +359,6 @@ def _plain_mode(ops: Ops, params, logits, xh, prev_ids, topc: int, unroll: bool)
     one_pass, numbered). Numbered where unrolled and the steps have a pass pick, which may then return only
     the draft slots from some s <= q on (the slots before are final) and read ``w2`` in another order."""
     N, B, _ = logits.shape
-    r = params["w1"].shape[1]
     pass_pick = ops.pass_pick(topc=bool(topc))
     if topc:
         cand, base_c, start = ops.select(logits, topc)
@@ -379,12 +379,8 @@ def _plain_mode(ops: Ops, params, logits, xh, prev_ids, topc: int, unroll: bool)
 
     def one_pass(carry, q):
         blk, state = carry
-        # In top-C passes the latent may come as its residual's two terms, which the pick adds (`ops`).
-        split = ops.split_latent and bool(topc)
-        lat = (ops.latent(params, xh, blk, prev_ids, split=True) if split
-               else ops.latent(params, xh, blk, prev_ids)).reshape(N * (B - 1), r)
-        tok, s = pick(lat, q or 0)  # the tokens of draft slots s.. (the slots before s are final)
-        return (blk.at[:, 1 + s:].set(tok.reshape(N, B - 1 - s)) if s < B - 1 else blk), state
+        tok, s = pick(_pass_latent(ops, params, xh, blk, prev_ids, bool(topc)), q or 0)
+        return _write_slots(blk, tok, s), state
 
     # Unrolled steps without a pass pick keep fori_loop(unroll=True): on a CPU its compiled HLO differs from a
     # Python loop's for XLA's full-vocab steps (one convert per pass).
@@ -398,7 +394,6 @@ def _sampled_mode(ops: Ops, params, logits, xh, prev_ids, topc: int, sampler: Sa
     the block unchanged); top-C extras end with the candidates' ids. Unrolled, the passes are numbered as in
     `_plain_mode` (the final draft slots skipped, the same tokens)."""
     N, B, _ = logits.shape
-    r = params["w1"].shape[1]
     seeds, inv_t, proposal = sampler
     if topc:
         cand, base_c, _ = ops.select(logits, topc)
@@ -415,13 +410,10 @@ def _sampled_mode(ops: Ops, params, logits, xh, prev_ids, topc: int, sampler: Sa
 
     # The seed block: the base logits with the same noise (its extras are the proposal only when K = 0).
     start, seed_extras, _ = pick(None, None if num_passes else proposal)
-    split = ops.split_latent and bool(topc)  # as in `_plain_mode`: the top-C pick adds the residual's terms
 
     def step(blk, want=None, q=None):
-        lat = (ops.latent(params, xh, blk, prev_ids, split=True) if split
-               else ops.latent(params, xh, blk, prev_ids)).reshape(N * (B - 1), r)
-        tok, extras, s = pick(lat, want, q)  # the tokens of draft slots s.. (the slots before s are final)
-        return (blk.at[:, 1 + s:].set(tok.reshape(N, B - 1 - s)) if s < B - 1 else blk), extras
+        tok, extras, s = pick(_pass_latent(ops, params, xh, blk, prev_ids, bool(topc)), want, q)
+        return _write_slots(blk, tok, s), extras
 
     def one_pass(carry, q):
         return step(carry[0], q=q)[0], carry[1]
@@ -432,11 +424,28 @@ def _sampled_mode(ops: Ops, params, logits, xh, prev_ids, topc: int, sampler: Sa
     return start, (), one_pass, unroll, final_pass
 
 
+def _pass_latent(ops: Ops, params, xh, blk, prev_ids, topc: bool):
+    """A pass's latent of every draft row, [N*(B-1), r]; in top-C passes possibly its residual's two terms, which
+    the pick adds (`ops`)."""
+    N, B = blk.shape
+    r = params["w1"].shape[1]
+    lat = (ops.latent(params, xh, blk, prev_ids, split=True) if ops.split_latent and topc
+           else ops.latent(params, xh, blk, prev_ids))
+    return lat.reshape(N * (B - 1), r)
+
+
+def _write_slots(blk, tok, s: int):
+    """``blk`` with the draft slots s.. set to ``tok`` ([N*(B-1-s)]; the slots before s are final)."""
+    N, B = blk.shape
+    return blk.at[:, 1 + s:].set(tok.reshape(N, B - 1 - s)) if s < B - 1 else blk
+
+
 def _proposal(extras, N: int, B: int) -> Proposal:
     """The extras of the last pick ([rows] ...) as a `Proposal` of [N, B-1, ...] arrays."""
     token_score, lse, scores, *ids = extras
     shape = lambda x: None if x is None else x.reshape(N, B - 1, *x.shape[1:])  # noqa: E731
-    return Proposal(shape(token_score), shape(lse), shape(scores), shape(ids[0]) if ids and scores is not None else None)
+    ids = shape(ids[0]) if ids and scores is not None else None
+    return Proposal(shape(token_score), shape(lse), shape(scores), ids)
 
 
 def exit_checks(num_blocks: int, num_passes: int) -> tuple[int, ...]:

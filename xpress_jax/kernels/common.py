@@ -16,7 +16,8 @@ from jax.experimental.pallas import triton as plt
 
 __all__ = ["pallas_call", "compiler_params", "lower_triton", "gpu_supported", "BIG", "MIN_DOT", "SMEM_LIMIT", "iota",
            "cdiv", "next_pow2", "k_chunk", "score", "best", "merge", "flag_operand", "flags_row", "src_row",
-           "best3", "merge3", "check_noise", "mix32", "noise_seed", "gumbel", "GUMBEL_MAX", "sample_key", "online_lse", "finish_lse"]
+           "best3", "merge3", "check_noise", "mix32", "noise_seed", "gumbel", "GUMBEL_MAX", "sample_key", "online_lse",
+           "finish_lse"]
 
 #: Index of a lane that must never win (masked columns, padded parts); also int32's largest value.
 BIG = 2**31 - 1
