@@ -13,7 +13,8 @@ one floating dtype. With V vocab, H hidden, B block, r rank, M mlp hidden (PyTor
 ``mix``            [B, B, r]  folded causal mixer ``mix[k, j, c] = Lf[c, k, j]``, ``Lf = raw * tril + I``
 ``mlp_gate``/``up`` [r, M]    ``mlp.{gate,up}_proj.weight``.T
 ``mlp_down``       [M, r]     ``mlp.down_proj.weight``.T
-``w2``             [V, r]     readout (``w2.weight``): bias = lat @ w2.T
+``w2``             [Vd, r]    readout (``w2.weight``): bias = lat @ w2.T; Vd = the draft vocabulary (V unless reduced)
+``d2t``            [Vd] int32 reduced heads only: verifier id = draft id + d2t[draft id] (speculators' map)
 =================  =========  =====================================================================
 """
 
@@ -29,8 +30,9 @@ import numpy as np
 
 from .config import HeadConfig
 
-__all__ = ["Head", "init_head", "HYBRID_KEY_MAP", "PARAM_NAMES", "param_shapes", "init_params", "fold_causal_mixer",
-           "params_from_state_dict", "check_params", "config_from_params"]
+__all__ = ["Head", "init_head", "HYBRID_KEY_MAP", "PARAM_NAMES", "VOCAB_MAP", "param_names", "param_shapes",
+           "init_params", "fold_causal_mixer", "params_from_state_dict", "check_params", "check_vocab_map",
+           "config_from_params"]
 
 #: Source (checkpoint) name -> the reference module's attribute; "__raw_mix_L__": the raw mixer, folded on load.
 HYBRID_KEY_MAP = {
@@ -48,24 +50,64 @@ HYBRID_KEY_MAP = {
 PARAM_NAMES = ("w1", "down_h", "down_g", "in_proj_hidden", "in_proj_token", "mix", "mlp_gate", "mlp_up", "mlp_down",
                "w2")
 
+#: The int32 param of a reduced head ([V_draft]): verifier id = draft id + d2t[draft id].
+VOCAB_MAP = "d2t"
 
-def _shapes(V: int, H: int, B: int, r: int, M: int) -> dict[str, tuple[int, ...]]:
+
+def param_names(config: HeadConfig) -> tuple[str, ...]:
+    """The params a head of ``config`` holds: `PARAM_NAMES`, and `VOCAB_MAP` when its draft vocabulary is reduced."""
+    return PARAM_NAMES + ((VOCAB_MAP,) if config.reduced else ())
+
+
+def _shapes(V: int, H: int, B: int, r: int, M: int, Vd: int | None = None) -> dict[str, tuple[int, ...]]:
+    Vd = V if Vd is None else Vd
     return {"w1": (V, r), "down_h": (H, r), "down_g": (H, r), "in_proj_hidden": (2 * r, r), "in_proj_token": (r, r),
-            "mix": (B, B, r), "mlp_gate": (r, M), "mlp_up": (r, M), "mlp_down": (M, r), "w2": (V, r)}
+            "mix": (B, B, r), "mlp_gate": (r, M), "mlp_up": (r, M), "mlp_down": (M, r), "w2": (Vd, r),
+            **({VOCAB_MAP: (Vd,)} if Vd != V else {})}
 
 
 def param_shapes(config: HeadConfig) -> dict[str, tuple[int, ...]]:
-    """The shape of every param for ``config`` (see the module docstring)."""
+    """The shape of every param for ``config`` (see the module docstring; ``d2t`` only for a reduced head)."""
     c = config
-    return _shapes(c.vocab_size, c.hidden_size, c.block_size, c.rank, c.mlp_hidden)
+    return _shapes(c.vocab_size, c.hidden_size, c.block_size, c.rank, c.mlp_hidden, c.draft_vocab_size)
 
 
 def source_shapes(config: HeadConfig) -> dict[str, tuple[int, ...]]:
-    """The shape of every source tensor (HYBRID_KEY_MAP names, PyTorch layouts)."""
+    """The shape of every source tensor (HYBRID_KEY_MAP names, PyTorch layouts; a reduced head's ``d2t`` too)."""
     V, H, B, r, M = config.vocab_size, config.hidden_size, config.block_size, config.rank, config.mlp_hidden
+    Vd = config.draft_vocab_size
     return {"w1.weight": (V, r), "down_h.weight": (r, H), "down_g.weight": (r, H), "in_proj.weight": (r, 3 * r),
             "mix.L": (r, B, B), "mlp.gate_proj.weight": (M, r), "mlp.up_proj.weight": (M, r),
-            "mlp.down_proj.weight": (r, M), "w2.weight": (V, r)}
+            "mlp.down_proj.weight": (r, M), "w2.weight": (Vd, r), **({VOCAB_MAP: (Vd,)} if config.reduced else {})}
+
+
+def check_vocab_map(d2t: Any, vocab_size: int, t2d: Any = None) -> np.ndarray:
+    """Validate a reduced head's draft-to-verifier map (concrete values): every mapped id ``i + d2t[i]`` in
+    [0, vocab_size), no two draft ids on one verifier id, and, with speculators' ``t2d`` [V] bool, ``t2d.sum() ==
+    V_draft`` and ``t2d`` true exactly at the mapped ids. Returns ``d2t`` as int32; raises ValueError naming the
+    problem."""
+    a = _to_numpy(d2t)
+    if a.ndim != 1 or not np.issubdtype(a.dtype, np.integer):
+        raise ValueError(f"d2t must be a 1-d integer array [V_draft], got shape {a.shape} dtype {a.dtype}")
+    mapped = np.arange(a.size, dtype=np.int64) + a.astype(np.int64)
+    bad = np.nonzero((mapped < 0) | (mapped >= vocab_size))[0]
+    if bad.size:
+        raise ValueError(f"d2t maps draft ids {bad[:8].tolist()} to verifier ids {mapped[bad[:8]].tolist()}, outside "
+                         f"[0, {vocab_size})")
+    uniq, counts = np.unique(mapped, return_counts=True)
+    if (counts > 1).any():
+        dup = uniq[counts > 1][:8].tolist()
+        raise ValueError(f"d2t maps two draft ids to one verifier id (verifier ids {dup}); a draft vocabulary is a "
+                         "subset of the verifier's, each id once")
+    if t2d is not None:
+        t = _to_numpy(t2d).astype(bool)
+        if t.shape != (vocab_size,):
+            raise ValueError(f"t2d must have shape ({vocab_size},) (the verifier's vocabulary), got {t.shape}")
+        if int(t.sum()) != a.size:
+            raise ValueError(f"t2d marks {int(t.sum())} verifier ids, but d2t has {a.size} draft ids")
+        if not t[mapped].all():
+            raise ValueError("t2d and d2t disagree: t2d is false at verifier ids that d2t maps to")
+    return a.astype(np.int32)
 
 
 def fold_causal_mixer(raw_L: Any) -> jax.Array:
@@ -124,8 +166,8 @@ class Head:
         return jnp.dtype(self.params["w1"].dtype)
 
     def astype(self, dtype: Any) -> "Head":
-        """The same head with every param cast to ``dtype``."""
-        return Head(self.config, {k: v.astype(dtype) for k, v in self.params.items()})
+        """The same head with every floating param cast to ``dtype`` (``d2t`` stays int32)."""
+        return Head(self.config, {k: v if k == VOCAB_MAP else v.astype(dtype) for k, v in self.params.items()})
 
     def __iter__(self):
         return iter((self.config, self.params))
@@ -142,16 +184,25 @@ class Head:
 
 def init_head(config: HeadConfig, key: jax.Array, dtype: Any = jnp.float32, *, std: float = 0.02,
               mix_std: float | None = None) -> Head:
-    """`init_params` wrapped with its config: a `Head` that `refine` runs without ``config=``."""
+    """`init_params` wrapped with its config: a `Head` that `refine` runs without ``config=``. ``key``: a
+    `jax.random.key` or an int seed."""
     return Head(config, init_params(config, key, dtype, std=std, mix_std=mix_std))
 
 
 def init_params(config: HeadConfig, key: jax.Array, dtype: Any = jnp.float32, *, std: float = 0.02,
                 mix_std: float | None = None) -> dict[str, jax.Array]:
     """Random params in serving form: normal(0, std) weights, a folded random mixer (``mix_std``,
-    default ``std``, scales the raw one). A larger ``std`` changes more of the drafter's tokens."""
+    default ``std``, scales the raw one). A larger ``std`` changes more of the drafter's tokens. ``key``: a
+    `jax.random.key` (or a raw ``jax.random.PRNGKey``), or an int seed as ``nnx.Rngs(0)`` takes. A reduced head
+    (``config.draft_vocab_size < vocab_size``) gets a random ``d2t``: V_draft distinct verifier ids, ascending."""
     if not isinstance(config, HeadConfig):
         raise TypeError(f"config must be a HeadConfig, got {type(config).__name__}")
+    if isinstance(key, (int, np.integer)) and not isinstance(key, bool):
+        key = jax.random.key(int(key))
+    elif not (hasattr(key, "dtype") and (jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+                                          or (key.dtype == jnp.uint32 and key.shape == (2,)))):
+        raise TypeError(f"key must be a jax.random.key(seed) or an int seed, got {type(key).__name__} "
+                        f"{getattr(key, 'dtype', '')} {getattr(key, 'shape', '')}".rstrip())
     dtype = jnp.dtype(dtype)
     if not jnp.issubdtype(dtype, jnp.floating):
         raise TypeError(f"dtype must be a floating dtype, got {dtype}")
@@ -161,6 +212,10 @@ def init_params(config: HeadConfig, key: jax.Array, dtype: Any = jnp.float32, *,
     raw = jax.random.normal(keys["mix"], (config.rank, config.block_size, config.block_size), jnp.float32)
     raw = raw * (std if mix_std is None else mix_std)
     params["mix"] = jnp.transpose(fold_causal_mixer(raw.astype(dtype)), (1, 2, 0))
+    if config.reduced:
+        ids = jnp.sort(jax.random.choice(jax.random.fold_in(key, 1), config.vocab_size, (config.draft_vocab_size,),
+                                         replace=False))
+        params[VOCAB_MAP] = (ids - jnp.arange(config.draft_vocab_size)).astype(jnp.int32)
     return params
 
 
@@ -196,10 +251,13 @@ def params_from_state_dict(tensors: Mapping[str, Any], config: HeadConfig, *, dt
     given = list(tensors)
     if prefix:
         tensors = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+    t2d = tensors.get("t2d") if config.reduced else None
+    tensors = {k: v for k, v in tensors.items() if not (k == "t2d" and config.reduced)}
     expected = source_shapes(config)
     missing = sorted(set(expected) - set(tensors))
     extra = sorted(set(tensors) - set(expected))
     arrays = {k: _to_numpy(tensors[k]) for k in expected if k in tensors}
+    vocab_map = arrays.pop(VOCAB_MAP, None)
     bad_shape = [f"{k}: expected {expected[k]}, got {tuple(a.shape)}" for k, a in arrays.items()
                  if tuple(a.shape) != expected[k]]
     bad_dtype = [f"{k}: {a.dtype}" for k, a in arrays.items()
@@ -220,7 +278,10 @@ def params_from_state_dict(tensors: Mapping[str, Any], config: HeadConfig, *, dt
            "in_proj_hidden": a["in_proj.weight"][:, : 2 * r].T, "in_proj_token": a["in_proj.weight"][:, 2 * r :].T,
            "mix": _fold_np(a["mix.L"]).transpose(1, 2, 0), "mlp_gate": a["mlp.gate_proj.weight"].T,
            "mlp_up": a["mlp.up_proj.weight"].T, "mlp_down": a["mlp.down_proj.weight"].T, "w2": a["w2.weight"]}
-    return {k: jnp.asarray(np.ascontiguousarray(v).astype(dtype)) for k, v in out.items()}
+    out = {k: jnp.asarray(np.ascontiguousarray(v).astype(dtype)) for k, v in out.items()}
+    if config.reduced:
+        out[VOCAB_MAP] = jnp.asarray(check_vocab_map(vocab_map, config.vocab_size, t2d))
+    return out
 
 
 def _prefix_hint(missing: list[str], keys: list[str], prefix: str) -> str:
@@ -241,6 +302,7 @@ def config_from_params(params: Mapping[str, Any], **kwargs: Any) -> HeadConfig:
     H = params["down_h"].shape[0]
     B = params["mix"].shape[0]
     M = params["mlp_gate"].shape[1]
+    kwargs.setdefault("draft_vocab_size", params["w2"].shape[0])
     return HeadConfig(vocab_size=V, hidden_size=H, block_size=B, rank=r, mlp_hidden=M, **kwargs)
 
 
@@ -249,10 +311,13 @@ def check_params(params: Mapping[str, Any], config: HeadConfig | None = None) ->
     checked against ``config`` when given, else against each other; no values are read."""
     if not isinstance(params, Mapping):
         raise TypeError(f"params must be a dict of arrays, got {type(params).__name__}")
-    missing = [k for k in PARAM_NAMES if k not in params]
-    extra = sorted(set(params) - set(PARAM_NAMES))
+    names = param_names(config) if config is not None else PARAM_NAMES + ((VOCAB_MAP,) if VOCAB_MAP in params else ())
+    missing = [k for k in names if k not in params]
+    extra = sorted(set(params) - set(names))
     if missing or extra:
-        raise ValueError(f"params: missing {missing}, unexpected {extra}")
+        hint = (f" (a reduced head, draft_vocab_size={config.draft_vocab_size} < vocab_size={config.vocab_size}, "
+                f"needs {VOCAB_MAP!r})" if config is not None and config.reduced and VOCAB_MAP in missing else "")
+        raise ValueError(f"params: missing {missing}, unexpected {extra}{hint}")
     for k in PARAM_NAMES:
         if not hasattr(params[k], "shape") or not hasattr(params[k], "dtype"):
             raise TypeError(f"params[{k!r}] must be an array, got {type(params[k]).__name__}")
@@ -263,12 +328,17 @@ def check_params(params: Mapping[str, Any], config: HeadConfig | None = None) ->
         H = params["down_h"].shape[0] if len(params["down_h"].shape) == 2 else -1
         B = params["mix"].shape[0] if len(params["mix"].shape) == 3 else -1
         M = params["mlp_gate"].shape[1] if len(params["mlp_gate"].shape) == 2 else -1
-        expected = _shapes(V, H, B, r, M)
+        Vd = params["w2"].shape[0] if VOCAB_MAP in params and len(params["w2"].shape) == 2 else V
+        expected = _shapes(V, H, B, r, M, Vd)
+        if VOCAB_MAP not in expected and VOCAB_MAP in params:
+            expected[VOCAB_MAP] = (Vd,)
     else:
         expected = param_shapes(config)
-    for k in PARAM_NAMES:
+    for k in names:
         if tuple(params[k].shape) != expected[k]:
             raise ValueError(f"params[{k!r}] has shape {tuple(params[k].shape)}, expected {expected[k]}")
+    if VOCAB_MAP in params and not jnp.issubdtype(params[VOCAB_MAP].dtype, jnp.integer):
+        raise TypeError(f"params[{VOCAB_MAP!r}] must be integer ids, got {jnp.dtype(params[VOCAB_MAP].dtype)}")
     dtype = jnp.dtype(params["w1"].dtype)
     if not jnp.issubdtype(dtype, jnp.floating):
         raise TypeError(f"params must be floating, params['w1'] is {dtype}")
