@@ -193,8 +193,9 @@ def _decide(ops: Ops, d: _CallData, lat: jax.Array, dtype, valid, fallen, limit=
 
 
 def certified_mode(ops: Ops, params, logits: jax.Array, xh: jax.Array, prev_ids: jax.Array, valid: jax.Array,
-                   num_passes: int, cfg: Certified, prepared: CertifiedPrepared | None = None):
+                   num_passes: int, cfg: Certified, prepared: CertifiedPrepared | None, write):
     """The certified mode for `refine`'s pass loop: (start [rows] int32, state, one_pass, stats).
+    ``write(blk, tok, s)`` sets the draft slots s.. to the picks (refine's: draft ids mapped to verifier ids).
 
     ``one_pass((blk, state), q) -> (blk, state)`` is one pass (``q``: the 0-based pass number where the passes
     are unrolled, else None); ``stats(state)`` -> `CertifiedStats` after the K passes. ``valid`` [N] bool:
@@ -238,7 +239,7 @@ def certified_mode(ops: Ops, params, logits: jax.Array, xh: jax.Array, prev_ids:
         tried = tried + jnp.where(fallen, 0, n_valid)
         certified = certified + jnp.where(fallen, 0, n_valid - n_fail)
         outcomes = outcomes + (jnp.arange(3) == outcome).astype(jnp.int32)
-        blk = blk.at[:, 1 + s:].set(tok.reshape(N, B - 1)[:, s:])
+        blk = write(blk, tok.reshape(N, B - 1)[:, s:].reshape(-1), s)
         return blk, (flags, (tried, certified, outcomes))
 
     def stats(state) -> CertifiedStats:

@@ -31,7 +31,7 @@ import numpy as np
 from .config import HeadConfig
 
 __all__ = ["Head", "init_head", "HYBRID_KEY_MAP", "PARAM_NAMES", "VOCAB_MAP", "param_names", "param_shapes",
-           "init_params", "fold_causal_mixer", "params_from_state_dict", "check_params", "check_vocab_map",
+           "init_params", "fold_causal_mixer", "params_from_state_dict", "check_params", "check_vocab_map", "to_verifier_ids",
            "config_from_params"]
 
 #: Source (checkpoint) name -> the reference module's attribute; "__raw_mix_L__": the raw mixer, folded on load.
@@ -79,6 +79,14 @@ def source_shapes(config: HeadConfig) -> dict[str, tuple[int, ...]]:
     return {"w1.weight": (V, r), "down_h.weight": (r, H), "down_g.weight": (r, H), "in_proj.weight": (r, 3 * r),
             "mix.L": (r, B, B), "mlp.gate_proj.weight": (M, r), "mlp.up_proj.weight": (M, r),
             "mlp.down_proj.weight": (r, M), "w2.weight": (Vd, r), **({VOCAB_MAP: (Vd,)} if config.reduced else {})}
+
+
+def to_verifier_ids(tok: jax.Array, d2t: jax.Array | None) -> jax.Array:
+    """Draft ids -> verifier ids, ``tok + d2t[tok]`` (``d2t`` None: a head without a reduced vocabulary, the ids
+    as they are)."""
+    if d2t is None:
+        return tok
+    return tok + jnp.take(d2t, tok, axis=0, mode="clip").astype(tok.dtype)
 
 
 def check_vocab_map(d2t: Any, vocab_size: int, t2d: Any = None) -> np.ndarray:

@@ -18,7 +18,7 @@ from .config import HeadConfig
 from .exact import Certified, CertifiedPrepared, certified_mode, resolve_full_vocab
 from .head import TOKEN_TABLE, acc_dtype, hidden_input
 from .ops import Ops
-from .params import Head, check_params
+from .params import VOCAB_MAP, Head, check_params, to_verifier_ids
 from .sampling import Proposal, check_sampling, inverse_temperature, row_seeds
 
 __all__ = ["refine", "refine_with", "run_passes", "INVALID_TOKEN", "BACKENDS", "STATIC"]
@@ -41,6 +41,7 @@ def _is_concrete(x: Any) -> bool:
 def _validate(params, logits, h, anchors, prev_ids, num_passes, topc, max_num_reqs, config=None):
     check_params(params, config)
     V, r = params["w1"].shape
+    Vd = params["w2"].shape[0]  # the draft vocabulary (V unless the head is reduced)
     H = params["down_h"].shape[0]
     B = params["mix"].shape[0]
     dtype = jnp.dtype(params["w1"].dtype)
@@ -53,8 +54,10 @@ def _validate(params, logits, h, anchors, prev_ids, num_passes, topc, max_num_re
     if logits.shape[1] != B:
         raise ValueError(f"logits has block size {logits.shape[1]} (shape {tuple(logits.shape)}), "
                          f"but the head's block_size is {B}")
-    if logits.shape[2] != V:
-        raise ValueError(f"logits has vocab {logits.shape[2]}, but the head's vocab_size is {V}")
+    if logits.shape[2] != Vd:
+        what = f"draft_vocab_size is {Vd} (a reduced head: logits over its draft vocabulary)" if Vd != V else \
+            f"vocab_size is {V}"
+        raise ValueError(f"logits has vocab {logits.shape[2]}, but the head's {what}")
     if tuple(h.shape) != (N, B, H):
         raise ValueError(f"h must have shape {(N, B, H)} (N, block_size, hidden_size), got {tuple(h.shape)}")
     if tuple(anchors.shape) != (N,):
@@ -74,8 +77,8 @@ def _validate(params, logits, h, anchors, prev_ids, num_passes, topc, max_num_re
         raise ValueError(f"num_passes must be an int >= 0 (0: the seed block), got {num_passes!r}")
     if isinstance(topc, bool) or not isinstance(topc, (int, np.integer)):
         raise TypeError(f"topc must be an int (0 = full vocabulary), got {topc!r}")
-    if not 0 <= topc <= V:
-        raise ValueError(f"topc must be in [0, vocab_size={V}], got {topc}")
+    if not 0 <= topc <= Vd:
+        raise ValueError(f"topc must be in [0, {'draft_vocab_size' if Vd != V else 'vocab_size'}={Vd}], got {topc}")
     if max_num_reqs is not None:  # None: no config and no limit given
         if isinstance(max_num_reqs, bool) or not isinstance(max_num_reqs, (int, np.integer)) or max_num_reqs < 1:
             raise ValueError(f"max_num_reqs must be a positive int, got {max_num_reqs!r}")
@@ -112,7 +115,10 @@ def refine(params: Head | Mapping[str, jax.Array], logits: jax.Array, h: jax.Arr
       logits: [N, B, V] drafter logits (slot 0's row is unused), params' dtype.
       h: [N, B, H] drafter hidden states, params' dtype.
       anchors: [N] int, the verified token of each block (slot 0).
-      prev_ids: [N] int, the token before each anchor; defaults to ``anchors`` (what vLLM's speculator passes).
+      prev_ids: [N] int, the token before each anchor, which slot 0's latent reads. A head whose
+        ``config.predecessor`` is "anchor" (vLLM's checkpoints) defaults it to ``anchors``, as vLLM does; a
+        "previous" head (speculators' and `xpress_jax.train`'s) requires it (pass ``prev_ids=anchors`` to get
+        vLLM's behaviour anyway).
       num_passes, topc, max_num_reqs: K >= 0 (0: the seed block, as vLLM returns it); 0 = exact full-vocabulary
         scoring or C in [1, V] = score only
         each draft slot's C largest base logits; the largest accepted N. Default: the config's.
@@ -153,9 +159,15 @@ def refine(params: Head | Mapping[str, jax.Array], logits: jax.Array, h: jax.Arr
     candidates are each slot's C largest base logits, lowest ids first among values tied at the C-th place;
     the block starts from the full-vocab argmax of the base logits. NaN counts as -inf; +inf wins.
 
+    Reduced draft vocabulary (``config.draft_vocab_size`` < V, params with ``d2t``): ``logits`` are [N, B, V_draft],
+    each pass picks draft ids (ties: the lowest draft id; the noise is a function of the draft id) and maps them to
+    verifier ids (``id + d2t[id]``) for the next pass and the result; anchors, prev_ids and the returned tokens are
+    verifier ids, a `Proposal`'s ids and scores are in draft-id space (`xpress_jax.sampling.accept` maps them).
+
     Invalid ids: with concrete ``anchors``/``prev_ids``, ids outside [0, V) raise ``ValueError``. Under
     ``jit`` such a row is never read out of range; all its draft slots are `INVALID_TOKEN` (-1), so padded
-    rows can be marked with anchor -1.
+    rows can be marked with anchor -1. Likewise a traced ``temperature`` that is negative, NaN or infinite
+    makes every draft slot of the call -1 (a concrete one raises).
 
     Under jit: ``static_argnames=xpress_jax.STATIC_ARGNAMES``; a `Head` argument needs nothing more (its
     config is static pytree aux data).
@@ -290,6 +302,10 @@ def resolve_call(params, logits, h, anchors, prev_ids=None, *, num_passes=None, 
         max_num_reqs = config.max_num_reqs if max_num_reqs is None else max_num_reqs
     _validate(params, logits, h, anchors, prev_ids, num_passes, topc, max_num_reqs, config)
     if prev_ids is None:
+        if config is not None and config.predecessor == "previous":
+            raise ValueError("prev_ids is required: this head was trained with the real token before the anchor in "
+                             "slot 0 (config.predecessor='previous'; speculators' and xpress_jax.train's heads). "
+                             "Pass prev_ids=<the token before each anchor>, or prev_ids=anchors for vLLM's behaviour")
         prev_ids = anchors
     if unroll is None:
         unroll = _platform() == "gpu"
@@ -313,30 +329,36 @@ def _refine(ops: Ops, params, logits, h, anchors, prev_ids, num_passes, topc, un
     the certified mode; ``return_stats`` then also returns its `CertifiedStats`. ``return_passes``
     (benchmarks): also return the number of passes run, an int32 scalar. ``sampler``: sample (`Sampler`); with
     its ``proposal`` the result is ``(tokens, Proposal)``."""
-    N, B, V = logits.shape
-    V = V if vocab_size is None else vocab_size
+    N, B, _ = logits.shape
+    V = params["w1"].shape[0] if vocab_size is None else vocab_size  # the verifier's vocabulary
+    d2t = params.get(VOCAB_MAP)  # a reduced head's draft -> verifier map
     # Range check in the ids' own dtype, before any narrowing cast (an int64 2**32 + id must not
     # wrap into a valid int32 id).
     valid = (anchors >= 0) & (anchors < V) & (prev_ids >= 0) & (prev_ids < V)
     anchors = jnp.where(valid, anchors, 0).astype(jnp.int32)
     prev_ids = jnp.where(valid, prev_ids, 0).astype(jnp.int32)
+    if sampler is not None:  # an invalid traced temperature (NaN 1/T) marks every row
+        t_ok = ~jnp.isnan(sampler.inv_t)
+        valid = valid & t_ok
+        sampler = sampler._replace(inv_t=jnp.where(t_ok, sampler.inv_t, 0.0))
 
     xh = (ops.hidden or hidden_input)(params, h)  # [N, B, r], once per call
     checks = None
     if certified is not None and not topc:
         start, state, one_pass, stats = certified_mode(ops, params, logits, xh, prev_ids, valid, num_passes,
-                                                       certified, certified_prepared)
+                                                       certified, certified_prepared, write=_write_slots(d2t))
         numbered = unroll
     elif sampler is not None:
         start, state, one_pass, numbered, final_pass = _sampled_mode(ops, params, logits, xh, prev_ids, topc, sampler,
-                                                                        num_passes, unroll)
+                                                                        num_passes, unroll, _write_slots(d2t))
         if early_exit:
             checks = exit_checks(N, num_passes) if early_exit is True else early_exit
     else:
-        start, state, one_pass, numbered = _plain_mode(ops, params, logits, xh, prev_ids, topc, unroll)
+        start, state, one_pass, numbered = _plain_mode(ops, params, logits, xh, prev_ids, topc, unroll,
+                                                       _write_slots(d2t))
         if early_exit:
             checks = exit_checks(N, num_passes) if early_exit is True else early_exit
-    blk = jnp.concatenate([anchors[:, None], start.reshape(N, B - 1)], axis=1)
+    blk = jnp.concatenate([anchors[:, None], to_verifier_ids(start.reshape(N, B - 1), d2t)], axis=1)
     if sampler is not None and sampler.proposal is not None:
         # The proposal is the last pass's: K - 1 passes, then the last one with its extras (K = 0: the seed's).
         if num_passes and checks:
@@ -354,7 +376,7 @@ def _refine(ops: Ops, params, logits, h, anchors, prev_ids, num_passes, topc, un
     return (out, passes) if return_passes else out
 
 
-def _plain_mode(ops: Ops, params, logits, xh, prev_ids, topc: int, unroll: bool):
+def _plain_mode(ops: Ops, params, logits, xh, prev_ids, topc: int, unroll: bool, write):
     """The top-C (``topc`` > 0) or full-vocab scan mode for `run_passes`: (start [rows] int32, state (none),
     one_pass, numbered). Numbered where unrolled and the steps have a pass pick, which may then return only
     the draft slots from some s <= q on (the slots before are final) and read ``w2`` in another order."""
@@ -380,7 +402,7 @@ def _plain_mode(ops: Ops, params, logits, xh, prev_ids, topc: int, unroll: bool)
     def one_pass(carry, q):
         blk, state = carry
         tok, s = pick(_pass_latent(ops, params, xh, blk, prev_ids, bool(topc)), q or 0)
-        return _write_slots(blk, tok, s), state
+        return write(blk, tok, s), state
 
     # Unrolled steps without a pass pick keep fori_loop(unroll=True): on a CPU its compiled HLO differs from a
     # Python loop's for XLA's full-vocab steps (one convert per pass).
@@ -388,7 +410,7 @@ def _plain_mode(ops: Ops, params, logits, xh, prev_ids, topc: int, unroll: bool)
 
 
 def _sampled_mode(ops: Ops, params, logits, xh, prev_ids, topc: int, sampler: Sampler, num_passes: int,
-                  unroll: bool):
+                  unroll: bool, write):
     """The sampled top-C or full-vocab mode (`xpress_jax.sampling`): (start, state (none), one_pass, numbered,
     final_pass). ``final_pass(blk)`` -> (blk, extras): the last pass with the proposal's extras (K = 0: the seed's,
     the block unchanged); top-C extras end with the candidates' ids. Unrolled, the passes are numbered as in
@@ -413,7 +435,7 @@ def _sampled_mode(ops: Ops, params, logits, xh, prev_ids, topc: int, sampler: Sa
 
     def step(blk, want=None, q=None):
         tok, extras, s = pick(_pass_latent(ops, params, xh, blk, prev_ids, bool(topc)), want, q)
-        return _write_slots(blk, tok, s), extras
+        return write(blk, tok, s), extras
 
     def one_pass(carry, q):
         return step(carry[0], q=q)[0], carry[1]
@@ -434,10 +456,14 @@ def _pass_latent(ops: Ops, params, xh, blk, prev_ids, topc: bool):
     return lat.reshape(N * (B - 1), r)
 
 
-def _write_slots(blk, tok, s: int):
-    """``blk`` with the draft slots s.. set to ``tok`` ([N*(B-1-s)]; the slots before s are final)."""
-    N, B = blk.shape
-    return blk.at[:, 1 + s:].set(tok.reshape(N, B - 1 - s)) if s < B - 1 else blk
+def _write_slots(d2t):
+    """``write(blk, tok, s)``: ``blk`` with the draft slots s.. set to the picks ``tok`` ([N*(B-1-s)] draft ids, mapped
+    to verifier ids with ``d2t`` where the head is reduced; the slots before s are final)."""
+    def write(blk, tok, s: int):
+        N, B = blk.shape
+        return blk.at[:, 1 + s:].set(to_verifier_ids(tok.reshape(N, B - 1 - s), d2t)) if s < B - 1 else blk
+
+    return write
 
 
 def _proposal(extras, N: int, B: int) -> Proposal:

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .kernels.common import noise_seed
+from .params import to_verifier_ids
 
 __all__ = ["Proposal", "PROPOSALS", "accept", "row_seeds", "check_sampling", "inverse_temperature"]
 
@@ -79,9 +80,11 @@ def check_sampling(temperature: Any, key: Any, proposal: Any) -> None:
 
 
 def inverse_temperature(temperature: Any) -> jax.Array:
-    """float32 ``1 / T``, 0 where T is 0 (the greedy pick)."""
+    """float32 ``1 / T``, 0 where T is 0 (the greedy pick), NaN where T is not a temperature (negative, NaN or
+    infinite): `xpress_jax.refine` then returns -1 in every draft slot."""
     t = jnp.asarray(temperature, jnp.float32)
-    return jnp.where(t > 0, 1.0 / jnp.where(t > 0, t, 1.0), 0.0).astype(jnp.float32)
+    ok = (t > 0) & jnp.isfinite(t)
+    return jnp.where(ok, 1.0 / jnp.where(ok, t, 1.0), jnp.where(t == 0, 0.0, jnp.nan)).astype(jnp.float32)
 
 
 def row_seeds(key: jax.Array, rows: int, row_offset: Any = 0) -> jax.Array:
@@ -91,27 +94,41 @@ def row_seeds(key: jax.Array, rows: int, row_offset: Any = 0) -> jax.Array:
     return noise_seed(words[0], words[1], row_offset + jnp.arange(rows, dtype=jnp.int32))
 
 
-def accept(target_logits: jax.Array, draft: jax.Array, proposal: Proposal, temperature, key: jax.Array):
+def accept(target_logits: jax.Array, draft: jax.Array, proposal: Proposal, temperature, key: jax.Array,
+           d2t: jax.Array | None = None):
     """Speculative sampling's acceptance test for one refine call (a reference for verifiers).
 
-    target_logits: [N, B-1, V] the target model's logits at the draft positions; draft: [N, B-1] the refine's
-    tokens; proposal: its `Proposal` with ``scores`` (the residual needs q over the support); temperature: T > 0.
+    target_logits: [N, B-1, V] the target model's logits at the draft positions (the verifier's vocabulary);
+    draft: [N, B-1] the refine's tokens; proposal: its `Proposal` with ``scores`` (the residual needs q over the
+    support); temperature: T > 0; d2t: a reduced head's ``head.params["d2t"]`` (its proposal is over draft ids,
+    mapped here onto the verifier's vocabulary: the verifier ids outside the draft vocabulary have q = 0).
     Token x at slot j is accepted with min(1, p(x) / q(x)), p = softmax(target / T), q = softmax(scores / T)
     (top-C: over the candidates); at the first rejection the slot's token is drawn from normalize(max(0, p - q)).
     Returns (tokens [N, B-1] int32: the accepted prefix, then the replacement, then -1; n_emitted [N] int32).
     The bonus token after a fully accepted block (a sample of the target's next position) is the caller's.
     """
+    if not isinstance(proposal, Proposal):
+        raise TypeError(f"accept: proposal must be the xpress_jax.Proposal that refine(..., temperature=T, key=k, "
+                        f"proposal='scores') returns beside the tokens, got {type(proposal).__name__}")
     if proposal.scores is None:
         raise ValueError("accept needs the proposal's scores: refine(..., proposal='scores')")
     n, d, v = target_logits.shape
     inv_t = 1.0 / jnp.float32(temperature)
     p = jax.nn.softmax(target_logits.astype(jnp.float32) * inv_t, axis=-1)
     q_sup = jax.nn.softmax(proposal.scores.astype(jnp.float32) * inv_t, axis=-1)
-    if proposal.ids is None:
+    ids = proposal.ids
+    if d2t is not None:  # draft ids -> verifier ids (the support: the candidates, or the whole draft vocabulary)
+        if ids is None:
+            ids = jnp.broadcast_to(jnp.arange(q_sup.shape[-1], dtype=jnp.int32), q_sup.shape)
+        ids = to_verifier_ids(ids, jnp.asarray(d2t))
+    elif q_sup.shape[-1] != v:
+        raise ValueError(f"accept: the proposal scores {q_sup.shape[-1]} ids and the target {v}: a reduced head's "
+                         "proposal is over its draft vocabulary; pass d2t=head.params['d2t']")
+    if ids is None:
         q = q_sup
-    else:  # the candidates' probabilities scattered onto the vocabulary
+    else:  # the support's probabilities scattered onto the vocabulary
         q = jnp.zeros((n, d, v), jnp.float32).at[
-            jnp.arange(n)[:, None, None], jnp.arange(d)[None, :, None], proposal.ids].set(q_sup)
+            jnp.arange(n)[:, None, None], jnp.arange(d)[None, :, None], ids].set(q_sup)
     px = jnp.take_along_axis(p, draft[..., None], axis=-1)[..., 0]
     qx = jnp.take_along_axis(q, draft[..., None], axis=-1)[..., 0]
     k_acc, k_res = jax.random.split(key)
