@@ -26,7 +26,7 @@ from .compile_options import compiler_options as default_compiler_options
 from .config import HeadConfig
 from .exact import Auto, prepare_certified, resolve_full_vocab
 from .head import token_table as token_table_of
-from .params import PARAM_NAMES, Head, check_params, param_shapes
+from .params import VOCAB_MAP, Head, check_params, param_names, param_shapes
 from .refine import INVALID_TOKEN, check_backend, refine
 from .sampling import PROPOSALS, Proposal, check_sampling
 
@@ -169,7 +169,7 @@ class RefineServer:
                 sharded.axis_size(mesh, axis)
         self.param_shardings: dict[str, jax.sharding.Sharding] = self._param_shardings(mesh, model_axis, config)
         self._param_specs = {
-            k: jax.ShapeDtypeStruct(s, self.dtype, sharding=self.param_shardings[k])
+            k: jax.ShapeDtypeStruct(s, jnp.int32 if k == VOCAB_MAP else self.dtype, sharding=self.param_shardings[k])
             for k, s in param_shapes(config).items()
         }
         self._params = self._checked_params(head.params, place_jax=True)  # placed (a transfer) where needed
@@ -216,8 +216,9 @@ class RefineServer:
     def _param_shardings(mesh, model_axis, config: HeadConfig) -> dict[str, jax.sharding.Sharding]:
         if mesh is None:
             one = jax.sharding.make_single_device_sharding(jax.devices()[0])
-            return {k: one for k in PARAM_NAMES}
-        return dict(sharded.param_shardings(mesh, model_axis, vocab_size=config.vocab_size))
+            return {k: one for k in param_names(config)}
+        return dict(sharded.param_shardings(mesh, model_axis, vocab_size=config.vocab_size,
+                                            draft_vocab_size=config.draft_vocab_size if config.reduced else None))
 
     @staticmethod
     def _check_output(output: Any, mesh) -> str:
@@ -234,17 +235,18 @@ class RefineServer:
         return output
 
     def input_shardings(self, bucket: int) -> dict[str, jax.sharding.Sharding]:
-        """Where ``bucket``'s executable takes its inputs and puts its result: ``"logits"``, ``"h"``, ``"ids"``
-        (anchors and prev_ids), ``"num_valid"`` (also the temperature and the key) and ``"out"`` (with
-        ``output="host"``: pinned host memory)."""
+        """Where ``bucket``'s executable takes its inputs and puts its result, by argument name: ``"logits"``,
+        ``"h"``, ``"anchors"``, ``"prev_ids"`` (also as ``"ids"``), ``"num_valid"`` (also the temperature and the
+        key) and ``"out"`` (with ``output="host"``: pinned host memory)."""
         if bucket not in self.buckets:
             raise ValueError(f"{bucket} is not a bucket; the buckets are {self.buckets}")
         if self.mesh is None:
             one = jax.sharding.make_single_device_sharding(jax.devices()[0])
-            out = {"logits": one, "h": one, "ids": one, "num_valid": one, "out": one}
+            out = {"logits": one, "h": one, "anchors": one, "prev_ids": one, "ids": one, "num_valid": one,
+                   "out": one}
         else:
             out = dict(sharded.input_shardings(self.mesh, self.data_axis, self.model_axis, num_blocks=bucket,
-                                               vocab_size=self.config.vocab_size))
+                                               vocab_size=self.config.draft_vocab_size))
             out["num_valid"] = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
         if self.output == "host":
             out["out"] = out["out"].with_memory_kind("pinned_host")
@@ -301,7 +303,8 @@ class RefineServer:
         c, sh = self.config, self.input_shardings(bucket)
         ids = jax.ShapeDtypeStruct((bucket,), jnp.int32, sharding=sh["ids"])
         specs = {
-            "logits": jax.ShapeDtypeStruct((bucket, c.block_size, c.vocab_size), self.dtype, sharding=sh["logits"]),
+            "logits": jax.ShapeDtypeStruct((bucket, c.block_size, c.draft_vocab_size), self.dtype,
+                                           sharding=sh["logits"]),
             "h": jax.ShapeDtypeStruct((bucket, c.block_size, c.hidden_size), self.dtype, sharding=sh["h"]),
             "anchors": ids,
             "prev_ids": ids,
@@ -481,6 +484,10 @@ class RefineServer:
 
     def _prepare(self, logits, h, anchors, prev_ids, num_valid):
         if prev_ids is None:
+            if self.config.predecessor == "previous":
+                raise ValueError("RefineServer: prev_ids is required: this head was trained with the real token "
+                                 "before the anchor in slot 0 (config.predecessor='previous'). Pass prev_ids=<the "
+                                 "token before each anchor>, or prev_ids=anchors for vLLM's behaviour")
             prev_ids = anchors
         xs = {"logits": logits, "h": h, "anchors": anchors, "prev_ids": prev_ids}
         for name, x in xs.items():
@@ -488,14 +495,14 @@ class RefineServer:
                 raise TypeError(f"RefineServer: {name} must be a numpy array or a jax.Array, got {type(x).__name__}")
         c = self.config
         n = logits.shape[0] if logits.ndim == 3 else None
-        want = {"logits": (n, c.block_size, c.vocab_size), "h": (n, c.block_size, c.hidden_size),
+        want = {"logits": (n, c.block_size, c.draft_vocab_size), "h": (n, c.block_size, c.hidden_size),
                 "anchors": (n,), "prev_ids": (n,)}
         for name, x in xs.items():
             if n is None or tuple(x.shape) != want[name]:
                 raise ValueError(f"RefineServer: {name} is {_describe(x)}; expected shape "
                                  f"{tuple('N' if d is None else d for d in want[name])}, N the same for every input "
                                  f"(logits [N, B, V], h [N, B, H], anchors and prev_ids [N]; B={c.block_size}, "
-                                 f"V={c.vocab_size}, H={c.hidden_size})")
+                                 f"V={c.draft_vocab_size}, H={c.hidden_size})")
         if isinstance(num_valid, bool) or not (num_valid is None or isinstance(num_valid, (int, np.integer))):
             raise TypeError(f"RefineServer: num_valid must be an int, got {num_valid!r}")
         num_valid = n if num_valid is None else int(num_valid)
@@ -569,7 +576,7 @@ class RefineServer:
         """Validated params on ``param_shardings``; raises before anything changes."""
         check_params(params, self.config)  # names and shapes against the compiled config
         out = {}
-        for k in PARAM_NAMES:
+        for k in param_names(self.config):
             x, spec = params[k], self._param_specs[k]
             if jnp.dtype(x.dtype) != spec.dtype:
                 raise TypeError(

@@ -40,7 +40,7 @@ from . import reference as ref
 from .head import acc_dtype
 from .kernels.common import gumbel, sample_key
 from .ops import Ops, same
-from .params import PARAM_NAMES, Head
+from .params import PARAM_NAMES, VOCAB_MAP, Head
 from .refine import Sampler, check_backend, _refine, _select_ops, resolve_call
 from .sampling import Proposal, check_sampling, inverse_temperature, row_seeds
 
@@ -59,28 +59,31 @@ def axis_size(mesh: Mesh, axis: str | None) -> int:
     return int(mesh.shape[axis])
 
 
-def param_shardings(mesh: Mesh, model_axis: str | None = "model",
-                    vocab_size: int | None = None) -> dict[str, NamedSharding]:
-    """Where `refine_sharded` expects each param: ``w1`` and ``w2`` split over V on ``model_axis``
-    (when the axis divides ``vocab_size``; else replicated, and padded inside), the rest replicated.
+def param_shardings(mesh: Mesh, model_axis: str | None = "model", vocab_size: int | None = None,
+                    draft_vocab_size: int | None = None) -> dict[str, NamedSharding]:
+    """Where `refine_sharded` expects each param: ``w1`` and ``w2`` split over their rows on ``model_axis``
+    (when the axis divides ``vocab_size``, and ``draft_vocab_size`` for ``w2``; else replicated, and padded
+    inside), the rest replicated. A reduced head (``draft_vocab_size`` given) also has ``d2t``, replicated.
     Pass it to `xpress_jax.load_params(path, sharding=...)` or `jax.device_put`."""
     m = axis_size(mesh, model_axis)
-    split = model_axis is not None and (vocab_size is None or vocab_size % m == 0)
-    return {name: NamedSharding(mesh, P(model_axis, None) if split and name in _VOCAB_PARAMS else P())
-            for name in PARAM_NAMES}
+    rows = {"w1": vocab_size, "w2": vocab_size if draft_vocab_size is None else draft_vocab_size}
+    names = PARAM_NAMES + ((VOCAB_MAP,) if draft_vocab_size is not None else ())
+    return {name: NamedSharding(mesh, P(model_axis, None) if name in _VOCAB_PARAMS and model_axis is not None and (
+        rows[name] is None or rows[name] % m == 0) else P()) for name in names}
 
 
 def input_shardings(mesh: Mesh, data_axis: str | None = "data", model_axis: str | None = "model", *,
                     num_blocks: int | None = None, vocab_size: int | None = None) -> dict[str, NamedSharding]:
-    """Where `refine_sharded` expects its inputs and puts its output: ``"logits"`` [N, B, V] (N over
-    ``data_axis``, V over ``model_axis``), ``"h"`` [N, B, H], ``"ids"`` (anchors, prev_ids) [N],
-    ``"out"`` [N, B-1]. An axis that does not divide its dimension (given ``num_blocks`` /
-    ``vocab_size``) is left out of the spec (refine_sharded pads inside)."""
+    """Where `refine_sharded` expects its inputs and puts its output, by argument name: ``"logits"`` [N, B, V]
+    (N over ``data_axis``, V over ``model_axis``; a reduced head's V is its draft vocabulary), ``"h"`` [N, B, H],
+    ``"anchors"`` and ``"prev_ids"`` [N] (also as ``"ids"``), ``"out"`` [N, B-1]. An axis that does not divide
+    its dimension (given ``num_blocks`` / ``vocab_size``) is left out of the spec (refine_sharded pads inside)."""
     d, m = axis_size(mesh, data_axis), axis_size(mesh, model_axis)
     da = data_axis if data_axis is not None and (num_blocks is None or num_blocks % d == 0) else None
     ma = model_axis if model_axis is not None and (vocab_size is None or vocab_size % m == 0) else None
+    ids = NamedSharding(mesh, P(da))
     return {"logits": NamedSharding(mesh, P(da, None, ma)), "h": NamedSharding(mesh, P(da, None, None)),
-            "ids": NamedSharding(mesh, P(da)), "out": NamedSharding(mesh, P(da, None))}
+            "anchors": ids, "prev_ids": ids, "ids": ids, "out": NamedSharding(mesh, P(da, None))}
 
 
 def refine_sharded(params: Head | Mapping[str, jax.Array], logits: jax.Array, h: jax.Array, anchors: jax.Array,
@@ -104,8 +107,9 @@ def refine_sharded(params: Head | Mapping[str, jax.Array], logits: jax.Array, h:
     d, m = axis_size(mesh, data_axis), axis_size(mesh, model_axis)
     if data_axis is not None and data_axis == model_axis:
         raise ValueError(f"data_axis and model_axis must differ, both are {data_axis!r}")
-    n, b, v = logits.shape
-    anchors, prev_ids = jnp.asarray(anchors), jnp.asarray(prev_ids)  # range-checked by _refine (vocab_size=v)
+    n, b, v = logits.shape  # v: the draft vocabulary (w2's rows)
+    vv = params["w1"].shape[0]  # the verifier's vocabulary (w1's rows; v unless the head is reduced)
+    anchors, prev_ids = jnp.asarray(anchors), jnp.asarray(prev_ids)  # range-checked by _refine (vocab_size=vv)
     n_pad = -(-n // d) * d - n
     if n_pad:  # sentinel rows: anchor -1 (no reads, dropped below)
         logits = jnp.pad(logits, ((0, n_pad), (0, 0), (0, 0)))
@@ -115,18 +119,20 @@ def refine_sharded(params: Head | Mapping[str, jax.Array], logits: jax.Array, h:
     v_pad = -(-v // m) * m - v
     if v_pad:  # ids >= V: logits -inf and zero rows, so they never win (ties go to lower ids)
         logits = jnp.pad(logits, ((0, 0), (0, 0), (0, v_pad)), constant_values=-jnp.inf)
-        params = {name: jnp.pad(x, ((0, v_pad), (0, 0))) if name in _VOCAB_PARAMS else x for name, x in params.items()}
+    pads = {"w2": v_pad, "w1": -(-vv // m) * m - vv}  # a reduced head's w1 and w2 differ in rows
+    params = {name: jnp.pad(x, ((0, pads[name]), (0, 0))) if pads.get(name) else x for name, x in params.items()}
     if model_axis is not None and m > 1:  # one shard holds the whole vocabulary: the plain steps
         ops = vocab_sharded_ops(ops, model_axis)
     da, ma = data_axis, model_axis
     param_specs = {name: P(ma, None) if name in _VOCAB_PARAMS else P() for name in params}
     in_specs = (param_specs, P(da, None, ma), P(da, None, None), P(da), P(da))
+    args = _placed(mesh, in_specs, (dict(params), logits, h, anchors, prev_ids))
     if temperature is None:
         def body(p, lg, hh, a, q):
-            return _refine(ops, p, lg, hh, a, q, k, c, unroll, vocab_size=v)
+            return _refine(ops, p, lg, hh, a, q, k, c, unroll, vocab_size=vv)
 
         run = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=P(da, None), check_vma=False)
-        out = run(dict(params), logits, h, anchors, prev_ids)
+        out = run(*args)
         return out[:n] if n_pad else out
 
     # The seeds of the GLOBAL draft rows (padding rows come last: the real rows keep their indices), split with
@@ -134,7 +140,7 @@ def refine_sharded(params: Head | Mapping[str, jax.Array], logits: jax.Array, h:
     seeds = row_seeds(key, (n + n_pad) * (b - 1)).reshape(n + n_pad, b - 1)
 
     def sampled_body(p, lg, hh, a, q, sd, inv_t):
-        return _refine(ops, p, lg, hh, a, q, k, c, unroll, vocab_size=v,
+        return _refine(ops, p, lg, hh, a, q, k, c, unroll, vocab_size=vv,
                        sampler=Sampler(sd.reshape(-1), inv_t, proposal))
 
     out_specs = P(da, None)
@@ -142,9 +148,9 @@ def refine_sharded(params: Head | Mapping[str, jax.Array], logits: jax.Array, h:
         scores = None if proposal != "scores" else P(da, None, None) if c else P(da, None, ma)
         ids = P(da, None, None) if c and proposal == "scores" else None
         out_specs = (out_specs, Proposal(P(da, None), P(da, None), scores, ids))
-    run = jax.shard_map(sampled_body, mesh=mesh, in_specs=(*in_specs, P(da, None), P()), out_specs=out_specs,
-                        check_vma=False)
-    out = run(dict(params), logits, h, anchors, prev_ids, seeds, inverse_temperature(temperature))
+    in_specs = (*in_specs, P(da, None), P())
+    run = jax.shard_map(sampled_body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+    out = run(*args, *_placed(mesh, in_specs[5:], (seeds, inverse_temperature(temperature))))
     if proposal is None:
         return out[:n] if n_pad else out
     tokens, prop = out
@@ -153,6 +159,17 @@ def refine_sharded(params: Head | Mapping[str, jax.Array], logits: jax.Array, h:
     if v_pad and not c and prop.scores is not None:  # the padded ids' scores (-inf)
         prop = prop._replace(scores=prop.scores[..., :v])
     return tokens, prop
+
+
+def _placed(mesh: Mesh, specs, args):
+    """``args`` where shard_map's ``specs`` want them. On a mesh with Explicit axes (``jax.make_mesh``'s default) an
+    array's type carries its sharding and must match the spec: reshard it (a no-op where it already matches). On
+    an Auto mesh shard_map moves the data itself."""
+    explicit = jax.sharding.AxisType.Explicit
+    if not any(t == explicit for t in getattr(mesh, "axis_types", ())):
+        return args
+    return jax.tree.map(lambda x, spec: jax.sharding.reshard(x, NamedSharding(mesh, spec)), args, specs,
+                        is_leaf=lambda x: isinstance(x, P))
 
 
 # ----------------------------------------------------------------------------- vocab-sharded steps
