@@ -133,7 +133,7 @@ def refine_sharded(params: Head | Mapping[str, jax.Array], logits: jax.Array, h:
 
         run = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=P(da, None), check_vma=False)
         out = run(*args)
-        return out[:n] if n_pad else out
+        return _trim(mesh, out, n if n_pad else None)
 
     # The seeds of the GLOBAL draft rows (padding rows come last: the real rows keep their indices), split with
     # the blocks.
@@ -152,21 +152,39 @@ def refine_sharded(params: Head | Mapping[str, jax.Array], logits: jax.Array, h:
     run = jax.shard_map(sampled_body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
     out = run(*args, *_placed(mesh, in_specs[5:], (seeds, inverse_temperature(temperature))))
     if proposal is None:
-        return out[:n] if n_pad else out
+        return _trim(mesh, out, n if n_pad else None)
     tokens, prop = out
     if n_pad:
-        tokens, prop = tokens[:n], Proposal(*(None if x is None else x[:n] for x in prop))
+        tokens, prop = _trim(mesh, tokens, n), Proposal(*(None if x is None else _trim(mesh, x, n) for x in prop))
     if v_pad and not c and prop.scores is not None:  # the padded ids' scores (-inf)
-        prop = prop._replace(scores=prop.scores[..., :v])
+        prop = prop._replace(scores=_trim(mesh, prop.scores, vocab=v))
     return tokens, prop
+
+
+def _explicit(mesh: Mesh) -> bool:
+    return any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
+
+
+def _trim(mesh: Mesh, x: jax.Array, rows: int | None = None, vocab: int | None = None) -> jax.Array:
+    """``x`` without its padding: the first ``rows`` rows, the first ``vocab`` entries of its last dim (None: all).
+    On an Explicit mesh a sliced dim that its axis no longer divides is gathered first (the type must say it)."""
+    if rows is None and vocab is None:
+        return x
+    if _explicit(mesh):
+        spec = list(jax.typeof(x).sharding.spec) + [None] * (x.ndim - len(jax.typeof(x).sharding.spec))
+        if rows is not None:
+            spec[0] = None
+        if vocab is not None:
+            spec[-1] = None
+        x = jax.sharding.reshard(x, NamedSharding(mesh, P(*spec)))
+    return x[:rows] if vocab is None else x[..., :vocab]
 
 
 def _placed(mesh: Mesh, specs, args):
     """``args`` where shard_map's ``specs`` want them. On a mesh with Explicit axes (``jax.make_mesh``'s default) an
     array's type carries its sharding and must match the spec: reshard it (a no-op where it already matches). On
     an Auto mesh shard_map moves the data itself."""
-    explicit = jax.sharding.AxisType.Explicit
-    if not any(t == explicit for t in getattr(mesh, "axis_types", ())):
+    if not _explicit(mesh):
         return args
     return jax.tree.map(lambda x, spec: jax.sharding.reshard(x, NamedSharding(mesh, spec)), args, specs,
                         is_leaf=lambda x: isinstance(x, P))

@@ -53,9 +53,18 @@ def _run_child(cases):
     return json.loads(out.strip().splitlines()[-1])
 
 
+# Variants (a sixth element): "make_mesh" builds the mesh with jax.make_mesh (Explicit axes: refine_sharded reshards
+# its inputs), "reduced" runs a head with a reduced draft vocabulary (V_DRAFT of V, a d2t map: w1 and w2 split over
+# different row counts, picks mapped to verifier ids).
+V_DRAFT = 173
+VARIANTS = [((2, 2), 7, "xla", "float32", "random", "make_mesh+reduced"),
+            ((1, 4), 0, "pallas", "bfloat16", "ties", "reduced"),
+            ((4, 1), 0, "xla", "bfloat16", "nonfinite", "make_mesh")]
+
+
 @pytest.mark.interpret
-@pytest.mark.parametrize("cases", [pytest.param(FAST[4:5], id="2x2-topV-xla"),
-                                   pytest.param(FAST, id="every-kind", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("cases", [pytest.param(FAST[4:5] + VARIANTS[:1], id="2x2-topV-xla-and-make_mesh-reduced"),
+                                   pytest.param(FAST + VARIANTS[1:], id="every-kind", marks=pytest.mark.slow)])
 def test_sharded_equals_single_device(cases):
     results = _run_child(cases)
     bad = [r for r in results if r["differ"]]
@@ -81,6 +90,8 @@ SAMPLED = [
     ((1, 4), 0, "xla", "bfloat16", "nonfinite", 0.0, "logprob"),
     ((2, 2), V, "pallas", "float32", "ties", 2.0, None),
     ((1, 4), 0, "pallas", "bfloat16", "random", 0.5, "scores"),
+    ((2, 2), 0, "xla", "float32", "random", 1.0, "scores", "make_mesh+reduced"),
+    ((2, 2), 7, "xla", "float32", "ties", 0.7, "scores", "reduced"),
 ]
 
 
@@ -117,13 +128,13 @@ def _inputs(cfg, kind, dtype, seed=0):
 
     params = make_head(cfg, seed=seed)
     logits, h, anchors, prev = make_inputs(cfg, N, seed=seed + 1)
-    lg = np.asarray(logits, np.float64)
+    lg = np.asarray(logits, np.float64)[..., :cfg.draft_vocab_size]
     if kind == "ties":
         # Integer logits: many equal values, also at the C-th place, on ids of every shard; w2 rows
         # repeat with period 7, so equal scores recur on ids held by different devices.
         lg = np.round(lg * 1.5)
         w2 = np.asarray(params["w2"])
-        params["w2"] = jnp.asarray(w2[np.arange(cfg.vocab_size) % 7])
+        params["w2"] = jnp.asarray(w2[np.arange(w2.shape[0]) % 7])
     elif kind == "nonfinite":
         rng = np.random.default_rng(seed)
         mask = rng.random(lg.shape)
@@ -133,8 +144,18 @@ def _inputs(cfg, kind, dtype, seed=0):
         lg[0, 2] = -np.inf  # a row of all -inf
         lg[1, 3] = np.nan  # a row of all NaN
     logits = jnp.asarray(lg, dtype)
-    params = {k: v.astype(dtype) for k, v in params.items()}
+    params = {k: v if k == "d2t" else v.astype(dtype) for k, v in params.items()}
     return xj.Head(cfg, params), logits, h.astype(dtype), anchors, prev
+
+
+def _mesh(shape, variant):
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+
+    if "make_mesh" in variant:  # Explicit axes by default
+        return jax.make_mesh(shape, ("data", "model"))
+    return Mesh(np.array(jax.devices()).reshape(shape), ("data", "model"))
 
 
 def _check(case):
@@ -146,16 +167,19 @@ def _check(case):
     import xpress_jax as xj
     from xpress_jax.sharded import refine_sharded
 
-    mesh_shape, topc, backend, dtype, kind = case
+    mesh_shape, topc, backend, dtype, kind, *variant = case
+    variant = variant[0] if variant else ""
     cfg = xj.HeadConfig(vocab_size=V, hidden_size=16, block_size=5, rank=24, mlp_hidden=32, topc=topc or 1,
-                        num_passes=3)
+                        num_passes=3, draft_vocab_size=V_DRAFT if "reduced" in variant else None)
     head, logits, h, anchors, prev = _inputs(cfg, kind, jnp.dtype(dtype))
     interpret = backend == "pallas"
     want = np.asarray(xj.refine(head, logits, h, anchors, prev, topc=topc, backend=backend, interpret=interpret))
-    mesh = Mesh(np.array(jax.devices()).reshape(mesh_shape), ("data", "model"))
+    mesh = _mesh(mesh_shape, variant)
     f = jax.jit(lambda *a: refine_sharded(*a, mesh=mesh, topc=topc, backend=backend, interpret=interpret))
     got = np.asarray(f(head, logits, h, anchors, prev))
     start = np.asarray(jnp.argmax(jnp.where(jnp.isnan(logits[:, 1:]), -jnp.inf, logits[:, 1:]), -1))
+    if cfg.reduced:
+        start = start + np.asarray(head.params["d2t"])[start]
     return dict(case=case, kind=kind, differ=int((got != want).sum()), changed=float((want != start).mean()))
 
 
@@ -168,16 +192,17 @@ def _check_sampled(case):
     import xpress_jax as xj
     from xpress_jax.sharded import refine_sharded
 
-    mesh_shape, topc, backend, dtype, kind, temp, proposal = case
+    mesh_shape, topc, backend, dtype, kind, temp, proposal, *variant = case
+    variant = variant[0] if variant else ""
     cfg = xj.HeadConfig(vocab_size=V, hidden_size=16, block_size=5, rank=24, mlp_hidden=32, topc=topc or 1,
-                        num_passes=3)
+                        num_passes=3, draft_vocab_size=V_DRAFT if "reduced" in variant else None)
     head, logits, h, anchors, prev = _inputs(cfg, kind, jnp.dtype(dtype))
     interpret = backend == "pallas"
     key = jax.random.key(11)
     kw = dict(topc=topc, backend=backend, interpret=interpret, proposal=proposal)
     want = xj.refine(head, logits, h, anchors, prev, temperature=temp, key=key, **kw)
     greedy = np.asarray(xj.refine(head, logits, h, anchors, prev, topc=topc, backend=backend, interpret=interpret))
-    mesh = Mesh(np.array(jax.devices()).reshape(mesh_shape), ("data", "model"))
+    mesh = _mesh(mesh_shape, variant)
     # The temperature traced: one executable serves every T.
     f = jax.jit(lambda t, k, *a: refine_sharded(*a, mesh=mesh, temperature=t, key=k, **kw))
     got = f(jnp.float32(temp), key, head, logits, h, anchors, prev)
