@@ -2,6 +2,11 @@
 serving params) and ``xpress/`` (JsonSave: format, version, the `HeadConfig`, dtype, metadata); see
 docs/semantics.md. `load_params` restores the arrays against the abstract target of the stored config and
 dtype, so arrays that disagree with their config are refused. `save_params` is atomic.
+
+A reduced head's ``d2t`` is stored as int32 beside the floating params (all of the stored dtype). The config's
+``draft_vocab_size`` and ``predecessor`` are stored only where they differ from their defaults, and such a
+checkpoint is format version 2; every other is version 1, as before, and a version-1 checkpoint (no such
+fields) loads as a head over the whole vocabulary with ``predecessor="anchor"``.
 """
 
 from __future__ import annotations
@@ -18,13 +23,15 @@ import jax
 import jax.numpy as jnp
 
 from .config import HeadConfig
-from .params import PARAM_NAMES, Head, check_params, param_shapes
+from .params import PARAM_NAMES, VOCAB_MAP, Head, check_params, param_names, param_shapes
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "save_params", "load_params", "read_checkpoint_info", "staged_directory",
            "write_checkpoint", "is_checkpoint", "stored_param_metadata"]
 
 FORMAT = "xpress-jax/refiner-head"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # the newest this version reads and writes; 1 for heads without the version-2 fields
+#: HeadConfig fields added in format version 2, stored only where they differ from these defaults.
+_V2_DEFAULTS = {"draft_vocab_size": None, "predecessor": "anchor"}
 _PARAMS = "params"
 _INFO = "xpress"
 
@@ -72,11 +79,27 @@ def staged_directory(path: str | os.PathLike, *, overwrite: bool = False) -> Ite
         shutil.rmtree(root, ignore_errors=True)
 
 
+def _stored_config(config: HeadConfig) -> tuple[dict, int]:
+    """The config dict to store and the format version it needs (2 only with a version-2 field set)."""
+    stored = dataclasses.asdict(config)
+    if not config.reduced:
+        stored.pop("draft_vocab_size")
+    if config.predecessor == _V2_DEFAULTS["predecessor"]:
+        stored.pop("predecessor")
+    return stored, (2 if set(stored) & set(_V2_DEFAULTS) else 1)
+
+
+def _param_dtype(name: str, stored: Any) -> jnp.dtype:
+    """The dtype param ``name`` is stored in: int32 for ``d2t``, else the checkpoint's float dtype."""
+    return jnp.dtype(jnp.int32) if name == VOCAB_MAP else jnp.dtype(stored)
+
+
 def _info(config: HeadConfig, dtype: Any, metadata: Mapping[str, Any] | None) -> dict:
     from . import __version__
 
-    return {"format": FORMAT, "format_version": FORMAT_VERSION, "config": dataclasses.asdict(config),
-            "hf_config": config.to_hf_config(), "dtype": jnp.dtype(dtype).name, "param_names": list(PARAM_NAMES),
+    stored, version = _stored_config(config)
+    return {"format": FORMAT, "format_version": version, "config": stored, "hf_config": config.to_hf_config(),
+            "dtype": jnp.dtype(dtype).name, "param_names": list(param_names(config)),
             "xpress_jax_version": __version__, "metadata": dict(metadata or {})}
 
 
@@ -89,7 +112,9 @@ def write_checkpoint(path: str | os.PathLike, config: HeadConfig, params: Mappin
     path = Path(path).expanduser().absolute()
     if path.exists():
         raise FileExistsError(f"{path} already exists")
-    arrays = {k: jnp.asarray(params[k]) for k in PARAM_NAMES}
+    arrays = {k: jnp.asarray(params[k]) for k in param_names(config)}
+    if VOCAB_MAP in arrays:
+        arrays[VOCAB_MAP] = arrays[VOCAB_MAP].astype(jnp.int32)
     ocp = _ocp()
     info = _info(config, arrays["w1"].dtype, metadata)
     with _checkpointer() as ckptr:
@@ -147,8 +172,9 @@ def read_checkpoint_info(path: str | os.PathLike) -> tuple[HeadConfig, dict]:
     return config, info
 
 
-def _shardings(sharding: Any) -> dict[str, jax.sharding.Sharding]:
-    """``sharding=`` of `load_params` as one `jax.sharding.Sharding` per param name."""
+def _shardings(sharding: Any, names: tuple[str, ...]) -> dict[str, jax.sharding.Sharding]:
+    """``sharding=`` of `load_params` as one `jax.sharding.Sharding` per param name in ``names``. A dict may name
+    any param a head can hold (``d2t`` too: ignored for a head without one)."""
     def one(s: Any, what: str) -> jax.sharding.Sharding:
         if s is None:
             return jax.sharding.make_single_device_sharding(jax.devices()[0])
@@ -160,12 +186,14 @@ def _shardings(sharding: Any) -> dict[str, jax.sharding.Sharding]:
                         f"dict {{param name: Device | Sharding}}, got {type(s).__name__}")
 
     if isinstance(sharding, Mapping):
-        unknown = sorted(set(sharding) - set(PARAM_NAMES))
+        known = PARAM_NAMES + (VOCAB_MAP,)
+        unknown = sorted(set(sharding) - set(known), key=str)
         if unknown:
-            raise ValueError(f"sharding: unknown param name(s) {unknown}; the params are {list(PARAM_NAMES)}")
-        return {k: one(sharding.get(k), f"sharding[{k!r}]") for k in PARAM_NAMES}
+            raise ValueError(f"sharding: unknown param name(s) {unknown}; the params are {list(known)}")
+        out = {k: one(sharding.get(k), f"sharding[{k!r}]") for k in known}
+        return {k: out[k] for k in names}
     s = one(sharding, "sharding")
-    return {k: s for k in PARAM_NAMES}
+    return {k: s for k in names}
 
 
 def load_params(path: str | os.PathLike, dtype: Any = None, sharding: Any = None) -> Head:
@@ -174,21 +202,23 @@ def load_params(path: str | os.PathLike, dtype: Any = None, sharding: Any = None
     The params are restored straight onto the devices ``sharding`` names: ``None`` (the default device),
     a ``jax.Device``, a ``jax.sharding.Sharding`` for every param (e.g. a ``NamedSharding``;
     ``PartitionSpec()`` replicates), or a dict ``{param name: Device | Sharding}`` (names left out: the
-    default device). ``dtype`` casts them afterwards.
+    default device; ``d2t`` may be named, and is ignored for a head without one). ``dtype`` casts the
+    floating params afterwards (a reduced head's ``d2t`` stays int32).
     """
-    shardings = _shardings(sharding)
+    _shardings(sharding, ())  # argument errors before any file is read
     config, info = read_checkpoint_info(path)
+    shardings = _shardings(sharding, param_names(config))
     path = Path(path).expanduser().absolute()
     stored = jnp.dtype(info["dtype"])
-    abstract = {name: jax.ShapeDtypeStruct(shape, stored, sharding=shardings[name])
+    abstract = {name: jax.ShapeDtypeStruct(shape, _param_dtype(name, stored), sharding=shardings[name])
                 for name, shape in param_shapes(config).items()}
     # Compare the abstract target with Orbax's metadata first: a clear message, and no failed restore.
     try:
         on_disk = stored_param_metadata(path)
     except Exception as e:
         raise ValueError(f"{path}: cannot read the params' metadata: {e}") from e
-    bad = [f"{k}: stored {' '.join(map(str, on_disk.get(k, ('nothing', ''))))}, expected {a.shape} {stored.name}"
-           for k, a in abstract.items() if on_disk.get(k) != (tuple(a.shape), stored.name)]
+    bad = [f"{k}: stored {' '.join(map(str, on_disk.get(k, ('nothing', ''))))}, expected {a.shape} {a.dtype.name}"
+           for k, a in abstract.items() if on_disk.get(k) != (tuple(a.shape), a.dtype.name)]
     if bad:
         raise ValueError(f"{path}: cannot restore the params against the stored config {config}: " + "; ".join(bad))
     ocp = _ocp()
@@ -197,7 +227,7 @@ def load_params(path: str | os.PathLike, dtype: Any = None, sharding: Any = None
             restored = ckptr.restore(path, args=ocp.args.Composite(**{_PARAMS: ocp.args.StandardRestore(abstract)}))
     except Exception as e:
         raise ValueError(f"{path}: cannot restore the params: {e}") from e
-    head = Head(config, {k: restored[_PARAMS][k] for k in PARAM_NAMES})
+    head = Head(config, {k: restored[_PARAMS][k] for k in param_names(config)})
     if dtype is not None and not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
         raise TypeError(f"dtype must be a floating dtype, got {jnp.dtype(dtype)}")
     return head if dtype is None else head.astype(dtype)
