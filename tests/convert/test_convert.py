@@ -277,6 +277,49 @@ def test_single_file_sized_by_its_tensors(tmp_path, raw):
     refuse(f, tmp_path / "out2", r"mix.L: \(16, 8, 8\), expected \(16, 4, 4\)", overrides={"block_size": 4})
 
 
+def test_values_no_config_sets_are_named_as_defaults(tmp_path, raw, capsys):
+    # A lone file without config.json: the serving values are defaults, and the summary says so, with the flags.
+    f = tmp_path / "head.safetensors"
+    save_file(raw, f)
+    assert main([str(f), str(tmp_path / "out"), "-q"]) == 0
+    out = capsys.readouterr().out
+    for needle in (f"topc={V} (512 clamped to V={V}; --topc N sets it)",
+                   "num_passes=6 (Jacobi passes K; --num-passes N sets it)",
+                   "max_num_reqs=256 (the largest N per call; --max-num-reqs N sets it): DEFAULTS (no config.json)"):
+        assert needle in out, (needle, out)
+    # A config.json without them: the same, naming the config; a flag takes its value out of the list.
+    src = write_folder(tmp_path / "src", prefixed(raw), config={k: v for k, v in hf_config().items()
+                                                                if k not in ("xpress_num_passes", "max_num_seqs")})
+    report = convert_checkpoint(src, tmp_path / "out2", overrides={"max_num_reqs": 16})
+    assert report.defaults == ["num_passes=6 (Jacobi passes K; --num-passes N sets it): DEFAULTS (no config field "
+                               "or flag sets them)"]
+    assert not convert_checkpoint(src, tmp_path / "out3", overrides={"max_num_reqs": 16, "num_passes": 2}).defaults
+
+
+@pytest.mark.skipif(not HAS_TORCH, reason="needs torch: a .pt source")
+def test_pt_with_its_tensors_one_level_down(tmp_path, raw, capsys):
+    import torch
+
+    from xpress_jax.convert.torch_reference import to_torch
+
+    sd = {k: to_torch(v) for k, v in prefixed(raw).items()}
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "config.json").write_text(json.dumps(hf_config()))
+    torch.save({"model": sd, "epoch": 3}, tmp_path / "src" / "ckpt.pt")
+    report = convert_checkpoint(tmp_path / "src", tmp_path / "out")
+    assert "tensors one level down under 'model'" in report.source and report.prefixes == ["xpress_head."]
+    assert any("under the entry 'model'" in w and "epoch" in w for w in report.warnings)
+    assert report.config == CFG
+    # Two entries holding a head: refused, each named with the --prefix that picks it.
+    torch.save({"model": sd, "ema": sd}, tmp_path / "src" / "ckpt.pt")
+    msg = refuse(tmp_path / "src", tmp_path / "out2", "several entries hold an XPress head")
+    assert "'model' (--prefix 'model.xpress_head.')" in msg and "'ema' (--prefix 'ema.xpress_head.')" in msg
+    assert convert_checkpoint(tmp_path / "src", tmp_path / "out2", prefix="ema.xpress_head.").config == CFG
+    # One entry holding the head, another holding other tensors: the head's entry is used.
+    torch.save({"model": sd, "optim_buffers": {"x": torch.zeros(3)}}, tmp_path / "src" / "ckpt.pt")
+    assert convert_checkpoint(tmp_path / "src", tmp_path / "out3").prefixes == ["model.xpress_head."]
+
+
 def test_mixed_dtypes_keep_is_lossless(tmp_path, raw):
     tensors = {k: (v.astype(ml_dtypes.bfloat16) if k != "mix.L" else v) for k, v in raw.items()}
     src = write_folder(tmp_path / "src", prefixed(tensors), config=hf_config())

@@ -26,8 +26,8 @@ _SIZE_FLAGS = (
     ("--block-size", "block_size", "B (config.json: xpress_block_size, else num_speculative_steps + 1)"),
     ("--rank", "rank", "r (xpress_rank)"),
     ("--mlp-hidden", "mlp_hidden", "M (xpress_mlp_hidden)"),
-    ("--topc", "topc", "C (xpress_topc; 0 = full vocabulary)"),
-    ("--num-passes", "num_passes", "K (xpress_num_passes)"),
+    ("--topc", "topc", "C (xpress_topc; 0 = full vocabulary; a speculators model: 0 unless given)"),
+    ("--num-passes", "num_passes", "K (xpress_num_passes; speculators: num_jacobi_passes)"),
     ("--max-num-reqs", "max_num_reqs", "largest N per call (vLLM: max_num_seqs)"),
 )
 
@@ -35,8 +35,9 @@ _SIZE_FLAGS = (
 def _convert_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="xpress-convert",
-        description="Convert the XPress refiner head of a PyTorch checkpoint (the files vLLM loads, or the xPress "
-        "release's training checkpoint) into an Orbax checkpoint that xpress_jax.load_params(DST) restores.",
+        description="Convert the XPress refiner head of a PyTorch checkpoint (the files vLLM loads, the xPress "
+        "release's training checkpoint, or an XPress model saved by vLLM's speculators library) into an Orbax "
+        "checkpoint that xpress_jax.load_params(DST) restores.",
         epilog="Also: `xpress-convert inspect PATH [--json]` shows what a source or converted checkpoint holds. "
         "Exit codes: 0 ok, 1 --verify mismatch, 2 bad input/usage, 3 internal error.",
     )
@@ -49,7 +50,8 @@ def _convert_parser() -> argparse.ArgumentParser:
                    help="config.json to size the head (default: SRC's config.json, else the tensor shapes)")
     p.add_argument("--mixer", choices=MIXER_MODES, default="auto",
                    help="mix.L in the source: raw (fold it once), folded (store as is); auto refuses a folded one")
-    p.add_argument("--prefix", help="key prefix of the head (default: xpress_head. or model.xpress_head.; '' = bare)")
+    p.add_argument("--prefix", help="key prefix of the head (default: xpress_head. or model.xpress_head.; a "
+                   "speculators model: refiner_head. or model.refiner_head.; '' = bare names)")
     for flag, dest, what in _SIZE_FLAGS:
         p.add_argument(flag, dest=dest, type=int, metavar="N", help=f"override {what}")
     p.add_argument("--verify-n", type=int, default=4, metavar="N", help="blocks per verify call (default 4)")

@@ -1,4 +1,5 @@
-"""`convert_checkpoint`: a PyTorch XPress checkpoint -> an Orbax head checkpoint.
+"""`convert_checkpoint`: a PyTorch XPress checkpoint (vLLM's layout, the xPress release's, or a model saved by
+vLLM's ``speculators`` library) -> an Orbax head checkpoint.
 
 Bad input is refused with a `ConversionError` naming the problem before anything is written. The
 checkpoint is written into a temporary folder beside the destination, verified there on request,
@@ -21,13 +22,15 @@ import numpy as np
 
 from xpress_jax.checkpoint import is_checkpoint, staged_directory, write_checkpoint
 from xpress_jax.config import HeadConfig
-from xpress_jax.params import HYBRID_KEY_MAP, params_from_state_dict, source_shapes
+from xpress_jax.params import HYBRID_KEY_MAP, VOCAB_MAP, check_vocab_map, params_from_state_dict, source_shapes
 
 from .errors import ConversionError, VerificationError
-from .sources import RELEASE, HeadSelection, Source, TensorRef, open_source, read_config_json, select_head
+from .sources import (RELEASE, SPECULATORS, HeadSelection, Source, TensorRef, open_source, read_config_json,
+                      select_in)
+from .speculators_format import is_speculators_config, speculators_hf_config
 
-__all__ = ["DTYPES", "MIXER_MODES", "RELEASE_VARIANT", "ConvertReport", "convert_checkpoint", "mixer_looks_folded",
-           "resolve_config"]
+__all__ = ["DTYPES", "MIXER_MODES", "RELEASE_VARIANT", "ConvertReport", "ResolvedConfig", "convert_checkpoint",
+           "mixer_looks_folded", "resolve", "resolve_config"]
 
 DTYPES = ("keep", "bfloat16", "float32")
 MIXER_MODES = ("auto", "raw", "folded")
@@ -51,13 +54,34 @@ def human_bytes(n: float) -> str:
 
 def config_line(c: HeadConfig) -> str:
     return (f"V={c.vocab_size} H={c.hidden_size} B={c.block_size} r={c.rank} M={c.mlp_hidden} "
-            f"topc={c.topc} K={c.num_passes} max_num_reqs={c.max_num_reqs}")
+            f"topc={c.topc} K={c.num_passes} max_num_reqs={c.max_num_reqs}"
+            + (f" V_draft={c.draft_vocab_size}" if c.reduced else "")
+            + (f" predecessor={c.predecessor}" if c.predecessor != "anchor" else ""))
 
 
 def source_line(source: Source) -> str:
-    if source.kind != RELEASE:
-        return source.kind
-    return f"xPress release training checkpoint (global_step {source.step})"
+    if source.kind == RELEASE:
+        return f"xPress release training checkpoint (global_step {source.step})"
+    line = source.kind
+    if source.model_type is not None:
+        version = (source.config or {}).get("speculators_version")
+        line = (f"speculators {source.model_type} model" + (f" (speculators {version})" if version else "")
+                + f", {source.kind}")
+    if source.entries:
+        line += ", tensors one level down under " + " and ".join(repr(e) for e in source.entries)
+    return line
+
+
+def _wrap(label: str, items: list[str], width: int = 116) -> list[str]:
+    """``  label: a, b, c`` over as many lines as ``width`` needs."""
+    lines, cur = [], f"  {label}: "
+    for i, item in enumerate(items):
+        piece = item + ("," if i < len(items) - 1 else "")
+        if len(cur) + len(piece) > width and cur.strip() != f"{label}:":
+            lines.append(cur.rstrip())
+            cur = " " * (len(label) + 4)
+        cur += piece + " "
+    return lines + [cur.rstrip()]
 
 
 @dataclasses.dataclass
@@ -81,6 +105,9 @@ class ConvertReport:
     seconds: dict[str, float]
     warnings: list[str]
     verify: Any = None  # verify.VerifyResult
+    defaults: list[str] = dataclasses.field(default_factory=list)  # values no config field nor flag set
+    fields: list[str] = dataclasses.field(default_factory=list)  # speculators: the config fields read
+    vocab_map: str = ""  # a reduced head: where d2t (and t2d) came from
 
     def lines(self) -> list[str]:
         prefixes = ", ".join(repr(p) for p in self.prefixes) or "(bare names)"
@@ -88,8 +115,11 @@ class ConvertReport:
             f"converted {self.src} -> {self.dst}",
             f"  source : {self.source}, {len(self.files)} file(s); config from {self.config_from}",
             f"  config : {config_line(self.config)}",
+            *(_wrap("fields ", self.fields) if self.fields else []),
+            *(_wrap("default", self.defaults) if self.defaults else []),
             f"  head   : {self.tensors_read} tensors under {prefixes}, {human_bytes(self.bytes_read)} read, "
             f"{'/'.join(self.source_dtypes)}; mixer {self.mixer}",
+            *([f"  vocab  : {self.vocab_map}"] if self.vocab_map else []),
             f"  ignored: {self.backbone_count} backbone tensor(s), {human_bytes(self.backbone_bytes)} (not read)",
             f"  wrote  : {self.params_written} params, {self.dtype}, {human_bytes(self.bytes_written)} on disk",
             "  time   : " + ", ".join(f"{k} {v:.2f} s" for k, v in self.seconds.items()),
@@ -116,16 +146,23 @@ def mixer_looks_folded(mix_L: np.ndarray) -> bool:
     return _upper_is_zero(L) and bool(np.median(np.diagonal(L, axis1=-2, axis2=-1)) > 0.5)
 
 
-def _sizes_from_tensors(head: Mapping[str, TensorRef]) -> dict[str, int]:
-    """V, H, B, r and M (config.json names) read from the shapes of w1, down_h, mix.L and mlp.gate_proj."""
+def _sizes_from_tensors(head: Mapping[str, TensorRef], layout: str | None = None) -> dict[str, Any]:
+    """V, H, B, r, M and V_draft (config.json names) read from the shapes of w1, down_h, mix.L, mlp.gate_proj
+    and w2; the speculators layout's heads read the real previous token (``xpress_predecessor``)."""
     try:
         (V, r), (_, H), M = head["w1.weight"].shape, head["down_h.weight"].shape, head["mlp.gate_proj.weight"].shape[0]
         B = head["mix.L"].shape[-1]
+        Vd = head["w2.weight"].shape[0] if "w2.weight" in head else V
     except (KeyError, ValueError, IndexError):
         shapes = {n: tuple(ref.shape) for n, ref in head.items()}
         raise ConversionError(f"no config.json, and the head tensors' shapes do not give the sizes ({shapes}): pass "
                               "--config PATH (a config.json with vocab_size, hidden_size, xpress_rank, ...)") from None
-    return {"vocab_size": V, "hidden_size": H, "xpress_block_size": B, "xpress_rank": r, "xpress_mlp_hidden": M}
+    out = {"vocab_size": V, "hidden_size": H, "xpress_block_size": B, "xpress_rank": r, "xpress_mlp_hidden": M}
+    if Vd != V:
+        out["draft_vocab_size"] = Vd
+    if layout == SPECULATORS:  # as a speculators config.json would give them
+        out["xpress_predecessor"], out["xpress_topc"] = "previous", 0
+    return out
 
 
 def _check_release_args(source: Source, head: Mapping[str, TensorRef]) -> None:
@@ -149,28 +186,82 @@ def _check_release_args(source: Source, head: Mapping[str, TensorRef]) -> None:
         )
 
 
-def resolve_config(config: HeadConfig | Mapping[str, Any] | str | os.PathLike | None, source: Source | None,
-                   overrides: Mapping[str, Any] | None = None,
-                   head: Mapping[str, TensorRef] | None = None) -> tuple[HeadConfig, str]:
-    """The `HeadConfig` to convert with and where it came from.
+@dataclasses.dataclass
+class ResolvedConfig:
+    """The `HeadConfig` to convert with, where it came from, the serving values no config field or flag set
+    (``defaults``: one phrase each, the flags to set them last) and, for a speculators model, the fields read."""
 
-    ``config`` (a HeadConfig, a parsed config.json or its path), else the source's config.json, else
-    the sizes of the ``head`` tensors; ``overrides`` (HeadConfig fields) win. A release training
-    checkpoint's ``args`` are checked against the tensors first.
-    """
+    config: HeadConfig
+    where: str
+    defaults: list[str] = dataclasses.field(default_factory=list)
+    fields: list[str] = dataclasses.field(default_factory=list)
+
+
+def _given_config(config: HeadConfig | Mapping[str, Any] | str | os.PathLike | None,
+                  source: Source | None) -> tuple[HeadConfig | dict | None, str]:
+    """The config to size the head with: ``config`` (a HeadConfig, a dict, a config.json path), else the source's
+    config.json, else None; and where it came from."""
+    if isinstance(config, HeadConfig):
+        return config, "the given HeadConfig"
+    if isinstance(config, Mapping):
+        return dict(config), "the given config dict"
+    if config is not None:
+        return read_config_json(config), str(config)
+    if source is not None and source.config is not None:
+        return source.config, str(source.config_path)
+    return None, "the tensor shapes"
+
+
+#: The serving values a config may leave out (HeadConfig field, config.json name, flag, what it is).
+_SERVING = (("topc", "xpress_topc", "--topc N", "candidates per slot, 0 = full vocabulary"),
+            ("num_passes", "xpress_num_passes", "--num-passes N", "Jacobi passes K"),
+            ("max_num_reqs", "max_num_seqs", "--max-num-reqs N", "the largest N per call"))
+
+
+def _defaults(hf: Mapping[str, Any], overrides: Mapping[str, Any], cfg: HeadConfig, speculators: bool,
+              where: str) -> list[str]:
+    """One phrase per serving value that neither the config nor a flag set (its value, why, the flag that sets it),
+    the last one saying that they are defaults."""
+    out = []
+    for field, key, flag, what in _SERVING:
+        if field in overrides or (key in hf and not (speculators and field == "topc")):
+            continue
+        value = getattr(cfg, field)
+        if field == "topc" and speculators:
+            what = "speculators scores the full draft vocabulary"
+        elif field == "topc" and value != 512:
+            what = f"512 clamped to {'V_draft' if cfg.reduced else 'V'}={cfg.draft_vocab_size}"
+        out.append(f"{field}={value} ({what}; {flag} sets it)")
+    if out:
+        out[-1] += (": DEFAULTS (no config.json)" if where.startswith("the tensor shapes")
+                    else ": DEFAULTS (no config field or flag sets them)")
+    return out
+
+
+def resolve(config: HeadConfig | Mapping[str, Any] | str | os.PathLike | None, source: Source | None,
+            overrides: Mapping[str, Any] | None = None, head: Mapping[str, TensorRef] | None = None,
+            layout: str | None = None) -> ResolvedConfig:
+    """`resolve_config` with the defaults it took and, for a speculators model, the fields it read."""
     overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
     if source is not None and source.kind == RELEASE:
         _check_release_args(source, head or {})
-    if isinstance(config, HeadConfig):
-        return dataclasses.replace(config, **overrides), "the given HeadConfig"
-    if isinstance(config, Mapping):
-        hf, where = dict(config), "the given config dict"
-    elif config is not None:
-        hf, where = read_config_json(config), str(config)
-    elif source is not None and source.config is not None:
-        hf, where = source.config, str(source.config_path)
+    given, where = _given_config(config, source)
+    if isinstance(given, HeadConfig):
+        try:
+            return ResolvedConfig(dataclasses.replace(given, **overrides), where + (" + flags" if overrides else ""))
+        except (TypeError, ValueError) as e:
+            raise ConversionError(f"invalid head config from {where} + flags: {e}") from None
+    fields: list[str] = []
+    speculators = is_speculators_config(given)
+    if speculators:
+        hf, fields = speculators_hf_config(given, where)
+    elif given is not None:
+        hf = given
     else:
-        hf, where = _sizes_from_tensors(head or {}), "the tensor shapes"
+        hf = _sizes_from_tensors(head or {}, layout)
+        if layout == SPECULATORS:
+            speculators = True
+            fields = ["predecessor='previous' (the speculators layout's: slot 0 reads the real previous token)"]
     if "xpress_candidate_topc" in hf:  # the name some of the release's config.json files use
         hf, c = dict(hf), hf["xpress_candidate_topc"]
         if hf.setdefault("xpress_topc", c) != c:
@@ -178,9 +269,24 @@ def resolve_config(config: HeadConfig | Mapping[str, Any] | str | os.PathLike | 
                                   "disagree; keep one of them")
     where += " + flags" if overrides else ""
     try:
-        return HeadConfig.from_hf_config(hf, **overrides), where
+        cfg = HeadConfig.from_hf_config(hf, **overrides)
     except (TypeError, ValueError) as e:
         raise ConversionError(f"invalid head config from {where}: {e}") from None
+    return ResolvedConfig(cfg, where, _defaults(hf, overrides, cfg, speculators, where), fields)
+
+
+def resolve_config(config: HeadConfig | Mapping[str, Any] | str | os.PathLike | None, source: Source | None,
+                   overrides: Mapping[str, Any] | None = None,
+                   head: Mapping[str, TensorRef] | None = None, layout: str | None = None) -> tuple[HeadConfig, str]:
+    """The `HeadConfig` to convert with and where it came from.
+
+    ``config`` (a HeadConfig, a parsed config.json or its path), else the source's config.json, else
+    the sizes of the ``head`` tensors; ``overrides`` (HeadConfig fields) win. A release training
+    checkpoint's ``args`` are checked against the tensors first. A speculators XPress config
+    (``speculators_model_type: "xpress"``) is read through `speculators_format.speculators_hf_config`.
+    """
+    r = resolve(config, source, overrides, head, layout)
+    return r.config, r.where
 
 
 def _check_paths(src: Path, dst: Path, force: bool) -> None:
@@ -212,7 +318,7 @@ def _pick_dtype(dtype: str, source_dtypes: set[str], warn: Callable[[str], None]
 
 
 def _check_head(sel: HeadSelection, config: HeadConfig) -> None:
-    want = source_shapes(config)
+    want = {k: v for k, v in source_shapes(config).items() if k != VOCAB_MAP}
     bad = [f"{sel.source_keys[n]}: {tuple(r.shape)}, expected {want[n]}" for n, r in sel.head.items()
            if tuple(r.shape) != want[n]]
     if bad:
@@ -220,6 +326,37 @@ def _check_head(sel: HeadSelection, config: HeadConfig) -> None:
     nonfloat = [f"{sel.source_keys[n]}: {r.dtype}" for n, r in sel.head.items() if r.dtype not in _FLOATS]
     if nonfloat:
         raise ConversionError("head tensors must be float16/bfloat16/float32/float64: " + "; ".join(nonfloat))
+
+
+_INTS = {"int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"}
+
+
+def _vocab_map_refs(sel: HeadSelection, config: HeadConfig, warn: Callable[[str], None]) -> dict[str, TensorRef]:
+    """A reduced head's ``d2t`` (required) and ``t2d`` (optional) refs, their shapes and dtypes checked; ``{}`` for
+    a head over the whole vocabulary (maps found under the head's prefix are then ignored, with a warning)."""
+    V, Vd = config.vocab_size, config.draft_vocab_size
+    if not config.reduced:
+        inside = [k for k in sel.vocab_map_keys.values() if k not in sel.backbone]
+        if inside:
+            warn(f"ignored {', '.join(inside)}: the head scores the whole vocabulary (draft_vocab_size = vocab_size "
+                 f"= {V}), so it needs no vocabulary map")
+        return {}
+    if "d2t" not in sel.vocab_map:
+        pre = sel.prefixes[0] if sel.prefixes else ""
+        looked = sorted({pre + "d2t", "d2t"})
+        raise ConversionError(f"the head scores a reduced draft vocabulary (draft_vocab_size={Vd} < vocab_size={V}), "
+                              f"so it needs the draft-to-verifier map d2t [{Vd}] (verifier id = draft id + "
+                              f"d2t[draft id]); the source has none (looked for {looked})")
+    d2t, t2d = sel.vocab_map["d2t"], sel.vocab_map.get("t2d")
+    bad = []
+    if tuple(d2t.shape) != (Vd,) or d2t.dtype not in _INTS:
+        bad.append(f"{d2t.key}: {d2t.dtype}{tuple(d2t.shape)}, expected integer ids of shape ({Vd},) "
+                   "(draft_vocab_size)")
+    if t2d is not None and (tuple(t2d.shape) != (V,) or t2d.dtype not in _INTS | {"bool"}):
+        bad.append(f"{t2d.key}: {t2d.dtype}{tuple(t2d.shape)}, expected a bool mask of shape ({V},) (vocab_size)")
+    if bad:
+        raise ConversionError("bad vocabulary map: " + "; ".join(bad))
+    return dict(sel.vocab_map)
 
 
 def _dir_bytes(path: Path) -> int:
@@ -270,11 +407,18 @@ def convert_checkpoint(
     source = open_source(src_p)
     for note in source.notes:
         warn(note)
-    sel = select_head(source.tensors, prefix=prefix)
+    given, where = _given_config(config, source)
+    layout = None
+    if is_speculators_config(given):  # its model type and layout are checked before the tensors
+        speculators_hf_config(given, where)
+        layout = SPECULATORS
+    sel = select_in(source, prefix=prefix, layout=layout)
     if sel.problems:  # before the config: a missing head is the clearer message
         raise ConversionError(f"{src_p}: " + "; ".join(sel.problems))
-    cfg, cfg_from = resolve_config(config, source, overrides, sel.head)
+    resolved = resolve(config, source, overrides, sel.head, sel.layout)
+    cfg, cfg_from = resolved.config, resolved.where
     _check_head(sel, cfg)
+    map_refs = _vocab_map_refs(sel, cfg, warn)
 
     total, tensors = sum(ref.nbytes for ref in sel.head.values()), {}
     for name in HYBRID_KEY_MAP:  # with a progress bar on a terminal
@@ -289,6 +433,17 @@ def convert_checkpoint(
     if nonfinite:
         raise ConversionError("non-finite values (NaN or inf) in head tensor(s): " + ", ".join(nonfinite))
 
+    vocab_map, vocab_desc = {}, ""
+    if map_refs:
+        vocab_map = {n: ref.load() for n, ref in map_refs.items()}
+        try:
+            check_vocab_map(vocab_map["d2t"], cfg.vocab_size, vocab_map.get("t2d"))
+        except ValueError as e:
+            keys = " and ".join(ref.key for ref in map_refs.values())
+            raise ConversionError(f"bad vocabulary map ({keys}): {e}") from None
+        vocab_desc = (f"{cfg.draft_vocab_size} draft ids -> verifier ids by {map_refs['d2t'].key} "
+                      f"({map_refs['d2t'].dtype}, stored as int32 d2t)"
+                      + (f", checked against {map_refs['t2d'].key}" if "t2d" in map_refs else ", no t2d to check"))
     raw, key_L = tensors["mix.L"], sel.source_keys["mix.L"]
     looks_folded = mixer_looks_folded(raw)
     if mixer == "auto" and looks_folded:
@@ -313,14 +468,17 @@ def convert_checkpoint(
     mixer_desc = {"auto": "raw (folded once)", "raw": "raw (folded once, as asked)",
                   "folded": "already folded (stored as is)"}[mixer]
     target = _pick_dtype(dtype, source_dtypes, warn)
+    tensors.update(vocab_map)
     try:
         params = params_from_state_dict(tensors, cfg, dtype=target)
     except (TypeError, ValueError) as e:
         raise ConversionError(str(e)) from None
+    source_keys = {**sel.source_keys, **{n: ref.key for n, ref in map_refs.items()}}
+    backbone = [k for k in sel.backbone if k not in source_keys.values()]
     metadata = dict(
-        source=str(src_p), source_kind=source_line(source), source_keys=sel.source_keys,
+        source=str(src_p), source_kind=source_line(source), source_keys=source_keys,
         source_files=[str(p.relative_to(src_p)) if src_p.is_dir() else p.name for p in source.files],
-        source_dtypes=sorted(source_dtypes), backbone_tensors_ignored=len(sel.backbone), mixer=mixer_desc,
+        source_dtypes=sorted(source_dtypes), backbone_tensors_ignored=len(backbone), mixer=mixer_desc,
         config_from=cfg_from, converted_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     )
 
@@ -344,8 +502,10 @@ def convert_checkpoint(
     seconds["total"] = time.perf_counter() - t0
     return ConvertReport(
         src=src_p, dst=dst_p, source=source_line(source), files=list(source.files), config=cfg, config_from=cfg_from,
-        prefixes=sel.prefixes, backbone_count=len(sel.backbone), backbone_bytes=sel.backbone_bytes,
+        prefixes=sel.prefixes, backbone_count=len(backbone),
+        backbone_bytes=sel.backbone_bytes - sum(ref.nbytes for ref in map_refs.values() if ref.key in sel.backbone),
         source_dtypes=sorted(source_dtypes), dtype=jnp.dtype(target).name, mixer=mixer_desc,
-        tensors_read=len(tensors), bytes_read=total, params_written=len(params), bytes_written=bytes_written,
-        seconds=seconds, warnings=warnings, verify=verify_result,
+        tensors_read=len(sel.head), bytes_read=total, params_written=len(params), bytes_written=bytes_written,
+        seconds=seconds, warnings=warnings, verify=verify_result, defaults=resolved.defaults, fields=resolved.fields,
+        vocab_map=vocab_desc,
     )

@@ -4,7 +4,12 @@ A folder: a ``*.safetensors.index.json`` (its files must lie inside the folder),
 else ``pytorch_model.bin[.index.json]`` / ``*.bin`` / ``*.pt`` / ``*.pth``; or one file. PyTorch
 pickles are opened only with ``torch.load(weights_only=True)`` (nothing in them is executed); the
 xPress release's training checkpoint (``refiner_state_dict``, ``args``, ``global_step``) with
-`argparse.Namespace` as the one extra allowed global.
+`argparse.Namespace` as the one extra allowed global. A pickle whose tensors sit one level down
+(``{"model": state_dict}``, ``{"state_dict": ...}``) is read from there.
+
+Two layouts of the head's names: vLLM's (`HYBRID_KEY_MAP`, under ``xpress_head.``) and the
+``speculators`` library's (`SPECULATORS_KEY_MAP`, under ``refiner_head.``; a reduced draft vocabulary's
+``d2t``/``t2d`` beside it, at the top level).
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ from xpress_jax.params import HYBRID_KEY_MAP, _to_numpy
 from .errors import ConversionError
 from .safetensors_io import SAFETENSORS_DTYPES, SafetensorsFile
 
-__all__ = ["HEAD_PREFIXES", "HeadSelection", "Source", "TensorRef", "open_source", "select_head"]
+__all__ = ["HEAD_PREFIXES", "SPECULATORS", "SPECULATORS_KEY_MAP", "SPECULATORS_PREFIXES", "VLLM", "VOCAB_MAP_KEYS",
+           "HeadSelection", "Source", "TensorRef", "open_source", "select_head", "select_in"]
 
 #: Prefixes under which vLLM finds the head in a drafter checkpoint, tried in this order.
 HEAD_PREFIXES = ("xpress_head.", "model.xpress_head.")
@@ -38,6 +44,26 @@ TORCH_SUFFIXES = (".bin", ".pt", ".pth")
 _NOT_WEIGHTS = {"training_args.bin", "optimizer.pt", "scheduler.pt", "scaler.pt", "trainer_state.pt"}
 #: The xPress release's training checkpoint (its ``torch.save`` of the refiner).
 RELEASE = "xpress-release"
+#: The two layouts of the head's tensor names.
+VLLM, SPECULATORS = "vllm", "speculators"
+#: Prefixes under which vLLM's ``speculators`` library keeps the head of an XPress model.
+SPECULATORS_PREFIXES = ("refiner_head.", "model.refiner_head.")
+#: ``speculators``' `XPressRefinerHead` attribute -> the HYBRID_KEY_MAP name (same layouts; ``mix_l`` is raw).
+SPECULATORS_KEY_MAP = {
+    "token_embed.weight": "w1.weight",
+    "down_h.weight": "down_h.weight",
+    "down_g.weight": "down_g.weight",
+    "in_proj.weight": "in_proj.weight",
+    "mix_l": "mix.L",
+    "mlp_gate.weight": "mlp.gate_proj.weight",
+    "mlp_up.weight": "mlp.up_proj.weight",
+    "mlp_down.weight": "mlp.down_proj.weight",
+    "readout.weight": "w2.weight",
+}
+#: A reduced draft vocabulary's maps: ``d2t`` [V_draft] (verifier id = draft id + d2t[id]), ``t2d`` [V] bool.
+VOCAB_MAP_KEYS = ("d2t", "t2d")
+_LAYOUTS = {VLLM: ({n: n for n in HYBRID_KEY_MAP}, HEAD_PREFIXES), SPECULATORS: (SPECULATORS_KEY_MAP,
+                                                                              SPECULATORS_PREFIXES)}
 
 
 @dataclass
@@ -65,6 +91,15 @@ class Source:
     notes: list[str] = field(default_factory=list)
     args: dict | None = None  # RELEASE: the training run's argparse options
     step: Any = None  # RELEASE: global_step
+    # A pickle whose top level holds no tensors: the entries one level down that do (name -> tensor count). With
+    # one entry its keys are used as they are; with several, as "entry.key".
+    entries: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def model_type(self) -> str | None:
+        """config.json's ``speculators_model_type`` (a model saved by vLLM's speculators library), else None."""
+        t = (self.config or {}).get("speculators_model_type")
+        return None if t is None else str(t)
 
 
 @dataclass
@@ -77,6 +112,17 @@ class HeadSelection:
     backbone: list[str]
     backbone_bytes: int
     problems: list[str]  # empty when the head can be converted
+    layout: str = VLLM  # VLLM or SPECULATORS: the names the head was found under
+    vocab_map: dict[str, TensorRef] = field(default_factory=dict)  # "d2t"/"t2d" found beside the head
+    vocab_map_keys: dict[str, str] = field(default_factory=dict)  # "d2t"/"t2d" -> full source key
+
+    def source_name(self, name: str) -> str:
+        """The source key of head tensor ``name`` (a HYBRID_KEY_MAP name), found or as it would be named."""
+        if name in self.source_keys:
+            return self.source_keys[name]
+        names, prefixes = _LAYOUTS[self.layout]
+        inverse = {v: k for k, v in names.items()}
+        return (self.prefixes or [prefixes[0]])[0] + inverse.get(name, name)
 
 
 def read_config_json(path: str | os.PathLike) -> dict:
@@ -163,10 +209,10 @@ def _add_torch(source: Source, path: Path) -> None:
         if rest:
             source.notes.append(f"{path.name}: ignored entries {', '.join(rest[:5])}")
         obj = obj["refiner_state_dict"]
-    elif isinstance(obj, Mapping) and isinstance(obj.get("state_dict"), Mapping):
-        obj = obj["state_dict"]
     if not isinstance(obj, Mapping):
         raise ConversionError(f"{path}: expected a state dict (name -> tensor), got {type(obj).__name__}")
+    if source.kind != RELEASE and not any(isinstance(t, torch.Tensor) for t in obj.values()):
+        obj = _one_level_down(source, path, obj, torch.Tensor)
     skipped = [str(k) for k, t in obj.items() if not isinstance(t, torch.Tensor)]
     for key, t in obj.items():
         if isinstance(t, torch.Tensor):
@@ -175,6 +221,27 @@ def _add_torch(source: Source, path: Path) -> None:
     if skipped:
         source.notes.append(f"{path.name}: ignored {len(skipped)} non-tensor entries ({', '.join(skipped[:5])})")
     source.files.append(path)
+
+
+def _one_level_down(source: Source, path: Path, obj: Mapping, tensor_type: type) -> Mapping:
+    """The tensors of a pickle whose top level holds none (``{"model": state_dict, "epoch": 3}``): one entry
+    holding tensors is read as the state dict; several are read side by side as ``"entry.key"`` (`select_head`
+    then picks the one holding the head, or asks for ``--prefix``). Anything else is left as it is."""
+    found = {str(k): v for k, v in obj.items() if isinstance(v, Mapping)
+             and any(isinstance(t, tensor_type) for t in v.values())}
+    if not found:
+        return obj
+    source.entries = {k: sum(isinstance(t, tensor_type) for t in v.values()) for k, v in found.items()}
+    rest = [str(k) for k in obj if str(k) not in found]
+    where = ", ".join(f"{k!r} ({n} tensors)" for k, n in source.entries.items())
+    if len(found) == 1:
+        (name, inner), = found.items()
+        source.notes.append(f"{path.name}: no tensors at its top level; read the state dict one level down, under "
+                            f"the entry {name!r}" + (f" (ignored: {', '.join(rest[:5])})" if rest else ""))
+        return inner
+    source.notes.append(f"{path.name}: no tensors at its top level; read the entries one level down side by side, "
+                        f"as 'entry.key': {where}" + (f" (ignored: {', '.join(rest[:5])})" if rest else ""))
+    return {f"{name}.{k}": t for name, inner in found.items() for k, t in inner.items()}
 
 
 def _add_file(source: Source, path: Path) -> None:
@@ -250,32 +317,59 @@ def open_source(path: str | os.PathLike) -> Source:
     return source
 
 
-def select_head(tensors: Mapping[str, TensorRef], prefix: str | None = None) -> HeadSelection:
+def _guess_layout(tensors: Mapping[str, TensorRef], prefix: str | None) -> str:
+    """SPECULATORS when keys under its prefixes (or ``prefix``) carry its names, else VLLM."""
+    names, prefixes = _LAYOUTS[SPECULATORS]
+    prefixes = prefixes if prefix is None else (prefix,)
+    hits = {n: sum(1 for k in tensors for p in prefixes if k.startswith(p) and k[len(p):] in lay_names)
+            for n, (lay_names, _) in ((VLLM, _LAYOUTS[VLLM]), (SPECULATORS, _LAYOUTS[SPECULATORS]))}
+    return SPECULATORS if hits[SPECULATORS] > hits[VLLM] else VLLM
+
+
+def _parent(prefix: str) -> str:
+    """``"model.refiner_head."`` -> ``"model."``; ``"refiner_head."`` and ``""`` -> ``""``."""
+    head, dot, _ = prefix.rstrip(".").rpartition(".")
+    return head + dot
+
+
+def select_head(tensors: Mapping[str, TensorRef], prefix: str | None = None,
+                layout: str | None = None) -> HeadSelection:
     """Split ``tensors`` into the head (by HYBRID_KEY_MAP name) and the rest.
 
-    ``prefix=None`` looks under `HEAD_PREFIXES`, and for bare HYBRID_KEY_MAP names when no key carries
-    one; an explicit ``prefix`` (``""``: bare names) is the only one used. The same head name reached
-    from two keys is a duplicate, never a choice.
+    ``layout``: VLLM (HYBRID_KEY_MAP names under `HEAD_PREFIXES`) or SPECULATORS (`SPECULATORS_KEY_MAP` names
+    under `SPECULATORS_PREFIXES`); None: the one whose names the keys carry. ``prefix=None`` looks under the
+    layout's prefixes, and for bare names when no key carries one; an explicit ``prefix`` (``""``: bare names)
+    is the only one used. The same head name reached from two keys is a duplicate, never a choice. A reduced
+    draft vocabulary's ``d2t``/``t2d`` are looked for under the head's prefix, then one level up, then at the
+    top level (`HeadSelection.vocab_map`; ones outside the prefix also stay listed as backbone).
     """
+    if layout is None:
+        layout = _guess_layout(tensors, prefix)
+    if layout not in _LAYOUTS:
+        raise ValueError(f"layout must be one of {sorted(_LAYOUTS)}, got {layout!r}")
+    names, layout_prefixes = _LAYOUTS[layout]
     if prefix is not None:
         searched: tuple[str, ...] = (prefix,)
-    elif any(k.startswith(p) for k in tensors for p in HEAD_PREFIXES):
-        searched = HEAD_PREFIXES
+    elif any(k.startswith(p) for k in tensors for p in layout_prefixes):
+        searched = layout_prefixes
     else:
-        searched = HEAD_PREFIXES + ("",)
+        searched = layout_prefixes + ("",)
     found: dict[str, list[str]] = {}
     unknown: list[str] = []
     backbone: list[str] = []
+    in_prefix_maps: dict[str, list[str]] = {}
     for key in tensors:
-        p = next((p for p in searched if (key.startswith(p) if p else key in HYBRID_KEY_MAP)), None)
+        p = next((p for p in searched if (key.startswith(p) if p else key in names)), None)
         if p is None:
             backbone.append(key)
-        elif key[len(p):] in HYBRID_KEY_MAP:
-            found.setdefault(key[len(p):], []).append(key)
+        elif key[len(p):] in names:
+            found.setdefault(names[key[len(p):]], []).append(key)
+        elif key[len(p):] in VOCAB_MAP_KEYS:
+            in_prefix_maps.setdefault(key[len(p):], []).append(key)
         else:
             unknown.append(key)
     keys = {n: ks[0] for n, ks in found.items() if len(ks) == 1}
-    prefixes = sorted({k[: len(k) - len(n)] for n, k in keys.items()}, key=len)
+    prefixes = sorted({k[: len(k) - len(_source_name(layout, n))] for n, k in keys.items()}, key=len)
     problems = [f"duplicate head tensor {n!r} after prefix stripping: " + " and ".join(map(repr, ks))
                 + " (pass --prefix to choose one)" for n, ks in sorted(found.items()) if len(ks) > 1]
     if not found:
@@ -285,12 +379,52 @@ def select_head(tensors: Mapping[str, TensorRef], prefix: str | None = None) -> 
                         + (f"; the source holds {shown}" if backbone else "; the source holds no tensors"))
     elif missing := [n for n in HYBRID_KEY_MAP if n not in found]:
         pre = (prefixes or searched)[0]
-        problems.append("missing head tensor(s): " + ", ".join(repr(pre + m) for m in missing)
+        problems.append("missing head tensor(s): " + ", ".join(repr(pre + _source_name(layout, m)) for m in missing)
                         + (f" (searched prefixes {[p for p in searched if p]})" if len(searched) > 1 else ""))
     if unknown:
         hint = (" ('mix_L' is the serving module's attribute name: that checkpoint holds the FOLDED mixer under"
                 " module names; rename its keys to the HYBRID_KEY_MAP names and pass --mixer folded)")
-        problems.append("unexpected tensor(s) under the head prefix (not in HYBRID_KEY_MAP): "
-                        + ", ".join(map(repr, unknown)) + (hint if any(k.endswith("mix_L") for k in unknown) else ""))
+        problems.append(f"unexpected tensor(s) under the head prefix (not in the {layout} layout's names): "
+                        + ", ".join(map(repr, unknown))
+                        + (hint if layout == VLLM and any(k.endswith("mix_L") for k in unknown) else ""))
+    vocab_keys: dict[str, str] = {}
+    if found:
+        pre = prefixes[0] if prefixes else searched[0]
+        for name in VOCAB_MAP_KEYS:
+            ks = in_prefix_maps.get(name, [])
+            if len(ks) > 1:
+                problems.append(f"duplicate {name!r} after prefix stripping: " + " and ".join(map(repr, ks)))
+            key = next((k for k in (*ks, _parent(pre) + name, name) if k in tensors), None)
+            if key is not None:
+                vocab_keys[name] = key
     return HeadSelection({n: tensors[k] for n, k in keys.items()}, keys, prefixes, backbone,
-                         sum(tensors[k].nbytes for k in backbone), problems)
+                         sum(tensors[k].nbytes for k in backbone), problems, layout,
+                         {n: tensors[k] for n, k in vocab_keys.items()}, vocab_keys)
+
+
+def _source_name(layout: str, name: str) -> str:
+    """The layout's name of HYBRID_KEY_MAP name ``name``."""
+    return next((k for k, v in _LAYOUTS[layout][0].items() if v == name), name)
+
+
+def select_in(source: Source, prefix: str | None = None, layout: str | None = None) -> HeadSelection:
+    """`select_head` on a source's tensors. Entries read side by side from one level down (`Source.entries`):
+    the one that holds a head is used; when several do, a problem names them and the ``--prefix`` of each."""
+    if len(source.entries) > 1 and prefix is None:
+        holding, layouts = {}, []
+        for entry in source.entries:
+            sub = {k[len(entry) + 1:]: r for k, r in source.tensors.items() if k.startswith(entry + ".")}
+            sel = select_head(sub, layout=layout)
+            if sel.head:
+                holding[entry] = f"{entry}.{sel.prefixes[0] if sel.prefixes else ''}"
+                layouts.append(sel.layout)
+        if len(holding) == 1:
+            return select_head(source.tensors, prefix=next(iter(holding.values())), layout=layout)
+        if len(holding) > 1:
+            problem = ("the tensors lie one level down, and several entries hold an XPress head: "
+                       + ", ".join(f"{e!r} (--prefix {p!r})" for e, p in holding.items())
+                       + "; pass --prefix to choose one, e.g. --prefix " + repr(next(iter(holding.values()))))
+            everything = list(source.tensors)
+            return HeadSelection({}, {}, [], everything, sum(r.nbytes for r in source.tensors.values()), [problem],
+                                 layouts[0])
+    return select_head(source.tensors, prefix=prefix, layout=layout)

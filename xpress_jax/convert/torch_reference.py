@@ -6,7 +6,9 @@ An eager port of vLLM's ``XPressRefinerHead`` for checking conversions (docs/sem
 the causal mix by ``Lf`` and ``lat = x + mlp(x)``. The seed block is the base argmax; full vocabulary
 picks ``argmax(base + w2(lat))`` (first index on ties); top-C keeps each slot's C largest base logits
 once per call (a stable descending sort, as ``torch.topk(sorted=True)``) and picks the first candidate
-position with the largest ``base_c + w2[cand] @ lat``. NaN scores count as -inf. Needs torch.
+position with the largest ``base_c + w2[cand] @ lat``. NaN scores count as -inf. A reduced draft vocabulary
+(``d2t`` among the tensors; ``w2`` and the logits [.., V_draft]): every pick is a draft id, mapped to the
+verifier's as ``id + d2t[id]`` (speculators' ``_draft_to_verifier_ids``). Needs torch.
 """
 
 from __future__ import annotations
@@ -41,14 +43,19 @@ def reference_refine(tensors: Mapping[str, Any], logits: Any, h: Any, anchors: A
                      num_passes: int, topc: int = 0, dtype: Any = None) -> np.ndarray:
     """Draft tokens [N, B-1] (int64 numpy) of the reference head on the source ``tensors``.
 
-    ``logits`` [N, B, V] and ``h`` [N, B, H] are cast to ``dtype`` (default torch.float64);
-    ``tok_am1`` defaults to ``anchors`` (what vLLM passes).
+    ``logits`` [N, B, V] ([N, B, V_draft] with ``d2t``) and ``h`` [N, B, H] are cast to ``dtype`` (default
+    torch.float64); ``tok_am1`` (the token before each anchor) defaults to ``anchors`` (what vLLM passes).
     """
     import torch
     import torch.nn.functional as F
 
     dtype = torch.float64 if dtype is None else dtype
-    T = {k: to_torch(v) for k, v in tensors.items()}
+    T = {k: to_torch(v) for k, v in tensors.items() if k != "t2d"}
+    d2t = T.pop("d2t").to(torch.long) if "d2t" in T else None
+
+    def to_verifier(ids):
+        return ids if d2t is None else ids + d2t[ids]
+
     raw = T["mix.L"]
     r, B, _ = raw.shape
     tril = torch.tril(torch.ones(B, B, dtype=raw.dtype))
@@ -73,7 +80,7 @@ def reference_refine(tensors: Mapping[str, Any], logits: Any, h: Any, anchors: A
         slots = _clean(base_full[:, 1:, :]).reshape(rows, V)
         blk = torch.empty(N, B, dtype=torch.long)
         blk[:, 0] = anchors
-        blk[:, 1:] = slots.argmax(dim=-1).view(N, B - 1)
+        blk[:, 1:] = to_verifier(slots.argmax(dim=-1)).view(N, B - 1)
         if topc:
             c = min(topc, V)
             order = torch.sort(slots, dim=-1, descending=True, stable=True).indices[:, :c]
@@ -95,5 +102,5 @@ def reference_refine(tensors: Mapping[str, Any], logits: Any, h: Any, anchors: A
             else:
                 s = _clean(slots + lat @ w2.T)
                 pick = s.argmax(dim=-1)
-            blk[:, 1:] = pick.view(N, B - 1)
+            blk[:, 1:] = to_verifier(pick).view(N, B - 1)
     return blk[:, 1:].numpy()

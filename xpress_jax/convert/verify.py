@@ -4,7 +4,8 @@ The restored params must be bitwise the converted ones. `refine`'s tokens (jnp p
 vocabulary and top-C) on them are compared with the PyTorch reference (`torch_reference`, float64)
 on the source tensors, or without torch with the jnp path on params built straight from the source.
 They must be identical when the stored dtype holds the source values exactly; after a narrowing
-cast (float32 -> bfloat16) the agreement is reported, not required.
+cast (float32 -> bfloat16) the agreement is reported, not required. A head trained on the real previous
+token (``predecessor="previous"``) gets random ``prev_ids``; a reduced head's logits are [N, B, V_draft].
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import numpy as np
 
 from xpress_jax import STATIC_ARGNAMES
 from xpress_jax.checkpoint import load_params
-from xpress_jax.params import params_from_state_dict
+from xpress_jax.params import VOCAB_MAP, params_from_state_dict
 from xpress_jax.refine import refine as _refine
 
 __all__ = ["VerifyResult", "lossless", "verify_checkpoint"]
@@ -76,14 +77,15 @@ def verify_checkpoint(path: Any, source_tensors: Mapping[str, np.ndarray], conve
     roundtrip = (f"{len(stored)} params restored bitwise identical" if not diffs
                  else f"restored params differ from the converted ones: {diffs}")
     stored_dtype = jnp.dtype(stored["w1"].dtype).name
-    params32 = {k: v.astype(jnp.float32) for k, v in stored.items()}
+    params32 = {k: v if k == VOCAB_MAP else v.astype(jnp.float32) for k, v in stored.items()}
     use_torch = reference == "torch" or (reference == "auto" and importlib.util.find_spec("torch") is not None)
     rng = np.random.default_rng(seed)
     V, H, B = config.vocab_size, config.hidden_size, config.block_size
     n = max(1, min(int(n), config.max_num_reqs))
-    logits = rng.standard_normal((n, B, V), dtype=np.float32)
+    logits = rng.standard_normal((n, B, config.draft_vocab_size), dtype=np.float32)
     h = rng.standard_normal((n, B, H), dtype=np.float32)
     anchors = rng.integers(0, V, size=(n,), dtype=np.int32)
+    prev = rng.integers(0, V, size=(n,), dtype=np.int32) if config.predecessor == "previous" else None
     if use_torch:
         from .torch_reference import reference_refine
 
@@ -93,17 +95,20 @@ def verify_checkpoint(path: Any, source_tensors: Mapping[str, np.ndarray], conve
         ref_name = "the jnp path on params built straight from the source tensors (torch not installed)"
 
     def jax_tokens(params, topc):
-        args = (jnp.asarray(logits), jnp.asarray(h), jnp.asarray(anchors))
+        args = (jnp.asarray(logits), jnp.asarray(h), jnp.asarray(anchors), None if prev is None else jnp.asarray(prev))
         return np.asarray(refine(params, *args, config=config, topc=topc, backend="xla"))
 
     modes = []
     for topc in sorted({0, config.topc}):
         got = jax_tokens(params32, topc)
         if use_torch:
-            want = reference_refine(source_tensors, logits, h, anchors, num_passes=config.num_passes, topc=topc)
+            want = reference_refine(source_tensors, logits, h, anchors, prev, num_passes=config.num_passes, topc=topc)
         else:
             want = jax_tokens(direct, topc)
-        changed = int((want != np.argmax(logits[:, 1:, :], axis=-1)).sum())
+        drafter = np.argmax(logits[:, 1:, :], axis=-1)
+        if VOCAB_MAP in stored:
+            drafter = drafter + np.asarray(stored[VOCAB_MAP])[drafter]
+        changed = int((want != drafter).sum())
         modes.append(ModeResult("full-vocab" if topc == 0 else f"top-C({topc})", int((got == want).sum()),
                                 int(want.size), changed))
     required = lossless(source_dtypes, stored_dtype)
