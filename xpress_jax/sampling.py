@@ -121,7 +121,7 @@ def accept(target_logits: jax.Array, draft: jax.Array, proposal: Proposal, tempe
         if ids is None:
             ids = jnp.broadcast_to(jnp.arange(q_sup.shape[-1], dtype=jnp.int32), q_sup.shape)
         ids = to_verifier_ids(ids, jnp.asarray(d2t))
-    elif q_sup.shape[-1] != v:
+    elif ids is None and q_sup.shape[-1] != v:
         raise ValueError(f"accept: the proposal scores {q_sup.shape[-1]} ids and the target {v}: a reduced head's "
                          "proposal is over its draft vocabulary; pass d2t=head.params['d2t']")
     if ids is None:
