@@ -361,7 +361,17 @@ def test_proposal_is_the_last_pass_scores(setup, topc, K):
         want, cand = scores_after(params, x, prev_blk, topc)
         if topc:
             np.testing.assert_array_equal(prop.ids, cand)
-    np.testing.assert_array_equal(prop.scores, want)
+    if jax.default_backend() == "gpu" and K:
+        # Two XLA programs (the refine and the oracle's latent) on random float32 inputs: on a GPU each picks its own
+        # GEMM algorithm (summation order), so a score may land one rounding away; the checks below stay exact,
+        # since they read the refine's own scores.
+        a, b = prop.scores.astype(np.float64), want.astype(np.float64)
+        one = np.spacing(np.maximum(np.abs(a), np.abs(b)).astype(want.dtype)).astype(np.float64)
+        far = ~((a == b) | (np.abs(a - b) <= one))
+        assert not far.any(), f"{int(far.sum())} scores beyond one rounding of the oracle's"
+        print(f"scores one rounding from the oracle's: {int((a != b).sum())} of {a.size}")
+    else:
+        np.testing.assert_array_equal(prop.scores, want)
     assert prop.scores.dtype == x[0].dtype and prop.token_score.dtype == np.float32 and prop.lse.dtype == np.float32
     # The tokens are the sampled picks of these scores with the row's noise.
     ids = prop.ids if topc else np.broadcast_to(np.arange(V), prop.scores.shape)
