@@ -44,7 +44,12 @@ from .params import PARAM_NAMES, VOCAB_MAP, Head
 from .refine import Sampler, check_backend, _refine, _select_ops, resolve_call
 from .sampling import Proposal, check_sampling, inverse_temperature, row_seeds
 
-__all__ = ["refine_sharded", "param_shardings", "input_shardings", "vocab_sharded_ops", "axis_size"]
+__all__ = ["refine_sharded", "STATIC_ARGNAMES", "param_shardings", "input_shardings", "vocab_sharded_ops",
+           "axis_size"]
+
+#: The keyword arguments of `refine_sharded` that must be static under ``jax.jit``.
+STATIC_ARGNAMES = ("mesh", "data_axis", "model_axis", "num_passes", "topc", "max_num_reqs", "config", "backend",
+                   "interpret", "unroll", "proposal")
 
 _VOCAB_PARAMS = ("w1", "w2")
 
@@ -93,8 +98,10 @@ def refine_sharded(params: Head | Mapping[str, jax.Array], logits: jax.Array, h:
                    unroll: bool | None = None, temperature=None, key: jax.Array | None = None,
                    proposal: str | None = None) -> jax.Array:
     """`xpress_jax.refine` on ``mesh``: same arguments, checks and tokens. ``data_axis`` / ``model_axis``: the
-    mesh axes for the blocks and the vocabulary (None: not used). Jit it with ``mesh``, the axes and
-    `refine`'s static arguments static. The result is [N, B-1] int32, split over ``data_axis``.
+    mesh axes for the blocks and the vocabulary (None: not used). Jit it with
+    ``static_argnames=xpress_jax.sharded.STATIC_ARGNAMES``. The mesh may have Auto or Explicit axes
+    (``jax.make_mesh``'s default); inputs and params are resharded to where they must be.
+    The result is [N, B-1] int32, split over ``data_axis``.
 
     ``temperature``, ``key``, ``proposal``: sample, as `refine` does (the same tokens as one device for the same
     key); with a ``proposal`` the result is ``(tokens, xpress_jax.Proposal)``, split over ``data_axis`` (full-vocab

@@ -12,14 +12,17 @@ in README order, in a temporary working directory that holds a tiny drafter chec
   ``head_ckpt`` on disk).
 - ```text blocks: example output, not run.
 - ```bash blocks: each ``xpress ...`` / ``xpress-convert ...`` command runs in-process through the
-  console scripts' ``main`` and must exit 0; every other command must be in `NOT_RUN`.
+  console scripts' ``main`` and must exit 0; ``XLA_FLAGS=... python examples/...`` runs in a child process (the
+  flag must be set before JAX starts); every other command must be in `NOT_RUN`.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -101,7 +104,12 @@ def test_every_readme_block_runs(tmp_path, monkeypatch, capsys):
                 words = shlex.split(cmd)
                 if cmd in NOT_RUN:
                     continue
-                if words[0] == "xpress":
+                if words[0].startswith("XLA_FLAGS=") and words[1:2] == ["python"]:  # an example, in a child process
+                    env = dict(os.environ, XLA_FLAGS=words[0].split("=", 1)[1], PYTHONPATH=str(ROOT))
+                    proc = subprocess.run(words[1:], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+                    code_ = proc.returncode
+                    print(proc.stdout, proc.stderr)
+                elif words[0] == "xpress":
                     code_ = xpress_main(words[1:])
                 elif words[0] == "xpress-convert":
                     code_ = convert_main(words[1:])
