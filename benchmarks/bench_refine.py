@@ -47,7 +47,7 @@ SERVING = dict(vocab_size=151936, hidden_size=4096, block_size=16, rank=256, mlp
 def make_problem(cfg, n, seed=0, dtype=jnp.bfloat16, std=0.02):
     kp, kl, kh, ka = jax.random.split(jax.random.key(seed), 4)
     params = xj.init_params(cfg, kp, dtype=dtype, std=std)
-    logits = (jax.random.normal(kl, (n, cfg.block_size, cfg.vocab_size), jnp.float32) * 2).astype(dtype)
+    logits = (jax.random.normal(kl, (n, cfg.block_size, cfg.draft_vocab_size), jnp.float32) * 2).astype(dtype)
     h = jax.random.normal(kh, (n, cfg.block_size, cfg.hidden_size), jnp.float32).astype(dtype)
     anchors = jax.random.randint(ka, (n,), 0, cfg.vocab_size, jnp.int32)
     return params, logits, h, anchors
@@ -112,7 +112,7 @@ def select_rows(cfg, n, reps, interpret=False, pallas=True):
         import torch
 
         if torch.cuda.is_available():
-            t = torch.utils.dlpack.from_dlpack(logits[:, 1:].reshape(-1, cfg.vocab_size))
+            t = torch.utils.dlpack.from_dlpack(logits[:, 1:].reshape(-1, cfg.draft_vocab_size))
             ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
             ts = []
             for _ in range(reps + 1):
@@ -279,6 +279,9 @@ def main(argv=None):
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"),
                     help="folder for bench.jsonl (one line per result, written as it comes), bench.json, bench.md, bench.png")
     ap.add_argument("--small", action="store_true", help="tiny shapes (smoke test on CPU)")
+    ap.add_argument("--draft-vocab-size", type=int,
+                    help="a reduced draft vocabulary of this size (a random d2t map; logits and w2 over it, w1 over "
+                         "V), as vLLM's speculators library trains them; e.g. 32768 at serving shapes")
     ap.add_argument("--no-select", action="store_true", help="skip the selection-alone rows")
     ap.add_argument("--std", type=float, default=0.02,
                     help="std of the synthetic head's weights (0.02: weak refinement; 0.04-0.06: strong, where the "
@@ -290,6 +293,8 @@ def main(argv=None):
     shape = dict(SERVING)
     if args.small:
         shape.update(vocab_size=4099, hidden_size=128, rank=64, mlp_hidden=128, topc=64)
+    if args.draft_vocab_size:
+        shape.update(draft_vocab_size=args.draft_vocab_size)
     cfg = xj.HeadConfig(**shape)
     ns = [int(x) for x in (args.n or ("1,4,16" if args.small else "1,4,16,64,256")).split(",")]
     topcs = [cfg.topc if (args.small and int(x) == 512) else int(x) for x in args.topc.split(",")]
@@ -364,8 +369,9 @@ def main(argv=None):
                     from xpress_jax.sharded import input_shardings, param_shardings, refine_sharded
 
                     mesh = meshes[backend]
-                    ins = input_shardings(mesh, num_blocks=n, vocab_size=cfg.vocab_size)
-                    ps = param_shardings(mesh, vocab_size=cfg.vocab_size)
+                    ins = input_shardings(mesh, num_blocks=n, vocab_size=cfg.draft_vocab_size)
+                    ps = param_shardings(mesh, vocab_size=cfg.vocab_size,
+                                         draft_vocab_size=cfg.draft_vocab_size if cfg.reduced else None)
                     placed = (jax.device_put(problem[0], ps), jax.device_put(problem[1], ins["logits"]),
                               jax.device_put(problem[2], ins["h"]), jax.device_put(problem[3], ins["ids"]))
 
@@ -430,7 +436,9 @@ def main(argv=None):
 
 def to_markdown(meta, rows, backends):
     lines = [f"Device: {meta['device']}, JAX {meta['jax']}, {meta['date']}, K={meta['K']}, bf16, "
-             f"V={meta['shape']['vocab_size']} H={meta['shape']['hidden_size']} B={meta['shape']['block_size']} "
+             f"V={meta['shape']['vocab_size']}"
+             + (f" V_draft={meta['shape']['draft_vocab_size']}" if meta['shape'].get('draft_vocab_size') else "")
+             + f" H={meta['shape']['hidden_size']} B={meta['shape']['block_size']} "
              f"r={meta['shape']['rank']} mlp={meta['shape']['mlp_hidden']}, weights std {meta.get('std', 0.02)}, "
              f"XLA compile options {meta.get('compiler_options', {}) or 'none'} ({meta.get('xla_options', 'off')}; "
              f"'{DEFAULT_XLA}' = XLA's defaults)", "",

@@ -15,14 +15,16 @@ def test_bench_refine_small_runs_on_cpu_and_writes_as_it_goes(tmp_path, capsys):
     if jax.default_backend() != "cpu":
         pytest.skip("CPU only: the smoke path (on a GPU bench_refine runs the full sweep)")
     bench_refine.main(["--small", "--n", "1", "--topc", "64", "--reps", "1", "--walls", "1", "--no-select",
-                       "--out", str(tmp_path)])
+                       "--draft-vocab-size", "1024", "--out", str(tmp_path)])
     lines = [json.loads(x) for x in (tmp_path / "bench.jsonl").read_text().splitlines()]
     kinds = [x["kind"] for x in lines]
     assert kinds[0] == "meta" and kinds.count("refine") == 1  # top-64, XLA backend off a GPU
+    assert lines[0]["shape"]["draft_vocab_size"] == 1024  # a reduced head: logits and w2 over 1024 draft ids
     rows = [x for x in lines if x["kind"] == "refine"]
     assert {r["backend"] for r in rows} == {"xla"} and all(r["device_us"] > 0 and r["wall_us"] > 0 for r in rows)
     assert all(r["wall_np_us"] > 0 and r["wall_host_us"] > 0 for r in rows)  # to numpy: device / pinned-host output
-    assert (tmp_path / "bench.json").exists() and "| top-64 | 1 |" in (tmp_path / "bench.md").read_text()
+    md = (tmp_path / "bench.md").read_text()
+    assert (tmp_path / "bench.json").exists() and "| top-64 | 1 |" in md and "V_draft=1024" in md
     assert "results stream to" in capsys.readouterr().out
 
 
