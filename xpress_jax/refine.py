@@ -188,6 +188,13 @@ def check_backend(backend: Any, interpret: bool) -> None:
     """Refuse (ValueError) a backend name other than `BACKENDS`, and "pallas" off a GPU without interpret."""
     if not isinstance(backend, str) or backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "pallas":
+        from .kernels.common import TRITON_IMPORT_ERROR, triton_available
+
+        if not triton_available():
+            raise ValueError(f"backend='pallas' runs Pallas-Triton kernels, and this JAX ({jax.__version__}) has no "
+                             f"jax.experimental.pallas.triton ({TRITON_IMPORT_ERROR}); use backend='xla' or 'auto' "
+                             "(the same tokens)")
     if backend == "pallas" and not interpret and _platform() != "gpu":
         raise ValueError(
             f"backend={backend!r} compiles Pallas-Triton kernels, which need a CUDA GPU, but JAX's default "
@@ -199,9 +206,9 @@ def check_backend(backend: Any, interpret: bool) -> None:
 def _select_ops(backend: str, interpret: bool) -> Ops:
     """``"xla"`` -> `Ops.xla`; ``"pallas"`` -> `Ops.pallas`; ``"auto"`` -> Pallas on a supported
     NVIDIA GPU (or with ``interpret=True``), else XLA."""
-    from .kernels.common import gpu_supported  # Pallas-Triton, only where a call asks for a backend
+    from .kernels.common import gpu_supported, triton_available  # only where a call asks for a backend
 
-    if backend == "pallas" or (backend == "auto" and (interpret or gpu_supported())):
+    if backend == "pallas" or (backend == "auto" and ((interpret and triton_available()) or gpu_supported())):
         return Ops.pallas(interpret)
     return Ops.xla(_platform())
 

@@ -7,14 +7,21 @@ This package imports nothing from the rest of `xpress_jax`: `xpress_jax.dispatch
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plt
 
-__all__ = ["pallas_call", "compiler_params", "lower_triton", "gpu_supported", "BIG", "MIN_DOT", "SMEM_LIMIT", "iota",
+try:  # deprecated since JAX 0.11: a JAX without it still runs xpress_jax, on its XLA path
+    from jax.experimental.pallas import triton as plt
+    TRITON_IMPORT_ERROR: Exception | None = None
+except ImportError as e:  # pragma: no cover (exercised in a child process by the tests)
+    plt = None
+    TRITON_IMPORT_ERROR = e
+
+__all__ = ["pallas_call", "compiler_params", "triton_available", "plt", "lower_triton", "gpu_supported", "BIG", "MIN_DOT", "SMEM_LIMIT", "iota",
            "cdiv", "next_pow2", "k_chunk", "score", "best", "merge", "flag_operand", "flags_row", "src_row",
            "best3", "merge3", "check_noise", "mix32", "noise_seed", "gumbel", "GUMBEL_MAX", "sample_key", "online_lse",
            "finish_lse"]
@@ -46,8 +53,17 @@ def flags_row(full: jax.Array, n_fail: jax.Array) -> jax.Array:
     return jnp.where(k == 0, full.astype(jnp.int32), jnp.where(k == 1, n_fail, 0))
 
 
+def triton_available() -> bool:
+    """Whether this JAX has the Pallas-Triton backend (``jax.experimental.pallas.triton``) the kernels are written
+    for."""
+    return plt is not None
+
+
 def compiler_params(num_warps: int = 4, num_stages: int = 1) -> Any:
     """Always pass these: on JAX 0.10.2 a pallas_call without them lowers to Mosaic GPU."""
+    if plt is None:
+        raise RuntimeError(f"the Pallas kernels need jax.experimental.pallas.triton, which this JAX "
+                           f"{jax.__version__} does not have ({TRITON_IMPORT_ERROR}); use backend='xla' or 'auto'")
     return plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
@@ -59,19 +75,30 @@ def pallas_call(kernel: Callable, *, name: str, num_warps: int = 4, num_stages: 
 
 
 def gpu_supported(devices: Sequence[Any] | None = None) -> bool:
-    """True only on an NVIDIA GPU of compute capability >= 8.0; the first of ``devices`` (default ``jax.devices()``)
-    decides."""
+    """True only on an NVIDIA GPU of compute capability >= 8.0 with Pallas-Triton in this JAX; the first of
+    ``devices`` (default ``jax.devices()``) decides. Such a GPU without Pallas-Triton: False, and one warning."""
     if devices is None:
         return _default_gpu_supported()
-    return _supported(list(devices))
+    return _supported(list(devices)) and _triton_or_warn()
 
 
 @functools.lru_cache(maxsize=None)
 def _default_gpu_supported() -> bool:
     try:
-        return _supported(jax.devices())
+        return _supported(jax.devices()) and _triton_or_warn()
     except RuntimeError:
         return False
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_or_warn() -> bool:
+    if plt is None:
+        warnings.warn(f"xpress_jax: this JAX ({jax.__version__}) has no Pallas-Triton backend "
+                      f"(jax.experimental.pallas.triton: {TRITON_IMPORT_ERROR}); refine runs its XLA path on this GPU "
+                      "(the same tokens, slower). JAX releases before it was removed keep the kernels.",
+                      RuntimeWarning, stacklevel=3)
+        return False
+    return True
 
 
 def _supported(devs: list) -> bool:

@@ -21,10 +21,9 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plt
 
 from . import common
-from .common import BIG, MIN_DOT, SMEM_LIMIT, cdiv, iota, k_chunk, next_pow2, score, src_row
+from .common import plt, BIG, MIN_DOT, SMEM_LIMIT, cdiv, iota, k_chunk, next_pow2, score, src_row
 
 __all__ = ["FullVocabConfig", "default_config", "fit_shared_memory", "full_vocab_pick", "combine_partials",
            "pack_active", "scan_failing"]

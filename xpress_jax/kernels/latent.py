@@ -33,10 +33,9 @@ from typing import Any, Mapping
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plt
 
 from . import common
-from .common import MIN_DOT, SMEM_LIMIT, next_pow2
+from .common import plt, MIN_DOT, SMEM_LIMIT, next_pow2
 
 __all__ = ["LatentConfig", "VARIANTS", "default_config", "latent_pass"]
 

@@ -36,10 +36,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plt
 
 from . import common
-from .common import BIG, next_pow2, src_row
+from .common import plt, BIG, next_pow2, src_row
 
 __all__ = ["SelectConfig", "select_candidates"]
 

@@ -23,10 +23,9 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plt
 
 from . import common
-from .common import BIG, best3, cdiv, iota, k_chunk, merge3, next_pow2, score
+from .common import plt, BIG, best3, cdiv, iota, k_chunk, merge3, next_pow2, score
 
 __all__ = ["TopCConfig", "TIES", "default_config", "topc_pick", "combine_splits", "certify", "CERTIFY_SINGLE_ROWS"]
 
