@@ -10,8 +10,10 @@ is a gather of table rows. **Drafter**: every slot independently, the target's e
 best an independent predictor can do, still incoherent) on the same raw-logit scale, ``T * log m_k``, so that its
 logits sampled at T (softmax(logits / T)) are ``m_k``; hidden states ``tanh(E1[x_{t-1}] + E2[x_t] + S[k])``.
 **Targets**: `ToyTask.sample` gives the greedy continuation, or with a temperature a continuation sampled from
-the chain (a random walk from the block's context). **Accepted length**: the longest prefix of the draft equal to
-the greedy continuation (0..B-1).
+the chain (a random walk from the block's context), and the **teacher**: the chain's raw logits at every draft
+slot after the two tokens before it in that continuation (the target model's logits along the data, what a
+distillation loss such as `xpress_jax.train.TrainConfig.loss` scores against). **Accepted length**: the longest
+prefix of the draft equal to the greedy continuation (0..B-1).
 
 Speculative sampling at T on a task of temperature T is then consistent on every side: the target's logits are
 ``next_logits`` and the drafter's are its logits, both sampled at T (`xpress_jax.sampling.accept` takes
@@ -79,6 +81,10 @@ class Batch(NamedTuple):
     anchors: jax.Array  # [N] int32, the verified token x_t
     prev_ids: jax.Array  # [N] int32, the token before it, x_{t-1}
     target: jax.Array  # [N, B-1] int32, the target's continuation x_{t+1..t+B-1}: greedy, or sampled
+    # [N, B-1, V] float32, the teacher: the target's raw logits at draft slot k after (x_{t+k-2}, x_{t+k-1}) of
+    # this continuation (its distribution at T is softmax(teacher_logits / T); its argmax is the target's greedy
+    # next token given the continuation so far, ``target`` itself for a greedy batch). None: a batch without one.
+    teacher_logits: jax.Array | None = None
 
 
 def accepted_length(draft: jax.Array, target: jax.Array) -> jax.Array:
@@ -141,30 +147,35 @@ class ToyTask:
                        "hidden": hidden, "greedy": greedy, "next_logits": next_logits.astype(np.float32)}
 
     def head_config(self, *, rank: int = 32, mlp_hidden: int = 64, topc: int = 8, num_passes: int | None = None,
-                    max_num_reqs: int = 4096) -> HeadConfig:
-        """A `HeadConfig` sized for this task (V, H, B from the task; default K = B-1)."""
+                    max_num_reqs: int = 4096, predecessor: str = "previous") -> HeadConfig:
+        """A `HeadConfig` sized for this task (V, H, B from the task; default K = B-1). ``predecessor``: the
+        task's batches carry the real token before the anchor (``prev_ids``), so its heads are "previous" heads
+        (slot 0 reads it; refine is then given ``prev_ids``)."""
         c = self.config
         return HeadConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, block_size=c.block_size, rank=rank,
                           mlp_hidden=mlp_hidden, topc=topc, max_num_reqs=max_num_reqs,
-                          num_passes=c.block_size - 1 if num_passes is None else num_passes)
+                          num_passes=c.block_size - 1 if num_passes is None else num_passes, predecessor=predecessor)
 
     @staticmethod
     def sample(tables: dict, key: jax.Array, n: int, temperature: Any = None) -> Batch:
         """``n`` blocks with contexts from the stationary distribution (jit-able; ``n`` static). ``target`` is the
         greedy continuation, or with a ``temperature`` T > 0 (a float or a traced scalar) a continuation sampled
         from softmax(next_logits / T): a random walk of B-1 steps from each block's context. The contexts (and so
-        every field but ``target``) are those of the greedy batch of the same key."""
+        every field but ``target`` and ``teacher_logits``) are those of the greedy batch of the same key.
+        ``teacher_logits``: the chain's raw logits along the continuation (`Batch`)."""
         ctx = jax.random.categorical(key, jnp.asarray(tables["context_logp"]), shape=(n,))
         V = tables["drafter_logits"].shape[-1]
         greedy = jnp.take(jnp.asarray(tables["greedy"]), ctx, axis=0)
         prev_ids = (ctx // V).astype(jnp.int32)
         target = greedy[:, 1:]
+        next_logits = jnp.asarray(tables["next_logits"])
         if temperature is not None:
-            target = _walk(jnp.asarray(tables["next_logits"]), prev_ids, greedy[:, 0], temperature,
-                           jax.random.fold_in(key, 1), target.shape[1])
+            target = _walk(next_logits, prev_ids, greedy[:, 0], temperature, jax.random.fold_in(key, 1),
+                           target.shape[1])
+        seq = jnp.concatenate([prev_ids[:, None], greedy[:, :1], target], axis=1)  # x_{t-1}, x_t, the continuation
         return Batch(logits=jnp.take(jnp.asarray(tables["drafter_logits"]), ctx, axis=0),
                      h=jnp.take(jnp.asarray(tables["hidden"]), ctx, axis=0), anchors=greedy[:, 0],
-                     prev_ids=prev_ids, target=target)
+                     prev_ids=prev_ids, target=target, teacher_logits=next_logits[seq[:, :-2], seq[:, 1:-1]])
 
     def drafter_tokens(self, batch: Batch) -> jax.Array:
         """The drafter alone: each slot's argmax, [N, B-1]."""
