@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import xpress_jax as xj
-from .demo import TINY, DemoOptions, run_demo
+from .demo import RECIPE_NAMES, TINY, DemoOptions, run_demo
 
 __all__ = ["main", "demo", "bench", "build_parser"]
 
@@ -84,8 +84,20 @@ def _add_demo_parser(sub) -> None:
                         "sampled at T (the drafter: its marginals at T), the head is trained on continuations "
                         "sampled from it at T, refine samples the draft at T (K = 0: the seed sample) and a "
                         "rejection sampler verifies it against the target at T (default: greedy)")
+    d.add_argument("--recipe", choices=list(RECIPE_NAMES), default=defaults.recipe,
+                   help="the training recipe (default: ce): ce = the cross-entropy against the target's "
+                        "continuation; speculators = vLLM speculators' XPress recipe: 0.1 x cross-entropy against "
+                        "the teacher's argmax + 0.9 x total variation from the teacher's distribution, slot k "
+                        "weighted exp(-(k-1)/4), + 0.3 x the loss over 3 free-running refine rounds")
+    d.add_argument("--compare-recipes", action="store_true",
+                   help="also train a head with each recipe, on the greedy continuation and on samples at T=1, and "
+                        "print their mean accepted lengths side by side (full vocabulary; greedy check and "
+                        "speculative sampling at T=1): three more trainings (four with another --temperature), minutes at "
+                        "the default size (default: off)")
     d.add_argument("--resume", action="store_true",
-                   help="continue training from OUT/train_state (same options) instead of starting over")
+                   help="continue training from OUT/train_state (the same options, --steps included: it is the "
+                        "schedule's length) instead of starting over; without a saved state it says so and trains "
+                        "from scratch")
     d.add_argument("--tiny", action="store_true",
                    help="a smoke run (seconds; its numbers are no result): the sizes marked 'with --tiny'")
     d.add_argument("--no-plot", action="store_true", help="do not write the PNG")
@@ -123,7 +135,8 @@ def _demo_options(args: argparse.Namespace, error):
     except OSError as e:
         error(f"--out {args.out}: cannot write there ({e.strerror or e})")
     return DemoOptions(out=args.out, resume=args.resume, plot=not args.no_plot, progress=not args.quiet,
-                       smoke=args.tiny, temperature=args.temperature, **values)
+                       smoke=args.tiny, temperature=args.temperature, recipe=args.recipe,
+                       compare_recipes=args.compare_recipes, **values)
 
 
 def demo(args: argparse.Namespace, error) -> int:
@@ -134,13 +147,21 @@ def demo(args: argparse.Namespace, error) -> int:
     try:
         result = run_demo(opts, say=lambda line: print(line, flush=True), progress=_progress(opts.progress))
     except ResumeError as e:  # --resume with other options than the checkpoint's
-        error(f"--resume: {e}")
+        hint = ""
+        if "train_config.steps" in e.differences:
+            saved = e.differences["train_config.steps"][0]
+            hint = (f". Here: for {opts.steps} steps run again without --resume (it starts over, replacing "
+                    f"{opts.out}/train_state) or with another --out; --steps {saved} resumes this run")
+        error(f"--resume: {e}{hint}")
     print("OK" if result["ok"] else "FAILED")
     return EXIT_OK if result["ok"] else EXIT_CHECK_FAILED
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="xpress", description="XPress refiner head in JAX.", epilog=_EPILOG)
+    parser = argparse.ArgumentParser(
+        prog="xpress", epilog=_EPILOG, description="XPress refiner head in JAX. Converting a drafter's checkpoint "
+        "(the one vLLM loads, or the xPress release's) into one that refine runs is the separate command "
+        "xpress-convert (xpress-convert --help; xpress-convert inspect PATH shows what a checkpoint holds).")
     version = f"xpress-jax {xj.__version__} (jax {jax.__version__}, python {platform.python_version()})"
     parser.add_argument("--version", action="version", version=version, help="print the versions of xpress-jax, "
                         "JAX and Python")

@@ -14,6 +14,10 @@ target is sampled at T (``ToyConfig(temperature=T)``: its contexts and drafter a
 (``TrainConfig(sample_temperature=T)``), and step 4 measures speculative sampling at T (`evaluate_sampled`):
 refine samples the draft (``temperature=T``, ``proposal="scores"``) and `xpress_jax.sampling.accept` verifies it
 against the target chain's logits at the draft positions.
+
+``--recipe speculators`` trains with vLLM speculators' XPress recipe instead of the cross-entropy
+(`xpress_jax.train.TrainConfig.from_recipe`). ``--compare-recipes`` then trains one head per recipe, greedy and
+at T = 1, and prints their mean accepted length (full vocabulary, K = 0..B-1) side by side (`compare_recipes`).
 """
 
 from __future__ import annotations
@@ -35,7 +39,8 @@ from .refine import STATIC, refine
 from .sampling import accept
 from .toy import ToyConfig, ToyTask, evaluate
 
-__all__ = ["DemoOptions", "TINY", "run_demo", "format_table", "evaluate_sampled"]
+__all__ = ["DemoOptions", "TINY", "RECIPE_NAMES", "run_demo", "format_table", "evaluate_sampled", "compare_recipes",
+           "format_comparison"]
 
 #: What ``xpress demo`` writes inside ``--out`` (and replaces on a re-run; nothing else is touched).
 OUTPUTS = ("train_state", "head_orbax", "vllm_head", "converted", "accepted_length.png", "results.json")
@@ -64,6 +69,18 @@ class DemoOptions:
     progress: bool = True
     smoke: bool = False  # --tiny: a smoke run (every step runs; the numbers are not a result)
     temperature: float | None = None  # sample the target, train and measure at this T > 0 (None: greedy)
+    recipe: str = "ce"  # the training recipe (`xpress_jax.train.RECIPES`)
+    compare_recipes: bool = False  # also train and measure every recipe, greedy and at T = 1
+
+
+#: The recipes ``--recipe`` takes (`xpress_jax.train.RECIPES`), and what each trains on, for the report.
+RECIPE_NAMES = ("ce", "speculators")
+RECIPE_LINES = {
+    "ce": "the cross-entropy against the target's continuation",
+    "speculators": "vLLM speculators' XPress recipe: 0.1 x cross-entropy against the teacher's argmax + 0.9 x "
+                   "total variation from its distribution (the target chain's, given the continuation), slot k "
+                   "weighted exp(-(k-1)/4), + 0.3 x the mean of that loss over 3 free-running rounds",
+}
 
 
 #: ``--tiny``: the smoke-run size (a few seconds).
@@ -132,6 +149,72 @@ def evaluate_sampled(task: ToyTask, head, *, temperature: float | None = None, n
             "refined": refined}
 
 
+def _duration(seconds: float) -> str:
+    """``12.3 s``, or below a second ``45.1 ms`` (a smoke run's steps take milliseconds)."""
+    return f"{seconds:.1f} s" if seconds >= 1 else f"{seconds * 1e3:.3g} ms"
+
+
+def _train_config(opts: DemoOptions, recipe: str, temperature: float | None, checkpoint_every: int = 0):
+    from .train import TrainConfig
+
+    return TrainConfig.from_recipe(recipe, steps=opts.steps, batch_size=opts.batch_size,
+                                   learning_rate=opts.learning_rate, param_dtype=opts.param_dtype, seed=opts.seed,
+                                   checkpoint_every=checkpoint_every, sample_temperature=temperature)
+
+
+#: `compare_recipes`' modes: the column name and the temperature (None: the greedy check).
+COMPARE_MODES = (("greedy", None), ("T=1", 1.0))
+
+
+def compare_recipes(opts: DemoOptions, *, note: Callable[[str], None] = lambda _m: None,
+                    trained: dict | None = None) -> dict:
+    """Train a head with each recipe (`RECIPE_NAMES`) in each mode (`COMPARE_MODES`: trained on the greedy
+    continuation and measured by the greedy check; trained on continuations sampled at T = 1 and measured by
+    speculative sampling at T = 1) with ``opts``' sizes, steps and seed, on the task at T = 1, and measure the
+    mean accepted length in full-vocabulary mode, K = 0..B-1 (`evaluate`, `evaluate_sampled`: the same blocks
+    and keys for every head). ``trained``: ``{(recipe, mode): serving head}`` already trained so (not retrained).
+    Returns ``{"n_blocks", "seed", "steps", "modes": {mode: {"drafter", "refined": {recipe: [K = 1, ...]}}}}``."""
+    from .train import train
+
+    task = ToyTask(ToyConfig(opts.vocab_size, opts.block_size, opts.hidden_size, seed=opts.seed))
+    head_cfg = task.head_config(rank=opts.rank, mlp_hidden=opts.mlp_hidden, topc=0,
+                                max_num_reqs=max(opts.eval_blocks, 1))
+    modes = {}
+    for mode, t in COMPARE_MODES:
+        refined, drafter = {}, None
+        for recipe in RECIPE_NAMES:
+            head = (trained or {}).get((recipe, mode))
+            if head is None:
+                note(f"comparing recipes: training {recipe}, {mode} ({opts.steps} steps)")
+                res = train(head_cfg, task.tables, ToyTask.sample, _train_config(opts, recipe, t),
+                            progress=opts.progress)
+                head = res.model.to_serving()
+            note(f"comparing recipes: measuring {recipe}, {mode}")
+            if t is None:
+                ev = evaluate(task, head, n_blocks=opts.eval_blocks, seed=1000 + opts.seed, topcs=(0,))
+            else:
+                ev = evaluate_sampled(task, head, temperature=t, n_blocks=opts.eval_blocks, seed=1000 + opts.seed,
+                                      topcs=(0,))
+            refined[recipe], drafter = ev["refined"][0], ev["drafter"]
+        modes[mode] = {"drafter": drafter, "refined": refined}
+    return {"n_blocks": opts.eval_blocks, "seed": 1000 + opts.seed, "steps": opts.steps, "modes": modes}
+
+
+def format_comparison(result: dict) -> list[str]:
+    """`compare_recipes`' table: rows K = 0..B-1, a column per mode and recipe (full vocabulary)."""
+    cols = [(mode, recipe) for mode, m in result["modes"].items() for recipe in m["refined"]]
+    names = [f"{mode}: {recipe}" for mode, recipe in cols]
+    widths = [max(10, len(n)) + 2 for n in names]
+    lines = ["  K  " + "".join(f"{n:>{w}}" for n, w in zip(names, widths))]
+    lines.append("  0  " + "".join(f"{result['modes'][mode]['drafter']:>{w}.2f}" for (mode, _), w in zip(cols, widths))
+                 + "   (drafter alone)")
+    first = result["modes"][cols[0][0]]["refined"][cols[0][1]]
+    for k in range(len(first)):
+        lines.append(f"{k + 1:>3}  " + "".join(f"{result['modes'][mode]['refined'][recipe][k]:>{w}.2f}"
+                                               for (mode, recipe), w in zip(cols, widths)))
+    return lines
+
+
 def _plot(path: Path, result: dict, block_size: int, title: str) -> None:
     import matplotlib
 
@@ -165,7 +248,7 @@ def run_demo(opts: DemoOptions, say: Callable[[str], None] = print,
     """Run the whole demo; ``say`` gets the report's lines, ``progress`` the stderr progress lines. Returns
     the results dict (also ``OUT/results.json``); ``results["ok"]`` is False when a check failed."""
     from .convert import VerificationError, convert_checkpoint  # the converter and optax/orbax: only here
-    from .train import TrainConfig, train
+    from .train import saved_step, train
 
     note = progress or (lambda _m: None)
     out = Path(opts.out).expanduser().absolute()
@@ -181,9 +264,7 @@ def run_demo(opts: DemoOptions, say: Callable[[str], None] = print,
     task = ToyTask(toy_cfg)
     head_cfg = task.head_config(rank=opts.rank, mlp_hidden=opts.mlp_hidden, topc=opts.topcs[0] if opts.topcs else 0,
                                 max_num_reqs=max(opts.eval_blocks, 1))
-    tc = TrainConfig(steps=opts.steps, batch_size=opts.batch_size, learning_rate=opts.learning_rate,
-                     param_dtype=opts.param_dtype, seed=opts.seed, checkpoint_every=opts.checkpoint_every,
-                     sample_temperature=T)
+    tc = _train_config(opts, opts.recipe, T, opts.checkpoint_every)
     V, B = toy_cfg.vocab_size, toy_cfg.block_size
     say("xpress demo: train an XPress refiner head on the embedded task, export it, convert it, refine")
     if opts.smoke:
@@ -199,13 +280,17 @@ def run_demo(opts: DemoOptions, say: Callable[[str], None] = print,
     if T is not None:
         say(f"        trained on continuations sampled from the target at T={T:g} (cross-entropy of "
             "softmax(scores / T)), not on its greedy continuation")
+    if opts.recipe != "ce":
+        say(f"recipe: {opts.recipe}: {RECIPE_LINES[opts.recipe]}")
+    if opts.resume and saved_step(out / "train_state") is None:
+        say(f"resume: no saved train state in {out / 'train_state'}: training from scratch")
 
     note(f"training ({opts.steps} steps)")
     res = train(head_cfg, task.tables, ToyTask.sample, tc, checkpoint_dir=out / "train_state", resume=opts.resume,
                 task_meta=dataclasses.asdict(toy_cfg), progress=opts.progress)
     last = res.history[-1] if res.history else None
     resumed = f", resumed from step {res.resumed_from}" if res.resumed_from is not None else ""
-    say(f"train : {len(res.history)} steps in {res.seconds:.1f} s after compile ({res.tokens_per_s:,.0f} draft "
+    say(f"train : {len(res.history)} steps in {_duration(res.seconds)} after compile ({res.tokens_per_s:,.0f} draft "
         f"tokens/s){resumed}; final loss {last['loss']:.4f}, teacher-forced slot accuracy {last['accuracy']:.3f}"
         if last else f"train : nothing to do{resumed} (the checkpoint is at the last step)")
 
@@ -270,12 +355,26 @@ def run_demo(opts: DemoOptions, say: Callable[[str], None] = print,
             say(f"plot  : {out / 'accepted_length.png'}")
         except ImportError:
             say("plot  : skipped (matplotlib is not installed: pip install matplotlib)")
+    comparison = None
+    if opts.compare_recipes:
+        mode = {None: "greedy", 1.0: "T=1"}.get(T)  # this run's head is one of the comparison's
+        comparison = compare_recipes(opts, note=note, trained={(opts.recipe, mode): head} if mode else None)
+        say(f"\nRecipes compared: mean accepted length per block (of B-1 = {B - 1}), full vocabulary; a head "
+            f"trained with each recipe ({opts.steps} steps x {opts.batch_size} blocks, seed {opts.seed}) on the "
+            f"target's greedy continuation, measured by the greedy check (greedy), or on continuations sampled at "
+            f"T=1, measured by speculative sampling at T=1 (T=1); {opts.eval_blocks} blocks, seed "
+            f"{comparison['seed']}. Recipes: " + "; ".join(f"{r} = {RECIPE_LINES[r]}" for r in RECIPE_NAMES)
+            + ".\n")
+        for line in format_comparison(comparison) + [""]:
+            say(line)
     result = {"ok": bool(ok), "options": json.loads(json.dumps(dataclasses.asdict(opts))),
               "task": dataclasses.asdict(toy_cfg), "head_config": dataclasses.asdict(head_cfg),
-              "train": {"steps_run": len(res.history), "seconds": res.seconds, "tokens_per_s": res.tokens_per_s,
-                        "final": last, "resumed_from": res.resumed_from},
+              "train": {"recipe": opts.recipe, "steps_run": len(res.history), "seconds": res.seconds,
+                        "tokens_per_s": res.tokens_per_s, "final": last, "resumed_from": res.resumed_from},
               "accepted_length": {**result, "refined": {str(k): v for k, v in result["refined"].items()}},
               "jax": jax.__version__, "seconds_total": time.perf_counter() - t_all}
+    if comparison is not None:
+        result["recipes"] = comparison
     (out / "results.json").write_text(json.dumps(result, indent=1) + "\n")
     say(f"results: {out / 'results.json'}; total {result['seconds_total']:.1f} s")
     return result

@@ -89,6 +89,12 @@ def test_help_shows_every_option_with_help_and_default(capsys):
     assert "(default: 4)" in text and "(default: 5)" in text and "default: 32000" in text
 
 
+def test_main_help_names_the_converter(capsys):
+    assert cli.main(["--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "xpress-convert" in text and "demo" in text and "bench" in text
+
+
 def test_version(capsys):
     assert cli.main(["--version"]) == 0
     out = capsys.readouterr().out
@@ -159,6 +165,7 @@ def test_demo_tiny_runs_end_to_end(tmp_path, capsys):
     assert "smoke run (--tiny)" in out and "These numbers are no result" in out
     assert not re.search(r"\d\.\d\dx", out) and "for the drafter alone" not in out
     assert "100.00%" in out and "bitwise identical to the Orbax export" in out  # convert --verify, both exports
+    assert re.search(r"train : 40 steps in \d+(\.\d+)? (ms|s) after compile", out) and "in 0.0 s" not in out
     assert "train " in err and "training" in err  # progress on stderr
     for name in ("train_state", "head_orbax", "vllm_head", "converted", "results.json"):
         assert (out_dir / name).exists(), name
@@ -191,6 +198,44 @@ def test_demo_tiny_resumed_measures_the_same(tmp_path, capsys):
     assert code == 0, err2
     assert "resumed from step" in out2 and err2 == ""
     assert json.loads((out_dir / "results.json").read_text())["accepted_length"] == acc
+
+
+@pytest.mark.slow
+def test_demo_resume_says_what_it_does(tmp_path, capsys):
+    """--resume without a saved state says that it trains from scratch; a resume with more --steps is refused,
+    saying why (the schedule's length) and what to run instead."""
+    out_dir = tmp_path / "out"
+    code, out, err = run(capsys, "demo", "--tiny", "--out", str(out_dir), "--resume", "-q", "--no-plot")
+    assert code == 0, err
+    assert f"resume: no saved train state in {out_dir / 'train_state'}: training from scratch" in out
+    code, out, err = run(capsys, "demo", "--tiny", "--out", str(out_dir), "--resume", "-q", "--steps", "80")
+    last = err.splitlines()[-1]
+    assert code == 2 and last.startswith("xpress demo: error: --resume:"), err
+    assert "train_config.steps: 40 in the checkpoint, 80 now" in last and "schedule" in last
+    assert "without --resume" in last and "--steps 40 resumes this run" in last
+
+
+@pytest.mark.slow
+def test_demo_tiny_compares_the_recipes(tmp_path, capsys):
+    out_dir = tmp_path / "out"
+    code, out, err = run(capsys, "demo", "--tiny", "--recipe", "speculators", "--compare-recipes", "--out",
+                         str(out_dir), "-q", "--no-plot")
+    assert code == 0, err
+    assert "recipe: speculators: vLLM speculators' XPress recipe" in out and "Recipes compared" in out
+    res = json.loads((out_dir / "results.json").read_text())
+    assert res["train"]["recipe"] == "speculators" and res["head_config"]["predecessor"] == "previous"
+    modes = res["recipes"]["modes"]
+    assert set(modes) == {"greedy", "T=1"} and all(set(m["refined"]) == {"ce", "speculators"} for m in modes.values())
+    # The main run's head is the comparison's greedy speculators head: the same numbers.
+    assert modes["greedy"]["refined"]["speculators"] == res["accepted_length"]["refined"]["0"]
+    header = next(line for line in out.splitlines() if "greedy: ce" in line)
+    assert header.split() == ["K", "greedy:", "ce", "greedy:", "speculators", "T=1:", "ce", "T=1:", "speculators"]
+    B = res["task"]["block_size"]
+    rows = [line.split() for line in out.splitlines()[out.splitlines().index(header) + 1:][:B]]
+    assert [float(v) for v in rows[0][1:5]] == [round(modes[m]["drafter"], 2) for m in ("greedy",) * 2 + ("T=1",) * 2]
+    for k in range(1, B):
+        assert [float(v) for v in rows[k][1:]] == [round(modes[m]["refined"][r][k - 1], 2)
+                                                   for m in ("greedy", "T=1") for r in ("ce", "speculators")]
 
 
 @pytest.mark.slow
@@ -246,6 +291,7 @@ def test_sampled_accepted_length_aligns_the_target_with_the_draft():
         (["--temperature", "0"], "--temperature"),
         (["--temperature", "nan"], "--temperature"),
         (["--temperature", "-1"], "--temperature"),
+        (["--recipe", "kl_div"], "--recipe"),
     ],
 )
 def test_demo_refuses_nonsense_with_exit_2_naming_the_option(tmp_path, capsys, argv, option):
@@ -283,6 +329,6 @@ def test_demo_help_names_every_option_and_its_default(capsys):
     assert cli.main(["demo", "--help"]) == 0
     text = " ".join(capsys.readouterr().out.split())
     for opt in ("--steps", "--batch", "--topc", "--out", "--tiny", "--resume", "--dtype", "--eval-blocks",
-                "--temperature"):
+                "--temperature", "--recipe", "--compare-recipes"):
         assert opt in text
     assert "default: 1500" in text and "with --tiny: 40" in text
