@@ -10,6 +10,7 @@ of the executables, so a reload swaps arrays and reuses them.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import sys
 import time
 from os import PathLike
@@ -52,6 +53,106 @@ def _describe(x: Any) -> str:
     if isinstance(x, jax.Array):
         return f"a jax.Array {tuple(x.shape)} {jnp.dtype(x.dtype).name} with sharding {x.sharding}"
     return f"a numpy array {tuple(x.shape)} {np.dtype(x.dtype).name}"
+
+
+@dataclasses.dataclass
+class _Bucket:
+    """One bucket's executables (`jax.stages.Compiled`, compiled at start-up) and its input specs.
+
+    Every executable takes ``(params, table, logits, h, anchors, prev_ids, num_valid)`` first, then:
+      greedy: the certified mode's weight data where that is its mode -> tokens (with ``full_vocab="auto"``: the
+        scan, nothing more).
+      certified: ``full_vocab="auto"``'s certified mode in buckets of at least ``Auto.min_blocks`` blocks (else
+        None): the weight data -> (tokens, `CertifiedStats`).
+      sampled: ``sampling=True`` (else None): the temperature and the key -> tokens, or (tokens, `Proposal`).
+    """
+
+    size: int
+    specs: dict[str, jax.ShapeDtypeStruct]
+    greedy: Any = None
+    certified: Any = None
+    sampled: Any = None
+    seconds: float = 0.0
+
+
+class _FixedPolicy:
+    """The full-vocabulary mode fixed at start-up (top-C, a mesh, ``"scan"``, ``"certified"``): every greedy
+    call runs its bucket's greedy executable."""
+
+    greedy_takes_data = True  # the greedy executables take the certified data (() unless the mode is certified)
+
+    def __init__(self, mode: str):
+        self._mode = mode
+
+    def certifies(self, size: int) -> bool:
+        """Whether a bucket of ``size`` blocks also has a certified executable."""
+        return False
+
+    def mode(self, size: int) -> str:
+        """How the last greedy call of bucket ``size`` ran (before any call: how the first will)."""
+        return self._mode
+
+    def serve(self, bucket: _Bucket, inputs: tuple, data: tuple) -> jax.Array:
+        """Choose which of ``bucket``'s executables serves this greedy call and run it: the tokens. ``inputs``:
+        the arguments every executable takes; ``data``: the certified mode's weight data."""
+        return bucket.greedy(*inputs, *data)
+
+
+@dataclasses.dataclass
+class _AutoState:
+    """One bucket's state under `_AutoPolicy`."""
+
+    mode: str = "certified"  # how the next call runs
+    last: str = "certified"  # how the last call ran (before any call: how the first will)
+    since: int = 0  # certified calls since the certified mode was last tried
+    scan_left: int = 0  # scan calls left before the certified mode is tried again
+    pending: jax.Array | None = None  # a kept call's fraction of fallen-back passes, read once the device has it
+    switches: int = 0  # switches to the scan
+
+
+class _AutoPolicy:
+    """``full_vocab="auto"``, configured by an `xpress_jax.exact.Auto`: buckets of fewer than ``min_blocks``
+    blocks scan; larger ones run certified, and every ``check_every``-th certified call keeps its stats, read
+    by a later call once the device has them (never waiting). A fraction of fallen-back passes above
+    ``max_fallback`` sends the bucket to the scan for the next ``retry_after`` calls, then it tries again."""
+
+    greedy_takes_data = False  # the greedy executables are the scan
+
+    def __init__(self, config: Auto, buckets: Sequence[int]):
+        self.config = config
+        self.state = {b: _AutoState() for b in buckets if b >= config.min_blocks}
+
+    def certifies(self, size: int) -> bool:
+        """Whether a bucket of ``size`` blocks also has a certified executable."""
+        return size in self.state
+
+    def mode(self, size: int) -> str:
+        """How the last greedy call of bucket ``size`` ran (before any call: how the first will)."""
+        st = self.state.get(size)
+        return "scan" if st is None else st.last
+
+    def serve(self, bucket: _Bucket, inputs: tuple, data: tuple) -> jax.Array:
+        """Choose which of ``bucket``'s executables serves this greedy call and run it: the tokens. ``inputs``:
+        the arguments every executable takes; ``data``: the certified mode's weight data."""
+        st = self.state.get(bucket.size)
+        if st is None:
+            return bucket.greedy(*inputs)
+        a, pending = self.config, st.pending
+        if pending is not None and pending.is_ready():  # never waits for the device
+            st.pending = None
+            if float(pending) > a.max_fallback:  # the bound does not prune here: scan for a while
+                st.mode, st.scan_left, st.switches = "scan", a.retry_after, st.switches + 1
+        st.last = st.mode
+        if st.mode == "scan":
+            st.scan_left -= 1
+            if st.scan_left <= 0:
+                st.mode, st.since = "certified", 0
+            return bucket.greedy(*inputs)
+        out, stats = bucket.certified(*inputs, *data)
+        if st.since % a.check_every == 0:
+            st.pending = stats.passes_full_scan
+        st.since += 1
+        return out
 
 
 class RefineServer:
@@ -173,11 +274,14 @@ class RefineServer:
             for k, s in param_shapes(config).items()
         }
         self._params = self._checked_params(head.params, place_jax=True)  # placed (a transfer) where needed
-        self._auto = auto if mesh is None and not self.topc else None  # top-C mode or a mesh: nothing to decide
-        if self._auto is not None:  # some bucket runs certified
-            self._certified = any(b >= self._auto.min_blocks for b in self.buckets)
+        # Which of a bucket's executables serves a greedy call. Top-C mode or a mesh: nothing to decide.
+        self._policy: _FixedPolicy | _AutoPolicy
+        if auto is not None and mesh is None and not self.topc:
+            self._policy = _AutoPolicy(auto, self.buckets)
+            self._certified = bool(self._policy.state)  # some bucket runs certified
         else:
             self._certified = mesh is None and not self.topc and resolve_full_vocab(full_vocab) is not None
+            self._policy = _FixedPolicy("certified" if self._certified else "scan")
         # Kept with the weights, computed here and at every reload: the token table and the bound's data.
         opts = self.compiler_options
         self._table_exe = self._table_spec = self._table = None
@@ -191,16 +295,37 @@ class RefineServer:
         if self._certified:
             self._prepare_exe = jax.jit(prepare_certified).lower(self._param_specs["w2"]).compile(compiler_options=opts)
             self._extra = (self._prepare_exe(self._params["w2"]),)
-        self.executables: dict[int, Any] = {}  # bucket -> jax.stages.Compiled (with "auto": the scan)
-        self.sampled_executables: dict[int, Any] = {}  # bucket -> the sampled executable (``sampling=True``)
+        self._buckets: dict[int, _Bucket] = {}
         self._temperature_cache: dict[float, jax.Array] = {}
-        # "auto": the certified executables (returning their stats) of the buckets >= min_blocks, and their state.
-        self.certified_executables: dict[int, Any] = {}
-        self._auto_state: dict[int, dict[str, Any]] = {}
-        self._specs: dict[int, dict[str, jax.ShapeDtypeStruct]] = {}
-        self.compile_seconds: dict[int, float] = {}
         self._num_valid_cache: dict[tuple[int, int], jax.Array] = {}
         self._compile_all(progress)
+
+    @property
+    def executables(self) -> dict[int, Any]:
+        """bucket -> its greedy `jax.stages.Compiled` (with ``full_vocab="auto"``: the scan)."""
+        return {b: c.greedy for b, c in self._buckets.items()}
+
+    @property
+    def certified_executables(self) -> dict[int, Any]:
+        """``full_vocab="auto"``: bucket -> its certified executable (returning the stats too), for the buckets of
+        at least ``min_blocks`` blocks."""
+        return {b: c.certified for b, c in self._buckets.items() if c.certified is not None}
+
+    @property
+    def sampled_executables(self) -> dict[int, Any]:
+        """``sampling=True``: bucket -> its sampled executable."""
+        return {b: c.sampled for b, c in self._buckets.items() if c.sampled is not None}
+
+    @property
+    def compile_seconds(self) -> dict[int, float]:
+        """bucket -> the seconds its executables took to compile."""
+        return {b: c.seconds for b, c in self._buckets.items()}
+
+    @property
+    def _auto_state(self) -> dict[int, dict[str, Any]]:
+        """``full_vocab="auto"``: each certifying bucket's policy state (`_AutoState`'s fields, live)."""
+        state = self._policy.state if isinstance(self._policy, _AutoPolicy) else {}
+        return {b: vars(st) for b, st in state.items()}
 
     @classmethod
     def from_checkpoint(cls, path: str | PathLike, *, dtype: Any = None, mesh: jax.sharding.Mesh | None = None,
@@ -322,34 +447,33 @@ class RefineServer:
         say(f"RefineServer: compiling {len(self.buckets)} bucket(s) {self.buckets} (V={self.config.vocab_size}, "
             f"B={self.config.block_size}, {self.dtype.name}, topc={self.topc}, K={self.num_passes}, "
             f"backend={self.backend}, {devices} device(s){', sampling' if self.sampling else ''})")
-        if self._auto is not None:
-            serve_cert = self._serve_fn(full_vocab=self._auto.certified, return_stats=True)
+        policy = self._policy
+        if isinstance(policy, _AutoPolicy):
+            serve_cert = self._serve_fn(full_vocab=policy.config.certified, return_stats=True)
         if self.sampling:
             serve_sampled = self._serve_fn(sampled=True)
         opts, t_all = self.compiler_options, time.perf_counter()
         for i, b in enumerate(self.buckets):
             t0 = time.perf_counter()
-            spec = self._specs[b] = self.input_specs(b)
-            out = self.input_shardings(b)["out"]
+            c = self._buckets[b] = _Bucket(b, self.input_specs(b))
+            spec, out = c.specs, self.input_shardings(b)["out"]
             args = (self._param_specs, self._table_spec, *(spec[k] for k in _ARGS), spec["num_valid"])
-            jitted = jax.jit(serve, out_shardings=out)
-            self.executables[b] = jitted.lower(*args, *self._main_extra()).compile(compiler_options=opts)
+            data = self._extra if policy.greedy_takes_data else ()
+            c.greedy = jax.jit(serve, out_shardings=out).lower(*args, *data).compile(compiler_options=opts)
             what = ""
-            if self._auto is not None and b >= self._auto.min_blocks:
+            if policy.certifies(b):
                 # The stats stay where refine puts them (the policy reads one scalar of them, seldom).
                 stats_at = jax.sharding.make_single_device_sharding(jax.devices()[0])
-                self.certified_executables[b] = jax.jit(serve_cert, out_shardings=(out, stats_at)).lower(
+                c.certified = jax.jit(serve_cert, out_shardings=(out, stats_at)).lower(
                     *args, *self._extra).compile(compiler_options=opts)
-                self._auto_state[b] = dict(mode="certified", last="certified", since=0, scan_left=0, pending=None,
-                                           switches=0)
                 what = " (scan and certified)"
             if self.sampling:
                 outs = out if self.proposal is None else (out, self._proposal_shardings(b))
-                self.sampled_executables[b] = jax.jit(serve_sampled, out_shardings=outs).lower(
+                c.sampled = jax.jit(serve_sampled, out_shardings=outs).lower(
                     *args, spec["temperature"], spec["key"]).compile(compiler_options=opts)
                 what = " (scan, certified and sampled)" if what else " (greedy and sampled)"
-            self.compile_seconds[b] = time.perf_counter() - t0
-            say(f"RefineServer: [{i + 1}/{len(self.buckets)}] N={b}: compiled{what} in {self.compile_seconds[b]:.2f} s")
+            c.seconds = time.perf_counter() - t0
+            say(f"RefineServer: [{i + 1}/{len(self.buckets)}] N={b}: compiled{what} in {c.seconds:.2f} s")
         say(f"RefineServer: ready, {time.perf_counter() - t_all:.2f} s")
 
     def bucket_for(self, n: int) -> int:
@@ -390,7 +514,7 @@ class RefineServer:
             raise ValueError(f"RefineServer: proposal={proposal!r}, but the sampled executables compute "
                              f"proposal={self.proposal!r}; build the server with RefineServer(..., sampling=True, "
                              f"proposal={proposal!r})")
-        spec = self._specs[self.buckets[0]]
+        spec = self._buckets[self.buckets[0]].specs
         if on_device:
             t = temperature
             if not t.sharding.is_equivalent_to(spec["temperature"].sharding, 0):
@@ -416,7 +540,7 @@ class RefineServer:
         return t, key, proposal
 
     def _run_sampled(self, bucket: int, args: tuple, num_valid: jax.Array, temperature, key, proposal):
-        out = self.sampled_executables[bucket](self._params, self._table, *args, num_valid, temperature, key)
+        out = self._buckets[bucket].sampled(self._params, self._table, *args, num_valid, temperature, key)
         if self.proposal is None:
             return out
         tokens, prop = out
@@ -426,46 +550,22 @@ class RefineServer:
             prop = prop._replace(scores=None, ids=None)
         return tokens, prop
 
-    def _main_extra(self) -> tuple:
-        """What ``executables`` take after num_valid: the certified data, unless they are auto's scans."""
-        return () if self._auto is not None else self._extra
-
     def _run(self, bucket: int, args: tuple, num_valid: jax.Array) -> jax.Array:
-        if bucket not in self.certified_executables:
-            return self.executables[bucket](self._params, self._table, *args, num_valid, *self._main_extra())
-        a, st = self._auto, self._auto_state[bucket]
-        pending = st["pending"]
-        if pending is not None and pending.is_ready():  # never waits for the device
-            st["pending"] = None
-            if float(pending) > a.max_fallback:  # the bound does not prune here: scan for a while
-                st.update(mode="scan", scan_left=a.retry_after, switches=st["switches"] + 1)
-        st["last"] = st["mode"]
-        if st["mode"] == "scan":
-            st["scan_left"] -= 1
-            if st["scan_left"] <= 0:
-                st.update(mode="certified", since=0)
-            return self.executables[bucket](self._params, self._table, *args, num_valid)
-        out, stats = self.certified_executables[bucket](self._params, self._table, *args, num_valid, *self._extra)
-        if st["since"] % a.check_every == 0:
-            st["pending"] = stats.passes_full_scan
-        st["since"] += 1
-        return out
+        return self._policy.serve(self._buckets[bucket], (self._params, self._table, *args, num_valid), self._extra)
 
     def exact_mode(self, bucket: int) -> str:
         """How ``bucket``'s ``topc=0`` calls run: ``"scan"`` or ``"certified"``. With ``full_vocab="auto"``:
         how its last call ran (before any call: how the first will). It changes no token."""
         if bucket not in self.buckets:
             raise ValueError(f"{bucket} is not a bucket; the buckets are {self.buckets}")
-        if bucket in self._auto_state:
-            return self._auto_state[bucket]["last"]
-        return "certified" if self._certified and self._auto is None else "scan"
+        return self._policy.mode(bucket)
 
     def _num_valid(self, bucket: int, num_valid: int) -> jax.Array:
         """``num_valid`` as a device scalar where ``bucket``'s executable takes it, made once per value (a
         numpy scalar argument would be copied to the device on every call)."""
         key = (bucket, num_valid)
         if key not in self._num_valid_cache:
-            sharding = self._specs[bucket]["num_valid"].sharding
+            sharding = self._buckets[bucket].specs["num_valid"].sharding
             self._num_valid_cache[key] = jax.device_put(np.int32(num_valid), sharding)
         return self._num_valid_cache[key]
 
@@ -523,7 +623,7 @@ class RefineServer:
             x = xs[name]
             if isinstance(x, np.ndarray):
                 x = self._host(name, x, n, bucket, num_valid)
-                x = jax.device_put(x, self._specs[bucket][name].sharding)
+                x = jax.device_put(x, self._buckets[bucket].specs[name].sharding)
             else:
                 self._check_device(name, x, bucket)
             out.append(x)
@@ -554,7 +654,7 @@ class RefineServer:
         return x
 
     def _check_device(self, name: str, x: jax.Array, bucket: int) -> None:
-        spec = self._specs[bucket][name]
+        spec = self._buckets[bucket].specs[name]
         if jnp.dtype(x.dtype) != spec.dtype:
             raise TypeError(
                 f"RefineServer: {name} is {_describe(x)}; bucket N={bucket} was compiled for {spec.dtype.name}. "
