@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.util
 import json
 import os
 import sys
@@ -183,6 +184,8 @@ def speculators():
     """torch and speculators' loss functions; skips without them (fails with XPRESS_REQUIRE_SPECULATORS=1: CI's
     speculators stage)."""
     required = os.environ.get("XPRESS_REQUIRE_SPECULATORS") == "1"
+    if not required and importlib.util.find_spec("speculators") is None:  # before torch's import (seconds)
+        pytest.skip("need speculators: not installed (.ci/run's speculators stage installs it)")
     torch = importlib.import_module("torch") if required else pytest.importorskip("torch")
     # speculators imports transformers, which imports torchvision and torchaudio when installed; a build of them
     # that does not match torch (a CUDA torchvision beside a CPU torch: its ops fail to load) would fail that
