@@ -38,7 +38,7 @@ from jax.sharding import PartitionSpec as P
 
 from . import reference as ref
 from .head import acc_dtype
-from .kernels.common import gumbel, sample_key
+from .kernels.common import gumbel, sample_key, src_row
 from .ops import Ops, same
 from .params import PARAM_NAMES, VOCAB_MAP, Head
 from .refine import Sampler, check_backend, _refine, _select_ops, resolve_call
@@ -242,8 +242,7 @@ def _order_key(x: jax.Array) -> jax.Array:
 def _draft_value(logits: jax.Array, ids: jax.Array) -> jax.Array:
     """logits of draft row q at local column ids[q], NaN as -inf (a [rows] gather, no copy of the rows)."""
     n, b, vs = logits.shape
-    q = jnp.arange(n * (b - 1))
-    row = (q // (b - 1)) * b + 1 + q % (b - 1)
+    row = src_row(jnp.arange(n * (b - 1)), b)  # the row of logits [N*B, V] that draft row q reads
     return ref.clean(logits.reshape(n * b, vs)[row, ids])
 
 
