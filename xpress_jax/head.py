@@ -152,6 +152,10 @@ class XPressHead(nnx.Module):
                  std: float | None = None):
         if not isinstance(config, HeadConfig):
             raise TypeError(f"config must be a HeadConfig, got {type(config).__name__}")
+        if config.reduced:
+            raise ValueError(f"XPressHead trains heads over the whole vocabulary; draft_vocab_size="
+                             f"{config.draft_vocab_size} < vocab_size={config.vocab_size} (a reduced head, as "
+                             "speculators trains them) is served from a converted checkpoint (xpress-convert)")
         param_dtype = jnp.dtype(param_dtype)
         if not jnp.issubdtype(param_dtype, jnp.floating):
             raise TypeError(f"param_dtype must be a floating dtype, got {param_dtype}")
@@ -230,6 +234,9 @@ class XPressHead(nnx.Module):
         if topc > V:
             raise ValueError(f"topc must be in [0, vocab_size={V}], got {topc}")
         anchors = jnp.asarray(anchors).astype(jnp.int32)
+        if prev_ids is None and self.config.predecessor == "previous":
+            raise ValueError("prev_ids is required: this head is trained with the real token before the anchor in "
+                             "slot 0 (config.predecessor='previous'); pass prev_ids=anchors for vLLM's behaviour")
         prev_ids = anchors if prev_ids is None else jnp.asarray(prev_ids).astype(jnp.int32)
         acc = acc_dtype(self.dtype)
         base = logits[:, 1:].astype(acc)  # [N, B-1, V]

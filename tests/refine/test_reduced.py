@@ -20,7 +20,7 @@ from xpress_jax.params import check_vocab_map
 from xpress_jax.sampling import Proposal, accept
 from xpress_jax.sharded import input_shardings, refine_sharded
 
-from conftest import make_inputs
+from helpers import make_inputs
 
 V, VD = 97, 41
 CFG = xj.HeadConfig(vocab_size=V, draft_vocab_size=VD, hidden_size=8, block_size=5, rank=6, mlp_hidden=10, topc=7,
@@ -230,3 +230,14 @@ def test_init_head_takes_an_int_seed():
         np.testing.assert_array_equal(np.asarray(a.params[k]), np.asarray(b.params[k]))
     with pytest.raises(TypeError, match=r"key must be a jax.random.key\(seed\) or an int seed"):
         xj.init_head(CFG, "0")
+
+
+def test_training_module_refuses_a_reduced_head_and_asks_for_prev_ids():
+    from flax import nnx
+
+    with pytest.raises(ValueError, match="XPressHead trains heads over the whole vocabulary"):
+        xj.XPressHead(CFG, rngs=nnx.Rngs(0))
+    cfg = xj.HeadConfig(**{**CFG.__dict__, "draft_vocab_size": None, "predecessor": "previous"})
+    module = xj.XPressHead(cfg, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="prev_ids is required"):
+        module.refine(jnp.zeros((1, 5, V)), jnp.zeros((1, 5, 8)), jnp.zeros((1,), jnp.int32), num_passes=1)
