@@ -35,7 +35,6 @@ DOCS = sorted((ROOT / "docs").glob("*.md"))
 NOT_RUN = {
     'pip install -e .': "installs the package (this suite runs from the installed or PYTHONPATH tree)",
     'pip install -e ".[test]"': "installs the test extra",
-    'pip install -e ".[cuda12]"': "GPU install",
     'pip install torch --index-url https://download.pytorch.org/whl/cpu': "downloads torch",
     'python -m pytest -q -n 2': "this test suite itself",
     'xpress demo': "the end-to-end run (~1 min on 2 CPU cores); tests/training/test_cli.py runs it at --tiny size",
