@@ -13,7 +13,7 @@ import xpress_jax as xj  # noqa: E402
 from xpress_jax.convert.torch_reference import reference_refine  # noqa: E402
 from xpress_jax.params import source_shapes  # noqa: E402
 
-from conftest import SMALL  # noqa: E402
+from helpers import SMALL  # noqa: E402
 
 
 def _source(cfg, seed, std=0.25):

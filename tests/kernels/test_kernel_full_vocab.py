@@ -6,7 +6,7 @@
 
 Exactness. The outputs are token ids: demanded equal. The kernel sums the float32 dot in its own order, so a bias within an ulp of a
 rounding boundary may round the other way; there we demand equality on every
-row that is not such a near tie (`conftest.near_tie_rows` bounds the float32
+row that is not such a near tie (`helpers.near_tie_rows` bounds the float32
 accumulation error and checks whether the oracle's winner could lose), and
 demand strict equality on "dyadic" inputs whose dot products are exact in any
 summation order (which also produce many genuine ties).
@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import TRITON_CALL, near_tie_rows, pick_inputs, triton_operand_counts, triton_operands
+from helpers import TRITON_CALL, lower_triton, near_tie_rows, pick_inputs, triton_operand_counts, triton_operands
 
 from xpress_jax import dispatch
 from xpress_jax import reference as R
@@ -541,7 +541,7 @@ class TestFullVocabLowering:
         args = (jax.ShapeDtypeStruct((rows, V), dtype), jax.ShapeDtypeStruct((rows, r), dtype),
                 jax.ShapeDtypeStruct((V, r), dtype))
         f = functools.partial(fv.full_vocab_pick, config=fv.default_config(rows, V, r, dtype))
-        hlo = common.lower_triton(f, *args).as_text()
+        hlo = lower_triton(f, *args).as_text()
         assert hlo.count(TRITON_CALL) == 2
         assert "xpress_full_vocab_fused" in hlo
 
@@ -559,18 +559,18 @@ class TestFullVocabLowering:
         args = (jax.ShapeDtypeStruct((n * B, V), jnp.bfloat16), jax.ShapeDtypeStruct((rows, r), jnp.bfloat16),
                 jax.ShapeDtypeStruct((V, r), jnp.bfloat16))
         f = functools.partial(fv.full_vocab_pick, config=cfg, slot_stride=B)
-        assert common.lower_triton(f, *args).as_text().count(TRITON_CALL) == 2
+        assert lower_triton(f, *args).as_text().count(TRITON_CALL) == 2
         if lazy and dispatch.TABLE.entry(rows).alternate:  # what refine alternates
             f = functools.partial(fv.full_vocab_pick, config=cfg, slot_stride=B, reverse=True)
-            assert common.lower_triton(f, *args).as_text().count(TRITON_CALL) == 2
+            assert lower_triton(f, *args).as_text().count(TRITON_CALL) == 2
         if lazy and n <= 4:  # the L2 hints (`KEEP_POLICIES`) where refine may serve them
             for keep in fv.KEEP_POLICIES:
                 f = functools.partial(fv.full_vocab_pick, config=cfg, slot_stride=B, reverse=n == 1, keep=keep)
-                assert common.lower_triton(f, *args).as_text().count(TRITON_CALL) == 2
+                assert lower_triton(f, *args).as_text().count(TRITON_CALL) == 2
         if lazy:  # a pass that skips the final slots: 2/3 of the rows through row_ids
             ids = jax.ShapeDtypeStruct((rows * 2 // 3,), jnp.int32)
             f = lambda b_, l_, w_, i_: fv.full_vocab_pick(b_, l_, w_, config=cfg, slot_stride=B, row_ids=i_)
-            hlo = common.lower_triton(f, *args, ids).as_text()
+            hlo = lower_triton(f, *args, ids).as_text()
             assert hlo.count(TRITON_CALL) == 2 and triton_operands(hlo, "xpress_full_vocab_fused") == 4
 
 
@@ -586,7 +586,7 @@ class TestFullVocabLowering:
         args = (S((n * B, V), jnp.bfloat16), S((rows, r), jnp.bfloat16), S((V, r), jnp.bfloat16))
         for active, n_ops in ((None, 3), (S((rows,), jnp.bool_), 4)):
             f = lambda b, l, w, *a: fv.full_vocab_pick(b, l, w, config=cfg, slot_stride=B, active=a[0] if a else None)
-            hlo = common.lower_triton(f, *args, *([active] if active is not None else [])).as_text()
+            hlo = lower_triton(f, *args, *([active] if active is not None else [])).as_text()
             assert hlo.count(TRITON_CALL) == 2
             assert triton_operands(hlo, "xpress_full_vocab_fused") == n_ops
 
@@ -604,7 +604,7 @@ class TestFullVocabLowering:
                 S((rows,), jnp.int32), S((rows,), jnp.int32), S((8,), jnp.int32))
         f = lambda b, l, w, a, fb, c: fv.full_vocab_pick(b, l, w, config=cfg, slot_stride=B, active=a, fallback=fb,
                                                          counter=c, counter_at=2, reverse=n == 1)
-        hlo = common.lower_triton(f, *args).as_text()
+        hlo = lower_triton(f, *args).as_text()
         assert hlo.count(TRITON_CALL) == 1
         assert triton_operands(hlo, "xpress_full_vocab_counted") == 6
 
@@ -621,7 +621,7 @@ class TestFullVocabLowering:
         S = jax.ShapeDtypeStruct
         args = (S((n * B, V), jnp.bfloat16), S((rows, r), jnp.bfloat16), S((V, r), jnp.bfloat16), S((rows,), jnp.bool_))
         f = lambda b, l, w, a: fv.full_vocab_pick(b, l, w, config=cfg, slot_stride=B, active=a, capacity=cap)
-        hlo = common.lower_triton(f, *args).as_text()
+        hlo = lower_triton(f, *args).as_text()
         assert hlo.count(TRITON_CALL) == 2
         assert triton_operands(hlo, "xpress_full_vocab_fused") == 5  # base, packed lat, w2, row map, active
 
@@ -642,7 +642,7 @@ class TestFullVocabLowering:
                                                                     config=cfg, slot_stride=B,
                                                                     v_steps_full=served.v_steps, **kw)
         for kw in ({}, dict(skip_slots=3)):  # + the passes that know their number
-            hlo = common.lower_triton(functools.partial(f, **kw), *args).as_text()
+            hlo = lower_triton(functools.partial(f, **kw), *args).as_text()
             assert hlo.count(TRITON_CALL) == 2 and "xpress_pick_combine" not in hlo
             assert triton_operands(hlo, "xpress_pack_active") == 2
             assert triton_operands(hlo, "xpress_full_vocab_counted") == (8 if served.v_steps != cfg.v_steps else 7)

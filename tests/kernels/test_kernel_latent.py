@@ -22,6 +22,7 @@ import pytest
 import dataclasses
 import functools
 
+from helpers import lower_triton
 from xpress_jax import reference as R
 from xpress_jax.config import HeadConfig
 from xpress_jax.kernels import common, latent
@@ -247,7 +248,7 @@ def test_lowers_to_triton_for_h200(N, B, dtype, cfg, names):
     """Serving-like shapes lower to one Triton custom call per kernel, each named after it."""
     args = _abstract(N, B, 1024, 256, 512, dtype)
     config = _config(N, dtype, 256, **cfg)
-    lowered = common.lower_triton(lambda p, x, b, q: latent.latent_pass(p, x, b, q, config=config), *args)
+    lowered = lower_triton(lambda p, x, b, q: latent.latent_pass(p, x, b, q, config=config), *args)
     text = lowered.as_text()
     assert text.count("custom_call @__gpu$xla.gpu.triton") == len(names)
     for name in names:

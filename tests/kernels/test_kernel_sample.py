@@ -4,7 +4,7 @@
 `TestFullVocabSample` / `TestTopCSample` run the kernels for real (GPU only); their ``Interpret`` twins run the
 same tests on CPU in interpret mode. `TestSampleLowering` lowers the sampled launches for an H200 on CPU.
 
-Exactness: on "dyadic" inputs (`conftest.pick_inputs`) every dot is exact in any summation order, so the tokens,
+Exactness: on "dyadic" inputs (`helpers.pick_inputs`) every dot is exact in any summation order, so the tokens,
 the winner's score and the scores must equal the oracle's bit for bit (lse: the online sum over parts, allclose).
 On random inputs the kernel may round a bias the other way than XLA; there the kernel must agree with itself: its
 tokens are the winners of the keys of the scores it returns, and those scores lie within one rounding of the
@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import SMALL, make_head, make_inputs, nonfinite_pick_inputs, pick_inputs
+from helpers import SMALL, lower_triton, make_head, make_inputs, nonfinite_pick_inputs, pick_inputs
 
 import xpress_jax as xj
 from xpress_jax import dispatch
@@ -375,7 +375,7 @@ class TestSampleLowering:
                 S((), jnp.float32))
         for proposal in (None, "logprob", "scores"):
             f = functools.partial(_fv_call, config=cfg, slot_stride=b, proposal=proposal)
-            assert "xpress_full_vocab_sample" in common.lower_triton(f, *args).as_text()
+            assert "xpress_full_vocab_sample" in lower_triton(f, *args).as_text()
 
     @pytest.mark.parametrize("rows", [15, 240])
     def test_topc(self, rows):
@@ -386,7 +386,7 @@ class TestSampleLowering:
                 S((rows,), jnp.int32), S((), jnp.float32))
         for proposal in (None, "scores"):
             f = functools.partial(_tc_call, config=cfg, proposal=proposal)
-            assert "xpress_topc_sample" in common.lower_triton(f, *args).as_text()
+            assert "xpress_topc_sample" in lower_triton(f, *args).as_text()
 
 
 def _fv_call(base, lat, w2, seeds, inv_t, **kw):

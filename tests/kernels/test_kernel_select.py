@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers import lower_triton
 from xpress_jax import dispatch
 from xpress_jax.kernels import common
 from xpress_jax import reference as R
@@ -313,7 +314,7 @@ def test_lowers_to_triton_for_h200(rows, segments, x64, dtype):
     kw = {} if segments is None else {"segments": segments}
     f = functools.partial(sel.select_candidates, c=512, **kw)
     with jax.enable_x64(x64):
-        hlo = common.lower_triton(f, jax.ShapeDtypeStruct((rows, 151936), dtype)).as_text()
+        hlo = lower_triton(f, jax.ShapeDtypeStruct((rows, 151936), dtype)).as_text()
     fused = rows >= 512 or segments == 1
     p = "select_b"
     names = ["select_finish", p + "gather"] + ([p + "stats_bound"] if fused else [p + "stats", p + "bound"])
@@ -331,7 +332,7 @@ def test_large_c_configs_lower_to_triton(rows, c):
     are capped so that the finish's [segments, cap] mask stays inside Triton's 2^20-element tensor
     limit (2 rows at cap 8192 failed to build on the H200 before)."""
     f = functools.partial(sel.select_candidates, c=c, **dispatch.TABLE.select_config(dispatch.TABLE.entry(rows), c))
-    hlo = common.lower_triton(f, jax.ShapeDtypeStruct((rows, 151936), BF16)).as_text()
+    hlo = lower_triton(f, jax.ShapeDtypeStruct((rows, 151936), BF16)).as_text()
     assert hlo.count("__gpu$xla.gpu.triton") >= 3
 
 
@@ -346,7 +347,7 @@ def test_config_refuses_what_triton_cannot_hold():
 def test_lowers_to_triton_with_slot_stride():
     """slot_stride=16 (whole logits [2*16, V], 15*2 draft rows): every kernel lowers, no copy of logits[:, 1:]."""
     f = functools.partial(sel.select_candidates, c=512, slot_stride=16)
-    lowered = common.lower_triton(f, jax.ShapeDtypeStruct((2 * 16, 151936), BF16))
+    lowered = lower_triton(f, jax.ShapeDtypeStruct((2 * 16, 151936), BF16))
     hlo = lowered.as_text()
     p = "select_b"
     names = ["select_finish", p + "gather", p + "stats", p + "bound"]  # 30 rows: several segments per row

@@ -7,7 +7,7 @@ sizes (B = 2, 3, 7), C = 1 and C = V, and row counts on both sides of every disp
 boundary of `dispatch.TABLE` (draft rows: the full-vocab configs at 15/30/60/240/960, the latent's
 XLA (split in interpret mode) / fused switch, the selection's 240-row switch). Kernel == jnp reference on fresh random inputs:
 token ids exactly, except rows where another float32 summation order could flip a near tie
-(`conftest.near_tie_rows`); "dyadic" inputs (exact dot products in any order, many real ties)
+(`helpers.near_tie_rows`); "dyadic" inputs (exact dot products in any order, many real ties)
 demand exact equality on every row.
 
 Cost: small V and H wherever the property does not need a big one; the expensive sides of
@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 import xpress_jax as xj
-from conftest import make_head, make_inputs, near_tie_rows, pick_inputs, sequential_greedy
+from helpers import make_head, make_inputs, near_tie_rows, pick_inputs, sequential_greedy
 from xpress_jax import dispatch
 from xpress_jax import reference as ref
 from xpress_jax.kernels import common, full_vocab, latent

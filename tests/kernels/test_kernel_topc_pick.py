@@ -7,7 +7,7 @@ H200 on CPU.
 Exactness: the kernel sums each candidate's dot in its own order (the oracle is
 an XLA einsum), so a bias within an ulp of a rounding boundary may round the
 other way. Picks are demanded equal on every row that is not such a near tie
-(`conftest.near_tie_rows`), and on every row of "dyadic" inputs whose dot products are
+(`helpers.near_tie_rows`), and on every row of "dyadic" inputs whose dot products are
 exact in any order (these also produce many genuine ties).
 """
 
@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import near_tie_rows, pick_inputs
+from helpers import TRITON_CALL, lower_triton, near_tie_rows, pick_inputs
 
 from xpress_jax import dispatch
 from xpress_jax import reference as R
@@ -28,7 +28,6 @@ from xpress_jax.kernels import common
 from xpress_jax.kernels import topc_pick as tp
 
 DTYPES = [jnp.float32, jnp.bfloat16]
-TRITON_CALL = "__gpu$xla.gpu.triton"
 
 # (rows, V, C, r, config): rows = N*(B-1) with N=1,B=16 / N=5,B=6 / N=3,B=16; C = 100 and 512.
 SHAPES = [
@@ -302,17 +301,17 @@ class TestTopCLowering:
         args = (S((rows, C), dt), S((rows, C), jnp.int32), S((rows, r), dt), S((V, r), dt))
         for cfg in (tp.default_config(rows, C, r, dt), dispatch.plan(rows, 2, V, r, C, dt).topc):
             splits = -(-C // (cfg.c_tile * cfg.c_steps))
-            hlo = common.lower_triton(functools.partial(tp.topc_pick, config=cfg), *args).as_text()
+            hlo = lower_triton(functools.partial(tp.topc_pick, config=cfg), *args).as_text()
             assert hlo.count(TRITON_CALL) == (1 if splits == 1 else 2)
             assert "xpress_topc_pick" in hlo
         # A single split is one launch; several add the combine kernel.
         one = tp.TopCConfig(c_tile=64, c_steps=8, k_tile=128)
-        hlo = common.lower_triton(functools.partial(tp.topc_pick, config=one), *args).as_text()
+        hlo = lower_triton(functools.partial(tp.topc_pick, config=one), *args).as_text()
         assert hlo.count(TRITON_CALL) == 1
         # A pass that skips the final slots: the served config over 2/3 of the rows through row_ids.
         cfg = dispatch.plan(rows, 2, V, r, C, dt).topc
         f = lambda b_, c_, l_, w_, i_: tp.topc_pick(b_, c_, l_, w_, config=cfg, row_ids=i_)
-        hlo = common.lower_triton(f, *args, S((max(1, rows * 2 // 3),), jnp.int32)).as_text()
+        hlo = lower_triton(f, *args, S((max(1, rows * 2 // 3),), jnp.int32)).as_text()
         assert "xpress_topc_pick" in hlo
 
     @pytest.mark.parametrize("rows", [240, 960])
@@ -324,10 +323,10 @@ class TestTopCLowering:
         args = (S((rows, C), dt), S((rows, C), jnp.int32), S((rows, r), dt), S((V, r), dt))
         cfg = dispatch.plan(rows, 2, V, r, C, dt).topc
         keep = (1, "evict_last", "evict_first")
-        hlo = common.lower_triton(functools.partial(tp.topc_pick, config=cfg, keep=keep), *args).as_text()
+        hlo = lower_triton(functools.partial(tp.topc_pick, config=cfg, keep=keep), *args).as_text()
         assert "xpress_topc_pick" in hlo
         f = lambda b_, c_, l_, w_, i_, s_: tp.topc_pick(b_, c_, l_, w_, config=cfg, keep=keep, row_ids=i_, skip=s_)
-        assert "xpress_topc_pick" in common.lower_triton(f, *args, S((rows // 2,), jnp.int32), S((), jnp.bool_)).as_text()
+        assert "xpress_topc_pick" in lower_triton(f, *args, S((rows // 2,), jnp.int32), S((), jnp.bool_)).as_text()
 
     @pytest.mark.parametrize("rows", [15, 3840])
     def test_skip_lowers(self, rows):
@@ -339,6 +338,6 @@ class TestTopCLowering:
         cfg = tp.default_config(rows, C, r, dt)
         for skip, n_ops in ((None, 4), (S((), jnp.bool_), 5)):
             f = lambda *a: tp.topc_pick(*a[:4], config=cfg, ties="id", partials=True, skip=a[4] if len(a) > 4 else None)
-            hlo = common.lower_triton(f, *args, *([skip] if skip is not None else [])).as_text()
+            hlo = lower_triton(f, *args, *([skip] if skip is not None else [])).as_text()
             line = next(ln for ln in hlo.splitlines() if TRITON_CALL in ln and 'name = "xpress_topc_pick"' in ln)
             assert len(line.split(TRITON_CALL + "(")[1].split(")")[0].split(",")) == n_ops

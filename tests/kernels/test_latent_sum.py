@@ -35,7 +35,7 @@ from xpress_jax.kernels import topc_pick as tp
 from xpress_jax.ops import Ops
 from xpress_jax.refine import refine_with
 
-from conftest import make_head, make_inputs, pick_inputs
+from helpers import lower_triton, make_head, make_inputs, pick_inputs
 
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 SLOW = pytest.mark.slow
@@ -237,7 +237,7 @@ def test_lat_add_lowers_for_an_h200(rows):
     S = jax.ShapeDtypeStruct
     cfg = tp.default_config(rows, C, r, dt)
     f = functools.partial(tp.topc_pick, config=cfg)
-    hlo = common.lower_triton(lambda b, c, u, w, d: f(b, c, u, w, lat_add=d), S((rows, C), dt), S((rows, C), jnp.int32),
+    hlo = lower_triton(lambda b, c, u, w, d: f(b, c, u, w, lat_add=d), S((rows, C), dt), S((rows, C), jnp.int32),
                               S((rows, r), jnp.float32), S((V, r), dt), S((rows, r), jnp.float32)).as_text()
     call = "__gpu$xla.gpu.triton"
     line = next(ln for ln in hlo.splitlines() if call in ln and 'name = "xpress_topc_pick"' in ln)

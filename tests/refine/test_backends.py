@@ -9,11 +9,11 @@ import pytest
 
 import xpress_jax as xj
 
-from xpress_jax.kernels.common import gpu_supported, lower_triton
+from xpress_jax.kernels.common import gpu_supported
 from xpress_jax.ops import Ops
 from xpress_jax.refine import refine_with
 
-from conftest import make_head, make_inputs
+from helpers import lower_triton, make_head, make_inputs
 
 refine_jit = jax.jit(xj.refine, static_argnames=xj.STATIC_ARGNAMES)
 

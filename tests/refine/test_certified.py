@@ -377,10 +377,10 @@ def test_certify_kernel_equals_jnp(dtype, rows, compiled):
 def test_kernel_differences_are_only_near_ties(dtype, compiled):
     """Pallas (interpret on CPU; compiled on a GPU): certified rows take the top-C kernel's winner, the scan
     takes the full-vocab kernel's; the two sum each dot in different orders. Every row where the certified
-    pick differs from the scan must be a near tie (`conftest.near_tie_rows`: another summation order could
+    pick differs from the scan must be a near tie (`helpers.near_tie_rows`: another summation order could
     change the scan's own pick), most rows must certify (the candidates' path is what is compared), and the
     near ties must be rare."""
-    from conftest import near_tie_rows, pick_inputs
+    from helpers import near_tie_rows, pick_inputs
 
     if compiled and not gpu_supported():
         pytest.skip("compiled kernels need a CUDA GPU (the interpret case runs here)")
@@ -443,7 +443,7 @@ def test_compiled_one_pick_on_gpu(regime):
 def test_nonfinite_logits(dtype):
     """NaN counts as -inf; +inf wins; all -inf or all NaN rows pick id 0 (certified: tau = best = -inf and id 0
     is a candidate); as the scan. The certified rows are the expected ones."""
-    from conftest import nonfinite_pick_inputs
+    from helpers import nonfinite_pick_inputs
 
     base, lat, w2 = nonfinite_pick_inputs()
     w2 = w2 * 0.01
@@ -575,9 +575,7 @@ def test_lowers_for_an_h200():
     """The Pallas certified refine lowers for an H200: the selection, the top-C pick (with its skip flag), the
     full-vocab pick (with its active rows, packed through a row map) and the latent kernels are all in the HLO,
     and there is no conditional (no `stablehlo.case`)."""
-    from conftest import triton_operand_counts, triton_operands
-
-    from xpress_jax.kernels.common import lower_triton
+    from helpers import lower_triton, triton_operand_counts, triton_operands
 
     cfg = xj.HeadConfig(vocab_size=4099, hidden_size=64, block_size=16, rank=256, mlp_hidden=512, topc=512)
     p = jax.eval_shape(lambda: xj.init_params(cfg, jax.random.key(0), dtype=jnp.bfloat16))

@@ -19,7 +19,7 @@ import pytest
 import xpress_jax as xj
 from xpress_jax import compile_options as co
 
-from conftest import make_head, make_inputs
+from helpers import make_head, make_inputs
 
 OPTION = "xla_gpu_command_buffer_scheduling_mode"
 CFG = xj.HeadConfig(vocab_size=301, hidden_size=32, block_size=5, rank=24, mlp_hidden=32, topc=7, num_passes=3,

@@ -17,7 +17,7 @@ import xpress_jax as xj
 from xpress_jax.ops import Ops
 from xpress_jax.refine import _refine, exit_checks, resolve_call, run_passes
 
-from conftest import make_head, make_inputs, sequential_greedy
+from helpers import make_head, make_inputs, sequential_greedy
 
 refine_jit = jax.jit(xj.refine, static_argnames=xj.STATIC_ARGNAMES)
 slow = pytest.mark.slow

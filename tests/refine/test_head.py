@@ -11,7 +11,7 @@ import pytest
 
 import xpress_jax as xj
 
-from conftest import SMALL, make_head, make_inputs
+from helpers import SMALL, make_head, make_inputs
 
 refine_jit = jax.jit(xj.refine, static_argnames=xj.STATIC_ARGNAMES)
 

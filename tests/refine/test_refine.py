@@ -11,7 +11,7 @@ import xpress_jax as xj
 from xpress_jax.head import hidden_input, latent
 from xpress_jax import reference as R
 
-from conftest import make_head, make_inputs, sequential_greedy
+from helpers import make_head, make_inputs, sequential_greedy
 
 refine_jit = jax.jit(xj.refine, static_argnames=xj.STATIC_ARGNAMES)
 

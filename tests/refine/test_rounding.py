@@ -17,7 +17,7 @@ import pytest
 import xpress_jax as xj
 from xpress_jax import reference as R
 
-from conftest import SMALL, make_head, make_inputs
+from helpers import SMALL, make_head, make_inputs
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])

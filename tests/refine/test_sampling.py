@@ -19,7 +19,7 @@ from xpress_jax.head import hidden_input, latent
 from xpress_jax.kernels.common import GUMBEL_MAX, gumbel
 from xpress_jax.sampling import row_seeds
 
-from conftest import chi2, make_head, make_inputs
+from helpers import chi2, make_head, make_inputs
 
 refine_jit = jax.jit(xj.refine, static_argnames=xj.STATIC_ARGNAMES)
 

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import xpress_jax as xj
-from conftest import chi2
+from helpers import chi2
 from xpress_jax.sampling import accept
 from xpress_jax.toy import ToyConfig, ToyTask
 

@@ -17,7 +17,7 @@ import pytest
 import xpress_jax as xj
 from xpress_jax.head import TOKEN_TABLE, hidden_input, latent
 
-from conftest import make_head, make_inputs
+from helpers import make_head, make_inputs
 
 refine_jit = jax.jit(xj.refine, static_argnames=xj.STATIC_ARGNAMES)
 

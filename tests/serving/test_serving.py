@@ -18,7 +18,7 @@ import pytest
 
 import xpress_jax as xj
 
-from conftest import COMPILES, make_head, make_inputs, run_on_host_devices, serving
+from helpers import COMPILES, make_head, make_inputs, run_on_host_devices, serving
 
 # Tiny, B not a power of two, top-C on (the candidate path), K < B-1.
 CFG = xj.HeadConfig(vocab_size=300, hidden_size=32, block_size=5, rank=24, mlp_hidden=32, topc=7, num_passes=3,
@@ -310,7 +310,7 @@ _CHILD_PREAMBLE = """
 import sys, tempfile
 import jax, jax.numpy as jnp, numpy as np, xpress_jax as xj
 from jax.sharding import Mesh
-from conftest import make_head, make_inputs
+from helpers import make_head, make_inputs
 assert len(jax.devices()) == 4, jax.devices()
 compiles = []
 jax.monitoring.register_event_duration_secs_listener(

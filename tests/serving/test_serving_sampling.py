@@ -16,7 +16,7 @@ import pytest
 
 import xpress_jax as xj
 
-from conftest import make_head, make_inputs, run_on_host_devices, serving
+from helpers import make_head, make_inputs, run_on_host_devices, serving
 
 # Another V than test_serving.py's: no executable of one file is a cache hit of the other's (it counts compiles).
 CFG = xj.HeadConfig(vocab_size=310, hidden_size=32, block_size=5, rank=24, mlp_hidden=32, topc=7, num_passes=3,
@@ -164,7 +164,7 @@ _MESH_SCRIPT = """
 import jax, numpy as np
 import xpress_jax as xj
 from jax.sharding import Mesh
-from conftest import make_head, make_inputs
+from helpers import make_head, make_inputs
 compiles = []
 jax.monitoring.register_event_duration_secs_listener(
     lambda name, *a, **kw: compiles.append(name) if "backend_compile" in name else None)

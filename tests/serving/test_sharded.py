@@ -47,7 +47,7 @@ def sweep(mesh):
 
 
 def _run_child(cases):
-    from conftest import run_on_host_devices
+    from helpers import run_on_host_devices
 
     out = run_on_host_devices([os.path.abspath(__file__), json.dumps(cases)])
     return json.loads(out.strip().splitlines()[-1])
@@ -124,7 +124,7 @@ def _inputs(cfg, kind, dtype, seed=0):
     import numpy as np
 
     import xpress_jax as xj
-    from conftest import make_head, make_inputs
+    from helpers import make_head, make_inputs
 
     params = make_head(cfg, seed=seed)
     logits, h, anchors, prev = make_inputs(cfg, N, seed=seed + 1)

@@ -14,7 +14,7 @@ import xpress_jax as xj
 from xpress_jax.head import MODULE_PARAM_NAMES, hidden_input, latent
 from xpress_jax.params import source_shapes
 
-from conftest import SMALL, make_inputs
+from helpers import SMALL, make_inputs
 
 CFG = xj.HeadConfig(**SMALL)
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import chi2
+from helpers import chi2
 from xpress_jax.head import XPressHead
 from xpress_jax.toy import ToyConfig, ToyTask
 from xpress_jax.train import TrainConfig, loss_and_metrics, train
@@ -31,7 +31,7 @@ def _softmax(x):
 
 
 def _accepts(tokens: np.ndarray, p: np.ndarray) -> bool:
-    """``tokens`` are not rejected as draws of ``p`` at about p = 1e-5 (`conftest.chi2`)."""
+    """``tokens`` are not rejected as draws of ``p`` at about p = 1e-5 (`helpers.chi2`)."""
     stat, crit = chi2(np.bincount(tokens, minlength=len(p)), p, z=4.26)
     return stat < crit
 

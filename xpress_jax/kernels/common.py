@@ -1,4 +1,4 @@
-"""Shared Pallas-Triton plumbing (compiler params, CPU lowering check) and the in-kernel helpers of every kernel.
+"""Shared Pallas-Triton plumbing (compiler params, GPU support) and the in-kernel helpers of every kernel.
 
 This package imports nothing from the rest of `xpress_jax`: `xpress_jax.dispatch` picks the configs and
 `xpress_jax.ops` calls the wrappers.
@@ -21,7 +21,7 @@ except ImportError as e:  # pragma: no cover (exercised in a child process by th
     plt = None
     TRITON_IMPORT_ERROR = e
 
-__all__ = ["pallas_call", "compiler_params", "triton_available", "plt", "lower_triton", "gpu_supported", "BIG", "MIN_DOT", "SMEM_LIMIT", "iota",
+__all__ = ["pallas_call", "compiler_params", "triton_available", "plt", "gpu_supported", "BIG", "MIN_DOT", "SMEM_LIMIT", "iota",
            "cdiv", "next_pow2", "k_chunk", "score", "best", "merge", "flag_operand", "flags_row", "src_row",
            "best3", "merge3", "check_noise", "mix32", "noise_seed", "gumbel", "GUMBEL_MAX", "sample_key", "online_lse",
            "finish_lse"]
@@ -109,20 +109,6 @@ def _supported(devs: list) -> bool:
         return float(getattr(d, "compute_capability")) >= 8.0
     except (AttributeError, TypeError, ValueError):
         return False
-
-
-def lower_triton(f: Callable, *args: Any, **kwargs: Any):
-    """Lower ``jax.jit(f)(*args)`` for CUDA (an H200) on a CPU-only machine: the Lowered. Catches kernels that run in
-    interpret mode but would not build on the GPU."""
-    def low():
-        return jax.jit(f, **kwargs).trace(*args).lower(lowering_platforms=("cuda",))
-
-    if not hasattr(plt, "get_gpu_info"):  # JAX 0.10.x lowers without a GPU
-        return low()
-    ad = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="cuda")
-    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=ad)
-    with jax.sharding.use_abstract_mesh(mesh):
-        return low()
 
 
 # In-kernel helpers.
