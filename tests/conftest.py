@@ -155,6 +155,7 @@ def skip_summary(reasons: list[str]) -> str:
 from helpers import (  # noqa: E402,F401
     COMPILES, SMALL, TRITON_CALL, chi2, lower_triton, make_head, make_inputs, near_tie_rows, nonfinite_pick_inputs,
     pick_inputs, run_on_host_devices, sequential_greedy, serving, to_f64, triton_operand_counts, triton_operands,
+    with_columns,
 )
 
 

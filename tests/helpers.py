@@ -6,6 +6,7 @@ A plain module (``from helpers import ...``); `conftest.py` holds the pytest hoo
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import re
 from typing import Any, Callable
@@ -214,3 +215,7 @@ def lower_triton(f: Callable, *args: Any, **kwargs: Any):
     with jax.sharding.use_abstract_mesh(mesh):
         return low()
 
+
+def with_columns(table, **columns):
+    """A `xpress_jax.dispatch.Table` with these `Entry` fields set in every entry."""
+    return table.replace(entries=tuple(dataclasses.replace(e, **columns) for e in table.entries))

@@ -4,7 +4,8 @@
 up to its ``max_rows`` (None: no bound), every tuned threshold a column. float64 gets the jnp reference everywhere;
 float32 (never tuned) the entry's choices but the kernels' own full-vocab and latent configs; bf16 / f16 the whole
 entry. Measured at B = 16 (the comments give N); the numbers are in docs/performance.md. ``Ops.pallas(table=...)``
-carries a table (a static jit argument); variants: ``TABLE.with_columns(alternate=False)``, ``TABLE.replace(...)``.
+carries a table (a static jit argument); variants: ``TABLE.replace(...)``, e.g. with entries changed by
+``dataclasses.replace``.
 """
 
 from __future__ import annotations
@@ -89,10 +90,6 @@ class Table:
 
     def replace(self, **changes) -> "Table":
         return dataclasses.replace(self, **changes)
-
-    def with_columns(self, **columns) -> "Table":
-        """The table with these `Entry` fields set in every entry."""
-        return self.replace(entries=tuple(dataclasses.replace(e, **columns) for e in self.entries))
 
     def select_config(self, entry: Entry, c: int) -> dict:
         """The selection's `select.SelectConfig` fields that differ from its defaults, for ``c``. Above C = 512 the

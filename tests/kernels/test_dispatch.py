@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import xpress_jax as xj
-from conftest import make_head, make_inputs
+from helpers import make_head, make_inputs, pick_inputs, with_columns
 from xpress_jax import dispatch
 from xpress_jax import reference as xref
 from xpress_jax.kernels import full_vocab, latent, select, topc_pick
@@ -59,10 +59,11 @@ def test_column_boundaries(column, last, value):
 
 
 def test_table_variants_reach_ops():
-    """A table built with `Table.with_columns` / `Table.replace` is a new hashable key: a new `Ops`."""
-    t = dispatch.TABLE.with_columns(alternate=False)
+    """A table built with `Table.replace` (entries changed by `dataclasses.replace`) is a new hashable key: a new
+    `Ops`."""
+    t = with_columns(dispatch.TABLE, alternate=False)
     assert t != dispatch.TABLE and not any(e.alternate for e in t.entries)
-    assert Ops.pallas(True, table=t) is Ops.pallas(True, table=dispatch.TABLE.with_columns(alternate=False))
+    assert Ops.pallas(True, table=t) is Ops.pallas(True, table=with_columns(dispatch.TABLE, alternate=False))
     assert Ops.pallas(True, table=t) is not Ops.pallas(True)
     assert Ops.pallas(True) is Ops.pallas(True, table=dispatch.TABLE)
     assert dispatch.TABLE.replace(sms=66).capacity_config(dispatch.TABLE.entries[-1].full_vocab, V).v_steps == 36
@@ -246,7 +247,7 @@ def test_full_vocab_pass_pick(monkeypatch, early_exit):
     tok, o = orders(swapped)
     assert o and not any(r or i for r, i in o)
     np.testing.assert_array_equal(tok, want)
-    tok, o = orders(Ops.pallas(True, table=dispatch.TABLE.with_columns(alternate=False)))  # ascending
+    tok, o = orders(Ops.pallas(True, table=with_columns(dispatch.TABLE, alternate=False)))  # ascending
     assert [r for r, _ in o] == [False] * 4
     np.testing.assert_array_equal(tok, want)
 
@@ -313,7 +314,7 @@ def test_pass_pick_compiled(monkeypatch, topc, dtype):
         return orig(*a, **kw)
 
     monkeypatch.setattr(mod, name, spy)
-    P = Ops.pallas(False, table=dispatch.TABLE.with_columns(skip_final_slots=True, topc_skip_final_slots=True))
+    P = Ops.pallas(False, table=with_columns(dispatch.TABLE, skip_final_slots=True, topc_skip_final_slots=True))
     plain = dataclasses.replace(P, full_vocab_pass_pick=None, topc_pass_pick=None)
     want = np.asarray(refine_with(plain, head, *x, num_passes=6, unroll=True))
     assert seen and not any(seen)
@@ -373,7 +374,7 @@ def test_served_keeps_are_the_same_tokens(monkeypatch, topc):
     assert not topc or splits == 3
     assert seen and all(k == want_keep for k in seen), (seen, want_keep)
     seen.clear()
-    P = Ops.pallas(interpret, table=dispatch.TABLE.replace(topc_keep_bytes=None).with_columns(full_vocab_keep=None))
+    P = Ops.pallas(interpret, table=with_columns(dispatch.TABLE.replace(topc_keep_bytes=None), full_vocab_keep=None))
     want = np.asarray(refine_with(P, head, *x, num_passes=3, unroll=True))
     assert seen and not any(seen)
     np.testing.assert_array_equal(tok, want)
@@ -420,10 +421,10 @@ def test_full_vocab_start_through_the_selection(monkeypatch, n, b, v, dtype):
         return orig(*a, **kw)
 
     monkeypatch.setattr(select, "select_candidates", spy)
-    P = Ops.pallas(interpret, table=dispatch.TABLE.with_columns(start_select=False))
+    P = Ops.pallas(interpret, table=with_columns(dispatch.TABLE, start_select=False))
     np.testing.assert_array_equal(np.asarray(P.start(logits)), want)
     assert seen == []  # XLA's argmax
-    got = np.asarray(Ops.pallas(interpret, table=dispatch.TABLE.with_columns(start_select=True)).start(logits))
+    got = np.asarray(Ops.pallas(interpret, table=with_columns(dispatch.TABLE, start_select=True)).start(logits))
     assert seen == [1], "the selection did not run"
     np.testing.assert_array_equal(got, want)
 
@@ -438,10 +439,10 @@ def test_full_vocab_refine_starting_through_the_selection(monkeypatch):
     interpret = jax.default_backend() == "cpu"
     seen, orig = [], select.select_candidates
     monkeypatch.setattr(select, "select_candidates", lambda *a, **kw: seen.append(a[1]) or orig(*a, **kw))
-    P = Ops.pallas(interpret, table=dispatch.TABLE.with_columns(start_select=False))
+    P = Ops.pallas(interpret, table=with_columns(dispatch.TABLE, start_select=False))
     want = np.asarray(refine_with(P, head, *x, num_passes=2))
     assert seen == []
-    P = Ops.pallas(interpret, table=dispatch.TABLE.with_columns(start_select=True))
+    P = Ops.pallas(interpret, table=with_columns(dispatch.TABLE, start_select=True))
     np.testing.assert_array_equal(np.asarray(refine_with(P, head, *x, num_passes=2)), want)
     assert seen == [1]
     assert len(set(map(tuple, want))) > 1
@@ -572,8 +573,6 @@ def test_no_import_cycles():
 def test_best_steps_agree_with_the_picks(ops_name, dtype):
     """`full_vocab_best` / `topc_best` (the picks with their winning values, what the vocabulary-sharded
     path combines) give the picks' ids, and the scores the reference computes for those ids."""
-    from conftest import pick_inputs
-
     from xpress_jax import reference as ref
 
     ops = Ops.xla() if ops_name == "xla" else Ops.pallas(True)

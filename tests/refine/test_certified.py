@@ -22,6 +22,8 @@ from xpress_jax.kernels.common import gpu_supported
 from xpress_jax.ops import Ops
 from xpress_jax.refine import refine_with
 
+from helpers import with_columns
+
 DTYPES = [jnp.bfloat16, jnp.float32]
 SLOW = pytest.mark.slow
 
@@ -148,7 +150,7 @@ def test_unrolled_passes_skip_final_slots(regime, path):
     if path != "pick":
         ops = dataclasses.replace(ops, full_vocab_capacity=lambda n, b, v, r, dtype, limit: limit or None)
     if path == "two-launch":
-        ops = dataclasses.replace(Ops.pallas(True, table=dispatch.TABLE.with_columns(scan_one_launch=False)),
+        ops = dataclasses.replace(Ops.pallas(True, table=with_columns(dispatch.TABLE, scan_one_launch=False)),
                                   full_vocab_capacity=ops.full_vocab_capacity)
 
     def run(o, unroll, full_vocab="scan"):
