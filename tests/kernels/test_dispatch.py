@@ -16,7 +16,7 @@ import xpress_jax as xj
 from helpers import make_head, make_inputs, pick_inputs, with_columns
 from xpress_jax import dispatch
 from xpress_jax import reference as xref
-from xpress_jax.kernels import full_vocab, latent, select, topc_pick
+from xpress_jax.kernels import common, full_vocab, latent, select, topc_pick
 from xpress_jax.ops import Ops
 from xpress_jax.refine import refine_with
 
@@ -25,104 +25,144 @@ V, R, B, C = 151936, 256, 16, 512  # serving shapes
 
 
 # ----------------------------------------------------------------------------- the table
+# Properties of `dispatch.TABLE`, whatever its measured values: a retuned table passes them unchanged.
+
+T = dispatch.TABLE
+SIXTEEN_BIT = (jnp.bfloat16, jnp.float16)
+
+
+def _ranges():
+    """(first, last) draft-row count each entry serves (last: None for the unbounded entry)."""
+    lows = [1] + [e.max_rows + 1 for e in T.entries[:-1]]
+    return list(zip(lows, [e.max_rows for e in T.entries]))
+
+
+def _columns():
+    """The `Entry` fields that are decisions (every field but ``max_rows``)."""
+    return [f.name for f in dataclasses.fields(dispatch.Entry) if f.name != "max_rows"]
 
 
 def test_table_is_ordered_and_ends_unbounded():
-    limits = [e.max_rows for e in dispatch.TABLE.entries]
+    limits = [e.max_rows for e in T.entries]
     assert limits[-1] is None and None not in limits[:-1]
     assert limits[:-1] == sorted(limits[:-1]) and len(set(limits[:-1])) == len(limits) - 1
-    for e in dispatch.TABLE.entries:
+    for e in T.entries:
         assert e.latent in ("xla", "split", "fused")
+        assert e.full_vocab_keep in full_vocab.KEEP_POLICIES
         e.full_vocab.check()
         e.topc.check()
         select.SelectConfig(block=e.select_block)
-    hash(dispatch.TABLE)
+    hash(T)
     with pytest.raises(dataclasses.FrozenInstanceError):
-        dispatch.TABLE.sms = 1  # type: ignore[misc]
+        T.sms = 1  # type: ignore[misc]
     with pytest.raises(ValueError, match="ascending"):
-        dispatch.TABLE.replace(entries=dispatch.TABLE.entries[:-1])
+        T.replace(entries=T.entries[:-1])
     with pytest.raises(TypeError, match="Table"):
-        Ops.pallas(True, table=dispatch.TABLE.entries)
+        Ops.pallas(True, table=T.entries)
 
 
-# Every column's boundary, in draft rows: (column, last row count of one value, its value there).
-BOUNDARIES = [("mixer_barrier", 15, True), ("split_latent", 60, True), ("alternate", 60, True),
-              ("skip_final_slots", 239, False), ("topc_skip_final_slots", 239, False), ("start_select", 479, False),
-              ("scan_one_launch", 960, True), ("table_latent", 1920, True)]
+def test_every_row_count_has_one_entry_and_every_entry_serves():
+    """`Table.entry` gives each draft-row count the first entry whose range holds it: every count from 1 up has
+    one, every entry serves a non-empty range, and neighbouring entries differ in some decision (else one
+    would be redundant)."""
+    ranges = _ranges()
+    for e, (lo, hi) in zip(T.entries, ranges):
+        assert hi is None or lo <= hi
+        for rows in {lo, hi if hi is not None else 10 ** 6, (lo + (hi or lo)) // 2}:
+            assert T.entry(rows) is e, rows
+    for a, b in zip(T.entries, T.entries[1:]):
+        assert any(getattr(a, c) != getattr(b, c) for c in _columns()), (a, b)
 
 
-@pytest.mark.parametrize("column,last,value", BOUNDARIES, ids=[b[0] for b in BOUNDARIES])
-def test_column_boundaries(column, last, value):
-    """Each column changes exactly once, after ``last`` draft rows (what serving measured at B = 16)."""
-    got = [getattr(dispatch.TABLE.entry(rows), column) for rows in (1, last, last + 1, 10 ** 6)]
-    assert got == [value, value, not value, not value]
+@pytest.mark.parametrize("column", [c for c in _columns() if c != "full_vocab"])
+def test_each_column_changes_at_most_once(column):
+    """Every decision but the full-vocab config is one threshold in draft rows (a column measured to pay up to
+    some N, or from some N): along the entries its value changes at most once."""
+    values = [getattr(e, column) for e in T.entries]
+    assert sum(a != b for a, b in zip(values, values[1:])) <= 1, values
 
 
 def test_table_variants_reach_ops():
     """A table built with `Table.replace` (entries changed by `dataclasses.replace`) is a new hashable key: a new
     `Ops`."""
-    t = with_columns(dispatch.TABLE, alternate=False)
-    assert t != dispatch.TABLE and not any(e.alternate for e in t.entries)
-    assert Ops.pallas(True, table=t) is Ops.pallas(True, table=with_columns(dispatch.TABLE, alternate=False))
+    t = with_columns(T, alternate=False)
+    assert t != T and not any(e.alternate for e in t.entries)
+    assert Ops.pallas(True, table=t) is Ops.pallas(True, table=with_columns(T, alternate=False))
     assert Ops.pallas(True, table=t) is not Ops.pallas(True)
-    assert Ops.pallas(True) is Ops.pallas(True, table=dispatch.TABLE)
-    assert dispatch.TABLE.replace(sms=66).capacity_config(dispatch.TABLE.entries[-1].full_vocab, V).v_steps == 36
+    assert Ops.pallas(True) is Ops.pallas(True, table=T)
 
 
-# What serves at the serving shapes (B=16, V=151936, r=256, C=512, bf16), written out by hand: a change to the
-# table must change this test on purpose.
-_LAZY = dict(prefetch_base=True, lazy=True)
-_TC_SMALL = (32, 1, 128, 4)  # top-C pick (c_tile, c_steps, k_tile, num_warps), num_stages 2
-_TC_ONE = (128, 1, 64, 8)
-SERVED = {
-    1: dict(fv=dict(row_tile=16, v_tile=64, v_steps=12, k_tile=0, num_warps=4, num_stages=3, hold_lat=True, **_LAZY),
-            latent=None, select=dict(block=16, finish_warps=8), topc=_TC_SMALL),
-    4: dict(fv=dict(row_tile=64, v_tile=64, v_steps=6, k_tile=64, num_warps=4, num_stages=4, hold_lat=False,
-                    flat=True, **_LAZY), latent=None, select=dict(block=16, finish_warps=8), topc=_TC_ONE),
-    16: dict(fv=dict(row_tile=128, v_tile=64, v_steps=36, k_tile=0, num_warps=8, num_stages=3, hold_lat=True, **_LAZY),
-             latent=None, select=dict(block=16, finish_warps=8), topc=_TC_ONE),
-    64: dict(fv=dict(row_tile=128, v_tile=64, v_steps=12, k_tile=0, num_warps=8, num_stages=3, hold_lat=True, **_LAZY),
-             latent=None, select=dict(block=16, finish_warps=8), topc=_TC_ONE),
-    256: dict(fv=dict(row_tile=128, v_tile=64, v_steps=108, k_tile=0, num_warps=8, num_stages=3, hold_lat=True,
-                      **_LAZY), latent=("fused", 2), select=dict(block=16, finish_warps=8), topc=_TC_ONE),
-}
+@pytest.mark.parametrize("sms", [66, 132, 1000])
+def test_capacity_configs_fill_a_wave(sms):
+    """`Table.capacity_config`: the served config with at most its ``v_steps``, the fewest that put one row tile's
+    parts in one wave of ``sms`` programs (the most parts that still run at once)."""
+    t = T.replace(sms=sms)
+    for e in t.entries:
+        cfg = t.capacity_config(e.full_vocab, V)
+        steps, vtiles = cfg.v_steps, -(-V // cfg.v_tile)
+        assert cfg == dataclasses.replace(e.full_vocab, v_steps=steps) and 1 <= steps <= e.full_vocab.v_steps
+        assert steps == e.full_vocab.v_steps or -(-vtiles // steps) <= sms
+        assert steps == 1 or -(-vtiles // (steps - 1)) > sms
 
 
-@pytest.mark.parametrize("n", dispatch.SERVING_N)
-def test_serving_configs_are_pinned(n):
-    p = dispatch.plan(n, B, V, R, C, jnp.bfloat16)
-    want = SERVED[n]
-    assert p.full_vocab == full_vocab.FullVocabConfig(**want["fv"])
-    assert p.select == want["select"]
-    if want["latent"] is None:
-        assert p.latent is None
-    else:
-        variant, bpp = want["latent"]
-        assert (p.latent.variant, p.latent.blocks_per_program) == (variant, bpp)
-    c_tile, c_steps, k_tile, warps = want["topc"]
-    assert p.topc == topc_pick.TopCConfig(c_tile=c_tile, c_steps=c_steps, k_tile=k_tile, num_warps=warps,
-                                          num_stages=2)
+@pytest.mark.parametrize("dtype", SIXTEEN_BIT, ids=lambda d: jnp.dtype(d).name)
+def test_every_entry_fits_its_target_at_serving_shapes(dtype):
+    """At the serving shapes (B=16, V=151936, r=256, C=512) every entry's configs pass their kernels' checks
+    for an H200 (tensor-core tiles, `SMEM_LIMIT`) as measured: the plan of each end of its range serves the
+    entry's own full-vocab and top-C configs, not ones fitted down, and a fused latent fits too."""
+    for e, (lo, hi) in zip(T.entries, _ranges()):
+        assert e.full_vocab.smem_bytes(R, dtype) <= common.SMEM_LIMIT
+        for rows in (lo, hi or 4 * lo):
+            e.full_vocab.check_shape(rows, V, R, dtype)
+            e.topc.check_shape(rows, C, R, dtype)
+            p = dispatch.plan(rows, 2, V, R, C, dtype)  # B = 2: N = the draft rows
+            assert p.entry is e and p.full_vocab == e.full_vocab and p.topc == e.topc
+            assert (p.latent is None) == (e.latent == "xla")
+            if p.latent is not None:
+                assert p.latent.variant == e.latent
+                assert e.latent == "split" or p.latent.smem_bytes(R, dtype) <= latent.SMEM_LIMIT
 
 
-def test_topc_config_bounds():
-    """The top-C pick's config changes exactly after 30 draft rows (N=2 at B=16), and every program holds one
-    candidate tile at any row count and any C."""
-    small = 30
-    tc = {rows: dispatch.plan(rows, 2, V, R, C, jnp.bfloat16).topc for rows in (1, small, small + 1, 3840)}
-    assert tc[1] == tc[small] and tc[1].c_tile == 32 and tc[small + 1].c_tile == 128 and tc[small + 1] == tc[3840]
-    for rows in (1, small, small + 1, 960, 3841):
-        for c in (1, 33, 512, 4096):
-            assert dispatch.plan(rows, 2, V, R, c, jnp.bfloat16).topc.c_steps == 1
+@pytest.mark.interpret
+@pytest.mark.parametrize("i", [pytest.param(i, id=f"rows-{lo}-{hi or 'up'}", marks=() if i == 0 else pytest.mark.slow)
+                               for i, (lo, hi) in enumerate(_ranges())])
+def test_every_entry_gives_the_reference_tokens(i):
+    """Each entry, served alone (interpret mode), picks the reference's tokens on every row: the full-vocab
+    pick with its pass order and hints (pass 1: reversed where the entry alternates) and the top-C pick, on
+    dyadic inputs (every dot exact in any order, many tied scores: the tie rules decide)."""
+    e = T.entries[i]
+    alone = T.replace(entries=(dataclasses.replace(e, max_rows=None),))
+    ops = Ops.pallas(True, table=alone)
+    n, b, v, r, c = 5, 5, 1001, 24, 150  # several vocab parts and candidate tiles; a row tile's tail
+    base, lat, w2 = pick_inputs(n * (b - 1), v, r, jnp.bfloat16, seed=i, dyadic=True)
+    logits = jnp.concatenate([jnp.full((n, 1, v), 1e4, base.dtype), base.reshape(n, b - 1, v)], axis=1)
+    assert dispatch.plan(n, b, v, r, 0, base.dtype, table=alone).full_vocab == e.full_vocab
+    want = np.asarray(xref.full_vocab_pick(base, lat, w2))
+    for q in (None, 1):
+        np.testing.assert_array_equal(np.asarray(ops.full_vocab_pick(logits, lat, w2, q=q)), want)
+    cand, base_c, _ = xref.select_candidates(base, c)
+    want = np.asarray(xref.topc_pick(base_c, cand, lat, xref.topc_gather(w2, cand)))
+    np.testing.assert_array_equal(np.asarray(ops.topc_pick(base_c, cand, lat, ops.topc_prepare(w2, cand))), want)
+    assert len(set(want.tolist())) > 1
+
+
+def test_topc_programs_hold_one_candidate_tile():
+    """Every top-C config the table serves runs one candidate tile per program, at any row count and any C."""
+    for lo, hi in _ranges():
+        for rows in (lo, hi or 4 * lo):
+            for c in (1, 33, 512, 4096):
+                assert dispatch.plan(rows, 2, V, R, c, jnp.bfloat16).topc.c_steps == 1
 
 
 def test_plan_is_in_draft_rows_for_any_block_size():
-    """Same draft rows, same decisions, whatever B (the table's unit)."""
-    for rows in (15, 60, 90, 240, 960, 1920, 3840):
+    """Same draft rows, same decisions, whatever B (the table's unit): at each end of every entry's range."""
+    ends = sorted({x for lo, hi in _ranges() for x in (lo, hi or 4 * lo)})
+    for rows in ends:
         by_b = {b: dispatch.plan(rows // (b - 1), b, V, R, C, jnp.bfloat16)
-                for b in (2, 4, 16, 61) if rows % (b - 1) == 0}
-        assert len(by_b) >= 2, rows
-        fv = {p.full_vocab for p in by_b.values()}
-        assert len(fv) == 1, (rows, by_b.keys())
+                for b in (2, 3, 4, 5, 6, 16, 61, rows + 1) if rows % (b - 1) == 0}
+        assert len(by_b) >= 2 or rows == 1, rows
+        assert len({p.entry for p in by_b.values()}) == 1
+        assert len({p.full_vocab for p in by_b.values()}) == 1, (rows, by_b.keys())
         assert len({(p.latent is None, p.latent and p.latent.variant) for p in by_b.values()}) == 1
         assert len({tuple(p.select.items()) for p in by_b.values()}) == 1
 
@@ -326,23 +366,27 @@ def test_pass_pick_compiled(monkeypatch, topc, dtype):
     assert len(set(map(tuple, want))) > 1
 
 
-def test_served_keeps_follow_the_measurements():
-    """The picks' served ``keep``: the full-vocab loop split exactly in the table's configs that hold the latent
-    (not in the flat ones, where it measured slower); the top-C hot splits at the serving shapes exactly at N=16
-    (measured faster there; slower at N = 4, 8, 32, 64), half of the row's splits hot."""
-    T = dispatch.TABLE
+def test_served_keeps():
+    """The picks' served ``keep`` (L2 hints; none changes a token): the full-vocab loop's only where the config
+    holds the latent (`Entry.keep`). The top-C hints apply on one contiguous
+    range of N, exactly where one pass's gather (rows x C x r x itemsize) lies in the table's window, with half
+    of a row's splits kept hot; never with one split."""
     for e in T.entries:
-        rows = e.max_rows or 4096
-        assert e.keep(e.full_vocab) == ("split" if e.full_vocab.hold_lat and rows > 15 else None)
-    for n, want in ((1, None), (4, None), (8, "split"), (64, "split")):  # N=1 holds the latent, without the split
-        p = dispatch.plan(n, B, V, R, 0, jnp.bfloat16)
-        assert p.entry.keep(p.full_vocab) == want
-    assert dispatch.plan(1, B, V, R, 0, jnp.bfloat16).full_vocab.hold_lat
-    hinted = [n for n in range(1, 257) if T.topc_keep(n * (B - 1), C, R, 2, 4)]
-    assert 16 in hinted and not {4, 8, 32, 64} & set(hinted) and hinted == list(range(hinted[0], hinted[-1] + 1))
-    assert T.topc_keep(16 * (B - 1), C, R, 2, 4) == (2, "evict_last", "evict_first")
-    assert T.topc_keep(16 * (B - 1), C, R, 2, 1) is None  # one split: nothing to split in two
-    assert T.topc_keep(16 * (B - 1), C, R, 4, 4) is None  # float32: twice the bytes, out of the window
+        assert e.keep(e.full_vocab) == (e.full_vocab_keep if e.full_vocab.hold_lat else None)
+        assert e.keep(dataclasses.replace(e.full_vocab, hold_lat=False, flat=True)) is None
+    lo_bytes, hi_bytes = T.topc_keep_bytes or (0, 0)  # None: no window
+    for itemsize in (2, 4):
+        hinted = []
+        for n in range(1, 257):
+            rows = n * (B - 1)
+            keep = T.topc_keep(rows, C, R, itemsize, 4)
+            assert keep == ((2, "evict_last", "evict_first") if lo_bytes < rows * C * R * itemsize <= hi_bytes
+                            else None)
+            assert T.topc_keep(rows, C, R, itemsize, 1) is None  # one split: nothing to split in two
+            hinted += [n] * (keep is not None)
+        if hinted:
+            assert hinted == list(range(hinted[0], hinted[-1] + 1))
+    assert T.replace(topc_keep_bytes=None).topc_keep(16 * (B - 1), C, R, 2, 4) is None
 
 
 @pytest.mark.slow  # fast: the kernels' keep (test_kernel_*::test_l2_hints_are_the_same_pick), the rule above
@@ -469,11 +513,6 @@ def test_pass_pick_rows():
     assert dispatch.pass_pick_rows(16, 16, 5, 128, skip=True) == 0  # 240 -> 160 rows: 2 row tiles either way
     assert dispatch.pass_pick_rows(1, 16, 5, 16, skip=True) == 0
     assert dispatch.pass_pick_rows(1, 16, 5, 1, skip=True) == 5  # one program per row (top-C)
-    # what compiled serving does: skipping from N=16 at B=16, in both modes
-    for n, want in ((16, 3), (8, 0)):
-        e = dispatch.TABLE.entry(n * 15)
-        for skip in (e.skip_final_slots, e.topc_skip_final_slots):
-            assert dispatch.pass_pick_rows(n, 16, 3, 1, skip=skip) == want
 
 
 @pytest.mark.parametrize("dtype,n", [
