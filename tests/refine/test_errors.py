@@ -1,22 +1,52 @@
-"""Bad input is refused with an error naming the argument."""
+"""Bad input is refused with an error naming the argument, before anything is traced or compiled; configs.
+
+The arguments are numpy arrays of zeros (no value matters here), so that building a wrong one compiles nothing
+either, and each refusal runs under `refused`: nothing traced, nothing compiled.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import xpress_jax as xj
+from xpress_jax.params import VOCAB_MAP
 
-from conftest import SMALL, make_head, make_inputs
+from helpers import SMALL, serving
+
+
+def zero_params(cfg: xj.HeadConfig, dtype=np.float32) -> dict[str, np.ndarray]:
+    """Params of ``cfg``'s shapes, all zeros (``d2t`` int32), without a device op."""
+    return {k: np.zeros(s, np.int32 if k == VOCAB_MAP else dtype) for k, s in xj.param_shapes(cfg).items()}
+
+
+def zero_inputs(cfg: xj.HeadConfig, n: int):
+    """(logits, h, anchors, prev_ids) of ``n`` blocks, zeros, as numpy arrays."""
+    B, H = cfg.block_size, cfg.hidden_size
+    ids = np.zeros((n,), np.int32)
+    return np.zeros((n, B, cfg.draft_vocab_size), np.float32), np.zeros((n, B, H), np.float32), ids, ids.copy()
+
+
+@contextlib.contextmanager
+def refused(err, match):
+    """``pytest.raises(err, match=match)``, the error raised before anything is traced (a trace raises
+    RuntimeError here) or compiled."""
+    with serving() as compiles:
+        with pytest.raises(err, match=match):
+            yield
+    assert compiles() == 0
 
 
 @pytest.fixture(scope="module")
 def setup():
     cfg = xj.HeadConfig(**SMALL)
-    return cfg, make_head(cfg), make_inputs(cfg, 3)
+    return cfg, zero_params(cfg), zero_inputs(cfg, 3)
 
 
 def test_config_validation():
@@ -58,80 +88,83 @@ def test_from_hf_config_reads_vllm_fields():
 def test_shape_errors(setup):
     cfg, params, (logits, h, a, p) = setup
     kw = dict(num_passes=2, topc=0)
-    with pytest.raises(ValueError, match="logits"):
+    with refused(ValueError, "logits"):
         xj.refine(params, logits[..., :-1], h, a, p, **kw)
-    with pytest.raises(ValueError, match="block size|block_size"):
+    with refused(ValueError, "block size|block_size"):
         xj.refine(params, logits[:, :-1], h[:, :-1], a, p, **kw)
-    with pytest.raises(ValueError, match="logits"):
+    with refused(ValueError, "logits"):
         xj.refine(params, logits[0], h, a, p, **kw)
-    with pytest.raises(ValueError, match="h must"):
+    with refused(ValueError, "h must"):
         xj.refine(params, logits, h[..., :-1], a, p, **kw)
-    with pytest.raises(ValueError, match="h must"):
+    with refused(ValueError, "h must"):
         xj.refine(params, logits, h[:2], a, p, **kw)
-    with pytest.raises(ValueError, match="anchors"):
+    with refused(ValueError, "anchors"):
         xj.refine(params, logits, h, a[:2], p, **kw)
-    with pytest.raises(ValueError, match="prev_ids"):
+    with refused(ValueError, "prev_ids"):
         xj.refine(params, logits, h, a, p[:, None], **kw)
 
 
 def test_dtype_errors(setup):
     cfg, params, (logits, h, a, p) = setup
     kw = dict(num_passes=2, topc=0)
-    with pytest.raises(TypeError, match="logits dtype"):
+    with refused(TypeError, "logits dtype"):
         xj.refine(params, logits.astype(jnp.bfloat16), h, a, p, **kw)
-    with pytest.raises(TypeError, match="h dtype"):
+    with refused(TypeError, "h dtype"):
         xj.refine(params, logits, h.astype(jnp.bfloat16), a, p, **kw)
-    with pytest.raises(TypeError, match="anchors"):
+    with refused(TypeError, "anchors"):
         xj.refine(params, logits, h, a.astype(jnp.float32), p, **kw)
-    with pytest.raises(TypeError, match="prev_ids"):
+    with refused(TypeError, "prev_ids"):
         xj.refine(params, logits, h, a, p.astype(jnp.float32), **kw)
     mixed = dict(params, w2=params["w2"].astype(jnp.bfloat16))
-    with pytest.raises(TypeError, match="w2"):
+    with refused(TypeError, "w2"):
         xj.refine(mixed, logits, h, a, p, **kw)
 
 
 def test_param_errors(setup):
     cfg, params, (logits, h, a, p) = setup
     kw = dict(num_passes=2, topc=0)
-    with pytest.raises(ValueError, match="mlp_up"):
+    with refused(ValueError, "mlp_up"):
         xj.refine(dict(params, mlp_up=params["mlp_up"][:, :-1]), logits, h, a, p, **kw)
     missing = dict(params)
     del missing["mix"]
-    with pytest.raises(ValueError, match="mix"):
+    with refused(ValueError, "mix"):
         xj.refine(missing, logits, h, a, p, **kw)
     other = xj.HeadConfig(**dict(SMALL, rank=SMALL["rank"] + 1))
-    with pytest.raises(ValueError, match="in_proj|w1"):
+    with refused(ValueError, "in_proj|w1"):
         xj.refine(params, logits, h, a, p, config=other, **kw)
 
 
 def test_block_size_and_max_num_reqs(setup):
     cfg, params, _ = setup
-    logits, h, a, p = make_inputs(cfg, cfg.max_num_reqs + 1)
-    with pytest.raises(ValueError, match="max_num_reqs"):
-        xj.refine(params, logits, h, a, p, config=cfg)
-    xj.refine(params, logits, h, a, p, config=cfg, max_num_reqs=cfg.max_num_reqs + 1, topc=0, num_passes=1)
+    x = zero_inputs(cfg, cfg.max_num_reqs + 1)
+    with refused(ValueError, "max_num_reqs"):
+        xj.refine(params, *x, config=cfg)
+    # max_num_reqs= lifts the limit: refine traces (shapes only, nothing compiled)
+    run = functools.partial(xj.refine, config=cfg, max_num_reqs=cfg.max_num_reqs + 1, topc=0, num_passes=1)
+    out = jax.eval_shape(run, params, *x)
+    assert out.shape == (cfg.max_num_reqs + 1, cfg.block_size - 1) and out.dtype == jnp.int32
 
 
 @pytest.mark.parametrize("bad", [-1, 2.0, True, "6"])
 def test_num_passes_must_be_a_non_negative_int(setup, bad):
     cfg, params, x = setup
-    with pytest.raises(ValueError, match="num_passes"):
+    with refused(ValueError, "num_passes"):
         xj.refine(params, *x, num_passes=bad, topc=0)
 
 
 def test_topc_range(setup):
     cfg, params, x = setup
-    with pytest.raises(ValueError, match="topc"):
+    with refused(ValueError, "topc"):
         xj.refine(params, *x, num_passes=1, topc=cfg.vocab_size + 1)
-    with pytest.raises(ValueError, match="topc"):
+    with refused(ValueError, "topc"):
         xj.refine(params, *x, num_passes=1, topc=-1)
-    with pytest.raises(TypeError, match="topc"):
+    with refused(TypeError, "topc"):
         xj.refine(params, *x, num_passes=1, topc=3.0)
 
 
 def test_backend_name(setup):
     cfg, params, x = setup
-    with pytest.raises(ValueError, match="backend"):
+    with refused(ValueError, "backend"):
         xj.refine(params, *x, num_passes=1, topc=0, backend="cuda")
 
 
