@@ -85,6 +85,31 @@ def test_from_hf_config_reads_vllm_fields():
     hash(cfg)
 
 
+def test_config_from_params_sizes_the_params_it_came_from():
+    """`config_from_params` on random configs' params: the config it infers sizes them (`param_shapes`,
+    `check_params`), a reduced head's ``draft_vocab_size`` read from ``w2``'s rows (``d2t`` present); given
+    the fields shapes do not hold, it is the config itself. A ``w2`` shorter than ``w1`` without ``d2t`` is
+    refused."""
+    rng = np.random.default_rng(0)
+    for i in range(40):
+        V = int(rng.integers(1, 3000))
+        cfg = xj.HeadConfig(vocab_size=V, hidden_size=int(rng.integers(1, 300)), block_size=int(rng.integers(2, 33)),
+                            rank=int(rng.integers(1, 300)), mlp_hidden=int(rng.integers(1, 600)),
+                            draft_vocab_size=int(rng.integers(1, V + 1)) if i % 2 else None,
+                            topc=int(rng.integers(0, 600)), num_passes=int(rng.integers(0, 9)),
+                            max_num_reqs=int(rng.integers(1, 300)), predecessor=("anchor", "previous")[i % 3 == 0])
+        params = zero_params(cfg)
+        got = xj.config_from_params(params)
+        assert xj.param_shapes(got) == xj.param_shapes(cfg), cfg
+        xj.check_params(params, got)
+        assert got.draft_vocab_size == params["w2"].shape[0] and got.reduced == (VOCAB_MAP in params)
+        rest = {k: getattr(cfg, k) for k in ("topc", "num_passes", "max_num_reqs", "predecessor")}
+        assert xj.config_from_params(params, **rest) == cfg
+        if cfg.reduced:
+            with pytest.raises(ValueError, match="w2"):
+                xj.config_from_params({k: v for k, v in params.items() if k != VOCAB_MAP})
+
+
 def test_shape_errors(setup):
     cfg, params, (logits, h, a, p) = setup
     kw = dict(num_passes=2, topc=0)
