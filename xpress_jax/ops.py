@@ -1,7 +1,9 @@
 """`Ops`: one implementation of the refine steps, as a frozen dataclass of step functions.
 
-``Ops.xla(platform)`` is the jnp reference (`xpress_jax.reference`); ``Ops.pallas(interpret, table)`` the
-Pallas-Triton kernels, each step's config from `xpress_jax.dispatch.plan` over ``table`` at trace time.
+``Ops.xla(platform)`` is the jnp path: the reference's steps (`xpress_jax.reference`) with the top-C selection of
+`xpress_jax.xla_ops` (the same candidates; ``Ops.xla(platform, reference=True)``: every step the reference's);
+``Ops.pallas(interpret, table)`` the Pallas-Triton kernels, each step's config from `xpress_jax.dispatch.plan` over
+``table`` at trace time.
 `xpress_jax.refine.refine_with` runs any `Ops` (a static jit argument); mix them with `dataclasses.replace`::
 
     mixed = dataclasses.replace(Ops.pallas(), latent=Ops.xla(platform="gpu").latent)
@@ -52,6 +54,7 @@ import numpy as np
 
 from . import dispatch
 from . import reference as ref
+from . import xla_ops
 from .head import TOKEN_TABLE
 from .kernels import full_vocab, latent, select, topc_pick
 
@@ -101,11 +104,13 @@ class Ops:
         return pp if pp is not None and pp.pick is pick else None
 
     @staticmethod
-    def xla(platform: str = "cpu") -> "Ops":
-        """The jnp reference; on ``"gpu"`` the GPU spellings of the readout and hidden input (the same values)."""
+    def xla(platform: str = "cpu", reference: bool = False) -> "Ops":
+        """The jnp steps: `xpress_jax.xla_ops`'s fast top-C selection (the same candidates, in an order that may
+        differ) and the reference's other steps; on ``"gpu"`` the GPU spellings of the readout and hidden input
+        (the same values). ``reference=True``: every step the plain reference (`xpress_jax.reference`), the oracle."""
         if platform not in PLATFORMS:
             raise ValueError(f"platform must be one of {PLATFORMS}, got {platform!r}")
-        return _xla_ops(platform)
+        return _xla_ops(platform, bool(reference))
 
     @staticmethod
     def pallas(interpret: bool = False, table: dispatch.Table = dispatch.TABLE) -> "Ops":
@@ -117,12 +122,13 @@ class Ops:
 
 
 @functools.lru_cache(maxsize=None)
-def _xla_ops(platform: str) -> Ops:
+def _xla_ops(platform: str, reference: bool = False) -> Ops:
     gpu = platform == "gpu"
+    select = _xla_select if reference else functools.partial(_xla_fast_select, method=xla_ops.PLATFORM_METHOD[platform])
     return Ops(
-        name="xla",
-        select=_xla_select,
-        topc_prepare=ref.topc_gather,
+        name="xla-reference" if reference else "xla",
+        select=select,
+        topc_prepare=ref.topc_gather if reference else xla_ops.topc_prepare,
         topc_pick=_xla_topc_pick,
         full_vocab_prepare=same,
         full_vocab_pick=functools.partial(_xla_full_vocab_pick, direct_readout=gpu),
@@ -178,12 +184,16 @@ def _xla_select(logits, c):
     return ref.select_candidates(ref.draft_rows(logits), c)
 
 
+def _xla_fast_select(logits, c, *, method):
+    return xla_ops.select_candidates(ref.draft_rows(logits), c, method=method)
+
+
 def _xla_latent(params, xh, blk, prev_ids, split=False):  # ``split``: a request the jnp step need not follow
     return ref.latent_pass(params, xh, blk, prev_ids)
 
 
 def _xla_topc_pick(base_c, cand, lat, w2c):
-    return ref.topc_pick(base_c, cand, ref.latent_value(lat, base_c.dtype), w2c)
+    return xla_ops.topc_pick(base_c, cand, ref.latent_value(lat, base_c.dtype), w2c)
 
 
 def _xla_full_vocab_pick(logits, lat, w2, active=None, fallback=None, *, direct_readout: bool, q=None):
