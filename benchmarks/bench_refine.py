@@ -11,8 +11,8 @@ logits and h pass through an optimization barrier with it, so nothing can be hoi
 out of the loop and nothing is copied), divided by M; median of R repeats after a warm-up.
 Wall latency: one jitted call, host clock around dispatch + block_until_ready (and the enqueue: the call without the wait),
 median of 20 (``--walls``); and to the tokens in a numpy array, with the output on the device (then copied)
-and in pinned host memory (``RefineServer(output="host")``). Also, per N, top-C selection alone: the Pallas kernel vs lax.top_k
-(and torch.topk where torch sees a GPU). Writes bench.jsonl (each result as it is
+and in pinned host memory (``RefineServer(output="host")``). Also, per N, top-C selection alone: the Pallas kernel vs
+XLA's (`xpress_jax.xla_ops`) vs lax.top_k (and torch.topk where torch sees a GPU). Writes bench.jsonl (each result as it is
 measured), then bench.json, bench.md (tables) and bench.png (time vs N). Off a GPU the
 default backend is xla only (``--backends pallas`` there runs the kernels in interpret mode).
 The refines compile with `xpress_jax.compiler_options()` as `RefineServer` does (``--xla-options off``:
@@ -36,7 +36,7 @@ import numpy as np
 
 import xpress_jax as xj
 from benchmarks.timing import time_jitted
-from xpress_jax import exact
+from xpress_jax import exact, xla_ops
 from xpress_jax.ops import Ops
 from xpress_jax.refine import refine_with
 
@@ -84,7 +84,8 @@ def chained(cfg, m, empty=False, refine_fn=None, compiler_options=None, **kw):
 
 
 def select_rows(cfg, n, reps, interpret=False, pallas=True):
-    """Top-C selection alone at N blocks: the Pallas kernel vs lax.top_k (and torch.topk if importable).
+    """Top-C selection alone at N blocks: the Pallas kernel vs XLA's (`xpress_jax.xla_ops`) vs lax.top_k (and
+    torch.topk if importable).
 
     Same chaining as the refines: each call's first candidate is written into the next
     call's logits. Returns {backend: device µs per call}.
@@ -92,11 +93,12 @@ def select_rows(cfg, n, reps, interpret=False, pallas=True):
     _, logits, _, _ = make_problem(cfg, n)
     c = cfg.topc
     out = {}
-    impls = {"xla (lax.top_k)": Ops.xla(jax.default_backend())}
+    impls = {"xla (lax.top_k)": Ops.xla(jax.default_backend(), reference=True),
+             "xla": Ops.xla(jax.default_backend())}
     if pallas:
         impls["pallas"] = Ops.pallas(interpret)
     for name, ops in impls.items():
-        m = 2 if name.startswith("xla") and n >= 64 else 20
+        m = 2 if name.startswith("xla (") and n >= 64 else 20
 
         def run(logits, ops=ops, m=m):
             def body(i, carry):
@@ -169,22 +171,45 @@ STEPS = {"latent": ("latent",), "pick": ("topc_prepare", "topc_pick", "full_voca
          "select": ("select",)}
 
 
+#: ``xla-<variant>`` backend names: the XLA steps with the plain reference's selection, or the fast selection
+#: spelled one way (`xpress_jax.xla_ops.METHODS`) whatever the platform's default.
+XLA_VARIANTS = ("reference", *xla_ops.METHODS)
+
+
 def bench_ops(name, interpret):
-    """The `Ops` a benchmark backend name stands for: ``xla``, ``pallas``, ``pallas-xlares`` (the Pallas
-    steps with the latent's residual summed by XLA, not inside the picks: ``split_latent=False``), or
-    ``xla+<step>[+<step>...]`` (XLA with the named steps, from `STEPS`, as Pallas kernels; built with
-    `dataclasses.replace`)."""
+    """The `Ops` a benchmark backend name stands for: ``xla``, ``xla-reference`` (every step the plain jnp
+    reference: ``lax.top_k`` over the vocabulary), ``xla-top_k`` / ``xla-threshold`` (`xpress_jax.xla_ops`'s
+    selection spelled that way), ``pallas``, ``pallas-xlares`` (the Pallas steps with the latent's residual summed
+    by XLA, not inside the picks: ``split_latent=False``), or ``xla+<step>[+<step>...]`` (XLA with the named steps,
+    from `STEPS`, as Pallas kernels; built with `dataclasses.replace`)."""
     base, *steps = name.split("+")
     if base == "pallas" and not steps:
         return Ops.pallas(interpret)
     if base == "pallas-xlares" and not steps:  # the residual in XLA's own kernel (before the picks added it)
         return dataclasses.replace(Ops.pallas(interpret), name=name, split_latent=False)
+    variant = base.removeprefix("xla-") if base.startswith("xla-") else None
+    if variant in XLA_VARIANTS and not steps:
+        if variant == "reference":
+            return Ops.xla(jax.default_backend(), reference=True)
+        select = functools.partial(_fast_select, method=variant)
+        return dataclasses.replace(Ops.xla(jax.default_backend()), name=name, select=select)
     if base != "xla" or not set(steps) <= set(STEPS):
-        raise SystemExit(f"bench_refine: backend {name!r} must be xla, pallas, pallas-xlares or xla+<steps> "
-                         f"(steps: {sorted(STEPS)})")
+        raise SystemExit(f"bench_refine: backend {name!r} must be xla, xla-<{'|'.join(XLA_VARIANTS)}>, pallas, "
+                         f"pallas-xlares or xla+<steps> (steps: {sorted(STEPS)})")
     ops, kernels = Ops.xla(jax.default_backend()), Ops.pallas(interpret)
     fields = {f: getattr(kernels, f) for s in steps for f in STEPS[s]}
     return dataclasses.replace(ops, name=name, **fields) if fields else ops
+
+
+def uses_kernels(backend):
+    """Whether a backend name runs Pallas kernels (interpret mode off a GPU)."""
+    base = spec_of(backend).partition("@")[0]
+    return base.startswith("pallas") or "+" in base
+
+
+def _fast_select(logits, c, *, method):
+    n, b, v = logits.shape
+    return xla_ops.select_candidates(logits[:, 1:].reshape(n * (b - 1), v), c, method=method)
 
 
 def certified_flag(flag):
@@ -241,7 +266,7 @@ def make_mesh(spec):
 
 
 def chain_length(n, topc, backend):
-    if backend.startswith("xla") and topc:  # lax.top_k: ~0.7 ms (N=1) .. ~100 ms (N=256) per call
+    if backend.startswith("xla-reference") and topc:  # lax.top_k: ~0.7 ms (N=1) .. ~100 ms (N=256) per call
         return {1: 20, 4: 10, 16: 5, 64: 3, 256: 2}.get(n, 2)
     return {1: 200, 4: 200, 16: 100, 64: 40, 256: 12}.get(n, 10)
 
@@ -251,7 +276,9 @@ def main(argv=None):
     ap.add_argument("--n", help="comma list of N (blocks per call) (default: 1,4,16,64,256; with --small: 1,4,16)")
     ap.add_argument("--topc", default="512,0", help="comma list of C (0 = full vocabulary; with --small 512 becomes 64)")
     ap.add_argument("--backends",
-                    help="comma list of xla | pallas | pallas-xlares (the residual summed by XLA, not in the picks) | "
+                    help="comma list of xla | xla-reference (every step the plain jnp reference: lax.top_k over "
+                         "the vocabulary) | xla-top_k | xla-threshold (xpress_jax.xla_ops's selection spelled that "
+                         "way) | pallas | pallas-xlares (the residual summed by XLA, not in the picks) | "
                          "xla+<steps> (e.g. xla+latent+pick: XLA with those steps as "
                          "Pallas kernels; steps: latent, pick, select), each optionally @meshDxM (xla or pallas: "
                          "xpress_jax.sharded.refine_sharded on a D (blocks) x M (vocabulary) mesh of the first D*M "
@@ -309,7 +336,7 @@ def main(argv=None):
               if spec_of(b).partition("@")[2].startswith("mesh")}
     certs = {b: certified_flag(spec_of(b).partition("@")[2].removesuffix("-table")) for b in backends}
     samples = {b: sample_flag(spec_of(b).partition("@")[2].removesuffix("-table")) for b in backends}
-    if not on_gpu and any(b != "xla" for b in backends):
+    if not on_gpu and any(uses_kernels(b) for b in backends):
         print(f"# note: no GPU ({dev.platform}): Pallas kernels run in interpret mode (slow, for checking only)",
               flush=True)
     meta = dict(date=time.strftime("%Y-%m-%d"), device=dev.device_kind, platform=dev.platform,
@@ -411,7 +438,7 @@ def main(argv=None):
                 rows.append(row)
                 emit("refine", row)
         if any(topcs) and not args.no_select and not args.wall_only:
-            pallas = on_gpu or any(b != "xla" for b in backends)
+            pallas = on_gpu or any(uses_kernels(b) for b in backends)
             for name, us in select_rows(cfg, n, args.reps, interpret=interpret, pallas=pallas).items():
                 sel.append(dict(N=n, C=cfg.topc, impl=name, device_us=us))
                 emit("select", sel[-1])
