@@ -321,12 +321,6 @@ class RefineServer:
         """bucket -> the seconds its executables took to compile."""
         return {b: c.seconds for b, c in self._buckets.items()}
 
-    @property
-    def _auto_state(self) -> dict[int, dict[str, Any]]:
-        """``full_vocab="auto"``: each certifying bucket's policy state (`_AutoState`'s fields, live)."""
-        state = self._policy.state if isinstance(self._policy, _AutoPolicy) else {}
-        return {b: vars(st) for b, st in state.items()}
-
     @classmethod
     def from_checkpoint(cls, path: str | PathLike, *, dtype: Any = None, mesh: jax.sharding.Mesh | None = None,
                         model_axis: str | None = "model", **kwargs: Any) -> "RefineServer":

@@ -684,9 +684,9 @@ def test_server_auto_policy():
             np.testing.assert_array_equal(np.asarray(server(*small)), want[:2])
         if fallback:  # certified (falls back) -> scan x2 -> certified (probe, falls back) -> scan x2 -> certified
             assert modes == ["certified", "scan", "scan", "certified", "scan", "scan", "certified"], modes
-            assert server._auto_state[8]["switches"] >= 2
+            assert server._policy.state[8].switches >= 2
         else:
-            assert modes == ["certified"] * 7 and server._auto_state[8]["switches"] == 0
+            assert modes == ["certified"] * 7 and server._policy.state[8].switches == 0
     small = xj.RefineServer(head, buckets=(2, 8), backend="xla", progress=False)  # the default: "auto", min_blocks 64
     assert small.full_vocab == "auto"
     assert small.certified_executables == {} and small._extra == () and small.exact_mode(8) == "scan"
