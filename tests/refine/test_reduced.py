@@ -26,6 +26,7 @@ V, VD = 97, 41
 CFG = xj.HeadConfig(vocab_size=V, draft_vocab_size=VD, hidden_size=8, block_size=5, rank=6, mlp_hidden=10, topc=7,
                     num_passes=3, max_num_reqs=8)
 N = 3
+refine = jax.jit(xj.refine, static_argnames=xj.STATIC_ARGNAMES)
 
 
 def _problem(cfg=CFG, dtype=jnp.float32, seed=0, shuffle=False):
@@ -77,7 +78,7 @@ def test_reduced_refine_is_the_jacobi_loop_over_draft_ids(K, shuffle):
         head, logits, h, anchors, prev = _problem(dtype=jnp.float64, shuffle=shuffle)
         want = _jacobi(head, logits, h, anchors, prev, K)
         for mode in ("scan", "certified"):
-            got = xj.refine(head, logits, h, anchors, prev, num_passes=K, topc=0, backend="xla", full_vocab=mode)
+            got = refine(head, logits, h, anchors, prev, num_passes=K, topc=0, backend="xla", full_vocab=mode)
             np.testing.assert_array_equal(np.asarray(got), want, err_msg=mode)
         assert (want >= VD).any(), "the map sends some draft ids past V_draft"
 
@@ -90,8 +91,8 @@ def test_reduced_equals_embedded_head(backend, topc):
     head, logits, h, anchors, prev = _problem(seed=2)
     full_head, full_logits = _embedded(head, logits)
     kw = dict(topc=topc, backend=backend, interpret=backend == "pallas")
-    got = np.asarray(xj.refine(head, logits, h, anchors, prev, **kw))
-    want = np.asarray(xj.refine(full_head, full_logits, h, anchors, prev, **kw))
+    got = np.asarray(refine(head, logits, h, anchors, prev, **kw))
+    want = np.asarray(refine(full_head, full_logits, h, anchors, prev, **kw))
     np.testing.assert_array_equal(got, want)
 
 
@@ -102,8 +103,8 @@ def test_reduced_sampling_draws_noise_of_draft_ids():
 
     head, logits, h, anchors, prev = _problem(seed=3)
     key, T = jax.random.key(4), 0.8
-    tok, prop = xj.refine(head, logits, h, anchors, prev, num_passes=0, topc=0, backend="xla", temperature=T,
-                          key=key, proposal="scores")
+    tok, prop = refine(head, logits, h, anchors, prev, num_passes=0, topc=0, backend="xla", temperature=T,
+                       key=key, proposal="scores")
     g = np.asarray(gumbel(row_seeds(key, N * 4)[:, None], jnp.arange(VD, dtype=jnp.int32)[None, :]))
     base = np.asarray(logits, np.float32)[:, 1:].reshape(N * 4, VD)
     pick = np.argmax(base * np.float32(1 / T) + g, -1)
@@ -115,9 +116,8 @@ def test_accept_maps_a_reduced_proposal():
     """accept(..., d2t) == accept on the proposal spread over the verifier vocabulary (q = 0 off the draft ids)."""
     head, logits, h, anchors, prev = _problem(seed=5)
     key, T = jax.random.key(6), 1.0
-    run = jax.jit(xj.refine, static_argnames=xj.STATIC_ARGNAMES)
     for topc in (0, 7):
-        tok, prop = run(head, logits, h, anchors, prev, topc=topc, backend="xla", temperature=T, key=key,
+        tok, prop = refine(head, logits, h, anchors, prev, topc=topc, backend="xla", temperature=T, key=key,
                         proposal="scores")
         target = jax.random.normal(jax.random.key(7), (N, 4, V)) * 2
         mapped = np.asarray(head.params["d2t"]) + np.arange(VD)
