@@ -6,6 +6,12 @@ float32 (never tuned) the entry's choices but the kernels' own full-vocab and la
 entry. Measured at B = 16 (the comments give N); the numbers are in docs/performance.md. ``Ops.pallas(table=...)``
 carries a table (a static jit argument); variants: ``TABLE.replace(...)``, e.g. with entries changed by
 ``dataclasses.replace``.
+
+Per GPU family (`TABLES`, `table_for`; ``Ops.pallas()`` takes `device_table`): `TABLE` is measured on the
+H100/H200 (sm90) only. Every other family (`kernels.common.TARGETS`: sm100, sm80, sm87, sm86, sm89, sm120) and an
+unknown GPU (99 KB per block) get `fitted`: the same columns, each full-vocab config fitted to the family's
+shared memory per block, the fused latent split where it does not fit, the wave from its SM count. Those tables
+are heuristics, never compiled nor timed here.
 """
 
 from __future__ import annotations
