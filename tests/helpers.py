@@ -217,5 +217,12 @@ def lower_triton(f: Callable, *args: Any, **kwargs: Any):
 
 
 def with_columns(table, **columns):
-    """A `xpress_jax.dispatch.Table` with these `Entry` fields set in every entry."""
-    return table.replace(entries=tuple(dataclasses.replace(e, **columns) for e in table.entries))
+    """A `xpress_jax.dispatch.Table` with these `Entry` fields (or `Switches` fields) set in every entry."""
+    from xpress_jax.dispatch import Switches
+
+    names = {f.name for f in dataclasses.fields(Switches)}
+    switches = {k: v for k, v in columns.items() if k in names}
+    rest = {k: v for k, v in columns.items() if k not in names}
+    return table.replace(entries=tuple(
+        dataclasses.replace(e, switches=dataclasses.replace(e.switches, **switches), **rest)
+        for e in table.entries))

@@ -26,6 +26,7 @@ import numpy as np
 
 from . import reference as ref
 from .head import acc_dtype
+from .dispatch import TABLE
 from .ops import Ops
 from .reference import SLACK, certify_rows
 
@@ -33,6 +34,9 @@ __all__ = ["SLACK", "certify_rows", "lowest_missing", "FULL_VOCAB", "Auto", "Cer
            "CertifiedPrepared", "resolve_full_vocab", "prepare_certified", "certified_mode"]
 
 _RAD = 2.0 ** -9
+
+#: The measured table's thresholds: the defaults of `Certified.blocks` and `Auto.min_blocks`.
+THRESHOLDS = TABLE.thresholds
 
 #: The spellings of `refine`'s ``full_vocab`` (how ``topc=0`` is computed; a `Certified` also works).
 FULL_VOCAB = ("scan", "certified")
@@ -45,8 +49,9 @@ class Certified:
     candidates: C, the candidates scored exactly per draft row each pass (clamped to V). A larger C
       certifies more rows (a lower ``tau``) at a higher cost per pass.
     scan_blocks: how many blocks' worth of failing rows (B-1 rows each) a pass scans in the packed launch;
-      a pass with more scans every row, and the call falls back. ``None``: ``ceil(N / 8)``; ``0``, or at
-      least N: any failing row falls back.
+      a pass with more scans every row, and the call falls back. ``None``: ``ceil(N / d)``, d the steps'
+      table's ``scan_blocks_divisor`` (`dispatch.Thresholds`: 8); ``0``, or at least N: any failing row falls
+      back.
     """
 
     candidates: int = 512
@@ -60,9 +65,9 @@ class Certified:
         if s is not None and (isinstance(s, bool) or not isinstance(s, (int, np.integer)) or s < 0):
             raise ValueError(f"Certified: scan_blocks must be None or an int >= 0, got {s!r}")
 
-    def blocks(self, n: int) -> int:
-        """The scan_blocks used at N blocks."""
-        return -(-n // 8) if self.scan_blocks is None else int(self.scan_blocks)
+    def blocks(self, n: int, divisor: int = THRESHOLDS.scan_blocks_divisor) -> int:
+        """The scan_blocks used at N blocks (``divisor``: the default's, ``ceil(N / divisor)``)."""
+        return -(-n // divisor) if self.scan_blocks is None else int(self.scan_blocks)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,14 +75,15 @@ class Auto:
     """``RefineServer(full_vocab="auto")``: the scan's tokens, certified where that pays, the scan elsewhere.
 
     A per-bucket policy of the server (plain `refine` keeps no state between calls). Buckets of fewer than
-    ``min_blocks`` blocks always scan (there the certified mode does not beat the scan: docs/performance.md).
+    ``min_blocks`` blocks always scan (there the certified mode does not beat the scan: docs/performance.md;
+    the default is the measured table's `dispatch.Thresholds.auto_min_blocks`).
     Larger buckets start certified; every ``check_every``-th certified call keeps its `CertifiedStats`, read
     by a later call once the device has finished it (never waiting). If its fraction of fallen-back passes
     exceeds ``max_fallback`` the bound does not prune for this head and traffic: the bucket scans for the
     next ``retry_after`` calls, then tries the certified mode again. Costs: two executables per large bucket.
     """
 
-    min_blocks: int = 64
+    min_blocks: int = THRESHOLDS.auto_min_blocks
     check_every: int = 16
     retry_after: int = 256
     max_fallback: float = 0.5
@@ -205,7 +211,7 @@ def certified_mode(ops: Ops, params, logits: jax.Array, xh: jax.Array, prev_ids:
     r = params["w1"].shape[1]
     rows = N * (B - 1)
     dtype = logits.dtype
-    k_sub = cfg.blocks(N)
+    k_sub = cfg.blocks(N, ops.thresholds.scan_blocks_divisor)
     limit = k_sub * (B - 1) if 0 < k_sub < N else 0  # more failing rows in a pass: the call falls back
     d = _call_data(ops, logits, params["w2"], min(int(cfg.candidates), V), prepared)  # once per call
     # A packed scan of the failing rows, where the steps have one that saves work (else one pick).

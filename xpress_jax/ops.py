@@ -33,6 +33,7 @@ The steps (static shapes; ``rows`` = N * (B-1) draft rows):
   ``split=True`` possibly a `reference.LatentSum` that only ``topc_pick`` accepts; ``split_latent``: whether
   `xpress_jax.refine` asks for it (top-C passes).
 - ``hidden(params, h [N,B,H]) -> xh [N,B,r]``: None means `xpress_jax.head.hidden_input`.
+- ``thresholds``: the `dispatch.Thresholds` the pass loop and the certified mode read (the table's for Pallas).
 - ``start(logits) -> [rows] int32``: the full-vocab argmax of the base logits.
 - ``full_vocab_best(logits, lat, prepared) -> (score [rows] f32, id)``, ``topc_best(base_c, cand, lat, prepared) ->
   (score, base, id)``: the picks with the winner's values (`xpress_jax.sharded` combines them).
@@ -97,6 +98,7 @@ class Ops:
     full_vocab_pass_pick: PassPick | None = None
     topc_pass_pick: PassPick | None = None
     gated_pick: PassPick | None = None
+    thresholds: dispatch.Thresholds = dispatch.Thresholds()
 
     def pass_pick(self, topc: bool = False) -> PassPick | None:
         """``topc_pass_pick`` (``topc``) or ``full_vocab_pass_pick`` where it belongs to this `Ops`' own pick."""
@@ -113,9 +115,12 @@ class Ops:
         return _xla_ops(platform, bool(reference))
 
     @staticmethod
-    def pallas(interpret: bool = False, table: dispatch.Table = dispatch.TABLE) -> "Ops":
-        """The kernels with `dispatch.plan`'s configs over ``table``; ``interpret=True`` (CPU tests) runs a kernel
-        wherever one exists. One object per (mode, table)."""
+    def pallas(interpret: bool = False, table: dispatch.Table | None = None) -> "Ops":
+        """The kernels with `dispatch.plan`'s configs over ``table`` (None: `dispatch.TABLE` in interpret mode, else
+        `dispatch.device_table`, this GPU family's); ``interpret=True`` (CPU tests) runs a kernel wherever one exists.
+        One object per (mode, table)."""
+        if table is None:
+            table = dispatch.TABLE if interpret else dispatch.device_table()
         if not isinstance(table, dispatch.Table):
             raise TypeError(f"table must be a dispatch.Table, got {type(table).__name__}")
         return _pallas_ops(bool(interpret), table)
@@ -167,11 +172,13 @@ def _pallas_ops(interpret: bool, table: dispatch.Table) -> Ops:
         certify=functools.partial(_pallas_certify, **kw),
         scan_failing=functools.partial(_pallas_scan_failing, **kw),
         # Interpret mode runs on a CPU: the plain spelling there (the GPU one is for XLA:GPU's fusions).
-        hidden=None if interpret else ref.hidden_input_gpu,
+        hidden=None if interpret else functools.partial(ref.hidden_input_gpu,
+                                                        materialize=table.thresholds.materialize_xh),
         split_latent=True,
         full_vocab_pass_pick=PassPick(pick, functools.partial(_pallas_pass_pick, **kw)),
         topc_pass_pick=PassPick(tpick, functools.partial(_pallas_topc_pass_pick, **kw)),
         gated_pick=PassPick(pick, functools.partial(_pallas_gated_pick, **kw)),
+        thresholds=table.thresholds,
     )
 
 
@@ -246,7 +253,7 @@ def _pallas_select(logits, c, *, interpret, table):
 def _pallas_start(logits, *, interpret, table):
     """`Ops.start`: the selection's argmax (``c=1``) where the entry's ``start_select`` says so, else XLA's."""
     n, b, _ = logits.shape
-    if not table.entry(n * (b - 1)).start_select:
+    if not table.entry(n * (b - 1)).switches.start_select:
         return ref.full_vocab_start(logits)
     return _pallas_select(logits, 1, interpret=interpret, table=table)[2]
 
@@ -293,7 +300,8 @@ def _pallas_topc_sample(base_c, cand, lat, prepared, seeds, inv_t, proposal=None
     s, kw = 0, {}
     if q is not None and proposal is None:
         b = rows // n + 1
-        s = dispatch.pass_pick_rows(n, b, q, 1, skip=table.entry(rows).topc_skip_final_slots, everywhere=interpret)
+        s = dispatch.pass_pick_rows(n, b, q, 1, skip=table.entry(rows).switches.topc_skip_final_slots,
+                                    everywhere=interpret)
         if s == b - 1:  # every draft slot is final: nothing to pick
             return jnp.zeros((0,), jnp.int32), None, s
         kw = dict(row_ids=_slot_rows(n, b, s)) if s else {}
@@ -346,7 +354,7 @@ def _pallas_full_vocab_sample(logits, lat, w2, seeds, inv_t, proposal=None, *, i
         return (*_xla_full_vocab_sample(logits, lat, w2, seeds, inv_t, proposal, direct_readout=not interpret), 0)
     s, kw = 0, {}
     if q is not None and proposal is None:
-        s = dispatch.pass_pick_rows(n, b, q, p.full_vocab.row_tile, skip=p.entry.skip_final_slots,
+        s = dispatch.pass_pick_rows(n, b, q, p.full_vocab.row_tile, skip=p.entry.switches.skip_final_slots,
                                     everywhere=interpret)
         if s == b - 1:  # every draft slot is final: nothing to pick
             return jnp.zeros((0,), jnp.int32), None, s
@@ -358,12 +366,13 @@ def _pallas_full_vocab_sample(logits, lat, w2, seeds, inv_t, proposal=None, *, i
 
 
 def _pallas_gated_pick(logits, lat, w2, active, fallback, flags, *, interpret, table, q=None):
-    """`Ops.gated_pick`'s ``run``: the counted launch (counters in ``flags[2:]``) up to 6 row tiles, else the pick."""
+    """`Ops.gated_pick`'s ``run``: the counted launch (counters in ``flags[2:]``) up to the table's
+    ``gated_row_tiles`` row tiles, else the pick."""
     n, b, v = logits.shape
     p = _plan(n, b, v, lat.shape[1], 0, logits.dtype, interpret, table)
     fv = p.full_vocab
     if (fv is None or flags.shape != (8,) or flags.dtype != jnp.int32
-            or full_vocab.cdiv(lat.shape[0], fv.row_tile) > 6):
+            or full_vocab.cdiv(lat.shape[0], fv.row_tile) > table.thresholds.gated_row_tiles):
         pick = _pallas_full_vocab(logits, lat, w2, active, fallback, interpret=interpret, table=table, best=False, q=q)
         return pick, flags
     reverse, keep = _pass_order(p, q, fv)
@@ -378,7 +387,8 @@ def _pallas_pass_pick(logits, lat, w2, q, *, interpret, table):
     p = _plan(n, b, v, lat.shape[1], 0, logits.dtype, interpret, table)
     if p.full_vocab is None:
         return _pallas_full_vocab(logits, lat, w2, interpret=interpret, table=table, best=False), 0
-    s = dispatch.pass_pick_rows(n, b, q, p.full_vocab.row_tile, skip=p.entry.skip_final_slots, everywhere=interpret)
+    s = dispatch.pass_pick_rows(n, b, q, p.full_vocab.row_tile, skip=p.entry.switches.skip_final_slots,
+                                everywhere=interpret)
     if s == b - 1:  # every draft slot is final: nothing to pick
         return jnp.zeros((0,), jnp.int32), s
     reverse, keep = _pass_order(p, q, p.full_vocab)
@@ -397,7 +407,8 @@ def _pallas_topc_pass_pick(base_c, cand, lat, prepared, q, n, *, interpret, tabl
     """`Ops.topc_pass_pick`'s ``run``: draft slots ``s..`` as ``row_ids``, with `dispatch.Table.topc_keep`'s hints."""
     rows, c = base_c.shape
     b = rows // n + 1
-    s = dispatch.pass_pick_rows(n, b, q, 1, skip=table.entry(rows).topc_skip_final_slots, everywhere=interpret)
+    s = dispatch.pass_pick_rows(n, b, q, 1, skip=table.entry(rows).switches.topc_skip_final_slots,
+                                everywhere=interpret)
     if s == b - 1:  # every draft slot is final: nothing to pick
         return jnp.zeros((0,), jnp.int32), s
     if prepared.ndim == 3:  # float64: the jnp path picks every row
@@ -419,7 +430,7 @@ def _pass_order(p: dispatch.Plan, q, config) -> tuple[bool, str | None]:
     """(reverse, keep) of pass ``q``'s full-vocab pick (``q`` None: ascending, no hint); neither changes a token."""
     if q is None:
         return False, None
-    return q % 2 == 1 and p.entry.alternate, p.entry.keep(config)
+    return q % 2 == 1 and p.entry.switches.alternate, p.entry.keep(config)
 
 
 def _pallas_scan_failing(logits, lat, w2, fail, fallen, fallback, limit, *, interpret, table, q=None):
@@ -433,7 +444,7 @@ def _pallas_scan_failing(logits, lat, w2, fail, fallen, fallback, limit, *, inte
     if fv is None:
         raise ValueError("scan_failing: no full-vocab kernel serves this dtype (full_vocab_capacity is None there)")
     s = q if q is not None and 0 < q < b - 1 else 0
-    if p.entry.scan_one_launch:
+    if p.entry.switches.scan_one_launch:
         return full_vocab.scan_failing(logits.reshape(n * b, v), lat, w2, fail, fallen, fallback, limit=int(limit),
                                        config=table.capacity_config(fv, v), v_steps_full=fv.v_steps,
                                        interpret=interpret, slot_stride=b, skip_slots=s)
@@ -469,8 +480,8 @@ def _pallas_latent(params, xh, blk, prev_ids, split=False, *, interpret, table):
     v, r = params["w1"].shape
     dtype = params["w1"].dtype
     p = _plan(n, b, v, r, 0, dtype, interpret, table)
-    if p.latent is None or (TOKEN_TABLE in params and p.entry.table_latent):
-        split = split and p.entry.split_latent and jnp.dtype(dtype) != jnp.float64
-        barrier = not split and p.entry.mixer_barrier
+    if p.latent is None or (TOKEN_TABLE in params and p.entry.switches.table_latent):
+        split = split and p.entry.switches.split_latent and jnp.dtype(dtype) != jnp.float64
+        barrier = not split and p.entry.switches.mixer_barrier
         return ref.latent_pass(params, xh, blk, prev_ids, split=split, barrier=barrier)
     return latent.latent_pass(params, xh, blk, prev_ids, config=p.latent, interpret=interpret)

@@ -16,6 +16,7 @@ from typing import Mapping, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from .dispatch import Thresholds
 from .head import _dot, acc_dtype, hidden_input, latent, precision_for, round_to
 from .kernels.common import gumbel, sample_key
 
@@ -28,21 +29,25 @@ __all__ = [
 ]
 
 
-#: The block counts N (inclusive) where `hidden_input_gpu` materialises ``xh`` behind an optimization barrier.
-GPU_MATERIALIZE_XH_N = (8, 64)
+#: The block counts N (inclusive) where `hidden_input_gpu` materialises ``xh`` behind an optimization barrier by
+#: default: the measured table's (`xpress_jax.dispatch.Thresholds.materialize_xh`; the Pallas steps pass their
+#: table's).
+GPU_MATERIALIZE_XH_N = Thresholds().materialize_xh
 
 
-def hidden_input_gpu(params: Mapping[str, jax.Array], h: jax.Array) -> jax.Array:
+def hidden_input_gpu(params: Mapping[str, jax.Array], h: jax.Array,
+                     materialize: tuple[int, int] = GPU_MATERIALIZE_XH_N) -> jax.Array:
     """`xpress_jax.head.hidden_input` spelled for XLA:GPU: the same sums, fewer slow fusions.
 
     N = 1: ``g`` is padded to 16 rows behind an optimization barrier, so XLA runs ``g @ down_g`` as a GEMM
     instead of a multiply over a materialised float32 [H, r] and a reduction. N in `GPU_MATERIALIZE_XH_N`:
     ``xh`` passes an optimization barrier, so XLA materialises it once instead of fusing the reduction of
-    its split-K partials into pass 1. Neither changes a sum (H200: python -m benchmarks.bench_refine).
+    its split-K partials into pass 1 (``materialize``: that N range). Neither changes a sum (H200: python -m
+    benchmarks.bench_refine).
     """
     n = h.shape[0]
     xh = hidden_input(params, h, pad_rows=16 if n == 1 else 0)
-    lo, hi = GPU_MATERIALIZE_XH_N
+    lo, hi = materialize
     return jax.lax.optimization_barrier(xh) if lo <= n <= hi else xh
 
 

@@ -350,7 +350,7 @@ def _refine(ops: Ops, params, logits, h, anchors, prev_ids, num_passes, topc, un
         sampler = sampler._replace(inv_t=jnp.where(t_ok, sampler.inv_t, 0.0))
 
     xh = (ops.hidden or hidden_input)(params, h)  # [N, B, r], once per call
-    checks = None
+    checks, every = None, ops.thresholds.exit_every_pass_from
     if certified is not None and not topc:
         start, state, one_pass, stats = certified_mode(ops, params, logits, xh, prev_ids, valid, num_passes,
                                                        certified, certified_prepared, write=_write_slots(d2t))
@@ -359,12 +359,12 @@ def _refine(ops: Ops, params, logits, h, anchors, prev_ids, num_passes, topc, un
         start, state, one_pass, numbered, final_pass = _sampled_mode(ops, params, logits, xh, prev_ids, topc, sampler,
                                                                         num_passes, unroll, _write_slots(d2t))
         if early_exit:
-            checks = exit_checks(N, num_passes) if early_exit is True else early_exit
+            checks = exit_checks(N, num_passes, every) if early_exit is True else early_exit
     else:
         start, state, one_pass, numbered = _plain_mode(ops, params, logits, xh, prev_ids, topc, unroll,
                                                        _write_slots(d2t))
         if early_exit:
-            checks = exit_checks(N, num_passes) if early_exit is True else early_exit
+            checks = exit_checks(N, num_passes, every) if early_exit is True else early_exit
     blk = jnp.concatenate([anchors[:, None], to_verifier_ids(start.reshape(N, B - 1), d2t)], axis=1)
     if sampler is not None and sampler.proposal is not None:
         # The proposal is the last pass's: K - 1 passes, then the last one with its extras (K = 0: the seed's).
@@ -481,12 +481,13 @@ def _proposal(extras, N: int, B: int) -> Proposal:
     return Proposal(shape(token_score), shape(lse), shape(scores), ids)
 
 
-def exit_checks(num_blocks: int, num_passes: int) -> tuple[int, ...]:
+def exit_checks(num_blocks: int, num_passes: int, every_pass_from: int = 16) -> tuple[int, ...]:
     """The passes after which an unrolled refine checks for its fixed point (``early_exit=True``):
-    below N=16 every other pass (2, 4, ...), from N=16 every pass from pass 2 (a pass costs more
-    there than a check). Pass 1 is not checked: it changes some token of most calls.
+    below N = ``every_pass_from`` (the table's `dispatch.Thresholds.exit_every_pass_from`, 16) every other
+    pass (2, 4, ...), from there every pass from pass 2 (a pass costs more there than a check). Pass 1 is
+    not checked: it changes some token of most calls.
     """
-    step = 2 if num_blocks < 16 else 1
+    step = 2 if num_blocks < every_pass_from else 1
     return tuple(range(2, num_passes, step))
 
 

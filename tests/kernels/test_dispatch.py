@@ -38,8 +38,13 @@ def _ranges():
 
 
 def _columns():
-    """The `Entry` fields that are decisions (every field but ``max_rows``)."""
-    return [f.name for f in dataclasses.fields(dispatch.Entry) if f.name != "max_rows"]
+    """The `Entry` fields that are decisions (every field but ``max_rows``), the `Switches` one by one."""
+    return ([f.name for f in dataclasses.fields(dispatch.Entry) if f.name not in ("max_rows", "switches")]
+            + [f.name for f in dataclasses.fields(dispatch.Switches)])
+
+
+def _column(e, name):
+    return getattr(e.switches if hasattr(e.switches, name) else e, name)
 
 
 def test_table_is_ordered_and_ends_unbounded():
@@ -48,7 +53,7 @@ def test_table_is_ordered_and_ends_unbounded():
     assert limits[:-1] == sorted(limits[:-1]) and len(set(limits[:-1])) == len(limits) - 1
     for e in T.entries:
         assert e.latent in ("xla", "split", "fused")
-        assert e.full_vocab_keep in full_vocab.KEEP_POLICIES
+        assert e.switches.full_vocab_keep in full_vocab.KEEP_POLICIES
         e.full_vocab.check()
         e.topc.check()
         select.SelectConfig(block=e.select_block)
@@ -71,14 +76,14 @@ def test_every_row_count_has_one_entry_and_every_entry_serves():
         for rows in {lo, hi if hi is not None else 10 ** 6, (lo + (hi or lo)) // 2}:
             assert T.entry(rows) is e, rows
     for a, b in zip(T.entries, T.entries[1:]):
-        assert any(getattr(a, c) != getattr(b, c) for c in _columns()), (a, b)
+        assert any(_column(a, c) != _column(b, c) for c in _columns()), (a, b)
 
 
 @pytest.mark.parametrize("column", [c for c in _columns() if c != "full_vocab"])
 def test_each_column_changes_at_most_once(column):
     """Every decision but the full-vocab config is one threshold in draft rows (a column measured to pay up to
     some N, or from some N): along the entries its value changes at most once."""
-    values = [getattr(e, column) for e in T.entries]
+    values = [_column(e, column) for e in T.entries]
     assert sum(a != b for a, b in zip(values, values[1:])) <= 1, values
 
 
@@ -86,7 +91,7 @@ def test_table_variants_reach_ops():
     """A table built with `Table.replace` (entries changed by `dataclasses.replace`) is a new hashable key: a new
     `Ops`."""
     t = with_columns(T, alternate=False)
-    assert t != T and not any(e.alternate for e in t.entries)
+    assert t != T and not any(e.switches.alternate for e in t.entries)
     assert Ops.pallas(True, table=t) is Ops.pallas(True, table=with_columns(T, alternate=False))
     assert Ops.pallas(True, table=t) is not Ops.pallas(True)
     assert Ops.pallas(True) is Ops.pallas(True, table=T)
@@ -205,7 +210,7 @@ def test_ops_are_typed_and_cached():
     assert fields == {"name", "select", "topc_prepare", "topc_pick", "full_vocab_prepare", "full_vocab_pick", "latent", "start",
                       "full_vocab_best", "topc_best", "full_vocab_sample", "topc_sample", "candidates_best",
                       "full_vocab_capacity", "certify", "scan_failing", "hidden", "split_latent", "full_vocab_pass_pick",
-                      "topc_pass_pick", "gated_pick"}
+                      "topc_pass_pick", "gated_pick", "thresholds"}
     for topc in (False, True):
         assert Ops.xla().pass_pick(topc) is None and Ops.pallas(True).pass_pick(topc) is not None
     # the gated pick belongs to the Pallas full-vocab pick; replacing that pick turns it off (exact.certified_mode)
@@ -237,7 +242,7 @@ def test_xla_gpu_spelling_gives_the_same_tokens(n, topc):
     a = refine_with(Ops.xla("cpu"), head, *x)
     np.testing.assert_array_equal(np.asarray(refine_with(Ops.xla("gpu"), head, *x)), np.asarray(a))
     assert Ops.xla("gpu").hidden is xref.hidden_input_gpu and Ops.xla("cpu").hidden is None
-    assert Ops.pallas(False).hidden is xref.hidden_input_gpu and Ops.pallas(True).hidden is None
+    assert Ops.pallas(False).hidden.func is xref.hidden_input_gpu and Ops.pallas(True).hidden is None
 
 
 @pytest.mark.interpret_refine
@@ -372,7 +377,7 @@ def test_served_keeps():
     range of N, exactly where one pass's gather (rows x C x r x itemsize) lies in the table's window, with half
     of a row's splits kept hot; never with one split."""
     for e in T.entries:
-        assert e.keep(e.full_vocab) == (e.full_vocab_keep if e.full_vocab.hold_lat else None)
+        assert e.keep(e.full_vocab) == (e.switches.full_vocab_keep if e.full_vocab.hold_lat else None)
         assert e.keep(dataclasses.replace(e.full_vocab, hold_lat=False, flat=True)) is None
     lo_bytes, hi_bytes = T.topc_keep_bytes or (0, 0)  # None: no window
     for itemsize in (2, 4):

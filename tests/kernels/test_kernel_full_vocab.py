@@ -560,7 +560,7 @@ class TestFullVocabLowering:
                 jax.ShapeDtypeStruct((V, r), jnp.bfloat16))
         f = functools.partial(fv.full_vocab_pick, config=cfg, slot_stride=B)
         assert lower_triton(f, *args).as_text().count(TRITON_CALL) == 2
-        if lazy and dispatch.TABLE.entry(rows).alternate:  # what refine alternates
+        if lazy and dispatch.TABLE.entry(rows).switches.alternate:  # what refine alternates
             f = functools.partial(fv.full_vocab_pick, config=cfg, slot_stride=B, reverse=True)
             assert lower_triton(f, *args).as_text().count(TRITON_CALL) == 2
         if lazy and n <= 4:  # the L2 hints (`KEEP_POLICIES`) where refine may serve them

@@ -185,9 +185,9 @@ def test_pallas_steps_split_up_to_the_dispatch_bound():
     cfg = dataclasses.replace(CFG, block_size=16)
     params = make_head(cfg, seed=29, dtype=jnp.bfloat16)
     ops = Ops.pallas()
-    last = max(e.max_rows for e in dispatch.TABLE.entries if e.split_latent)
+    last = max(e.max_rows for e in dispatch.TABLE.entries if e.switches.split_latent)
     n_in = last // (cfg.block_size - 1)
-    assert not dispatch.TABLE.entry(last + 1).split_latent
+    assert not dispatch.TABLE.entry(last + 1).switches.split_latent
     for n, want in ((n_in, True), (n_in + 1, False)):
         assert dispatch.plan(n, cfg.block_size, cfg.vocab_size, cfg.rank, 0, jnp.bfloat16).latent is None
         _, h, _, _ = make_inputs(cfg, n, seed=30, dtype=jnp.bfloat16)
@@ -208,9 +208,9 @@ def test_mixer_barrier_same_latent_up_to_the_dispatch_bound(dtype):
 
     cfg = dataclasses.replace(CFG, block_size=16)
     params = make_head(cfg, seed=31, dtype=dtype, std=0.5)
-    last = max(e.max_rows for e in dispatch.TABLE.entries if e.mixer_barrier)
+    last = max(e.max_rows for e in dispatch.TABLE.entries if e.switches.mixer_barrier)
     n_in = last // (cfg.block_size - 1)
-    assert not dispatch.TABLE.entry(last + 1).mixer_barrier
+    assert not dispatch.TABLE.entry(last + 1).switches.mixer_barrier
     assert n_in >= 1
     for n in (n_in, n_in + 1):
         _, h, _, _ = make_inputs(cfg, n, seed=32, dtype=dtype)

@@ -612,7 +612,8 @@ def test_lowers_for_an_h200():
     assert set(triton_operand_counts(counted, "xpress_pack_active")) == {2}
     assert "xpress_full_vocab_fused" not in counted and "xpress_pick_combine" not in counted
     # Both sides of the table's one-launch scan rows (960 draft rows: N = 64 / 65 at B = 16).
-    assert dispatch.TABLE.entry(64 * 15).scan_one_launch and not dispatch.TABLE.entry(64 * 15 + 1).scan_one_launch
+    assert (dispatch.TABLE.entry(64 * 15).switches.scan_one_launch
+            and not dispatch.TABLE.entry(64 * 15 + 1).switches.scan_one_launch)
     for n, one_launch in ((64, True), (65, False)):
         text = lowered(n)
         assert ("xpress_pack_active" in text) == one_launch, n

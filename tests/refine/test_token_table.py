@@ -134,7 +134,7 @@ def test_with_a_table_the_latent_is_xlas_up_to_the_dispatch_bound(rows_n, monkey
 
     n, xla = rows_n
     # at B=8: 274 blocks = 1918 rows <= 1920 < 275 blocks
-    assert dispatch.TABLE.entry(1920).table_latent and not dispatch.TABLE.entry(1921).table_latent
+    assert dispatch.TABLE.entry(1920).switches.table_latent and not dispatch.TABLE.entry(1921).switches.table_latent
     cfg = xj.HeadConfig(vocab_size=64, hidden_size=16, block_size=8, rank=8, mlp_hidden=8, topc=4, num_passes=2)
     params = make_head(cfg, seed=14)
     calls = []

@@ -6,6 +6,7 @@ This package imports nothing from the rest of `xpress_jax`: `xpress_jax.dispatch
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 from typing import Any, Callable, Sequence
@@ -21,7 +22,8 @@ except ImportError as e:  # pragma: no cover (exercised in a child process by th
     plt = None
     TRITON_IMPORT_ERROR = e
 
-__all__ = ["pallas_call", "compiler_params", "triton_available", "plt", "gpu_supported", "BIG", "MIN_DOT", "SMEM_LIMIT", "iota",
+__all__ = ["pallas_call", "compiler_params", "triton_available", "plt", "gpu_supported", "BIG", "MIN_DOT", "SMEM_LIMIT",
+           "Target", "HOPPER", "TARGETS", "SMEM_SMALLEST", "target_of", "iota",
            "cdiv", "next_pow2", "k_chunk", "score", "best", "merge", "flag_operand", "flags_row", "src_row",
            "best3", "merge3", "check_noise", "mix32", "noise_seed", "gumbel", "GUMBEL_MAX", "sample_key", "online_lse",
            "finish_lse"]
@@ -32,8 +34,64 @@ BIG = 2**31 - 1
 #: Smallest dimension of a tensor-core dot (Triton's ``tl.dot`` wants M, N, K >= 16 on NVIDIA GPUs).
 MIN_DOT = 16
 
-#: Shared memory one program may use on an H100/H200 (227 KB, the opt-in maximum per block).
+#: Shared memory one program may use on an H100/H200 (227 KB, the opt-in maximum per block): the default limit of
+#: the configs' ``check_shape``.
 SMEM_LIMIT = 227 * 1024
+
+#: The smallest per-block shared memory of the GPUs the kernels accept (sm86/sm89/sm120: 99 KB): the limit of a GPU
+#: whose compute capability no `TARGETS` record names.
+SMEM_SMALLEST = 99 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """A GPU family the configs are fitted to (hashable: part of a dispatch table).
+
+    name: the GPUs, for messages. capability: the compute capability (major, minor). smem: shared memory one
+    program may use (the opt-in maximum per block, bytes). sms: streaming multiprocessors of a typical member (the
+    device's own count replaces it where JAX reports one, `target_of`)."""
+
+    name: str
+    capability: tuple[int, int]
+    smem: int
+    sms: int
+
+    @property
+    def family(self) -> str:
+        return f"sm{self.capability[0]}{self.capability[1]}"
+
+
+#: The H100/H200 (sm90): the only family whose table was measured (`xpress_jax.dispatch.TABLE`).
+HOPPER = Target("H100/H200", (9, 0), SMEM_LIMIT, 132)
+
+#: The known families by compute capability. Only `HOPPER` is measured; the others get heuristic tables.
+TARGETS = {t.family: t for t in (
+    HOPPER,
+    Target("B200/GB200", (10, 0), 227 * 1024, 148),
+    Target("A100/A30", (8, 0), 163 * 1024, 108),
+    Target("Jetson Orin", (8, 7), 163 * 1024, 16),
+    Target("RTX 30xx/A10/A40", (8, 6), SMEM_SMALLEST, 84),
+    Target("RTX 40xx/L4/L40", (8, 9), SMEM_SMALLEST, 58),
+    Target("RTX 50xx", (12, 0), SMEM_SMALLEST, 170),
+)}
+
+
+def target_of(device: Any) -> Target | None:
+    """The `Target` of a JAX device: None off an NVIDIA GPU; its family's record by compute capability (an unknown
+    one: `SMEM_SMALLEST`), with the SM count the device reports (``core_count``) where it has one."""
+    if getattr(device, "platform", None) != "gpu" or "nvidia" not in str(getattr(device, "device_kind", "")).lower():
+        return None
+    try:
+        major, minor = (int(x) for x in str(getattr(device, "compute_capability")).split(".")[:2])
+    except (AttributeError, TypeError, ValueError):
+        return None
+    known = TARGETS.get(f"sm{major}{minor}")
+    t = known or Target(str(getattr(device, "device_kind", "NVIDIA GPU")), (major, minor), SMEM_SMALLEST,
+                        HOPPER.sms)
+    sms = getattr(device, "core_count", None)
+    if isinstance(sms, int) and sms > 0 and sms != t.sms:
+        t = dataclasses.replace(t, sms=sms)
+    return t
 
 
 def flag_operand(x: Any, name: str = "flag") -> jax.Array:

@@ -68,9 +68,10 @@ class FullVocabConfig:
         if self.flat and self.hold_lat:
             raise ValueError(f"flat={self.flat} needs hold_lat=False (the rank chunk index is dynamic)")
 
-    def check_shape(self, rows: int, vocab: int, rank: int, dtype) -> None:
-        """`check`, then refuse (ValueError) what an H200 cannot run: dot tiles < `MIN_DOT`, shared memory
-        (`smem_bytes`) above `SMEM_LIMIT`."""
+    def check_shape(self, rows: int, vocab: int, rank: int, dtype, smem_limit: int = SMEM_LIMIT,
+                    target: str = "H100/H200") -> None:
+        """`check`, then refuse (ValueError) what the ``target`` GPU cannot run: dot tiles < `MIN_DOT`, shared
+        memory (`smem_bytes`) above ``smem_limit`` bytes per program (default: an H100/H200's, `SMEM_LIMIT`)."""
         self.check()
         for name, v in (("rows", rows), ("vocab", vocab), ("rank", rank)):
             if v < 1:
@@ -81,10 +82,10 @@ class FullVocabConfig:
         if self.k_tile and self.k_tile < MIN_DOT:
             raise ValueError(f"k_tile={self.k_tile} must be 0 or >= {MIN_DOT} (the dot's K dimension)")
         need = self.smem_bytes(rank, dtype)
-        if need > SMEM_LIMIT:
+        if need > smem_limit:
             raise ValueError(
                 f"{self} at rank={rank}, {jnp.dtype(dtype).name} stages ~{need // 1024} KB in shared memory, "
-                f"more than the {SMEM_LIMIT // 1024} KB an H200 program may use (lower row_tile/v_tile/k_tile/"
+                f"more than the {smem_limit // 1024} KB a {target} program may use (lower row_tile/v_tile/k_tile/"
                 f"num_stages, or hold_lat=False)")
 
     def smem_bytes(self, rank: int, dtype) -> int:
@@ -97,7 +98,7 @@ class FullVocabConfig:
         return held + max(1, self.num_stages) * stage
 
 
-def default_config(rows: int, vocab: int, rank: int, dtype) -> FullVocabConfig:
+def default_config(rows: int, vocab: int, rank: int, dtype, smem_limit: int = SMEM_LIMIT) -> FullVocabConfig:
     """Heuristic block sizes (float32; `xpress_jax.dispatch` holds the measured serving configs)."""
     itemsize = jnp.dtype(dtype).itemsize
     row_tile = min(64 if itemsize >= 4 else 128, max(16, next_pow2(rows)))
@@ -112,11 +113,12 @@ def default_config(rows: int, vocab: int, rank: int, dtype) -> FullVocabConfig:
     while v_steps < 16 and programs // (2 * v_steps) >= 1024:
         v_steps *= 2
     cfg = FullVocabConfig(row_tile, v_tile, v_steps, k_tile, num_warps, num_stages, hold_lat=hold_lat)
-    return fit_shared_memory(cfg, rank, dtype)
+    return fit_shared_memory(cfg, rank, dtype, smem_limit)
 
 
-def fit_shared_memory(cfg: FullVocabConfig, rank: int, dtype) -> FullVocabConfig:
-    """``cfg``, or the nearest config that fits `SMEM_LIMIT` at this rank: each step below in turn."""
+def fit_shared_memory(cfg: FullVocabConfig, rank: int, dtype, smem_limit: int = SMEM_LIMIT) -> FullVocabConfig:
+    """``cfg``, or the nearest config that fits ``smem_limit`` bytes (default `SMEM_LIMIT`) at this rank: each step
+    below in turn."""
     steps = (
         lambda c: dataclasses.replace(c, hold_lat=False),
         lambda c: dataclasses.replace(c, k_tile=min(c.k_tile or 64, 64)),
@@ -126,7 +128,7 @@ def fit_shared_memory(cfg: FullVocabConfig, rank: int, dtype) -> FullVocabConfig
         lambda c: dataclasses.replace(c, k_tile=c.k_tile // 2) if c.k_tile > MIN_DOT else c,
     )
     for step in steps:
-        while cfg.smem_bytes(rank, dtype) > SMEM_LIMIT:
+        while cfg.smem_bytes(rank, dtype) > smem_limit:
             nxt = step(cfg)
             if nxt == cfg:
                 break

@@ -74,13 +74,14 @@ class LatentConfig:
             if name in ("k_block", "h_block", "col_block", "row_block") and 0 < v < 16:
                 raise ValueError(f"{name}={v} must be >= 16 (tensor-core dot minimum; row_block 0: auto)")
 
-    def check_shape(self, rank: int, dtype: Any) -> None:
-        """Refuse (ValueError) a fused config whose rank-wide tiles (`smem_bytes`) exceed `SMEM_LIMIT`."""
-        if self.variant == "fused" and self.smem_bytes(rank, dtype) > SMEM_LIMIT:
+    def check_shape(self, rank: int, dtype: Any, smem_limit: int = SMEM_LIMIT, target: str = "H100/H200") -> None:
+        """Refuse (ValueError) a fused config whose rank-wide tiles (`smem_bytes`) exceed ``smem_limit`` bytes per
+        program on the ``target`` GPU (default: an H100/H200's, `SMEM_LIMIT`)."""
+        if self.variant == "fused" and self.smem_bytes(rank, dtype) > smem_limit:
             raise ValueError(
                 f"latent variant='fused' at rank={rank}, {jnp.dtype(dtype).name}: its rank-wide weight tiles "
                 f"need ~{self.smem_bytes(rank, dtype) // 1024} KB of shared memory, more than the "
-                f"{SMEM_LIMIT // 1024} KB an H200 program may use; use variant='split' or smaller k_block/h_block")
+                f"{smem_limit // 1024} KB a {target} program may use; use variant='split' or smaller k_block/h_block")
 
     def smem_bytes(self, rank: int, dtype: Any) -> int:
         """Fused variant: estimate of its dot operands' shared memory (one K chunk of in_proj_token plus the gate,
@@ -89,12 +90,13 @@ class LatentConfig:
         return (min(self.k_block, rp) * rp + 3 * rp * self.h_block) * jnp.dtype(dtype).itemsize
 
 
-def default_config(n: int, dtype: Any, variant: str | None = None, rank: int = 256) -> LatentConfig:
-    """Block config for N blocks of ``dtype``; ``variant=None``: fused where it fits in shared memory, else split
-    (`xpress_jax.dispatch` decides where each serves)."""
+def default_config(n: int, dtype: Any, variant: str | None = None, rank: int = 256,
+                   smem_limit: int = SMEM_LIMIT) -> LatentConfig:
+    """Block config for N blocks of ``dtype``; ``variant=None``: fused where it fits in ``smem_limit`` bytes of
+    shared memory, else split (`xpress_jax.dispatch` decides where each serves)."""
     if variant is None:
         fused = default_config(n, dtype, "fused", rank)
-        return fused if fused.smem_bytes(rank, dtype) <= SMEM_LIMIT else default_config(n, dtype, "split", rank)
+        return fused if fused.smem_bytes(rank, dtype) <= smem_limit else default_config(n, dtype, "split", rank)
     if variant not in VARIANTS:
         raise ValueError(f"variant={variant!r} must be one of {VARIANTS}")
     f32 = jnp.dtype(dtype).itemsize >= 4
