@@ -145,6 +145,7 @@ class TestFullVocabSample:
                 assert np.isinf(_f32(extras[1])).all()
         assert len(np.unique(np.asarray(tok))) > 1
 
+    @pytest.mark.slow(interpret_only=True)
     @pytest.mark.parametrize("dtype", [jnp.bfloat16, pytest.param(jnp.float32, marks=pytest.mark.slow)])
     def test_random_inputs(self, dtype):
         """Random normal inputs (the dot may round a bias the other way than XLA): the kernel agrees with its own
@@ -281,6 +282,7 @@ class TestTopCSample:
                 np.testing.assert_array_equal(np.asarray(tok), np.asarray(greedy))
                 np.testing.assert_array_equal(np.asarray(tok), np.asarray(R.topc_pick(base_c, cand, lat, w2c)))
 
+    @pytest.mark.slow(interpret_only=True)
     def test_ties_nonfinite_and_random(self):
         """At T = 0 (keys = scores) tied scores go to the larger base logit, then the lowest id (constructed ties,
         NaN / +inf / -inf base logits); at T > 0 NaN never wins and +inf does. Random inputs: the kernel's tokens

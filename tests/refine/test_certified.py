@@ -499,6 +499,7 @@ def test_refine_with_vocab_sharded_ops_is_refused():
                     full_vocab="certified")
 
 
+@SLOW
 def test_refine_server_passes_the_mode():
     """RefineServer(full_vocab="certified") serves the scan's tokens; a bad value or a mesh is refused."""
     cfg = dataclasses.replace(CFG, max_num_reqs=4, topc=0)

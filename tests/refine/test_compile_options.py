@@ -86,6 +86,7 @@ def test_server_passes_its_options_to_xla():
         _server(compiler_options="CONCURRENT")
 
 
+@pytest.mark.slow
 def test_server_default_and_explicit_options():
     default = _server()
     assert default.compiler_options == xj.compiler_options(jax.devices()[0].platform)

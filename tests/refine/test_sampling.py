@@ -449,7 +449,8 @@ def test_nonfinite_logits(topc, dtype):
 
 # ----------------------------------------------------------------------------- shapes and dtypes
 @pytest.mark.parametrize("topc,dtype", [
-    *[pytest.param(c, jnp.float32, id=f"float32-C{c}") for c in (0, 1, C, CFG.vocab_size)],
+    *[pytest.param(c, jnp.float32, id=f"float32-C{c}", marks=[pytest.mark.slow] if c in (0, CFG.vocab_size) else [])
+      for c in (0, 1, C, CFG.vocab_size)],
     *[pytest.param(c, jnp.bfloat16, id=f"bfloat16-C{c}", marks=[pytest.mark.slow] if c in (1, CFG.vocab_size) else [])
       for c in (0, 1, C, CFG.vocab_size)],
 ])

@@ -123,6 +123,7 @@ def test_the_state_buffers_are_aliased_without_a_warning(ex, task):
     assert sorted((int(o), int(i)) for o, i in pairs) == [(k, first + k) for k in range(len(state))]
 
 
+@pytest.mark.slow
 def test_the_command_in_smoke_mode(ex, capsys):
     assert ex.main(["--smoke", "--steps", "3", "--topc", "5"]) == 0
     out = capsys.readouterr().out

@@ -30,7 +30,8 @@ def head():
     return xj.Head(CFG, make_head(CFG))
 
 
-@pytest.fixture(scope="module", params=[7, 0], ids=["topc", "full-vocab"])
+# The top-C server's cases are slow (a second server compile); the full-vocab one runs every test fast.
+@pytest.fixture(scope="module", params=[pytest.param(7, marks=pytest.mark.slow), 0], ids=["topc", "full-vocab"])
 def server(request, head):
     xj.compiler_options(jax.devices()[0].platform)  # its one-op check compiles here, not inside a test
     return xj.RefineServer(head, buckets=BUCKETS, topc=request.param, sampling=True, proposal="scores",
