@@ -181,6 +181,7 @@ def test_early_exit_range_errors(bad):
         xj.refine(params, logits, h, anchors, config=CFG, backend="xla", early_exit=bad)
 
 
+@pytest.mark.slow
 def test_early_exit_is_static_under_jit():
     assert "early_exit" in xj.STATIC_ARGNAMES
     params = make_head(CFG)

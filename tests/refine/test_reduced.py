@@ -179,6 +179,12 @@ def test_previous_head_requires_prev_ids():
     # prev_ids=anchors is vLLM's behaviour, the anchor head's default.
     np.testing.assert_array_equal(np.asarray(xj.refine(prev_head, logits, h, anchors, anchors, backend="xla")),
                                   np.asarray(xj.refine(head, logits, h, anchors, backend="xla")))
+
+
+@pytest.mark.slow
+def test_previous_head_in_the_server():
+    head, logits, h, anchors, prev = _problem()
+    prev_head = xj.Head(xj.HeadConfig(**{**CFG.__dict__, "predecessor": "previous"}), head.params)
     server = xj.RefineServer(prev_head, buckets=[N], backend="xla", progress=False)
     with pytest.raises(ValueError, match="prev_ids is required"):
         server(np.asarray(logits), np.asarray(h), np.asarray(anchors))

@@ -258,6 +258,7 @@ def test_demo_tiny_with_a_temperature_measures_speculative_sampling(tmp_path, ca
         assert [float(v) for v in rows[k]] == [round(acc["refined"][c][k - 1], 2) for c in ("0", "4")]
 
 
+@pytest.mark.slow
 def test_sampled_accepted_length_aligns_the_target_with_the_draft():
     """The drafter's slot 1 is the target's own next-token distribution (the 1-step marginal), so at K = 0 the
     rejection sampler accepts it in every block: a target read at the wrong positions would not. Top-V's seed
