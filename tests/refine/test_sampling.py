@@ -104,7 +104,7 @@ def test_noise_is_the_documented_hash():
 
 
 # ----------------------------------------------------------------------------- determinism, T = 0, small T
-@MODES
+@pytest.mark.parametrize("topc", [pytest.param(0, marks=pytest.mark.slow), C], ids=["full", "topc"])
 def test_fixed_key_is_deterministic_other_keys_differ(setup, topc):
     params, x = setup
     a = run(params, x, topc=topc, temperature=1.0, key=jax.random.key(3))
@@ -341,7 +341,7 @@ def scores_after(params, x, blk_tokens, topc):
 
 
 @MODES
-@pytest.mark.parametrize("K", [0, 1, 3])
+@pytest.mark.parametrize("K", [0, 1, pytest.param(3, marks=pytest.mark.slow)])
 def test_proposal_is_the_last_pass_scores(setup, topc, K):
     params, x = setup
     N, B, V = x[0].shape

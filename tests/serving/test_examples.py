@@ -133,6 +133,7 @@ def test_the_command_in_smoke_mode(ex, capsys):
     assert "every step consumed the donated state" in out
 
 
+@pytest.mark.slow
 def test_bad_arguments_are_named(ex, task, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         ex.main(["--topc", "65"])

@@ -129,6 +129,7 @@ def test_bench_on_a_converted_checkpoint(tmp_path, capsys):
     assert code == 2 and "--checkpoint" in err and "no checkpoint" in err
 
 
+@pytest.mark.slow
 def test_a_failed_check_exits_1(capsys, monkeypatch):
     real = xj.refine
 

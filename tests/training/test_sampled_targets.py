@@ -103,6 +103,7 @@ def test_the_loss_at_t_is_the_cross_entropy_of_the_scores_over_t(task):
         assert float(loss) == pytest.approx(want, rel=1e-5) and float(metrics["ce"]) == float(loss)
 
 
+@pytest.mark.slow
 def test_train_draws_sampled_targets_at_the_sample_temperature(task):
     seen = []
 
