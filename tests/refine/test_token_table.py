@@ -98,6 +98,7 @@ def test_same_tokens_with_the_table_pallas_interpret(topc):
     np.testing.assert_array_equal(np.asarray(got), want)
 
 
+@pytest.mark.slow
 def test_the_table_is_read():
     """A table from other weights changes the tokens: refine uses the table it is given (which is why it
     must come from the very weights passed)."""

@@ -146,6 +146,7 @@ def test_options_are_checked_at_start_up_and_calls_name_them(head):
         xj.refine(head, *x, topc=0, temperature=1.0, key=jax.random.key(0))))
 
 
+@pytest.mark.slow
 def test_certified_greedy_and_early_exit_servers_sample_with_the_scan(head):
     """full_vocab="certified" (greedy calls) and early_exit: sampled calls give refine's sampled tokens."""
     x = [np.asarray(a) for a in make_inputs(CFG, 2, seed=8)]
