@@ -117,6 +117,7 @@ def test_thresholds_come_from_the_table():
     assert Ops.pallas(False, table=dispatch.TABLE).thresholds == t
 
 
+@pytest.mark.slow
 def test_refine_reads_the_exit_threshold_from_its_steps():
     """Changing the table's ``exit_every_pass_from`` changes the checks an unrolled early-exit refine traces."""
     import jax

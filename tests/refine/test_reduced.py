@@ -70,16 +70,16 @@ def _embedded(head, logits):
     return xj.Head(full_cfg, {**params, "w2": w2}), full
 
 
-@pytest.mark.parametrize("K,shuffle", [(3, True), pytest.param(0, False, marks=pytest.mark.slow),
-                                       pytest.param(1, False, marks=pytest.mark.slow)])
-def test_reduced_refine_is_the_jacobi_loop_over_draft_ids(K, shuffle):
+@pytest.mark.parametrize("K,shuffle,mode", [(3, True, "scan"), pytest.param(3, True, "certified", marks=pytest.mark.slow),
+                                            pytest.param(0, False, "scan", marks=pytest.mark.slow),
+                                            pytest.param(1, False, "certified", marks=pytest.mark.slow)])
+def test_reduced_refine_is_the_jacobi_loop_over_draft_ids(K, shuffle, mode):
     """float64, full vocabulary: the scan and the certified mode give the numpy loop's tokens (verifier ids)."""
     with jax.enable_x64(True):
         head, logits, h, anchors, prev = _problem(dtype=jnp.float64, shuffle=shuffle)
         want = _jacobi(head, logits, h, anchors, prev, K)
-        for mode in ("scan", "certified"):
-            got = refine(head, logits, h, anchors, prev, num_passes=K, topc=0, backend="xla", full_vocab=mode)
-            np.testing.assert_array_equal(np.asarray(got), want, err_msg=mode)
+        got = refine(head, logits, h, anchors, prev, num_passes=K, topc=0, backend="xla", full_vocab=mode)
+        np.testing.assert_array_equal(np.asarray(got), want)
         assert (want >= VD).any(), "the map sends some draft ids past V_draft"
 
 
@@ -112,24 +112,24 @@ def test_reduced_sampling_draws_noise_of_draft_ids():
     assert prop.scores.shape == (N, 4, VD)
 
 
-def test_accept_maps_a_reduced_proposal():
+@pytest.mark.parametrize("topc", [0, pytest.param(7, marks=pytest.mark.slow)])
+def test_accept_maps_a_reduced_proposal(topc):
     """accept(..., d2t) == accept on the proposal spread over the verifier vocabulary (q = 0 off the draft ids)."""
     head, logits, h, anchors, prev = _problem(seed=5)
     key, T = jax.random.key(6), 1.0
-    for topc in (0, 7):
-        tok, prop = refine(head, logits, h, anchors, prev, topc=topc, backend="xla", temperature=T, key=key,
-                        proposal="scores")
-        target = jax.random.normal(jax.random.key(7), (N, 4, V)) * 2
-        mapped = np.asarray(head.params["d2t"]) + np.arange(VD)
-        ids = mapped[np.asarray(prop.ids)] if topc else None
-        scores = prop.scores if topc else jnp.full((N, 4, V), -jnp.inf).at[..., mapped].set(prop.scores)
-        want = accept(target, tok, Proposal(prop.token_score, prop.lse, scores, ids), T, jax.random.key(8))
-        got = accept(target, tok, prop, T, jax.random.key(8), d2t=head.params["d2t"])
-        for a, b in zip(got, want):
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-        if not topc:
-            with pytest.raises(ValueError, match="d2t"):  # full vocabulary: the draft vocabulary's size tells
-                accept(target, tok, prop, T, jax.random.key(8))
+    tok, prop = refine(head, logits, h, anchors, prev, topc=topc, backend="xla", temperature=T, key=key,
+                       proposal="scores")
+    target = jax.random.normal(jax.random.key(7), (N, 4, V)) * 2
+    mapped = np.asarray(head.params["d2t"]) + np.arange(VD)
+    ids = mapped[np.asarray(prop.ids)] if topc else None
+    scores = prop.scores if topc else jnp.full((N, 4, V), -jnp.inf).at[..., mapped].set(prop.scores)
+    want = accept(target, tok, Proposal(prop.token_score, prop.lse, scores, ids), T, jax.random.key(8))
+    got = accept(target, tok, prop, T, jax.random.key(8), d2t=head.params["d2t"])
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    if not topc:
+        with pytest.raises(ValueError, match="d2t"):  # full vocabulary: the draft vocabulary's size tells
+            accept(target, tok, prop, T, jax.random.key(8))
     with pytest.raises(TypeError, match="proposal must be the xpress_jax.Proposal"):
         accept(target, tok, None, T, jax.random.key(8))
 
@@ -176,15 +176,15 @@ def test_previous_head_requires_prev_ids():
     for name, call in calls.items():
         with pytest.raises(ValueError, match="prev_ids is required"):
             call()
-    # prev_ids=anchors is vLLM's behaviour, the anchor head's default.
-    np.testing.assert_array_equal(np.asarray(xj.refine(prev_head, logits, h, anchors, anchors, backend="xla")),
-                                  np.asarray(xj.refine(head, logits, h, anchors, backend="xla")))
 
 
 @pytest.mark.slow
 def test_previous_head_in_the_server():
     head, logits, h, anchors, prev = _problem()
     prev_head = xj.Head(xj.HeadConfig(**{**CFG.__dict__, "predecessor": "previous"}), head.params)
+    # prev_ids=anchors is vLLM's behaviour, the anchor head's default.
+    np.testing.assert_array_equal(np.asarray(refine(prev_head, logits, h, anchors, anchors, backend="xla")),
+                                  np.asarray(refine(head, logits, h, anchors, backend="xla")))
     server = xj.RefineServer(prev_head, buckets=[N], backend="xla", progress=False)
     with pytest.raises(ValueError, match="prev_ids is required"):
         server(np.asarray(logits), np.asarray(h), np.asarray(anchors))

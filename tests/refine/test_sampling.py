@@ -394,7 +394,7 @@ def test_proposal_is_the_last_pass_scores(setup, topc, K):
     np.testing.assert_array_equal(lp.lse, prop.lse)
 
 
-@MODES
+@pytest.mark.parametrize("topc", [pytest.param(0, marks=pytest.mark.slow), C], ids=["full", "topc"])
 def test_proposal_at_temperature_zero(setup, topc):
     params, x = setup
     tok, prop = run(params, x, topc=topc, temperature=0.0, key=jax.random.key(0), proposal="scores")

@@ -26,7 +26,7 @@ CFG = xj.HeadConfig(vocab_size=301, hidden_size=40, block_size=7, rank=20, mlp_h
                     num_passes=6, max_num_reqs=16)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("dtype", [pytest.param(jnp.float32, marks=pytest.mark.slow), jnp.bfloat16, jnp.float16])
 def test_table_is_the_product_in_the_accumulation_dtype(dtype):
     params = make_head(CFG, seed=1, dtype=dtype)
     table = xj.token_table(params)
@@ -70,7 +70,7 @@ def test_latent_bit_for_bit_where_every_sum_is_exact(dtype):
 # C = 1, a middle C, C = V and full vocab; the exact modes; early exit; jit.
 MODES = [dict(topc=0), dict(topc=1), dict(topc=11), dict(topc=301), dict(topc=0, full_vocab="certified"),
          dict(topc=11, early_exit=True)]
-FAST = ("topc=0-full_vocab=certified-bfloat16", "topc=11-early_exit=True-float32", "topc=301-float32")
+FAST = ("topc=0-full_vocab=certified-bfloat16",)
 
 
 @pytest.mark.parametrize("mode,dtype", [

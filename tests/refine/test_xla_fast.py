@@ -169,7 +169,8 @@ run = jax.jit(refine_with, static_argnums=0, static_argnames=("num_passes", "top
 
 
 @pytest.mark.parametrize("platform,dtype", [
-    pytest.param("cpu", "bfloat16", marks=slow), ("gpu", "bfloat16"), pytest.param("cpu", "float32", marks=slow),
+    pytest.param("cpu", "bfloat16", marks=slow), pytest.param("gpu", "bfloat16", marks=slow),
+    pytest.param("cpu", "float32", marks=slow),
     pytest.param("gpu", "float32", marks=slow)])
 def test_refine_tokens_equal_reference(platform, dtype):
     """The whole top-C refine: `Ops.xla` (on "gpu": the threshold selection) vs every step the reference's."""

@@ -23,6 +23,7 @@ def random_module(cfg=CFG, seed=0, dtype=jnp.float32, std=0.2):
     return xj.XPressHead(cfg, rngs=nnx.Rngs(seed), param_dtype=dtype, std=std)
 
 
+@pytest.mark.slow
 def test_params_are_the_checkpoint_names_in_pytorch_layouts():
     m = random_module()
     sd = m.state_dict()
