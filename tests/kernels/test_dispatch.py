@@ -129,7 +129,8 @@ def test_every_entry_fits_its_target_at_serving_shapes(dtype):
 
 
 @pytest.mark.interpret
-@pytest.mark.parametrize("i", [pytest.param(i, id=f"rows-{lo}-{hi or 'up'}", marks=() if i == 0 else pytest.mark.slow)
+@pytest.mark.slow
+@pytest.mark.parametrize("i", [pytest.param(i, id=f"rows-{lo}-{hi or 'up'}")
                                for i, (lo, hi) in enumerate(_ranges())])
 def test_every_entry_gives_the_reference_tokens(i):
     """Each entry, served alone (interpret mode), picks the reference's tokens on every row: the full-vocab

@@ -648,6 +648,7 @@ class TestFullVocabLowering:
             assert triton_operands(hlo, "xpress_full_vocab_counted") == (8 if served.v_steps != cfg.v_steps else 7)
 
 
+@pytest.mark.slow(interpret_only=True)
 @pytest.mark.parametrize("dtype", [jnp.float32, pytest.param(jnp.bfloat16, marks=pytest.mark.slow)])
 def test_slot_stride_reads_draft_rows_of_the_whole_logits(dtype):
     """slot_stride=B on logits.reshape(N*B, V) == the pick on logits[:, 1:] (slot 0 never read)."""

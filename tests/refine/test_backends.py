@@ -128,6 +128,7 @@ def test_backend_is_one_of_three_names(backend):
         xj.refine(params, *x, num_passes=1, topc=0, backend=backend)
 
 
+@pytest.mark.slow
 def test_importing_installs_no_warning_filter():
     """Library code leaves the process's warning filters alone (the tests filter in pytest config)."""
     import subprocess

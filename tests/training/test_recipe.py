@@ -94,6 +94,7 @@ def test_toy_batches_carry_the_teacher(task):
             np.testing.assert_array_equal(teacher.argmax(-1), tgt)
 
 
+@pytest.mark.slow
 def test_consistency_rounds_feed_refines_tokens_with_gradient_only_through_each_rounds_forward(task, model):
     batch = ToyTask.sample(task.tables, jax.random.key(2), 16)
     graphdef, params = nnx.split(model, nnx.Param)

@@ -91,6 +91,7 @@ def test_the_task_temperature_makes_the_chain_and_the_drafter_those_of_t(task):
             ToyConfig(temperature=bad)
 
 
+@pytest.mark.slow
 def test_the_loss_at_t_is_the_cross_entropy_of_the_scores_over_t(task):
     model = XPressHead(task.head_config(rank=4, mlp_hidden=8, topc=4), rngs=nnx.Rngs(0))
     batch = ToyTask.sample(task.tables, jax.random.key(0), 16, temperature=0.8)
