@@ -154,6 +154,7 @@ class TestSelect:
         return got
 
     # one segment per row (stats and bound fused) and several (a separate bound kernel)
+    @pytest.mark.slow(interpret_only=True)
     @pytest.mark.parametrize("dtype,segments", dtype_segments("float32-1"))
     def test_matches_oracle_on_every_kind_of_row(self, dtype, segments):
         base = jnp.asarray(_mixed_rows(seed=1), dtype)

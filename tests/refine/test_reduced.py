@@ -112,7 +112,8 @@ def test_reduced_sampling_draws_noise_of_draft_ids():
     assert prop.scores.shape == (N, 4, VD)
 
 
-@pytest.mark.parametrize("topc", [0, pytest.param(7, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("topc", [0, 7])
 def test_accept_maps_a_reduced_proposal(topc):
     """accept(..., d2t) == accept on the proposal spread over the verifier vocabulary (q = 0 off the draft ids)."""
     head, logits, h, anchors, prev = _problem(seed=5)
@@ -132,6 +133,11 @@ def test_accept_maps_a_reduced_proposal(topc):
             accept(target, tok, prop, T, jax.random.key(8))
     with pytest.raises(TypeError, match="proposal must be the xpress_jax.Proposal"):
         accept(target, tok, None, T, jax.random.key(8))
+
+
+def test_accept_names_a_missing_proposal():
+    with pytest.raises(TypeError, match="proposal must be the xpress_jax.Proposal"):
+        accept(jnp.zeros((1, 4, V)), jnp.zeros((1, 4), jnp.int32), None, 1.0, jax.random.key(0))
 
 
 def test_vocab_map_is_validated():

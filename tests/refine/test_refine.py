@@ -285,6 +285,7 @@ def test_int64_ids_are_range_checked_before_narrowing(small_cfg):
 
 
 # ---------------------------------------------------------------- jit
+@pytest.mark.slow
 def test_jit_matches_eager_and_does_not_retrace(small_cfg):
     params = make_head(small_cfg)
     x1 = make_inputs(small_cfg, 3, seed=1)
@@ -307,6 +308,7 @@ def test_bf16_refine_runs_and_returns_int32(small_cfg):
         assert out.dtype == jnp.int32 and out.shape == (2, small_cfg.block_size - 1)
 
 
+@pytest.mark.slow
 def test_refine_server_pads_masks_and_never_retraces(small_cfg):
     params = make_head(small_cfg)
     head = xj.Head(small_cfg, params)

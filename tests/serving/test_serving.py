@@ -270,6 +270,7 @@ def test_early_exit_server_same_tokens_without_trace_or_compile(server, head):
         xj.RefineServer(head, buckets=(2,), early_exit=(3,), progress=False)  # K=3: a check after pass 3 skips nothing
 
 
+@pytest.mark.slow
 def test_token_table_server_same_tokens_and_follows_reloads(server, head):
     """token_table (on by default, one device): the same tokens as a server without it for every num_valid,
     before and after a reload (the table is recomputed with the weights); no trace or compile while

@@ -67,6 +67,7 @@ def test_sampled_tokens_are_refines_for_the_same_key_padding_changes_nothing(ser
     assert compiles() == 0
 
 
+@pytest.mark.slow
 def test_proposal_comes_back_like_the_tokens(server, head):
     x = [np.asarray(a) for a in make_inputs(CFG, 2, seed=4)]
     key, t = jax.random.key(7), 0.8

@@ -69,6 +69,7 @@ def test_loss_decreases_on_the_toy_task(trained):
     assert trained.tokens_per_s > 0 and len(trained.history[-1]["slot_accuracy"]) == TOY.block_size - 1
 
 
+@pytest.mark.slow
 def test_the_trained_head_beats_the_drafter(task, trained):
     ev = evaluate(task, trained.model.to_serving(), n_blocks=256, topcs=(0,), max_passes=2)
     assert ev["refined"][0][-1] >= ev["drafter"] + 0.5, ev
