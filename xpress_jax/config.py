@@ -55,7 +55,8 @@ class HeadConfig:
             object.__setattr__(self, field, _check_int(field, getattr(self, field), minimum=minimum))
         if self.draft_vocab_size > self.vocab_size:
             raise ValueError(f"draft_vocab_size={self.draft_vocab_size} must be <= vocab_size={self.vocab_size} "
-                             "(the draft vocabulary is a subset of the verifier's)")
+                             "(the draft vocabulary is a subset of the verifier's; a config copied with a new "
+                             "vocab_size keeps the old draft_vocab_size: pass draft_vocab_size=None with it)")
         if self.predecessor not in PREDECESSORS:
             raise ValueError(f"predecessor must be one of {PREDECESSORS}, got {self.predecessor!r}")
         object.__setattr__(self, "topc", min(self.topc, self.draft_vocab_size))  # vLLM's rule

@@ -235,7 +235,7 @@ def test_one_pass():
 @pytest.mark.slow
 def test_all_candidates():
     """C >= V: every id is a candidate, every row certifies by construction (no bound needed)."""
-    cfg = dataclasses.replace(CFG, vocab_size=97, topc=16)
+    cfg = dataclasses.replace(CFG, vocab_size=97, draft_vocab_size=None, topc=16)
     x = _problem(jnp.float32, 0.3, n=3, cfg=cfg)
     run = jax.jit(lambda *a, **k: xj.refine(*a, config=cfg, topc=0, backend="xla", **k),
                   static_argnames=("full_vocab", "return_stats"))
