@@ -160,7 +160,7 @@ def demo(args: argparse.Namespace, error) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="xpress", epilog=_EPILOG, description="XPress refiner head in JAX. Converting a drafter's checkpoint "
-        "(the one vLLM loads, or the xPress release's) into one that refine runs is the separate command "
+        "(the one vLLM loads, or the xPress runtime's) into one that refine runs is the separate command "
         "xpress-convert (xpress-convert --help; xpress-convert inspect PATH shows what a checkpoint holds).")
     version = f"xpress-jax {xj.__version__} (jax {jax.__version__}, python {platform.python_version()})"
     parser.add_argument("--version", action="version", version=version, help="print the versions of xpress-jax, "

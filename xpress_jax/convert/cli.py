@@ -36,7 +36,7 @@ def _convert_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="xpress-convert",
         description="Convert the XPress refiner head of a PyTorch checkpoint (the files vLLM loads, the xPress "
-        "release's training checkpoint, or an XPress model saved by vLLM's speculators library) into an Orbax "
+        "runtime's training checkpoint, or an XPress model saved by vLLM's speculators library) into an Orbax "
         "checkpoint that xpress_jax.load_params(DST) restores.",
         epilog="Also: `xpress-convert inspect PATH [--json]` shows what a source or converted checkpoint holds. "
         "Exit codes: 0 ok, 1 --verify mismatch, 2 bad input/usage, 3 internal error.",

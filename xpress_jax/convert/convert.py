@@ -1,4 +1,4 @@
-"""`convert_checkpoint`: a PyTorch XPress checkpoint (vLLM's layout, the xPress release's, or a model saved by
+"""`convert_checkpoint`: a PyTorch XPress checkpoint (vLLM's layout, the xPress runtime's, or a model saved by
 vLLM's ``speculators`` library) -> an Orbax head checkpoint.
 
 Bad input is refused with a `ConversionError` naming the problem before anything is written. The
