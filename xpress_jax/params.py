@@ -208,7 +208,7 @@ def init_params(config: HeadConfig, key: jax.Array, dtype: Any = jnp.float32, *,
     if isinstance(key, (int, np.integer)) and not isinstance(key, bool):
         key = jax.random.key(int(key))
     elif not (hasattr(key, "dtype") and (jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
-                                          or (key.dtype == jnp.uint32 and key.shape == (2,)))):
+                                          or (key.dtype == jnp.uint32 and key.ndim == 1))):
         raise TypeError(f"key must be a jax.random.key(seed) or an int seed, got {type(key).__name__} "
                         f"{getattr(key, 'dtype', '')} {getattr(key, 'shape', '')}".rstrip())
     dtype = jnp.dtype(dtype)

@@ -22,11 +22,10 @@ except ImportError as e:  # pragma: no cover (exercised in a child process by th
     plt = None
     TRITON_IMPORT_ERROR = e
 
-__all__ = ["pallas_call", "compiler_params", "triton_available", "plt", "gpu_supported", "BIG", "MIN_DOT", "SMEM_LIMIT",
-           "Target", "HOPPER", "TARGETS", "SMEM_SMALLEST", "target_of", "iota",
-           "cdiv", "next_pow2", "k_chunk", "score", "best", "merge", "flag_operand", "flags_row", "src_row",
-           "best3", "merge3", "check_noise", "mix32", "noise_seed", "gumbel", "GUMBEL_MAX", "sample_key", "online_lse",
-           "finish_lse"]
+__all__ = ["pallas_call", "compiler_params", "triton_available", "plt", "gpu_supported", "BIG", "MIN_DOT",
+           "SMEM_LIMIT", "Target", "HOPPER", "TARGETS", "SMEM_SMALLEST", "target_of", "iota", "cdiv", "next_pow2",
+           "k_chunk", "score", "best", "merge", "flag_operand", "flags_row", "src_row", "best3", "merge3",
+           "check_noise", "mix32", "noise_seed", "gumbel", "GUMBEL_MAX", "sample_key", "online_lse", "finish_lse"]
 
 #: Index of a lane that must never win (masked columns, padded parts); also int32's largest value.
 BIG = 2**31 - 1
