@@ -19,7 +19,8 @@ def _info(path):
     return json.loads((path / "xpress" / "metadata").read_text())
 
 
-@pytest.mark.parametrize("dtype", [pytest.param(jnp.float32, marks=pytest.mark.slow), jnp.bfloat16])
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_reduced_head_round_trip(tmp_path, dtype):
     cfg = xj.HeadConfig(**BASE, draft_vocab_size=30, predecessor="previous")
     head = xj.init_head(cfg, 3, dtype)

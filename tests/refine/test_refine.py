@@ -268,6 +268,7 @@ def test_out_of_range_ids_under_jit_give_the_sentinel(small_cfg):
         np.testing.assert_array_equal(out[0], good[0])  # other rows are unaffected
 
 
+@pytest.mark.slow
 def test_int64_ids_are_range_checked_before_narrowing(small_cfg):
     """Under x64, 2**32 + id wraps to id in int32: it must still be an invalid row (and raise when concrete)."""
     params = make_head(small_cfg)

@@ -89,6 +89,7 @@ def test_threshold_radix(radix_bits):
     check_select(base, 37, "threshold", radix_bits=radix_bits)
 
 
+@pytest.mark.slow
 def test_threshold_long_rows():
     """C = V = 33000: one stage over rows longer than 2^15 (two prefix counts instead of one packed)."""
     x = np.round(np.random.default_rng(9).standard_normal((2, 33000)) * 8)

@@ -75,6 +75,7 @@ def test_quiet_start_up_and_default_buckets(head, capfd):
     assert server.buckets == (1,) and capfd.readouterr().err == ""
 
 
+@pytest.mark.slow
 def test_every_input_kind_and_every_num_valid_runs_without_trace_or_compile(server, head):
     x = make_inputs(CFG, 5, seed=3)
     dev = jax.devices()[0]

@@ -65,7 +65,8 @@ def test_fold_identity_module_latents_equal_serving_latents():
         np.testing.assert_array_equal(folded, raw * np.tril(np.ones(raw.shape[1:])) + np.eye(raw.shape[1]))
 
 
-@pytest.mark.parametrize("dtype", ["float32", pytest.param("float64", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_serving_refine_gives_the_modules_tokens(dtype):
     with jax.enable_x64(dtype == "float64"):
         dt = jnp.dtype(dtype)
