@@ -38,7 +38,31 @@ warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecat
 # Skipped by default; run them with `-m slow` (only them) or XPRESS_SLOW=1 (everything).
 
 
+#: Where the processes of one CPU run share their compiled programs (set by the first process, read by its xdist
+#: workers).
+_SHARED_CACHE = "XPRESS_TEST_COMPILATION_CACHE"
+
+
+def _share_compiled_programs(config) -> None:
+    """On a CPU-only install, the xdist workers of one run share XLA's compiled programs through JAX's persistent
+    compilation cache in a temporary folder of that run: most of the suite's time is compiling, and both workers
+    compile many of the same programs (a module's fixtures, the small heads). Off by XPRESS_TEST_SHARED_CACHE=0, and
+    on a GPU machine (there the compiled kernels are what is tested)."""
+    if not _cpu_only_jax() or os.environ.get("XPRESS_TEST_SHARED_CACHE") == "0":
+        return
+    if not hasattr(config, "workerinput"):  # the run's first process: its folder, which the workers inherit
+        import tempfile
+
+        os.environ[_SHARED_CACHE] = tempfile.mkdtemp(prefix="xpress-test-cache-")
+    folder = os.environ.get(_SHARED_CACHE)
+    if folder:
+        jax.config.update("jax_compilation_cache_dir", folder)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
 def pytest_configure(config):
+    _share_compiled_programs(config)
     config.addinivalue_line("markers", "slow: expensive sweep, skipped unless `-m slow` or XPRESS_SLOW=1")
     config.addinivalue_line("markers", "interpret: runs Pallas kernels in interpret mode (on the host CPU device)")
     config.addinivalue_line("markers", "interpret_refine: compares refine(backend='pallas', interpret=True) with "
@@ -115,6 +139,10 @@ def pytest_terminal_summary(terminalreporter):
 
 
 def pytest_unconfigure(config):
+    if not hasattr(config, "workerinput") and os.environ.get(_SHARED_CACHE):
+        import shutil
+
+        shutil.rmtree(os.environ.pop(_SHARED_CACHE), ignore_errors=True)
     line = config.stash.get(_SKIP_LINE, None)
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     if line and reporter is not None:

@@ -171,6 +171,7 @@ class TestFullVocabSample:
                 greedy = fv.full_vocab_pick(base, lat, w2, interpret=self.INTERPRET, config=cfg)
                 np.testing.assert_array_equal(np.asarray(tok), np.asarray(greedy))
 
+    @pytest.mark.slow(interpret_only=True)
     def test_nonfinite(self):
         """NaN base logits rank as -inf (written as -inf in the scores), +inf wins (key +inf, lse +inf), a row
         without a finite score picks id 0 with lse -inf; the same as the oracle."""

@@ -99,6 +99,7 @@ def test_head_is_a_pytree_with_static_config(head):
         head["w1"]
 
 
+@pytest.mark.slow  # the default suite: the module's and the server's no-retrace tests
 def test_jit_with_a_head_argument_does_not_retrace_for_the_same_config(head):
     x1, x2 = make_inputs(CFG, 3, seed=1), make_inputs(CFG, 3, seed=2)
     traces = []
