@@ -12,6 +12,7 @@ a clear message, a non-zero exit and no destination left behind.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import pickle
@@ -50,15 +51,7 @@ CFG = xj.HeadConfig(vocab_size=V, hidden_size=H, block_size=B, rank=R, mlp_hidde
 STD = {"w1.weight": 0.5, "w2.weight": 0.02, "mix.L": 0.3}
 
 
-def _has_torch() -> bool:
-    try:
-        import torch  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-HAS_TORCH = _has_torch()
+HAS_TORCH = importlib.util.find_spec("torch") is not None  # imported only where a test uses it
 
 
 # ----------------------------------------------------------------------------- builders

@@ -97,6 +97,7 @@ def test_reduced_equals_embedded_head(backend, topc):
     np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.slow
 def test_reduced_sampling_draws_noise_of_draft_ids():
     """The sampled seed block (K = 0) is argmax(base / T + g(draft id)), mapped; the proposal is in draft space."""
     from xpress_jax.kernels.common import gumbel

@@ -88,9 +88,10 @@ def joint_test(topc: int, num_passes: int, n: int, context: tuple[int, int], see
 
 
 # (topc, K): K < B-1 (the block not settled: q of slot j comes from the previous pass's block) and K = B-1.
-CASES = [pytest.param(0, 2, id="full-K2", marks=pytest.mark.slow), pytest.param(4, 3, id="top4-K3")]
+CASES = [pytest.param(0, 2, id="full-K2"), pytest.param(4, 3, id="top4-K3")]
 
 
+@pytest.mark.slow  # the default suite: the first slot's distribution (test_sampling.py)
 @pytest.mark.parametrize("topc,num_passes", CASES)
 def test_emitted_tokens_are_the_targets(topc, num_passes):
     (stat, crit), (wrong, _), tv = joint_test(topc, num_passes, n=8192, context=(2, 7), seed=1)
