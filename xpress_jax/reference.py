@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from .dispatch import Thresholds
-from .head import _dot, acc_dtype, hidden_input, latent, precision_for, round_to
+from .head import acc_dot, acc_dtype, hidden_input, latent, precision_for, round_to
 from .kernels.common import gumbel, sample_key
 
 __all__ = [
@@ -102,7 +102,7 @@ def readout(lat: jax.Array, w2: jax.Array, dtype, *, direct: bool = False) -> ja
     """
     if direct and jnp.dtype(dtype).itemsize == 2:
         return jnp.matmul(lat, w2.T, preferred_element_type=dtype)
-    return round_to(_dot(lat, w2.T, acc_dtype(dtype)), dtype)
+    return round_to(acc_dot(lat, w2.T, acc_dtype(dtype)), dtype)
 
 
 def draft_rows(logits: jax.Array) -> jax.Array:
