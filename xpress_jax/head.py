@@ -55,6 +55,7 @@ def round_to(x: jax.Array, dtype: Any) -> jax.Array:
 
 
 def acc_dot(a: jax.Array, b: jax.Array, acc: jnp.dtype) -> jax.Array:
+    """``a @ b`` accumulated in ``acc`` (the dtype's precision: `precision_for`)."""
     return jnp.matmul(a, b, precision=precision_for(a.dtype), preferred_element_type=acc)
 
 
