@@ -543,7 +543,7 @@ def combine_partials(mv: jax.Array, mi: jax.Array, *, interpret: bool = False, a
     """[parts, rows_pad] float32 best values + int32 ids -> [rows_pad] int32 winners. ``active``, ``fallback``
     ([rows <= rows_pad], both or neither): row q gets ``fallback[q]`` where ``active[q]`` is false."""
     parts, rows_pad = mv.shape
-    extra, operands = {}, (mv, mi)
+    operands, fallback_rows = (mv, mi), None
     if (active is None) != (fallback is None):
         raise ValueError("combine_partials: give both active and fallback, or neither")
     if active is not None:
@@ -554,18 +554,27 @@ def combine_partials(mv: jax.Array, mi: jax.Array, *, interpret: bool = False, a
         if parts == 1:
             return jnp.concatenate([jnp.where(active, mi[0, :n], fallback.astype(jnp.int32)), mi[0, n:]])
         operands = (mv, mi, active.astype(jnp.int32), fallback.astype(jnp.int32))
-        extra["fallback_rows"] = n
+        fallback_rows = n
+    call = _combine_call(parts, rows_pad, interpret=interpret, fallback_rows=fallback_rows)
+    return mi[0] if call is None else common.pallas_call(**call)(*operands)
+
+
+def _combine_call(parts: int, rows_pad: int, *, interpret: bool, fallback_rows: int | None = None) -> dict | None:
+    """The `common.pallas_call` arguments of the combine launch on (value, id) [parts, rows_pad] (with
+    ``fallback_rows``, also on that many active and fallback rows: `combine_partials`), which the caller calls with
+    them; None for one part (its ids win)."""
     if parts == 1:
-        return mi[0]
+        return None
     row_tile = _combine_row_tile(rows_pad)
     # Up to 16K partials per load: few sequential steps even for ~2K parts (N=1, 64-wide tiles).
     part_tile = min(next_pow2(parts), max(1, 16384 // row_tile))
-    return common.pallas_call(
-        functools.partial(_combine_kernel, parts=parts, row_tile=row_tile, part_tile=part_tile, **extra),
+    extra = {} if fallback_rows is None else dict(fallback_rows=fallback_rows)
+    return dict(
+        kernel=functools.partial(_combine_kernel, parts=parts, row_tile=row_tile, part_tile=part_tile, **extra),
         name="xpress_pick_combine", num_warps=8 if part_tile * row_tile >= 8192 else 4, interpret=interpret,
-        grid=(rows_pad // row_tile,), in_specs=[pl.no_block_spec] * len(operands),
+        grid=(rows_pad // row_tile,), in_specs=[pl.no_block_spec] * (2 if fallback_rows is None else 4),
         out_specs=pl.BlockSpec((row_tile,), lambda i: (i,)), out_shape=jax.ShapeDtypeStruct((rows_pad,), jnp.int32),
-    )(*operands)
+    )
 
 
 # Wrappers.
@@ -723,7 +732,8 @@ def full_vocab_pick(
         mv, mi = common.pallas_call(**_fused_call(len(operands), cfg, launch, interpret=interpret))(*operands)
         if partials:
             return mv[:, :cap], mi[:, :cap]
-        return combine_partials(mv, mi, interpret=interpret)[:cap]
+        call = _combine_call(*mv.shape, interpret=interpret)  # the parts' winners (`combine_partials`)
+        return (mi[0] if call is None else common.pallas_call(**call)(mv, mi))[:cap]
     cap = rows if capacity is None else min(capacity, rows)  # the rows the kernel runs on
     cfg = config or default_config(cap, vocab, rank, dtype)
     cfg.check_shape(cap, vocab, rank, dtype)
@@ -746,7 +756,8 @@ def full_vocab_pick(
         return mv[:, :cap], mi[:, :cap]
     if fallback is not None:
         return combine_partials(mv, mi, interpret=interpret, active=active, fallback=fallback)[:rows]
-    tok = combine_partials(mv, mi, interpret=interpret)[:cap]
+    call = _combine_call(*mv.shape, interpret=interpret)  # the parts' winners (`combine_partials`)
+    tok = (mi[0] if call is None else common.pallas_call(**call)(mv, mi))[:cap]
     return tok if pos is None else jnp.where(pos < cap, tok[jnp.minimum(pos, cap - 1)], BIG)
 
 
@@ -779,7 +790,8 @@ def _sample(base, lat, w2, seeds, inv_t, proposal, *, config, interpret, slot_st
     mv, mi = out[:2]
     if partials:
         return mv[:, :cap], mi[:, :cap]
-    tok = combine_partials(mv, mi, interpret=interpret)[:cap]
+    call = _combine_call(*mv.shape, interpret=interpret)  # the parts' winners (`combine_partials`)
+    tok = (mi[0] if call is None else common.pallas_call(**call)(mv, mi))[:cap]
     if proposal is None:
         return tok
     ms, mm, ml = (x[:, :cap] for x in out[2:5])

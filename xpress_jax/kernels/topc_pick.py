@@ -258,7 +258,8 @@ def topc_pick(
     rows = base_c.shape[0] if row_ids is None else row_ids.shape[0]
     if partials:
         return mv[:, :rows], mb[:, :rows], mi[:, :rows]
-    tok = combine_splits(mv, mb, mi, interpret=interpret)[:rows]
+    call = _combine_call(*mv.shape, interpret=interpret)  # the splits' winners by the top-C rule (`combine_splits`)
+    tok = (mi[0] if call is None else common.pallas_call(**call)(mv, mb, mi))[:rows]
     if proposal is None:
         return tok
     ms, mm, ml = (x[:, :rows] for x in out[3:6])
@@ -369,21 +370,27 @@ def _combine_kernel(mv_ref, mb_ref, mi_ref, o_ref, *, splits: int, row_tile: int
     o_ref[...] = bidx
 
 
-def combine_splits(mv: jax.Array, mb: jax.Array, mi: jax.Array, *, interpret: bool = False) -> jax.Array:
-    """[splits, rows_pad] (score, base logit, id) -> [rows_pad] int32 by the top-C rule (rows_pad: a multiple of 16)."""
-    splits, rows_pad = mv.shape
+def _combine_call(splits: int, rows_pad: int, *, interpret: bool) -> dict | None:
+    """The `common.pallas_call` arguments of the combine launch on (score, base, id) [splits, rows_pad], which the
+    caller calls with the three; None for one split (its ids are the winners)."""
     if splits == 1:
-        return mi[0]
+        return None
     row_tile = 16
     while row_tile < 128 and rows_pad % (2 * row_tile) == 0:
         row_tile *= 2
     split_tile = min(next_pow2(splits), max(1, 8192 // row_tile))
-    return common.pallas_call(
-        functools.partial(_combine_kernel, splits=splits, row_tile=row_tile, split_tile=split_tile),
+    return dict(
+        kernel=functools.partial(_combine_kernel, splits=splits, row_tile=row_tile, split_tile=split_tile),
         name="xpress_topc_combine", interpret=interpret, grid=(rows_pad // row_tile,),
         in_specs=[pl.no_block_spec] * 3, out_specs=pl.BlockSpec((row_tile,), lambda i: (i,)),
         out_shape=jax.ShapeDtypeStruct((rows_pad,), jnp.int32),
-    )(mv, mb, mi)
+    )
+
+
+def combine_splits(mv: jax.Array, mb: jax.Array, mi: jax.Array, *, interpret: bool = False) -> jax.Array:
+    """[splits, rows_pad] (score, base logit, id) -> [rows_pad] int32 by the top-C rule (rows_pad: a multiple of 16)."""
+    call = _combine_call(*mv.shape, interpret=interpret)
+    return mi[0] if call is None else common.pallas_call(**call)(mv, mb, mi)
 
 
 # The certified exact mode's per-pass decision (`xpress_jax.exact`), in one launch after the pick.
