@@ -93,11 +93,11 @@ def token_table(params: Params | Head) -> jax.Array:
     return acc_dot(params["w1"], params["in_proj_token"], acc_dtype(params["w1"].dtype))
 
 
-def latent(params: Params, xh: jax.Array, prev: jax.Array, *, split: bool = False, barrier: bool = False):
+def latent(params: Params, xh: jax.Array, prev: jax.Array, *, terms: bool = False, barrier: bool = False):
     """One pass's latents for the draft slots: [N, B, r], [N, B] int -> [N, B-1, r]: ``x = xh + w1[prev] @
     in_proj_token``, ``u[n,k,c] = sum_j mix[k,j,c] x[n,j,c]``, ``lat = u + down(silu(u @ gate) * (u @ up))``.
     ``prev`` must be valid indices (callers clamp); ``params[TOKEN_TABLE]`` (added by `xpress_jax.refine`)
-    replaces ``w1[prev] @ in_proj_token`` by ``table[prev]``. ``split=True`` returns ``(u, d)`` before their
+    replaces ``w1[prev] @ in_proj_token`` by ``table[prev]``. ``terms=True`` returns ``(u, d)`` before their
     sum (the latent is ``round_to(u + d, dtype)``, which the top-C pick kernel forms as it loads them).
     ``barrier=True``: ``u`` behind an optimization barrier (the same values; XLA:GPU computes the gather and
     the mixer once instead of inside the residual's fusion)."""
@@ -116,7 +116,7 @@ def latent(params: Params, xh: jax.Array, prev: jax.Array, *, split: bool = Fals
     gate, up = acc_dot(uc, params["mlp_gate"], acc), acc_dot(uc, params["mlp_up"], acc)
     act = round_to(jax.nn.silu(gate) * up, cd)
     d = acc_dot(act, params["mlp_down"], acc)
-    return (u, d) if split else round_to(u + d, cd)
+    return (u, d) if terms else round_to(u + d, cd)
 
 
 #: `XPressHead` attribute -> its checkpoint name in `HYBRID_KEY_MAP` (one to one, PyTorch layouts).

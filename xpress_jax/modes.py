@@ -92,11 +92,11 @@ class Mode:
         """The draft [N, B-1] of ``blk``, `INVALID_TOKEN` in invalid rows."""
         return jnp.where(self.call.valid[:, None], blk[:, 1:], INVALID_TOKEN)
 
-    def latent(self, blk: jax.Array, split: bool = False):
-        """The pass's latent of every draft row, [N*(B-1), r]; with ``split`` (top-C passes of `Ops` with
-        ``split_latent``) possibly its residual's two terms (`xpress_jax.reference.LatentSum`), which the pick adds."""
+    def latent(self, blk: jax.Array, terms: bool = False):
+        """The pass's latent of every draft row, [N*(B-1), r]; with ``terms`` (top-C passes of `Ops` with
+        ``latent_terms``) possibly its residual's two terms (`xpress_jax.reference.LatentSum`), which the pick adds."""
         c = self.call
-        lat = c.ops.latent(c.params, c.xh, blk, c.prev_ids, split=True) if split else \
+        lat = c.ops.latent(c.params, c.xh, blk, c.prev_ids, terms=True) if terms else \
             c.ops.latent(c.params, c.xh, blk, c.prev_ids)
         return lat.reshape(self.n * self.slots, c.params["w1"].shape[1])
 
@@ -122,7 +122,7 @@ class Greedy(Mode):
         if q is None and c.ops.numbered:  # in a loop, picks that read the pass number read the first pass's
             q = 0
         if self.topc:
-            lat = self.latent(blk, split=c.ops.split_latent)
+            lat = self.latent(blk, terms=c.ops.latent_terms)
             tok, s = c.ops.topc_pick(self.base_c, self.cand, lat, self.prepared, q=q, slots=self.slots)
         else:
             tok, s = c.ops.full_vocab_pick(c.logits, self.latent(blk), self.prepared, q=q)
@@ -160,7 +160,7 @@ class Sampled(Mode):
 
     def pass_(self, carry, q):
         blk, state = carry
-        tok, _, s = self._pick(self.latent(blk, split=bool(self.topc) and self.call.ops.split_latent), q=q)
+        tok, _, s = self._pick(self.latent(blk, terms=bool(self.topc) and self.call.ops.latent_terms), q=q)
         return write_slots(blk, tok, s, self.call.d2t), state
 
     def finish(self, carry, passes):
@@ -169,7 +169,7 @@ class Sampled(Mode):
             return super().finish(carry, passes)
         blk, extras = carry[0], self.seed_extras
         if self.num_passes:  # the last pass, with the proposal's extras
-            lat = self.latent(blk, split=bool(self.topc) and self.call.ops.split_latent)
+            lat = self.latent(blk, terms=bool(self.topc) and self.call.ops.latent_terms)
             tok, extras, s = self._pick(lat, proposal)
             blk = write_slots(blk, tok, s, self.call.d2t)
         out = self.tokens(blk)

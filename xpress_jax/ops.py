@@ -17,8 +17,8 @@ The steps (static shapes; ``rows`` = N * (B-1) draft rows, the draft slots of ea
 - ``select(logits [N,B,V], c) -> (cand [rows,c] int32, base_c [rows,c], start [rows] int32)``: each draft
   slot's C largest base logits and its full-vocab argmax.
 - ``start(logits) -> [rows] int32``: the full-vocab argmax of the base logits.
-- ``latent(params, xh [N,B,r], blk [N,B] int32, prev_ids [N] int32, split=False) -> [N,B-1,r]``; with
-  ``split=True`` possibly a `reference.LatentSum` that only the top-C picks accept; ``split_latent``: whether
+- ``latent(params, xh [N,B,r], blk [N,B] int32, prev_ids [N] int32, terms=False) -> [N,B-1,r]``; with
+  ``terms=True`` possibly a `reference.LatentSum` that only the top-C picks accept; ``latent_terms``: whether
   the modes ask for it (top-C passes).
 - ``hidden(params, h [N,B,H]) -> xh [N,B,r]``: None means `xpress_jax.head.hidden_input`.
 - The picks of a pass return the tokens of draft slots ``s..B-2`` of every block, ``[N*(B-1-s)] int32``, and
@@ -92,7 +92,7 @@ class Ops:
     scan_failing: Callable[..., Any] | None = None
     gated_pick: Callable[..., Any] | None = None
     hidden: Callable[..., Any] | None = None
-    split_latent: bool = False
+    latent_terms: bool = False
     numbered: bool = False
     float64: "Ops | None" = None
     thresholds: dispatch.Thresholds = dispatch.Thresholds()
@@ -190,7 +190,7 @@ def _pallas_ops(interpret: bool, table: dispatch.Table) -> Ops:
         scan_failing=functools.partial(_pallas_scan_failing, **kw),
         gated_pick=functools.partial(_pallas_gated_pick, **kw),
         hidden=hidden,
-        split_latent=True,
+        latent_terms=True,
         numbered=True,
         float64=float64,
         thresholds=table.thresholds,
@@ -210,7 +210,7 @@ def _xla_fast_select(logits, c, *, method):
     return xla_ops.select_candidates(ref.draft_rows(logits), c, method=method)
 
 
-def _xla_latent(params, xh, blk, prev_ids, split=False):  # ``split``: a request the jnp step need not follow
+def _xla_latent(params, xh, blk, prev_ids, terms=False):  # ``terms``: a request the jnp step need not follow
     return ref.latent_pass(params, xh, blk, prev_ids)
 
 
@@ -469,14 +469,14 @@ def _pallas_full_vocab_capacity(n, b, v, r, dtype, limit, *, interpret, table):
     return limit
 
 
-def _pallas_latent(params, xh, blk, prev_ids, split=False, *, interpret, table):
+def _pallas_latent(params, xh, blk, prev_ids, terms=False, *, interpret, table):
     """The plan's latent kernel, or XLA's where the plan (or, with a token table, ``table_latent``) says so; XLA's is
-    split where asked and ``split_latent`` says so, else its mixer behind a barrier where ``mixer_barrier``."""
+    in two terms where asked and ``latent_terms`` says so, else its mixer behind a barrier where ``mixer_barrier``."""
     n, b = blk.shape
     v, r = params["w1"].shape
     p = _plan(n, b, v, r, 0, params["w1"].dtype, interpret, table)
     if p.latent is None or (TOKEN_TABLE in params and p.entry.switches.table_latent):
-        split = split and p.entry.switches.split_latent
-        barrier = not split and p.entry.switches.mixer_barrier
-        return ref.latent_pass(params, xh, blk, prev_ids, split=split, barrier=barrier)
+        terms = terms and p.entry.switches.latent_terms
+        barrier = not terms and p.entry.switches.mixer_barrier
+        return ref.latent_pass(params, xh, blk, prev_ids, terms=terms, barrier=barrier)
     return latent.latent_pass(params, xh, blk, prev_ids, config=p.latent, interpret=interpret)

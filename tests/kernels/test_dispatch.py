@@ -210,7 +210,7 @@ def test_ops_are_typed_and_cached():
     fields = {f.name for f in dataclasses.fields(Ops)}
     assert fields == {"name", "select", "topc_prepare", "topc_pick", "full_vocab_prepare", "full_vocab_pick", "latent", "start",
                       "full_vocab_best", "topc_best", "full_vocab_sample", "topc_sample", "candidates_best",
-                      "full_vocab_capacity", "certify", "scan_failing", "gated_pick", "hidden", "split_latent",
+                      "full_vocab_capacity", "certify", "scan_failing", "gated_pick", "hidden", "latent_terms",
                       "numbered", "float64", "thresholds"}
     assert Ops.pallas(True).numbered and not Ops.xla().numbered
     assert Ops.xla().gated_pick is None and Ops.pallas(True).gated_pick is not None
@@ -218,7 +218,7 @@ def test_ops_are_typed_and_cached():
     assert Ops.pallas(True).for_dtype(jnp.float64) is Ops.pallas(True).float64 is not None
     assert Ops.pallas(True).for_dtype(jnp.bfloat16) is Ops.pallas(True)
     assert Ops.xla().for_dtype(jnp.float64) is Ops.xla()
-    assert Ops.pallas().split_latent and Ops.pallas(True).split_latent and not Ops.xla().split_latent
+    assert Ops.pallas().latent_terms and Ops.pallas(True).latent_terms and not Ops.xla().latent_terms
     with pytest.raises(dataclasses.FrozenInstanceError):
         Ops.xla().name = "x"  # type: ignore[misc]
     with pytest.raises(ValueError, match="platform"):
