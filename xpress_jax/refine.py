@@ -1,7 +1,7 @@
 """`refine`: K greedy or sampled Jacobi passes of the XPress head, jit-able with static shapes.
 
-One call goes: `refine` settles its arguments (the `xpress_jax.ops.Ops` of the backend, every check, the
-defaults) and `prepare` builds the call's mode (`xpress_jax.modes`: `Greedy` for top-C and the full-vocabulary
+One call goes: `refine` settles its arguments (the `xpress_jax.ops.Ops` of the backend and the params' dtype,
+every check, the defaults), then `prepare` builds the call's mode (`xpress_jax.modes`: `Greedy` for top-C and the full-vocabulary
 scan, `Sampled`, or the certified mode of `xpress_jax.exact`); then `run_passes`, the one pass loop, starts the
 mode, runs its passes and finishes it. A pass calls the `Ops` steps (the jnp reference, the fast XLA spelling or
 the Pallas-Triton kernels), each of which calls its kernel's wrapper. The platform is read once per call, at the
@@ -173,11 +173,11 @@ def refine(params: Head | Mapping[str, jax.Array], logits: jax.Array, h: jax.Arr
     config is static pytree aux data).
     """
     check_backend(backend, interpret)
-    mode = _checked_mode(select_ops(backend, interpret), params, logits, h, anchors, prev_ids, num_passes=num_passes,
-                         topc=topc, max_num_reqs=max_num_reqs, config=config, unroll=unroll, full_vocab=full_vocab,
-                         return_stats=return_stats, certified_prepared=certified_prepared, early_exit=early_exit,
-                         token_table=token_table, temperature=temperature, key=key, proposal=proposal)
-    return run_passes(mode)
+    settled = _settle(select_ops(backend, interpret), params, logits, h, anchors, prev_ids, num_passes=num_passes,
+                      topc=topc, max_num_reqs=max_num_reqs, config=config, unroll=unroll, full_vocab=full_vocab,
+                      return_stats=return_stats, certified_prepared=certified_prepared, early_exit=early_exit,
+                      token_table=token_table, temperature=temperature, key=key, proposal=proposal)
+    return run_passes(prepare(**settled))
 
 
 def _platform() -> str:
@@ -220,15 +220,14 @@ def refine_with(ops: Ops, params, logits, h, anchors, prev_ids=None, **kwargs) -
     static under jit."""
     if not isinstance(ops, Ops):
         raise TypeError(f"ops must be an xpress_jax.ops.Ops, got {type(ops).__name__}")
-    return run_passes(_checked_mode(ops, params, logits, h, anchors, prev_ids, **kwargs))
+    return run_passes(prepare(**_settle(ops, params, logits, h, anchors, prev_ids, **kwargs)))
 
 
-def _checked_mode(ops: Ops, params, logits, h, anchors, prev_ids=None, *, num_passes=None, topc=None,
-                  max_num_reqs=None, config=None, unroll=None, full_vocab="scan", return_stats=False,
-                  certified_prepared=None, early_exit=False, token_table=None, temperature=None, key=None,
-                  proposal=None) -> Mode:
-    """`refine`'s arguments settled: the config's defaults, every check, the steps for the params' dtype
-    (`Ops.for_dtype`); then the call's mode (`prepare`)."""
+def _settle(ops: Ops, params, logits, h, anchors, prev_ids=None, *, num_passes=None, topc=None, max_num_reqs=None,
+            config=None, unroll=None, full_vocab="scan", return_stats=False, certified_prepared=None,
+            early_exit=False, token_table=None, temperature=None, key=None, proposal=None) -> dict:
+    """`refine`'s arguments settled, as `prepare`'s keyword arguments: the config's defaults, every check, the steps
+    for the params' dtype (`Ops.for_dtype`), the token table in the params, the `Sampler`."""
     certified = resolve_full_vocab(full_vocab)
     check_sampling(temperature, key, proposal)
     if temperature is not None and certified is not None:
@@ -258,9 +257,10 @@ def _checked_mode(ops: Ops, params, logits, h, anchors, prev_ids=None, *, num_pa
     if temperature is not None:
         sampler = Sampler(row_seeds(key, logits.shape[0] * (logits.shape[1] - 1)), inverse_temperature(temperature),
                           proposal)
-    return prepare(ops.for_dtype(params["w1"].dtype), params, logits, h, anchors, prev_ids, num_passes, topc, unroll,
-                   certified=None if topc else certified, return_stats=return_stats,
-                   certified_prepared=certified_prepared, early_exit=early_exit, sampler=sampler)
+    return dict(ops=ops.for_dtype(params["w1"].dtype), params=params, logits=logits, h=h, anchors=anchors,
+                prev_ids=prev_ids, num_passes=num_passes, topc=topc, unroll=unroll,
+                certified=None if topc else certified, return_stats=return_stats,
+                certified_prepared=certified_prepared, early_exit=early_exit, sampler=sampler)
 
 
 def _check_token_table(table, params) -> None:
