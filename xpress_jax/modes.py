@@ -6,8 +6,9 @@
 - ``start()`` -> ``carry = (blk [N, B] int32, state)``: the seed block (slot 0 the anchors) and the mode's state;
 - ``pass_(carry, q)`` -> ``carry``: one Jacobi pass. ``q`` is the 0-based pass number where the loop numbers the
   passes (`Loop.numbered`; then ``q < B-1``: from pass B-1 on every draft slot is final and the loop runs no
-  pass), else None. A pass is the latent step, then one pick step of the call's `xpress_jax.ops.Ops`, whose
-  tokens of draft slots ``s..B-2`` `write_slots` writes (the slots before ``s`` are final: ``s <= q``);
+  pass), else None. A greedy or sampled pass is the latent step, then one pick step of the call's
+  `xpress_jax.ops.Ops`, whose tokens of draft slots ``s..B-2`` `write_slots` writes (the slots before ``s`` are
+  final: ``s <= q``); a certified pass also bounds the candidates and scans the rows it cannot certify;
 - ``finish(carry, passes)`` -> refine's result: the draft [N, B-1] int32 (`INVALID_TOKEN` in invalid rows), and
   what the call asked for beside it.
 
@@ -119,7 +120,7 @@ class Greedy(Mode):
     def pass_(self, carry, q):
         blk, state = carry
         c = self.call
-        if q is None and c.ops.numbered:  # in a loop, picks that read the pass number read the first pass's
+        if q is None and c.ops.numbered:  # in a loop the numbered picks run as pass 0: every slot, its read order
             q = 0
         if self.topc:
             lat = self.latent(blk, terms=c.ops.latent_terms)
