@@ -62,10 +62,10 @@ def pick_evidence(cfg, n, topc, seed=3):
     if topc:
         cand, base_c, _ = R.select_candidates(base, topc)
         want = R.topc_pick(base_c, cand, lat, R.topc_gather(params["w2"], cand))
-        got = ops.topc_pick(base_c, cand, lat, ops.topc_prepare(params["w2"], cand))
+        got = ops.topc_pick(base_c, cand, lat, ops.topc_prepare(params["w2"], cand))[0]
     else:
-        want = xla.full_vocab_pick(logits, lat, params["w2"])
-        got = ops.full_vocab_pick(logits, lat, params["w2"])
+        want = xla.full_vocab_pick(logits, lat, params["w2"])[0]
+        got = ops.full_vocab_pick(logits, lat, params["w2"])[0]
     want, got = np.asarray(want), np.asarray(got)
     bad = np.nonzero(want != got)[0]
     lat64 = np.asarray(lat.astype(jnp.float32), np.float64)
@@ -138,8 +138,8 @@ def explain_flips(cfg, n, topc):
     prev_x = prev_p = np.asarray(start).reshape(n, B - 1)
     if topc:
         cand, base_c, _ = jax.jit(R.select_candidates, static_argnums=1)(base, topc)
-        pick_x = jax.jit(lambda lat: X.topc_pick(base_c, cand, lat, X.topc_prepare(w2, cand)))
-        pick_p = jax.jit(lambda lat: P.topc_pick(base_c, cand, lat, P.topc_prepare(w2, cand)))
+        pick_x = jax.jit(lambda lat: X.topc_pick(base_c, cand, lat, X.topc_prepare(w2, cand))[0])
+        pick_p = jax.jit(lambda lat: P.topc_pick(base_c, cand, lat, P.topc_prepare(w2, cand))[0])
 
         def f32_pick(lat):  # XLA with float32 operands: exact products, float32 sums
             w2c = jnp.take(w2, cand, axis=0).astype(jnp.float32)
@@ -148,8 +148,8 @@ def explain_flips(cfg, n, topc):
             s = (base_c.astype(jnp.float32) + bias.astype(jnp.float32)).astype(base_c.dtype)
             return R.topc_winner(s, base_c, cand)
     else:
-        pick_x = jax.jit(lambda lat: X.full_vocab_pick(logits, lat, w2))
-        pick_p = jax.jit(lambda lat: P.full_vocab_pick(logits, lat, w2))
+        pick_x = jax.jit(lambda lat: X.full_vocab_pick(logits, lat, w2)[0])
+        pick_p = jax.jit(lambda lat: P.full_vocab_pick(logits, lat, w2)[0])
 
         def f32_pick(lat):
             bias = jnp.matmul(lat.astype(jnp.float32), w2.astype(jnp.float32).T,

@@ -59,7 +59,7 @@ def step_fn(step, ops, cfg, problem):
         return f, blk
     if step == "full_vocab":
         def f(lat):
-            tok = ops.full_vocab_pick(logits, lat, params["w2"])
+            tok = ops.full_vocab_pick(logits, lat, params["w2"])[0]
             return lat.at[0, 0].add((tok[0] % 2).astype(lat.dtype))
         return f, lat0
     if step == "topc":
@@ -67,7 +67,7 @@ def step_fn(step, ops, cfg, problem):
         prepared = ops.topc_prepare(params["w2"], cand)
 
         def f(lat):
-            tok = ops.topc_pick(base_c, cand, lat, prepared)
+            tok = ops.topc_pick(base_c, cand, lat, prepared)[0]
             return lat.at[0, 0].add((tok[0] % 2).astype(lat.dtype))
         return f, lat0
     raise ValueError(f"step {step!r} must be one of {STEPS}")

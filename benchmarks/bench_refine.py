@@ -180,13 +180,13 @@ def bench_ops(name, interpret):
     """The `Ops` a benchmark backend name stands for: ``xla``, ``xla-reference`` (every step the plain jnp
     reference: ``lax.top_k`` over the vocabulary), ``xla-top_k`` / ``xla-threshold`` (`xpress_jax.xla_ops`'s
     selection spelled that way), ``pallas``, ``pallas-xlares`` (the Pallas steps with the latent's residual summed
-    by XLA, not inside the picks: ``split_latent=False``), or ``xla+<step>[+<step>...]`` (XLA with the named steps,
+    by XLA, not inside the picks: ``latent_terms=False``), or ``xla+<step>[+<step>...]`` (XLA with the named steps,
     from `STEPS`, as Pallas kernels; built with `dataclasses.replace`)."""
     base, *steps = name.split("+")
     if base == "pallas" and not steps:
         return Ops.pallas(interpret)
     if base == "pallas-xlares" and not steps:  # the residual in XLA's own kernel (before the picks added it)
-        return dataclasses.replace(Ops.pallas(interpret), name=name, split_latent=False)
+        return dataclasses.replace(Ops.pallas(interpret), name=name, latent_terms=False)
     variant = base.removeprefix("xla-") if base.startswith("xla-") else None
     if variant in XLA_VARIANTS and not steps:
         if variant == "reference":

@@ -39,7 +39,7 @@ SERVING_N = (1, 4, 16, 64, 256)
 class Switches:
     """An entry's XLA-fusion and algorithm switches (none is a block size; none changes a token).
 
-    split_latent: a top-C pass hands XLA's latent to the pick as two float32 terms (`reference.LatentSum`).
+    latent_terms: a top-C pass hands XLA's latent to the pick as two float32 terms (`reference.LatentSum`).
     mixer_barrier: XLA's unsplit latent puts the mixer behind an optimization barrier (XLA:GPU computes it once).
     table_latent: with a token table, XLA's latent (which reads the table) even where a kernel serves.
     start_select: a full-vocab refine starts from the selection's argmax (c=1) instead of XLA's.
@@ -50,7 +50,7 @@ class Switches:
       in a packed launch of the failing rows plus an all-rows launch.
     """
 
-    split_latent: bool = False
+    latent_terms: bool = False
     mixer_barrier: bool = False
     table_latent: bool = True
     start_select: bool = False
@@ -183,16 +183,16 @@ _TC_SMALL = TopCConfig(c_tile=32, c_steps=1, k_tile=128, num_warps=4, num_stages
 _TC = TopCConfig(c_tile=128, c_steps=1, k_tile=64, num_warps=8, num_stages=2)
 
 # Columns, each chosen by H200/H100: python -m benchmarks.bench_refine (device time per refine, both modes):
-# latent "xla" up to N=64 (the fused kernel above, 2 blocks per program from N=128); split_latent up to N=4;
+# latent "xla" up to N=64 (the fused kernel above, 2 blocks per program from N=128); latent_terms up to N=4;
 # mixer_barrier at N=1; table_latent up to N=128; start_select from N=32; alternate up to N=4; full_vocab_keep
 # from N=2 where the config holds the latent; skip_final_slots from N=16; scan_one_launch up to N=64;
 # select_block 16 and select_finish_warps 8 (H200: python -m benchmarks.bench_kernels --steps select).
 _S = Switches
 TABLE = Table(entries=(
-    Entry(15, _FV_15, "xla", _TC_SMALL, switches=_S(split_latent=True, mixer_barrier=True, alternate=True,  # N = 1
+    Entry(15, _FV_15, "xla", _TC_SMALL, switches=_S(latent_terms=True, mixer_barrier=True, alternate=True,  # N = 1
                                                     full_vocab_keep=None)),
-    Entry(30, _FV_30, "xla", _TC_SMALL, switches=_S(split_latent=True, alternate=True)),  # N = 2
-    Entry(60, _FV_60, "xla", _TC, switches=_S(split_latent=True, alternate=True)),  # N = 3..4
+    Entry(30, _FV_30, "xla", _TC_SMALL, switches=_S(latent_terms=True, alternate=True)),  # N = 2
+    Entry(60, _FV_60, "xla", _TC, switches=_S(latent_terms=True, alternate=True)),  # N = 3..4
     Entry(239, _FV_240, "xla", _TC),  # N = 5..15
     Entry(240, _FV_240, "xla", _TC, switches=_S(skip_final_slots=True, topc_skip_final_slots=True)),  # N = 16
     Entry(479, _FV_960, "xla", _TC, switches=_S(skip_final_slots=True, topc_skip_final_slots=True)),  # N = 17..31

@@ -25,13 +25,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import reference as ref
-from .head import acc_dtype
 from .dispatch import TABLE
+from .head import acc_dtype
+from .modes import Call, Loop, Mode, write_slots
 from .ops import Ops
 from .reference import SLACK, certify_rows
 
 __all__ = ["SLACK", "certify_rows", "lowest_missing", "FULL_VOCAB", "Auto", "Certified", "CertifiedStats",
-           "CertifiedPrepared", "resolve_full_vocab", "prepare_certified", "certified_mode"]
+           "CertifiedPrepared", "resolve_full_vocab", "prepare_certified", "CertifiedMode"]
 
 _RAD = 2.0 ** -9
 
@@ -198,62 +199,68 @@ def _decide(ops: Ops, d: _CallData, lat: jax.Array, dtype, valid, fallen, limit=
     return certify_rows(best, best_id, lat, d.tau, d.max_norm, d.mex, valid, fallen, limit, dtype)
 
 
-def certified_mode(ops: Ops, params, logits: jax.Array, xh: jax.Array, prev_ids: jax.Array, valid: jax.Array,
-                   num_passes: int, cfg: Certified, prepared: CertifiedPrepared | None, write):
-    """The certified mode for `refine`'s pass loop: (start [rows] int32, state, one_pass, stats).
-    ``write(blk, tok, s)`` sets the draft slots s.. to the picks (refine's: draft ids mapped to verifier ids).
+class CertifiedMode(Mode):
+    """The certified mode for `xpress_jax.refine.run_passes` (the protocol of `xpress_jax.modes`). State: ``(flags
+    int32 [8], (rows tried, rows certified, outcomes int32 [3]))``; ``finish`` returns the tokens, with
+    ``return_stats`` also the `CertifiedStats`. Rows of invalid blocks never count. ``prepared``:
+    `prepare_certified` of this ``w2`` (None: computed here)."""
 
-    ``one_pass((blk, state), q) -> (blk, state)`` is one pass (``q``: the 0-based pass number where the passes
-    are unrolled, else None); ``stats(state)`` -> `CertifiedStats` after the K passes. ``valid`` [N] bool:
-    rows of invalid blocks never count. ``prepared``: `prepare_certified` of this ``w2`` (None: computed here).
-    """
-    N, B, V = logits.shape
-    r = params["w1"].shape[1]
-    rows = N * (B - 1)
-    dtype = logits.dtype
-    k_sub = cfg.blocks(N, ops.thresholds.scan_blocks_divisor)
-    limit = k_sub * (B - 1) if 0 < k_sub < N else 0  # more failing rows in a pass: the call falls back
-    d = _call_data(ops, logits, params["w2"], min(int(cfg.candidates), V), prepared)  # once per call
-    # A packed scan of the failing rows, where the steps have one that saves work (else one pick).
-    packed = bool(limit and ops.scan_failing and ops.full_vocab_capacity
-                  and ops.full_vocab_capacity(N, B, V, r, dtype, limit) is not None)
-    row_valid = jnp.repeat(valid, B - 1)
-    n_valid = jnp.sum(row_valid, dtype=jnp.int32)
-    gated = ops.gated_pick if ops.gated_pick is not None and ops.gated_pick.pick is ops.full_vocab_pick else None
+    def __init__(self, call: Call, num_passes: int, cfg: Certified, prepared: CertifiedPrepared | None, loop: Loop,
+                 return_stats: bool = False, with_passes: bool = False):
+        ops, logits = call.ops, call.logits
+        N, B, V = logits.shape
+        self.num_passes, self.return_stats = num_passes, return_stats
+        r = call.params["w1"].shape[1]
+        k_sub = cfg.blocks(N, ops.thresholds.scan_blocks_divisor)
+        self.limit = k_sub * (B - 1) if 0 < k_sub < N else 0  # more failing rows in a pass: the call falls back
+        self.d = _call_data(ops, logits, call.params["w2"], min(int(cfg.candidates), V), prepared)  # once per call
+        # A packed scan of the failing rows, where the steps have one that saves work (else one pick).
+        self.packed = bool(self.limit and ops.scan_failing and ops.full_vocab_capacity
+                           and ops.full_vocab_capacity(N, B, V, r, logits.dtype, self.limit) is not None)
+        self.row_valid = jnp.repeat(call.valid, B - 1)
+        self.n_valid = jnp.sum(self.row_valid, dtype=jnp.int32)
+        zero = jnp.zeros((), jnp.int32)
+        state = (jnp.zeros((8,), jnp.int32), (zero, zero, jnp.zeros((3,), jnp.int32)))
+        super().__init__(call, self.d.start, loop, state, with_passes)
 
-    def one_pass(carry, q):
+    def pass_(self, carry, q):
         # flags: int32 [8] = [fallen, the last pass's failing rows, 0, ...], as the kernels write and read it
         # (`kernels.common.flag_operand`): between two kernels of the certified mode no XLA op runs.
         blk, (flags, (tried, certified, outcomes)) = carry
-        s = 0 if q is None else min(q, B - 1)  # the draft slots before s are final
-        if s == B - 1:  # every draft slot is final: the pass would give the block it has (counted as certified)
-            return blk, (flags, (tried, certified, outcomes.at[0].add(1)))
+        c, d, ops = self.call, self.d, self.call.ops
+        s = 0 if q is None else q  # the draft slots before s are final
         kw = {} if q is None else {"q": q}
         fallen = ref.flag_value(flags)
-        lat = ops.latent(params, xh, blk, prev_ids).reshape(rows, r)
+        lat = self.latent(blk)
         # The final slots are decided too (a mask per pass would put XLA ops between the kernels); the scans
         # skip them.
-        best_id, fail, act, decided = _decide(ops, d, lat, dtype, row_valid, flags, None if packed else limit)
-        if packed:  # the failing rows (every row of a slot >= s if the pass is full) scanned, the others best_id
-            tok, flags = ops.scan_failing(logits, lat, d.fprep, fail, flags, best_id, limit, **kw)
-        elif gated is not None:  # the same pick in a launch that runs nothing where no row is active
-            tok, flags = gated.run(logits, lat, d.fprep, act, best_id, decided, **kw)
+        best_id, fail, act, decided = _decide(ops, d, lat, c.logits.dtype, self.row_valid, flags,
+                                              None if self.packed else self.limit)
+        if self.packed:  # the failing rows (every row of a slot >= s if the pass is full) scanned, the others best_id
+            tok, flags = ops.scan_failing(c.logits, lat, d.fprep, fail, flags, best_id, self.limit, **kw)
+        elif ops.gated_pick is not None:  # the same pick in a launch that runs nothing where no row is active
+            tok, flags = ops.gated_pick(c.logits, lat, d.fprep, act, best_id, decided, **kw)
         else:  # one pick: its active rows (act = fail | full) get its token, the others best_id
-            tok, flags = ops.full_vocab_pick(logits, lat, d.fprep, active=act, fallback=best_id, **kw), decided
+            tok, flags = ops.full_vocab_pick(c.logits, lat, d.fprep, active=act, fallback=best_id, **kw)[0], decided
         full, n_fail = flags[0] != 0, flags[1]  # full: this pass scanned every row
         outcome = jnp.where(full, 2, jnp.where(n_fail == 0, 0, 1))  # certified / rows scanned / fallen back
-        tried = tried + jnp.where(fallen, 0, n_valid)
-        certified = certified + jnp.where(fallen, 0, n_valid - n_fail)
+        tried = tried + jnp.where(fallen, 0, self.n_valid)
+        certified = certified + jnp.where(fallen, 0, self.n_valid - n_fail)
         outcomes = outcomes + (jnp.arange(3) == outcome).astype(jnp.int32)
-        blk = write(blk, tok.reshape(N, B - 1)[:, s:].reshape(-1), s)
+        blk = write_slots(blk, tok.reshape(self.n, self.slots)[:, s:].reshape(-1), s, c.d2t)
         return blk, (flags, (tried, certified, outcomes))
 
-    def stats(state) -> CertifiedStats:
+    def finish(self, carry, passes):
+        if self.return_stats:
+            return self.tokens(carry[0]), self.stats(carry[1])
+        return super().finish(carry, passes)
+
+    def stats(self, state) -> CertifiedStats:
         _, (tried, certified, outcomes) = state
-        frac = _ratio(outcomes, jnp.int32(num_passes))
+        # The passes from B-1 on, which the numbered loop does not run (every draft slot final), count as certified.
+        settled = max(self.num_passes - self.slots, 0) if self.loop.numbered else 0
+        if settled:
+            outcomes = outcomes.at[0].add(settled)
+        frac = _ratio(outcomes, jnp.int32(self.num_passes))
         return CertifiedStats(rows_certified=jnp.where(tried > 0, _ratio(certified, jnp.maximum(tried, 1)), 1.0),
                               passes_certified=frac[0], passes_row_scan=frac[1], passes_full_scan=frac[2])
-
-    zero = jnp.zeros((), jnp.int32)
-    state = (jnp.zeros((8,), jnp.int32), (zero, zero, jnp.zeros((3,), jnp.int32)))
-    return d.start, state, one_pass, stats

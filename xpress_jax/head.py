@@ -21,7 +21,7 @@ import numpy as np
 from .config import HeadConfig
 from .params import HYBRID_KEY_MAP, Head, params_from_state_dict, source_shapes
 
-__all__ = ["acc_dtype", "round_to", "hidden_input", "latent", "token_table", "TOKEN_TABLE", "XPressHead",
+__all__ = ["acc_dtype", "acc_dot", "round_to", "hidden_input", "latent", "token_table", "TOKEN_TABLE", "XPressHead",
            "MODULE_PARAM_NAMES"]
 
 Params = Mapping[str, jax.Array]
@@ -54,7 +54,8 @@ def round_to(x: jax.Array, dtype: Any) -> jax.Array:
     return y.astype(dtype)
 
 
-def _dot(a: jax.Array, b: jax.Array, acc: jnp.dtype) -> jax.Array:
+def acc_dot(a: jax.Array, b: jax.Array, acc: jnp.dtype) -> jax.Array:
+    """``a @ b`` accumulated in ``acc`` (the dtype's precision: `precision_for`)."""
     return jnp.matmul(a, b, precision=precision_for(a.dtype), preferred_element_type=acc)
 
 
@@ -65,18 +66,18 @@ def hidden_cache(params: Params, h: jax.Array, *, pad_rows: int = 0) -> jax.Arra
     cd = params["w1"].dtype
     acc = acc_dtype(cd)
     n = h.shape[0]
-    hh = round_to(_dot(h, params["down_h"], acc), cd)  # [N, B, r]
+    hh = round_to(acc_dot(h, params["down_h"], acc), cd)  # [N, B, r]
     g = round_to(jnp.mean(h.astype(acc), axis=1), cd)  # [N, H]
     if n < pad_rows:
         g = jax.lax.optimization_barrier(jnp.pad(g, ((0, pad_rows - n), (0, 0))))
-    hg = round_to(_dot(g, params["down_g"], acc), cd)[:n]  # [N, r]
+    hg = round_to(acc_dot(g, params["down_g"], acc), cd)[:n]  # [N, r]
     return jnp.concatenate([hh, jnp.broadcast_to(hg[:, None, :], hh.shape)], axis=-1)
 
 
 def hidden_input(params: Params, h: jax.Array, *, pad_rows: int = 0) -> jax.Array:
     """``xh = hidden_cache(h) @ in_proj_hidden``: the pass-invariant half of ``in_proj``, [N, B, r]."""
     cd = params["w1"].dtype
-    return round_to(_dot(hidden_cache(params, h, pad_rows=pad_rows), params["in_proj_hidden"], acc_dtype(cd)), cd)
+    return round_to(acc_dot(hidden_cache(params, h, pad_rows=pad_rows), params["in_proj_hidden"], acc_dtype(cd)), cd)
 
 
 #: The params key under which `xpress_jax.refine` hands a `token_table` to `latent` (users pass ``token_table=``).
@@ -89,14 +90,14 @@ def token_table(params: Params | Head) -> jax.Array:
     kernels fewer per pass on a GPU: docs/performance.md). Pass it as ``refine(..., token_table=...)``
     (`RefineServer` keeps one); V * r * 4 bytes; it must come from the very weights passed to refine."""
     params = params.params if isinstance(params, Head) else params
-    return _dot(params["w1"], params["in_proj_token"], acc_dtype(params["w1"].dtype))
+    return acc_dot(params["w1"], params["in_proj_token"], acc_dtype(params["w1"].dtype))
 
 
-def latent(params: Params, xh: jax.Array, prev: jax.Array, *, split: bool = False, barrier: bool = False):
+def latent(params: Params, xh: jax.Array, prev: jax.Array, *, terms: bool = False, barrier: bool = False):
     """One pass's latents for the draft slots: [N, B, r], [N, B] int -> [N, B-1, r]: ``x = xh + w1[prev] @
     in_proj_token``, ``u[n,k,c] = sum_j mix[k,j,c] x[n,j,c]``, ``lat = u + down(silu(u @ gate) * (u @ up))``.
     ``prev`` must be valid indices (callers clamp); ``params[TOKEN_TABLE]`` (added by `xpress_jax.refine`)
-    replaces ``w1[prev] @ in_proj_token`` by ``table[prev]``. ``split=True`` returns ``(u, d)`` before their
+    replaces ``w1[prev] @ in_proj_token`` by ``table[prev]``. ``terms=True`` returns ``(u, d)`` before their
     sum (the latent is ``round_to(u + d, dtype)``, which the top-C pick kernel forms as it loads them).
     ``barrier=True``: ``u`` behind an optimization barrier (the same values; XLA:GPU computes the gather and
     the mixer once instead of inside the residual's fusion)."""
@@ -107,15 +108,15 @@ def latent(params: Params, xh: jax.Array, prev: jax.Array, *, split: bool = Fals
         x = xh.astype(acc) + jnp.take(table, prev, axis=0, mode="clip")  # [N, B, r]
     else:
         e = jnp.take(params["w1"], prev, axis=0, mode="clip")  # [N, B, r]
-        x = xh.astype(acc) + _dot(e, params["in_proj_token"], acc)
+        x = xh.astype(acc) + acc_dot(e, params["in_proj_token"], acc)
     u = jnp.einsum("kjc,njc->nkc", params["mix"].astype(acc), x, precision=precision_for(acc))[:, 1:]
     uc = round_to(u, cd)
     if barrier:
         u, uc = jax.lax.optimization_barrier((u, uc))
-    gate, up = _dot(uc, params["mlp_gate"], acc), _dot(uc, params["mlp_up"], acc)
+    gate, up = acc_dot(uc, params["mlp_gate"], acc), acc_dot(uc, params["mlp_up"], acc)
     act = round_to(jax.nn.silu(gate) * up, cd)
-    d = _dot(act, params["mlp_down"], acc)
-    return (u, d) if split else round_to(u + d, cd)
+    d = acc_dot(act, params["mlp_down"], acc)
+    return (u, d) if terms else round_to(u + d, cd)
 
 
 #: `XPressHead` attribute -> its checkpoint name in `HYBRID_KEY_MAP` (one to one, PyTorch layouts).

@@ -31,8 +31,8 @@ import numpy as np
 from .config import HeadConfig
 
 __all__ = ["Head", "init_head", "HYBRID_KEY_MAP", "PARAM_NAMES", "VOCAB_MAP", "param_names", "param_shapes",
-           "init_params", "fold_causal_mixer", "params_from_state_dict", "check_params", "check_vocab_map", "to_verifier_ids",
-           "config_from_params"]
+           "init_params", "fold_causal_mixer", "params_from_state_dict", "check_params", "check_vocab_map",
+           "to_verifier_ids", "config_from_params", "to_numpy"]
 
 #: Source (checkpoint) name -> the reference module's attribute; "__raw_mix_L__": the raw mixer, folded on load.
 HYBRID_KEY_MAP = {
@@ -94,7 +94,7 @@ def check_vocab_map(d2t: Any, vocab_size: int, t2d: Any = None) -> np.ndarray:
     [0, vocab_size), no two draft ids on one verifier id, and, with speculators' ``t2d`` [V] bool, ``t2d.sum() ==
     V_draft`` and ``t2d`` true exactly at the mapped ids. Returns ``d2t`` as int32; raises ValueError naming the
     problem."""
-    a = _to_numpy(d2t)
+    a = to_numpy(d2t)
     if a.ndim != 1 or not np.issubdtype(a.dtype, np.integer):
         raise ValueError(f"d2t must be a 1-d integer array [V_draft], got shape {a.shape} dtype {a.dtype}")
     mapped = np.arange(a.size, dtype=np.int64) + a.astype(np.int64)
@@ -108,7 +108,7 @@ def check_vocab_map(d2t: Any, vocab_size: int, t2d: Any = None) -> np.ndarray:
         raise ValueError(f"d2t maps two draft ids to one verifier id (verifier ids {dup}); a draft vocabulary is a "
                          "subset of the verifier's, each id once")
     if t2d is not None:
-        t = _to_numpy(t2d).astype(bool)
+        t = to_numpy(t2d).astype(bool)
         if t.shape != (vocab_size,):
             raise ValueError(f"t2d must have shape ({vocab_size},) (the verifier's vocabulary), got {t.shape}")
         if int(t.sum()) != a.size:
@@ -227,7 +227,7 @@ def init_params(config: HeadConfig, key: jax.Array, dtype: Any = jnp.float32, *,
     return params
 
 
-def _to_numpy(t: Any) -> np.ndarray:
+def to_numpy(t: Any) -> np.ndarray:
     """NumPy view of a numpy/JAX/torch tensor; torch bf16 goes through an int16 view."""
     if hasattr(t, "detach") and hasattr(t, "numpy"):  # torch.Tensor, without importing torch
         t = t.detach().cpu()
@@ -264,7 +264,7 @@ def params_from_state_dict(tensors: Mapping[str, Any], config: HeadConfig, *, dt
     expected = source_shapes(config)
     missing = sorted(set(expected) - set(tensors))
     extra = sorted(set(tensors) - set(expected))
-    arrays = {k: _to_numpy(tensors[k]) for k in expected if k in tensors}
+    arrays = {k: to_numpy(tensors[k]) for k in expected if k in tensors}
     vocab_map = arrays.pop(VOCAB_MAP, None)
     bad_shape = [f"{k}: expected {expected[k]}, got {tuple(a.shape)}" for k, a in arrays.items()
                  if tuple(a.shape) != expected[k]]

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from .dispatch import Thresholds
-from .head import _dot, acc_dtype, hidden_input, latent, precision_for, round_to
+from .head import acc_dot, acc_dtype, hidden_input, latent, precision_for, round_to
 from .kernels.common import gumbel, sample_key
 
 __all__ = [
@@ -102,7 +102,7 @@ def readout(lat: jax.Array, w2: jax.Array, dtype, *, direct: bool = False) -> ja
     """
     if direct and jnp.dtype(dtype).itemsize == 2:
         return jnp.matmul(lat, w2.T, preferred_element_type=dtype)
-    return round_to(_dot(lat, w2.T, acc_dtype(dtype)), dtype)
+    return round_to(acc_dot(lat, w2.T, acc_dtype(dtype)), dtype)
 
 
 def draft_rows(logits: jax.Array) -> jax.Array:
@@ -141,16 +141,16 @@ def latent_value(lat, dtype) -> jax.Array:
 
 
 def latent_pass(params: Mapping[str, jax.Array], xh: jax.Array, blk: jax.Array, prev_ids: jax.Array, *,
-                split: bool = False, barrier: bool = False):
+                terms: bool = False, barrier: bool = False):
     """[N,B,r], [N,B] int32, [N] int32 -> [N, B-1, r]: the draft slots' latents for this pass.
 
     Slot 0's predecessor is ``prev_ids``, slot b's is ``blk[:, b-1]`` (`xpress_jax.head.latent`).
-    ``split=True``: a `LatentSum` (the residual's terms; the latent is their rounded sum).
+    ``terms=True``: a `LatentSum` (the residual's terms; the latent is their rounded sum).
     ``barrier``: `xpress_jax.head.latent`'s (the same values; how XLA fuses them).
     """
     prev = jnp.concatenate([prev_ids[:, None], blk[:, :-1]], axis=1)
-    if split:
-        return LatentSum(*latent(params, xh, prev, split=True, barrier=barrier))
+    if terms:
+        return LatentSum(*latent(params, xh, prev, terms=True, barrier=barrier))
     return latent(params, xh, prev, barrier=barrier)
 
 

@@ -1,31 +1,31 @@
-"""`refine`: K greedy Jacobi passes of the XPress head, jit-able with static shapes.
+"""`refine`: K greedy or sampled Jacobi passes of the XPress head, jit-able with static shapes.
 
-The data path (`_refine`) is written once against `xpress_jax.ops.Ops`, the steps of one implementation:
-the jnp reference (`xpress_jax.reference`) or the Pallas-Triton kernels (`xpress_jax.kernels`). Every mode
-(top-C, the full-vocabulary scan, the certified mode of `xpress_jax.exact`) is a start, a state and one
-pass, run by one loop (`run_passes`). The platform is read once per call, at the API edge (`_platform`).
+One call goes: `refine` settles its arguments (the `xpress_jax.ops.Ops` of the backend and the params' dtype,
+every check, the defaults), then `prepare` builds the call's mode (`xpress_jax.modes`: `Greedy` for top-C and the full-vocabulary
+scan, `Sampled`, or the certified mode of `xpress_jax.exact`); then `run_passes`, the one pass loop, starts the
+mode, runs its passes and finishes it. A pass calls the `Ops` steps (the jnp reference, the fast XLA spelling or
+the Pallas-Triton kernels), each of which calls its kernel's wrapper. The platform is read once per call, at the
+API edge (`_platform`).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, NamedTuple
+from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from .config import HeadConfig
-from .exact import Certified, CertifiedPrepared, certified_mode, resolve_full_vocab
+from .exact import Certified, CertifiedMode, CertifiedPrepared, resolve_full_vocab
 from .head import TOKEN_TABLE, acc_dtype, hidden_input
+from .modes import INVALID_TOKEN, Call, Greedy, Loop, Mode, Sampled
 from .ops import Ops
-from .params import VOCAB_MAP, Head, check_params, to_verifier_ids
-from .sampling import Proposal, check_sampling, inverse_temperature, row_seeds
+from .params import VOCAB_MAP, Head, check_params
+from .sampling import Sampler, check_sampling, inverse_temperature, row_seeds
 
-__all__ = ["refine", "refine_with", "run_passes", "INVALID_TOKEN", "BACKENDS", "STATIC"]
-
-#: Token written to every draft slot of a row whose anchor or prev id lies outside [0, V)
-#: (only reachable under ``jit``; concrete calls raise instead).
-INVALID_TOKEN = -1
+__all__ = ["refine", "refine_with", "select_ops", "check_backend", "resolve_call", "prepare", "run_passes",
+           "exit_checks", "INVALID_TOKEN", "BACKENDS", "STATIC"]
 
 BACKENDS = ("auto", "xla", "pallas")
 
@@ -173,10 +173,11 @@ def refine(params: Head | Mapping[str, jax.Array], logits: jax.Array, h: jax.Arr
     config is static pytree aux data).
     """
     check_backend(backend, interpret)
-    return _run(_select_ops(backend, interpret), params, logits, h, anchors, prev_ids, num_passes=num_passes,
-                topc=topc, max_num_reqs=max_num_reqs, config=config, unroll=unroll, full_vocab=full_vocab,
-                return_stats=return_stats, certified_prepared=certified_prepared, early_exit=early_exit,
-                token_table=token_table, temperature=temperature, key=key, proposal=proposal)
+    settled = _settle(select_ops(backend, interpret), params, logits, h, anchors, prev_ids, num_passes=num_passes,
+                      topc=topc, max_num_reqs=max_num_reqs, config=config, unroll=unroll, full_vocab=full_vocab,
+                      return_stats=return_stats, certified_prepared=certified_prepared, early_exit=early_exit,
+                      token_table=token_table, temperature=temperature, key=key, proposal=proposal)
+    return run_passes(prepare(**settled))
 
 
 def _platform() -> str:
@@ -203,9 +204,9 @@ def check_backend(backend: Any, interpret: bool) -> None:
         )
 
 
-def _select_ops(backend: str, interpret: bool) -> Ops:
-    """``"xla"`` -> `Ops.xla`; ``"pallas"`` -> `Ops.pallas`; ``"auto"`` -> Pallas on a supported
-    NVIDIA GPU (or with ``interpret=True``), else XLA."""
+def select_ops(backend: str, interpret: bool) -> Ops:
+    """The `Ops` of a ``backend`` (`check_backend` refuses the bad ones): ``"xla"`` -> `Ops.xla`; ``"pallas"`` ->
+    `Ops.pallas`; ``"auto"`` -> Pallas on a supported NVIDIA GPU (or with ``interpret=True``), else XLA."""
     from .kernels.common import gpu_supported, triton_available  # only where a call asks for a backend
 
     if backend == "pallas" or (backend == "auto" and ((interpret and triton_available()) or gpu_supported())):
@@ -219,13 +220,14 @@ def refine_with(ops: Ops, params, logits, h, anchors, prev_ids=None, **kwargs) -
     static under jit."""
     if not isinstance(ops, Ops):
         raise TypeError(f"ops must be an xpress_jax.ops.Ops, got {type(ops).__name__}")
-    return _run(ops, params, logits, h, anchors, prev_ids, **kwargs)
+    return run_passes(prepare(**_settle(ops, params, logits, h, anchors, prev_ids, **kwargs)))
 
 
-def _run(ops: Ops, params, logits, h, anchors, prev_ids=None, *, num_passes=None, topc=None, max_num_reqs=None,
-         config=None, unroll=None, full_vocab="scan", return_stats=False, certified_prepared=None, early_exit=False,
-         token_table=None, temperature=None, key=None, proposal=None):
-    """`refine`'s body: the config's defaults, every check, then `_refine` with ``ops``."""
+def _settle(ops: Ops, params, logits, h, anchors, prev_ids=None, *, num_passes=None, topc=None, max_num_reqs=None,
+            config=None, unroll=None, full_vocab="scan", return_stats=False, certified_prepared=None,
+            early_exit=False, token_table=None, temperature=None, key=None, proposal=None) -> dict:
+    """`refine`'s arguments settled, as `prepare`'s keyword arguments: the config's defaults, every check, the steps
+    for the params' dtype (`Ops.for_dtype`), the token table in the params, the `Sampler`."""
     certified = resolve_full_vocab(full_vocab)
     check_sampling(temperature, key, proposal)
     if temperature is not None and certified is not None:
@@ -255,9 +257,10 @@ def _run(ops: Ops, params, logits, h, anchors, prev_ids=None, *, num_passes=None
     if temperature is not None:
         sampler = Sampler(row_seeds(key, logits.shape[0] * (logits.shape[1] - 1)), inverse_temperature(temperature),
                           proposal)
-    return _refine(ops, params, logits, h, anchors, prev_ids, num_passes, topc, unroll,
-                   certified=None if topc else certified, return_stats=return_stats,
-                   certified_prepared=certified_prepared, early_exit=early_exit, sampler=sampler)
+    return dict(ops=ops.for_dtype(params["w1"].dtype), params=params, logits=logits, h=h, anchors=anchors,
+                prev_ids=prev_ids, num_passes=num_passes, topc=topc, unroll=unroll,
+                certified=None if topc else certified, return_stats=return_stats,
+                certified_prepared=certified_prepared, early_exit=early_exit, sampler=sampler)
 
 
 def _check_token_table(table, params) -> None:
@@ -319,26 +322,19 @@ def resolve_call(params, logits, h, anchors, prev_ids=None, *, num_passes=None, 
     return params, prev_ids, int(num_passes), int(topc), bool(unroll)
 
 
-class Sampler(NamedTuple):
-    """A sampled call's data: each draft row's noise seed ([rows] int32, `xpress_jax.sampling.row_seeds`), ``1 / T``
-    (float32 scalar, 0 = greedy) and the proposal wanted (None, "logprob", "scores"; static)."""
-
-    seeds: jax.Array
-    inv_t: jax.Array
-    proposal: str | None = None
-
-
-def _refine(ops: Ops, params, logits, h, anchors, prev_ids, num_passes, topc, unroll=False, vocab_size=None,
-            certified: Certified | None = None, return_stats=False, certified_prepared=None, early_exit=False,
-            return_passes=False, sampler: Sampler | None = None):
-    """The data path. ``vocab_size``: the global V when ``logits``, ``w1`` and ``w2`` hold one vocabulary
-    shard (`xpress_jax.sharded`; ``ops`` then combines across shards). ``certified`` (with ``topc=0``): run
-    the certified mode; ``return_stats`` then also returns its `CertifiedStats`. ``return_passes``
-    (benchmarks): also return the number of passes run, an int32 scalar. ``sampler``: sample (`Sampler`); with
-    its ``proposal`` the result is ``(tokens, Proposal)``."""
+def prepare(ops: Ops, params, logits, h, anchors, prev_ids, num_passes: int, topc: int, unroll: bool = False, *,
+            vocab_size: int | None = None, certified: Certified | None = None, return_stats: bool = False,
+            certified_prepared=None, early_exit: bool | tuple = False, return_passes: bool = False,
+            sampler: Sampler | None = None) -> Mode:
+    """The call's mode for `run_passes`, its once-per-call work done: the ids range-checked (invalid rows marked),
+    the hidden input, the mode's own (candidates, prepared ``w2``, seed block). Arguments as `refine` settles them
+    (``ops`` for the params' dtype). ``vocab_size``: the global V when ``logits``, ``w1`` and ``w2`` hold one
+    vocabulary shard (`xpress_jax.sharded`; ``ops`` then combines across shards). ``certified`` (with ``topc=0``):
+    the certified mode; ``return_stats`` then also returns its `CertifiedStats`. ``return_passes`` (benchmarks):
+    also return the number of passes run, an int32 scalar. ``sampler``: sample (`Sampler`); with its ``proposal``
+    the result is ``(tokens, Proposal)``."""
     N, B, _ = logits.shape
     V = params["w1"].shape[0] if vocab_size is None else vocab_size  # the verifier's vocabulary
-    d2t = params.get(VOCAB_MAP)  # a reduced head's draft -> verifier map
     # Range check in the ids' own dtype, before any narrowing cast (an int64 2**32 + id must not
     # wrap into a valid int32 id).
     valid = (anchors >= 0) & (anchors < V) & (prev_ids >= 0) & (prev_ids < V)
@@ -348,137 +344,24 @@ def _refine(ops: Ops, params, logits, h, anchors, prev_ids, num_passes, topc, un
         t_ok = ~jnp.isnan(sampler.inv_t)
         valid = valid & t_ok
         sampler = sampler._replace(inv_t=jnp.where(t_ok, sampler.inv_t, 0.0))
-
     xh = (ops.hidden or hidden_input)(params, h)  # [N, B, r], once per call
-    checks, every = None, ops.thresholds.exit_every_pass_from
+    call = Call(ops, params, logits, xh, anchors, prev_ids, valid, params.get(VOCAB_MAP))
     if certified is not None and not topc:
-        start, state, one_pass, stats = certified_mode(ops, params, logits, xh, prev_ids, valid, num_passes,
-                                                       certified, certified_prepared, write=_write_slots(d2t))
-        numbered = unroll
-    elif sampler is not None:
-        start, state, one_pass, numbered, final_pass = _sampled_mode(ops, params, logits, xh, prev_ids, topc, sampler,
-                                                                        num_passes, unroll, _write_slots(d2t))
-        if early_exit:
-            checks = exit_checks(N, num_passes, every) if early_exit is True else early_exit
-    else:
-        start, state, one_pass, numbered = _plain_mode(ops, params, logits, xh, prev_ids, topc, unroll,
-                                                       _write_slots(d2t))
-        if early_exit:
-            checks = exit_checks(N, num_passes, every) if early_exit is True else early_exit
-    blk = jnp.concatenate([anchors[:, None], to_verifier_ids(start.reshape(N, B - 1), d2t)], axis=1)
-    if sampler is not None and sampler.proposal is not None:
-        # The proposal is the last pass's: K - 1 passes, then the last one with its extras (K = 0: the seed's).
+        return CertifiedMode(call, num_passes, certified, certified_prepared, Loop(num_passes, unroll, unroll),
+                             return_stats=return_stats, with_passes=return_passes)
+    checks = None
+    if early_exit:
+        checks = exit_checks(N, num_passes, ops.thresholds.exit_every_pass_from) if early_exit is True else early_exit
+    if sampler is None:
+        # Unrolled steps that ignore the pass number keep fori_loop(unroll=True): on a CPU its compiled HLO differs
+        # from a Python loop's for XLA's full-vocab steps (one convert per pass).
+        return Greedy(call, topc, Loop(num_passes, unroll, unroll and ops.numbered, checks), with_passes=return_passes)
+    passes = num_passes
+    if sampler.proposal is not None:  # K - 1 passes in the loop, the last one (with its extras) in `finish`
+        passes = max(num_passes - 1, 0)
         if num_passes and checks:
             checks = tuple(q for q in checks if q < num_passes - 1) or None
-        (blk, state), passes = run_passes(one_pass, (blk, state), max(num_passes - 1, 0), unroll=unroll,
-                                          numbered=numbered, checks=checks)
-        blk, extras = final_pass(blk)
-        out = jnp.where(valid[:, None], blk[:, 1:], INVALID_TOKEN)
-        return out, _proposal(extras, N, B)
-    (blk, state), passes = run_passes(one_pass, (blk, state), num_passes, unroll=unroll, numbered=numbered,
-                                      checks=checks)
-    out = jnp.where(valid[:, None], blk[:, 1:], INVALID_TOKEN)
-    if return_stats:
-        return out, stats(state)
-    return (out, passes) if return_passes else out
-
-
-def _plain_mode(ops: Ops, params, logits, xh, prev_ids, topc: int, unroll: bool, write):
-    """The top-C (``topc`` > 0) or full-vocab scan mode for `run_passes`: (start [rows] int32, state (none),
-    one_pass, numbered). Numbered where unrolled and the steps have a pass pick, which may then return only
-    the draft slots from some s <= q on (the slots before are final) and read ``w2`` in another order."""
-    N, B, _ = logits.shape
-    pass_pick = ops.pass_pick(topc=bool(topc))
-    if topc:
-        cand, base_c, start = ops.select(logits, topc)
-        prepared = ops.topc_prepare(params["w2"], cand)  # once per call
-
-        def pick(lat, q):
-            if pass_pick is not None:
-                return pass_pick.run(base_c, cand, lat, prepared, q, N)
-            return ops.topc_pick(base_c, cand, lat, prepared), 0
-    else:
-        start = ops.start(logits)
-        prepared = ops.full_vocab_prepare(params["w2"])  # once per call
-
-        def pick(lat, q):
-            if pass_pick is not None:
-                return pass_pick.run(logits, lat, prepared, q)
-            return ops.full_vocab_pick(logits, lat, prepared), 0
-
-    def one_pass(carry, q):
-        blk, state = carry
-        tok, s = pick(_pass_latent(ops, params, xh, blk, prev_ids, bool(topc)), q or 0)
-        return write(blk, tok, s), state
-
-    # Unrolled steps without a pass pick keep fori_loop(unroll=True): on a CPU its compiled HLO differs from a
-    # Python loop's for XLA's full-vocab steps (one convert per pass).
-    return start, (), one_pass, unroll and pass_pick is not None
-
-
-def _sampled_mode(ops: Ops, params, logits, xh, prev_ids, topc: int, sampler: Sampler, num_passes: int,
-                  unroll: bool, write):
-    """The sampled top-C or full-vocab mode (`xpress_jax.sampling`): (start, state (none), one_pass, numbered,
-    final_pass). ``final_pass(blk)`` -> (blk, extras): the last pass with the proposal's extras (K = 0: the seed's,
-    the block unchanged); top-C extras end with the candidates' ids. Unrolled, the passes are numbered as in
-    `_plain_mode` (the final draft slots skipped, the same tokens)."""
-    N, B, _ = logits.shape
-    seeds, inv_t, proposal = sampler
-    if topc:
-        cand, base_c, _ = ops.select(logits, topc)
-        prepared = ops.topc_prepare(params["w2"], cand)  # once per call
-
-        def pick(lat, want=None, q=None):
-            tok, extras, s = ops.topc_sample(base_c, cand, lat, prepared, seeds, inv_t, want, q=q, n=N)
-            return tok, extras if extras is None else (*extras, cand), s
-    else:
-        prepared = ops.full_vocab_prepare(params["w2"])
-
-        def pick(lat, want=None, q=None):
-            return ops.full_vocab_sample(logits, lat, prepared, seeds, inv_t, want, q=q)
-
-    # The seed block: the base logits with the same noise (its extras are the proposal only when K = 0).
-    start, seed_extras, _ = pick(None, None if num_passes else proposal)
-
-    def step(blk, want=None, q=None):
-        tok, extras, s = pick(_pass_latent(ops, params, xh, blk, prev_ids, bool(topc)), want, q)
-        return write(blk, tok, s), extras
-
-    def one_pass(carry, q):
-        return step(carry[0], q=q)[0], carry[1]
-
-    def final_pass(blk):
-        return (blk, seed_extras) if not num_passes else step(blk, proposal)
-
-    return start, (), one_pass, unroll, final_pass
-
-
-def _pass_latent(ops: Ops, params, xh, blk, prev_ids, topc: bool):
-    """A pass's latent of every draft row, [N*(B-1), r]; in top-C passes possibly its residual's two terms, which
-    the pick adds (`ops`)."""
-    N, B = blk.shape
-    r = params["w1"].shape[1]
-    lat = (ops.latent(params, xh, blk, prev_ids, split=True) if ops.split_latent and topc
-           else ops.latent(params, xh, blk, prev_ids))
-    return lat.reshape(N * (B - 1), r)
-
-
-def _write_slots(d2t):
-    """``write(blk, tok, s)``: ``blk`` with the draft slots s.. set to the picks ``tok`` ([N*(B-1-s)] draft ids, mapped
-    to verifier ids with ``d2t`` where the head is reduced; the slots before s are final)."""
-    def write(blk, tok, s: int):
-        N, B = blk.shape
-        return blk.at[:, 1 + s:].set(to_verifier_ids(tok.reshape(N, B - 1 - s), d2t)) if s < B - 1 else blk
-
-    return write
-
-
-def _proposal(extras, N: int, B: int) -> Proposal:
-    """The extras of the last pick ([rows] ...) as a `Proposal` of [N, B-1, ...] arrays."""
-    token_score, lse, scores, *ids = extras
-    shape = lambda x: None if x is None else x.reshape(N, B - 1, *x.shape[1:])  # noqa: E731
-    ids = shape(ids[0]) if ids and scores is not None else None
-    return Proposal(shape(token_score), shape(lse), shape(scores), ids)
+    return Sampled(call, topc, sampler, Loop(passes, unroll, unroll, checks), num_passes, with_passes=return_passes)
 
 
 def exit_checks(num_blocks: int, num_passes: int, every_pass_from: int = 16) -> tuple[int, ...]:
@@ -491,38 +374,44 @@ def exit_checks(num_blocks: int, num_passes: int, every_pass_from: int = 16) -> 
     return tuple(range(2, num_passes, step))
 
 
-def run_passes(one_pass: Callable, carry, num_passes: int, *, unroll: bool, numbered: bool, checks=None):
-    """The pass loop of every mode: ``num_passes`` times ``carry = one_pass(carry, q)``, ``carry = (blk [N, B]
-    int32, the mode's state)``, ``q`` the 0-based pass number (a Python int) or None in a loop. Returns
-    (carry, the passes run: an int32 scalar).
+def run_passes(mode: Mode):
+    """The pass loop of every mode (`xpress_jax.modes`): ``carry = mode.start()``, then ``mode.loop.passes`` times
+    ``carry = mode.pass_(carry, q)``, then ``mode.finish(carry, passes)`` (``passes``: the passes run, an int32
+    scalar). ``q`` is the 0-based pass number (a Python int) where the loop numbers the passes, else None.
 
-    ``checks`` None: all passes, ``numbered`` in Python, else one ``lax.fori_loop(unroll=unroll)``. A tuple
-    (early exit): stop after the first checked pass that leaves ``blk`` unchanged: unrolled, numbered
-    passes checked after the pass numbers (1..K-1) in ``checks``, each check a ``lax.cond`` holding the
-    passes after it; else one ``lax.while_loop`` checking after every pass.
+    ``loop.checks`` None: all passes, ``loop.numbered`` in Python, else one ``lax.fori_loop(unroll=loop.unroll)``.
+    A tuple (early exit): stop after the first checked pass that leaves ``blk`` unchanged: unrolled, the passes
+    checked after the pass numbers (1..K-1) in ``checks``, each check a ``lax.cond`` holding the passes after it;
+    else one ``lax.while_loop`` checking after every pass. Numbered, the passes from B-1 on are not run: every
+    draft slot is final, the pass would return its block.
     """
+    num_passes, unroll, numbered, checks = mode.loop
+    carry = mode.start()
     if checks is None:
         if numbered:
-            for q in range(num_passes):
-                carry = one_pass(carry, q)
+            for q in range(min(num_passes, mode.slots)):
+                carry = mode.pass_(carry, q)
         else:
-            carry = jax.lax.fori_loop(0, num_passes, lambda _, c: one_pass(c, None), carry, unroll=unroll)
-        return carry, jnp.int32(num_passes)
+            carry = jax.lax.fori_loop(0, num_passes, lambda _, c: mode.pass_(c, None), carry, unroll=unroll)
+        return mode.finish(carry, jnp.int32(num_passes))
     if not unroll:
         def step(c):
             i, cur, _ = c
-            new = one_pass(cur, None)
+            new = mode.pass_(cur, None)
             return i + 1, new, jnp.all(new[0] == cur[0])
 
         i, carry, _ = jax.lax.while_loop(lambda c: (c[0] < num_passes) & ~c[2], step,
                                          (jnp.int32(0), carry, jnp.bool_(False)))
-        return carry, i
+        return mode.finish(carry, i)
     checks = frozenset(checks)
 
     def tail(c, done):  # the passes after ``done``, checked where ``checks`` says
         _, cur = c
         for q in range(done + 1, num_passes + 1):
-            new = one_pass(cur, q - 1)
+            if not numbered:
+                new = mode.pass_(cur, None)
+            else:
+                new = mode.pass_(cur, q - 1) if q - 1 < mode.slots else cur
             if q in checks and q < num_passes:
                 return jax.lax.cond(jnp.all(new[0] == cur[0]), lambda x: x, lambda x, q=q: tail(x, q),
                                     (jnp.int32(q), new))
@@ -530,4 +419,4 @@ def run_passes(one_pass: Callable, carry, num_passes: int, *, unroll: bool, numb
         return jnp.int32(num_passes), cur
 
     passes, carry = tail((jnp.int32(0), carry), 0)
-    return carry, passes
+    return mode.finish(carry, passes)

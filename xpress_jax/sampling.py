@@ -22,7 +22,7 @@ import numpy as np
 from .kernels.common import noise_seed
 from .params import to_verifier_ids
 
-__all__ = ["Proposal", "PROPOSALS", "accept", "row_seeds", "check_sampling", "inverse_temperature"]
+__all__ = ["Proposal", "PROPOSALS", "Sampler", "accept", "row_seeds", "check_sampling", "inverse_temperature"]
 
 #: What ``refine(..., proposal=...)`` returns beside the tokens: "logprob" (each drafted token's score and the
 #: log-normalizer), "scores" (also the last pass's scores).
@@ -48,6 +48,15 @@ class Proposal(NamedTuple):
     def log_prob(self, temperature) -> jax.Array:
         """[N, B-1] float32: log q(x) of each drafted token under softmax(q / T)."""
         return self.token_score / jnp.float32(temperature) - self.lse
+
+
+class Sampler(NamedTuple):
+    """A sampled call's data: each draft row's noise seed ([rows] int32, `row_seeds`), ``1 / T`` (float32 scalar,
+    0 = greedy) and the proposal wanted (None, "logprob", "scores"; static)."""
+
+    seeds: jax.Array
+    inv_t: jax.Array
+    proposal: str | None = None
 
 
 def check_sampling(temperature: Any, key: Any, proposal: Any) -> None:

@@ -41,8 +41,8 @@ from .head import acc_dtype
 from .kernels.common import gumbel, sample_key, src_row
 from .ops import Ops, same
 from .params import PARAM_NAMES, VOCAB_MAP, Head
-from .refine import Sampler, check_backend, _refine, _select_ops, resolve_call
-from .sampling import Proposal, check_sampling, inverse_temperature, row_seeds
+from .refine import check_backend, prepare, resolve_call, run_passes, select_ops
+from .sampling import Proposal, Sampler, check_sampling, inverse_temperature, row_seeds
 
 __all__ = ["refine_sharded", "STATIC_ARGNAMES", "param_shardings", "input_shardings", "vocab_sharded_ops",
            "axis_size"]
@@ -108,15 +108,16 @@ def refine_sharded(params: Head | Mapping[str, jax.Array], logits: jax.Array, h:
     ``scores`` [N, B-1, V] also over ``model_axis``)."""
     check_backend(backend, interpret)
     check_sampling(temperature, key, proposal)
-    ops = _select_ops(backend, interpret)
+    ops = select_ops(backend, interpret)
     params, prev_ids, k, c, unroll = resolve_call(params, logits, h, anchors, prev_ids, num_passes=num_passes,
                                                   topc=topc, max_num_reqs=max_num_reqs, config=config, unroll=unroll)
+    ops = ops.for_dtype(params["w1"].dtype)
     d, m = axis_size(mesh, data_axis), axis_size(mesh, model_axis)
     if data_axis is not None and data_axis == model_axis:
         raise ValueError(f"data_axis and model_axis must differ, both are {data_axis!r}")
     n, b, v = logits.shape  # v: the draft vocabulary (w2's rows)
     vv = params["w1"].shape[0]  # the verifier's vocabulary (w1's rows; v unless the head is reduced)
-    anchors, prev_ids = jnp.asarray(anchors), jnp.asarray(prev_ids)  # range-checked by _refine (vocab_size=vv)
+    anchors, prev_ids = jnp.asarray(anchors), jnp.asarray(prev_ids)  # range-checked by prepare (vocab_size=vv)
     n_pad = -(-n // d) * d - n
     if n_pad:  # sentinel rows: anchor -1 (no reads, dropped below)
         logits = jnp.pad(logits, ((0, n_pad), (0, 0), (0, 0)))
@@ -136,7 +137,7 @@ def refine_sharded(params: Head | Mapping[str, jax.Array], logits: jax.Array, h:
     args = _placed(mesh, in_specs, (dict(params), logits, h, anchors, prev_ids))
     if temperature is None:
         def body(p, lg, hh, a, q):
-            return _refine(ops, p, lg, hh, a, q, k, c, unroll, vocab_size=vv)
+            return run_passes(prepare(ops, p, lg, hh, a, q, k, c, unroll, vocab_size=vv))
 
         run = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=P(da, None), check_vma=False)
         out = run(*args)
@@ -147,8 +148,8 @@ def refine_sharded(params: Head | Mapping[str, jax.Array], logits: jax.Array, h:
     seeds = row_seeds(key, (n + n_pad) * (b - 1)).reshape(n + n_pad, b - 1)
 
     def sampled_body(p, lg, hh, a, q, sd, inv_t):
-        return _refine(ops, p, lg, hh, a, q, k, c, unroll, vocab_size=vv,
-                       sampler=Sampler(sd.reshape(-1), inv_t, proposal))
+        return run_passes(prepare(ops, p, lg, hh, a, q, k, c, unroll, vocab_size=vv,
+                                  sampler=Sampler(sd.reshape(-1), inv_t, proposal)))
 
     out_specs = P(da, None)
     if proposal is not None:  # top-C: every device holds all C candidates' scores and ids
@@ -293,8 +294,8 @@ def _topc_best(base_c, cand, lat, prepared, *, inner, axis):
     return s, bb, jnp.where(bb == -jnp.inf, jnp.min(cand, axis=-1), i)
 
 
-def _topc_pick(base_c, cand, lat, prepared, *, inner, axis):
-    return _topc_best(base_c, cand, lat, prepared, inner=inner, axis=axis)[2]
+def _topc_pick(base_c, cand, lat, prepared, q=None, slots=None, *, inner, axis):
+    return _topc_best(base_c, cand, lat, prepared, inner=inner, axis=axis)[2], 0
 
 
 def _full_vocab_best(logits, lat, w2, *, inner, axis):
@@ -302,8 +303,8 @@ def _full_vocab_best(logits, lat, w2, *, inner, axis):
     return _global_best(s, i + _offset(axis, w2.shape[0]), axis)
 
 
-def _full_vocab_pick(logits, lat, w2, *, inner, axis):
-    return _full_vocab_best(logits, lat, w2, inner=inner, axis=axis)[1]
+def _full_vocab_pick(logits, lat, w2, q=None, *, inner, axis):
+    return _full_vocab_best(logits, lat, w2, inner=inner, axis=axis)[1], 0
 
 
 def _latent(params, xh, blk, prev_ids, *, inner, axis):
@@ -323,7 +324,7 @@ def _latent(params, xh, blk, prev_ids, *, inner, axis):
 
 
 
-def _full_vocab_sample(logits, lat, w2, seeds, inv_t, proposal=None, *, inner, axis, q=None, n=None):
+def _full_vocab_sample(logits, lat, w2, seeds, inv_t, proposal=None, *, inner, axis, q=None):
     """The sampled full-vocab pick of one vocabulary shard (noise of the global ids; the jnp spelling), combined
     across ``axis`` by the full-vocab rule on the keys (the largest key, the lowest id); with a ``proposal`` the
     extras (module doc). Every draft row (``s`` = 0)."""
@@ -341,7 +342,8 @@ def _full_vocab_sample(logits, lat, w2, seeds, inv_t, proposal=None, *, inner, a
     return tok, (token_score, lse, scores), 0
 
 
-def _topc_sample(base_c, cand, lat, prepared, seeds, inv_t, proposal=None, *, inner, axis, q=None, n=None):
+def _topc_sample(base_c, cand, lat, prepared, seeds, inv_t, proposal=None, *, inner, axis, q=None,
+                 slots=None):
     """The sampled top-C pick: every candidate's score (``lat`` None: its base logit; else scored on the device
     holding its ``w2`` row and summed over ``axis``, one non-zero term each), then `reference.topc_sample_best`'s
     rule on those scores, the same on every device."""

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import functools
 import pathlib
 
 import jax
@@ -145,10 +144,11 @@ def test_every_entry_gives_the_reference_tokens(i):
     logits = jnp.concatenate([jnp.full((n, 1, v), 1e4, base.dtype), base.reshape(n, b - 1, v)], axis=1)
     assert dispatch.plan(n, b, v, r, 0, base.dtype, table=alone).full_vocab == e.full_vocab
     want = np.asarray(xref.full_vocab_pick(base, lat, w2))
-    np.testing.assert_array_equal(np.asarray(ops.full_vocab_pick(logits, lat, w2, q=1)), want)
+    tok, s = ops.full_vocab_pick(logits, lat, w2, q=1)  # pass 1: the draft slots from s on
+    np.testing.assert_array_equal(np.asarray(tok), want.reshape(n, b - 1)[:, s:].reshape(-1))
     cand, base_c, _ = xref.select_candidates(base, c)
     want = np.asarray(xref.topc_pick(base_c, cand, lat, xref.topc_gather(w2, cand)))
-    np.testing.assert_array_equal(np.asarray(ops.topc_pick(base_c, cand, lat, ops.topc_prepare(w2, cand))), want)
+    np.testing.assert_array_equal(np.asarray(ops.topc_pick(base_c, cand, lat, ops.topc_prepare(w2, cand))[0]), want)
     assert len(set(want.tolist())) > 1
 
 
@@ -210,13 +210,15 @@ def test_ops_are_typed_and_cached():
     fields = {f.name for f in dataclasses.fields(Ops)}
     assert fields == {"name", "select", "topc_prepare", "topc_pick", "full_vocab_prepare", "full_vocab_pick", "latent", "start",
                       "full_vocab_best", "topc_best", "full_vocab_sample", "topc_sample", "candidates_best",
-                      "full_vocab_capacity", "certify", "scan_failing", "hidden", "split_latent", "full_vocab_pass_pick",
-                      "topc_pass_pick", "gated_pick", "thresholds"}
-    for topc in (False, True):
-        assert Ops.xla().pass_pick(topc) is None and Ops.pallas(True).pass_pick(topc) is not None
-    # the gated pick belongs to the Pallas full-vocab pick; replacing that pick turns it off (exact.certified_mode)
-    assert Ops.xla().gated_pick is None and Ops.pallas(True).gated_pick.pick is Ops.pallas(True).full_vocab_pick
-    assert Ops.pallas().split_latent and Ops.pallas(True).split_latent and not Ops.xla().split_latent
+                      "full_vocab_capacity", "certify", "scan_failing", "gated_pick", "hidden", "latent_terms",
+                      "numbered", "float64", "thresholds"}
+    assert Ops.pallas(True).numbered and not Ops.xla().numbered
+    assert Ops.xla().gated_pick is None and Ops.pallas(True).gated_pick is not None
+    # float64 is settled where the steps are chosen: the Pallas Ops' jnp steps, XLA's own
+    assert Ops.pallas(True).for_dtype(jnp.float64) is Ops.pallas(True).float64 is not None
+    assert Ops.pallas(True).for_dtype(jnp.bfloat16) is Ops.pallas(True)
+    assert Ops.xla().for_dtype(jnp.float64) is Ops.xla()
+    assert Ops.pallas().latent_terms and Ops.pallas(True).latent_terms and not Ops.xla().latent_terms
     with pytest.raises(dataclasses.FrozenInstanceError):
         Ops.xla().name = "x"  # type: ignore[misc]
     with pytest.raises(ValueError, match="platform"):
@@ -251,10 +253,11 @@ def test_xla_gpu_spelling_gives_the_same_tokens(n, topc):
                                         pytest.param((2,), id="early-exit")])
 @pytest.mark.slow
 def test_full_vocab_pass_pick(monkeypatch, early_exit):
-    """An unrolled full-vocab refine runs `Ops.full_vocab_pass_pick` for every pass: pass q (0-based) picks only
+    """An unrolled full-vocab refine tells `Ops.full_vocab_pick` each pass's number: pass q (0-based) picks only
     the draft slots from min(q, B-1) on (interpret mode skips wherever it can; at B=5, K=6 the last two passes
-    pick nothing) and reads w2 in descending order on odd q where the entry's ``alternate`` says so. The tokens are those of the plain pick of every row on every pass, bit for bit; a loop
-    (``unroll=False``) and an `Ops` whose ``full_vocab_pick`` was replaced alone run the plain pick."""
+    are not run) and reads w2 in descending order on odd q where the entry's ``alternate`` says so. The tokens are
+    those of the plain pick of every row on every pass (an `Ops` that is not ``numbered``), bit for bit; a loop
+    (``unroll=False``) runs the plain pick."""
     cfg = xj.HeadConfig(vocab_size=1001, hidden_size=16, block_size=5, rank=24, mlp_hidden=32, topc=0)
     head = xj.Head(cfg, make_head(cfg, dtype=jnp.bfloat16))
     x = make_inputs(cfg, 2, dtype=jnp.bfloat16, logit_std=0.5)  # 8 draft rows
@@ -274,8 +277,7 @@ def test_full_vocab_pass_pick(monkeypatch, early_exit):
         tok = np.asarray(refine_with(ops, head, *x, num_passes=passes, unroll=unroll, early_exit=early_exit))
         return tok, list(seen)
 
-    plain = dataclasses.replace(P, full_vocab_pass_pick=None)
-    assert plain.pass_pick() is None and P.pass_pick() is P.full_vocab_pass_pick
+    plain = dataclasses.replace(P, numbered=False)
     for passes in (3, 6):
         want, o = orders(plain, passes=passes)  # may trace one pass in a loop
         assert o and not any(r or i for r, i in o)
@@ -288,11 +290,6 @@ def test_full_vocab_pass_pick(monkeypatch, early_exit):
     tok, o = orders(P, unroll=False)  # one traced pass in a loop: the pass number is not static
     assert o and not any(r or i for r, i in o)
     np.testing.assert_array_equal(tok, want)
-    swapped = dataclasses.replace(P, full_vocab_pick=functools.partial(P.full_vocab_pick))
-    assert swapped.pass_pick() is None
-    tok, o = orders(swapped)
-    assert o and not any(r or i for r, i in o)
-    np.testing.assert_array_equal(tok, want)
     tok, o = orders(Ops.pallas(True, table=with_columns(dispatch.TABLE, alternate=False)))  # ascending
     assert [r for r, _ in o] == [False] * 4
     np.testing.assert_array_equal(tok, want)
@@ -303,7 +300,7 @@ def test_full_vocab_pass_pick(monkeypatch, early_exit):
                                         pytest.param((2,), id="early-exit")])
 @pytest.mark.slow
 def test_topc_pass_pick(monkeypatch, early_exit):
-    """The same for top-C passes (`Ops.topc_pass_pick`): pass q's top-C pick runs only draft slots min(q, B-1)..
+    """The same for top-C passes (`Ops.topc_pick`): pass q's top-C pick runs only draft slots min(q, B-1)..
     (interpret mode), the residual's terms included, with the tokens of the plain pick of every row."""
     from xpress_jax.kernels import topc_pick as tpk
 
@@ -324,8 +321,7 @@ def test_topc_pass_pick(monkeypatch, early_exit):
         seen.clear()
         return np.asarray(refine_with(ops, head, *x, num_passes=passes, unroll=unroll, early_exit=early_exit))
 
-    plain = dataclasses.replace(P, topc_pass_pick=None)
-    assert plain.pass_pick(topc=True) is None and P.pass_pick(topc=True) is P.topc_pass_pick
+    plain = dataclasses.replace(P, numbered=False)
     want = run(plain)
     assert seen and not any(seen)
     tok = run(P)
@@ -333,9 +329,6 @@ def test_topc_pass_pick(monkeypatch, early_exit):
     np.testing.assert_array_equal(tok, want)
     np.testing.assert_array_equal(run(P, unroll=False), want)
     assert seen and not any(seen)
-    swapped = dataclasses.replace(P, topc_pick=functools.partial(P.topc_pick))
-    np.testing.assert_array_equal(run(swapped), want)
-    assert swapped.pass_pick(topc=True) is None and seen and not any(seen)
     assert len(set(map(tuple, want))) > 1
 
 
@@ -361,7 +354,7 @@ def test_pass_pick_compiled(monkeypatch, topc, dtype):
 
     monkeypatch.setattr(mod, name, spy)
     P = Ops.pallas(False, table=with_columns(dispatch.TABLE, skip_final_slots=True, topc_skip_final_slots=True))
-    plain = dataclasses.replace(P, full_vocab_pass_pick=None, topc_pass_pick=None)
+    plain = dataclasses.replace(P, numbered=False)
     want = np.asarray(refine_with(plain, head, *x, num_passes=6, unroll=True))
     assert seen and not any(seen)
     seen.clear()
@@ -625,12 +618,12 @@ def test_best_steps_agree_with_the_picks(ops_name, dtype):
     base, lat, w2 = pick_inputs(n * (b - 1), v, r, dtype, seed=11)
     logits = jnp.concatenate([jnp.full((n, 1, v), 1e4, dtype), base.reshape(n, b - 1, v)], axis=1)
     score, idx = ops.full_vocab_best(logits, lat, w2)
-    np.testing.assert_array_equal(np.asarray(idx), np.asarray(ops.full_vocab_pick(logits, lat, w2)))
+    np.testing.assert_array_equal(np.asarray(idx), np.asarray(ops.full_vocab_pick(logits, lat, w2)[0]))
     s_all = ref.round_sum(base, ref.readout(lat, w2, dtype)).astype(jnp.float32)
     np.testing.assert_array_equal(np.asarray(score), np.asarray(s_all[jnp.arange(idx.shape[0]), idx]))
     cand, base_c, _ = ref.select_candidates(base, c)
     prepared = ops.topc_prepare(w2, cand)
     s, bb, i = ops.topc_best(base_c, cand, lat, prepared)
-    np.testing.assert_array_equal(np.asarray(i), np.asarray(ops.topc_pick(base_c, cand, lat, prepared)))
+    np.testing.assert_array_equal(np.asarray(i), np.asarray(ops.topc_pick(base_c, cand, lat, prepared)[0]))
     pos = jnp.argmax(cand == i[:, None], axis=-1)
     np.testing.assert_array_equal(np.asarray(bb), np.asarray(base_c[jnp.arange(i.shape[0]), pos].astype(jnp.float32)))

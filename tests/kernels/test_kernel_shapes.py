@@ -105,7 +105,7 @@ def _check_full_vocab(n, b, vocab, rank, dtype, seed):
         base, lat, w2 = pick_inputs(rows, vocab, rank, dtype, seed=seed, dyadic=dyadic)
         # whole logits [N, B, V]: slot 0 holds huge values that must never be read
         logits = jnp.concatenate([jnp.full((n, 1, vocab), 1e4, dtype), base.reshape(n, b - 1, vocab)], axis=1)
-        got = np.asarray(OPS.full_vocab_pick(logits, lat, w2))
+        got = np.asarray(OPS.full_vocab_pick(logits, lat, w2)[0])
         want = np.asarray(ref.full_vocab_pick(base, lat, w2))
         assert got.shape == (rows,) and got.dtype == np.int32
         if dyadic:
@@ -191,7 +191,7 @@ def _check_topc(rows, vocab, c, rank, dtype, seed):
     for dyadic in (False, True):
         base, lat, w2 = pick_inputs(rows, vocab, rank, dtype, seed=seed, dyadic=dyadic)
         cand, base_c, _ = ref.select_candidates(base, c)
-        got = np.asarray(OPS.topc_pick(base_c, cand, lat, OPS.topc_prepare(w2, cand)))
+        got = np.asarray(OPS.topc_pick(base_c, cand, lat, OPS.topc_prepare(w2, cand))[0])
         want = np.asarray(ref.topc_pick(base_c, cand, lat, ref.topc_gather(w2, cand)))
         assert got.shape == (rows,) and got.dtype == np.int32
         if dyadic:

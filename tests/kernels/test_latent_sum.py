@@ -1,6 +1,6 @@
 """The residual inside the top-C pick (`xpress_jax.reference.LatentSum`, the kernel's ``lat_add``).
 
-Where XLA computes a top-C pass's latent (where the dispatch entry's ``split_latent`` says so), the
+Where XLA computes a top-C pass's latent (where the dispatch entry's ``latent_terms`` says so), the
 Pallas backend hands the pick the residual's two float32 terms ``(u, d)`` and the kernel forms
 ``round(u + d)`` as it loads the latent, instead of an XLA kernel doing it. The claim: the same latent,
 so the same tokens. Checked:
@@ -10,9 +10,9 @@ so the same tokens. Checked:
   changes the tokens (so the test would see a kernel that ignored it);
 - the rounding itself at halfway points and float16 subnormals, where a truncating, flushing or
   missing rounding picks another id;
-- refine with the split latent against refine without it, for top-C (C = 1, 11, V), in float32,
-  bfloat16 and float16 (full-vocab passes are not split: the fused pick measured slower with the terms);
-- the Pallas steps split exactly where the entries' ``split_latent`` says so.
+- refine with the latent in two terms against refine without it, for top-C (C = 1, 11, V), in float32,
+  bfloat16 and float16 (full-vocab passes take the latent itself: the fused pick measured slower with the terms);
+- the Pallas steps hand over the terms exactly where the entries' ``latent_terms`` says so.
 
 `TestLatentSum` runs the kernel compiled (GPU only); `TestLatentSumInterpret` runs the same tests in
 interpret mode on the CPU.
@@ -138,9 +138,9 @@ class TestLatentSumInterpret(TestLatentSum):
     INTERPRET = True
 
 
-# -- refine: the split latent gives the tokens of the plain one ---------------------------------------
-def _xla_latent_split(params, xh, blk, prev_ids, split=False):
-    return R.latent_pass(params, xh, blk, prev_ids, split=split)
+# -- refine: the latent's terms give the tokens of the plain one ---------------------------------------
+def _xla_latent_terms(params, xh, blk, prev_ids, terms=False):
+    return R.latent_pass(params, xh, blk, prev_ids, terms=terms)
 
 
 @pytest.mark.interpret
@@ -148,28 +148,28 @@ def _xla_latent_split(params, xh, blk, prev_ids, split=False):
     pytest.param(c, dt, id=f"{c}-{jnp.dtype(dt).name}", marks=() if (c, dt) == (1, jnp.bfloat16) else SLOW)
     for c in (1, 11, 301) for dt in DTYPES])
 @pytest.mark.slow
-def test_refine_same_tokens_with_the_split_latent(topc, dtype):
-    """Pallas steps (interpret) with XLA's latent: split (the picks add the terms) against not split."""
+def test_refine_same_tokens_with_the_latent_terms(topc, dtype):
+    """Pallas steps (interpret) with XLA's latent: in two terms (the picks add them) against the latent itself."""
     params = make_head(CFG, seed=21, dtype=dtype, std=0.5)
     logits, h, anchors, prev = make_inputs(CFG, 3, seed=22, dtype=dtype)
-    ops = dataclasses.replace(Ops.pallas(True), latent=_xla_latent_split)
-    assert ops.split_latent
+    ops = dataclasses.replace(Ops.pallas(True), latent=_xla_latent_terms)
+    assert ops.latent_terms
     kw = dict(num_passes=CFG.num_passes, topc=topc)
     got = np.asarray(refine_with(ops, params, logits, h, anchors, prev, **kw))
-    want = np.asarray(refine_with(dataclasses.replace(ops, split_latent=False), params, logits, h, anchors, prev, **kw))
+    want = np.asarray(refine_with(dataclasses.replace(ops, latent_terms=False), params, logits, h, anchors, prev, **kw))
     np.testing.assert_array_equal(got, want)
 
 
 @pytest.mark.slow
-def test_split_latent_terms_sum_to_the_latent():
-    """`head.latent(split=True)`'s terms, rounded after their float32 sum, are the latent bit for bit, and
+def test_latent_terms_terms_sum_to_the_latent():
+    """`head.latent(terms=True)`'s terms, rounded after their float32 sum, are the latent bit for bit, and
     the pass's `LatentSum` is those terms."""
     params = make_head(CFG, seed=23, dtype=jnp.bfloat16)
     _, h, _, _ = make_inputs(CFG, 4, seed=24, dtype=jnp.bfloat16)
     xh = xj.head.hidden_input(params, h)
     blk = jax.random.randint(jax.random.key(25), (4, CFG.block_size), 0, CFG.vocab_size, jnp.int32)
     lat = R.latent_pass(params, xh, blk, blk[:, 0])
-    s = R.latent_pass(params, xh, blk, blk[:, 0], split=True)
+    s = R.latent_pass(params, xh, blk, blk[:, 0], terms=True)
     assert isinstance(s, R.LatentSum) and s.u.dtype == s.d.dtype == jnp.float32 and s.u.shape == lat.shape
     np.testing.assert_array_equal(np.asarray(R.latent_value(s, jnp.bfloat16), np.float32), np.asarray(lat, np.float32))
     assert R.latent_value(lat, jnp.bfloat16) is lat
@@ -177,23 +177,23 @@ def test_split_latent_terms_sum_to_the_latent():
 
 
 @pytest.mark.slow
-def test_pallas_steps_split_up_to_the_dispatch_bound():
-    """The compiled Pallas steps' latent (XLA's where the plan says so: jnp, runs on a CPU too) is split
-    up to the table's last ``split_latent`` draft-row count and not one block above; never without ``split``."""
+def test_pallas_steps_hand_over_the_terms_up_to_the_dispatch_bound():
+    """The compiled Pallas steps' latent (XLA's where the plan says so: jnp, runs on a CPU too) is two terms
+    up to the table's last ``latent_terms`` draft-row count and not one block above; never without ``terms``."""
     from xpress_jax import dispatch
 
     cfg = dataclasses.replace(CFG, block_size=16)
     params = make_head(cfg, seed=29, dtype=jnp.bfloat16)
     ops = Ops.pallas()
-    last = max(e.max_rows for e in dispatch.TABLE.entries if e.switches.split_latent)
+    last = max(e.max_rows for e in dispatch.TABLE.entries if e.switches.latent_terms)
     n_in = last // (cfg.block_size - 1)
-    assert not dispatch.TABLE.entry(last + 1).switches.split_latent
+    assert not dispatch.TABLE.entry(last + 1).switches.latent_terms
     for n, want in ((n_in, True), (n_in + 1, False)):
         assert dispatch.plan(n, cfg.block_size, cfg.vocab_size, cfg.rank, 0, jnp.bfloat16).latent is None
         _, h, _, _ = make_inputs(cfg, n, seed=30, dtype=jnp.bfloat16)
         xh = xj.head.hidden_input(params, h)
         blk = jnp.zeros((n, cfg.block_size), jnp.int32)
-        assert isinstance(ops.latent(params, xh, blk, blk[:, 0], split=True), R.LatentSum) == want
+        assert isinstance(ops.latent(params, xh, blk, blk[:, 0], terms=True), R.LatentSum) == want
         assert not isinstance(ops.latent(params, xh, blk, blk[:, 0]), R.LatentSum)
 
 
@@ -202,7 +202,7 @@ def test_pallas_steps_split_up_to_the_dispatch_bound():
 @pytest.mark.slow
 def test_mixer_barrier_same_latent_up_to_the_dispatch_bound(dtype):
     """`head.latent(barrier=True)` (the mixer's output behind an optimization barrier) is the latent bit for
-    bit, jitted, split or not; the compiled Pallas steps use it for an unsplit latent up to
+    bit, jitted, in two terms or not; the compiled Pallas steps use it for the latent itself up to
     the table's last ``mixer_barrier`` draft-row count and not one block above (the barrier is in the HLO)."""
     from xpress_jax import dispatch
 
@@ -216,8 +216,8 @@ def test_mixer_barrier_same_latent_up_to_the_dispatch_bound(dtype):
         _, h, _, _ = make_inputs(cfg, n, seed=32, dtype=dtype)
         xh = xj.head.hidden_input(params, h)
         blk = jax.random.randint(jax.random.key(33), (n, cfg.block_size), 0, cfg.vocab_size, jnp.int32)
-        for split in (False, True):
-            f = jax.jit(lambda x, b, barrier, split=split: R.latent_pass(params, x, b, b[:, 0], split=split,
+        for terms in (False, True):
+            f = jax.jit(lambda x, b, barrier, terms=terms: R.latent_pass(params, x, b, b[:, 0], terms=terms,
                                                                           barrier=barrier), static_argnums=2)
             assert "opt-barrier" in f.lower(xh, blk, True).as_text("hlo")
             assert "opt-barrier" not in f.lower(xh, blk, False).as_text("hlo")

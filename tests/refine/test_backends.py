@@ -46,18 +46,18 @@ def test_pallas_interpret_equals_xla(dtype, topc, n):
 
 def test_auto_backend_choice():
     """"auto" runs the kernels on a supported GPU (CUDA, sm80+) and the jnp path anywhere else."""
-    from xpress_jax.refine import _select_ops
+    from xpress_jax.refine import select_ops
 
     dev = jax.devices()[0]
     cc = getattr(dev, "compute_capability", None)
     supported = dev.platform == "gpu" and "nvidia" in dev.device_kind.lower() and cc is not None and float(cc) >= 8.0
     assert gpu_supported() == supported
-    assert _select_ops("auto", False) is (Ops.pallas(False) if supported else Ops.xla(jax.default_backend()))
-    assert _select_ops("xla", False) is Ops.xla(jax.default_backend())
-    assert _select_ops("auto", False).name == ("pallas" if supported else "xla")
-    assert _select_ops("auto", True).name == "pallas-interpret"
-    assert _select_ops("pallas", True).name == "pallas-interpret"
-    assert _select_ops("pallas", False).name == "pallas"
+    assert select_ops("auto", False) is (Ops.pallas(False) if supported else Ops.xla(jax.default_backend()))
+    assert select_ops("xla", False) is Ops.xla(jax.default_backend())
+    assert select_ops("auto", False).name == ("pallas" if supported else "xla")
+    assert select_ops("auto", True).name == "pallas-interpret"
+    assert select_ops("pallas", True).name == "pallas-interpret"
+    assert select_ops("pallas", False).name == "pallas"
 
 
 class _FakeDevice:

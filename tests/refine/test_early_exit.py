@@ -15,7 +15,8 @@ import pytest
 
 import xpress_jax as xj
 from xpress_jax.ops import Ops
-from xpress_jax.refine import _refine, exit_checks, resolve_call, run_passes
+from xpress_jax.modes import Loop
+from xpress_jax.refine import exit_checks, prepare, resolve_call, run_passes
 
 from helpers import make_head, make_inputs, sequential_greedy
 
@@ -28,11 +29,12 @@ CFG = xj.HeadConfig(vocab_size=301, hidden_size=40, block_size=7, rank=20, mlp_h
 
 
 def _passes(params, logits, h, anchors, prev, *, topc, unroll, checks=True, ops=None, k=None):
-    """The passes `_refine` ran (its benchmark-only output) and its tokens."""
+    """The passes refine's loop ran (`prepare`'s benchmark-only output) and its tokens."""
     p, q, kk, c, u = resolve_call(params, logits, h, anchors, prev, config=CFG, topc=topc, unroll=unroll,
                                   num_passes=k)
-    out, n = jax.jit(lambda p, lg, hh, a, q: _refine(ops or Ops.xla("cpu"), p, lg, hh, a, q, kk, c, u,
-                                                     early_exit=checks, return_passes=True))(p, logits, h, anchors, q)
+    out, n = jax.jit(lambda p, lg, hh, a, q: run_passes(prepare(ops or Ops.xla("cpu"), p, lg, hh, a, q, kk, c, u,
+                                                                early_exit=checks, return_passes=True)))(
+        p, logits, h, anchors, q)
     return np.asarray(out), int(n)
 
 
@@ -141,27 +143,53 @@ def test_exit_checks_schedule():
             assert all(1 <= q < k for q in exit_checks(n, k))
 
 
+def _toy_loop(step, carry, num_passes, *, unroll, numbered, checks=None, slots=99):
+    """`run_passes` on a toy mode: ``carry`` its start, ``step`` its pass, ``slots`` its draft slots per block;
+    returns (carry, passes)."""
+    class Toy:
+        loop = Loop(num_passes, unroll, numbered, checks)
+
+        def start(self):
+            return carry
+
+        def pass_(self, c, q):
+            return step(c, q)
+
+        def finish(self, c, passes):
+            return c, passes
+
+    Toy.slots = slots
+    return run_passes(Toy())
+
+
 def test_run_passes_counts_and_stops():
     """The pass loop on a toy map with a known fixed point: x -> min(x + 1, 3)."""
     step = lambda c, q: (jnp.minimum(c[0] + 1, 3), c[1])
     zero = jnp.zeros((2, 2), jnp.int32)
     for unroll, checks in ((False, ()), (True, (1, 2, 3, 4, 5)), (True, (2, 4))):
-        (blk, _), n = run_passes(step, (zero, ()), 6, unroll=unroll, numbered=unroll, checks=checks)
+        (blk, _), n = _toy_loop(step, (zero, ()), 6, unroll=unroll, numbered=unroll, checks=checks)
         assert (np.asarray(blk) == 3).all()
         assert int(n) == 4  # pass 4 returns 3 unchanged
-    (blk, _), n = run_passes(step, (jnp.zeros((1,), jnp.int32), ()), 3, unroll=True, numbered=True, checks=(1, 2))
+    (blk, _), n = _toy_loop(step, (jnp.zeros((1,), jnp.int32), ()), 3, unroll=True, numbered=True, checks=(1, 2))
     assert int(n) == 3 and int(blk[0]) == 3  # never fixed within K: all K passes
-    for unroll, numbered, checks, want in ((True, True, None, [0, 1, 2, 3, 4, 5]), (True, False, (2, 4), [0, 1, 2, 3, 4, 5]),
-                                           (False, False, None, [None]), (True, False, None, [None])):
-        seen = []  # unrolled: each pass gets its 0-based number (the pass picks read it); in a loop None
-        (blk, _), n = run_passes(lambda c, q: seen.append(q) or step(c, q), (zero, ()), 6, unroll=unroll,
-                                 numbered=numbered, checks=checks)
+    for unroll, numbered, checks, want in ((True, True, None, list(range(6))), (True, True, (2, 4), list(range(6))),
+                                           (True, False, (2, 4), [None] * 6), (False, False, None, [None]),
+                                           (True, False, None, [None])):
+        seen = []  # numbered: each pass gets its 0-based number (the picks read it); else None
+        (blk, _), n = _toy_loop(lambda c, q: seen.append(q) or step(c, q), (zero, ()), 6, unroll=unroll,
+                                numbered=numbered, checks=checks)
         assert seen == want and (np.asarray(blk) == 3).all()
         assert int(n) == (4 if checks else 6)
+    # Numbered passes from B-1 on are not run (every draft slot is final); they still count.
+    for checks in (None, (2, 4)):
+        seen = []
+        (blk, _), n = _toy_loop(lambda c, q: seen.append(q) or (c[0] + 1, c[1]), (zero, ()), 6, unroll=True,
+                                numbered=True, checks=checks, slots=3)
+        assert seen == [0, 1, 2] and (np.asarray(blk) == 3).all() and int(n) == (4 if checks else 6)
     # The mode's state is carried through every form of the loop.
     count = lambda c, q: (c[0], c[1] + 1)
     for unroll, numbered in ((False, False), (True, False), (True, True)):
-        (_, k), n = run_passes(count, (zero, jnp.int32(0)), 5, unroll=unroll, numbered=numbered)
+        (_, k), n = _toy_loop(count, (zero, jnp.int32(0)), 5, unroll=unroll, numbered=numbered)
         assert int(k) == 5 == int(n)
 
 

@@ -30,7 +30,7 @@ from .sources import (RELEASE, SPECULATORS, HeadSelection, Source, TensorRef, op
 from .speculators_format import is_speculators_config, speculators_hf_config
 
 __all__ = ["DTYPES", "MIXER_MODES", "RELEASE_VARIANT", "ConvertReport", "ResolvedConfig", "convert_checkpoint",
-           "mixer_looks_folded", "resolve", "resolve_config"]
+           "mixer_looks_folded", "resolve", "resolve_config", "given_config", "vocab_map_refs"]
 
 DTYPES = ("keep", "bfloat16", "float32")
 MIXER_MODES = ("auto", "raw", "folded")
@@ -197,7 +197,7 @@ class ResolvedConfig:
     fields: list[str] = dataclasses.field(default_factory=list)
 
 
-def _given_config(config: HeadConfig | Mapping[str, Any] | str | os.PathLike | None,
+def given_config(config: HeadConfig | Mapping[str, Any] | str | os.PathLike | None,
                   source: Source | None) -> tuple[HeadConfig | dict | None, str]:
     """The config to size the head with: ``config`` (a HeadConfig, a dict, a config.json path), else the source's
     config.json, else None; and where it came from."""
@@ -245,7 +245,7 @@ def resolve(config: HeadConfig | Mapping[str, Any] | str | os.PathLike | None, s
     overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
     if source is not None and source.kind == RELEASE:
         _check_release_args(source, head or {})
-    given, where = _given_config(config, source)
+    given, where = given_config(config, source)
     if isinstance(given, HeadConfig):
         try:
             return ResolvedConfig(dataclasses.replace(given, **overrides), where + (" + flags" if overrides else ""))
@@ -331,7 +331,7 @@ def _check_head(sel: HeadSelection, config: HeadConfig) -> None:
 _INTS = {"int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"}
 
 
-def _vocab_map_refs(sel: HeadSelection, config: HeadConfig, warn: Callable[[str], None]) -> dict[str, TensorRef]:
+def vocab_map_refs(sel: HeadSelection, config: HeadConfig, warn: Callable[[str], None]) -> dict[str, TensorRef]:
     """A reduced head's ``d2t`` (required) and ``t2d`` (optional) refs, their shapes and dtypes checked; ``{}`` for
     a head over the whole vocabulary (maps found under the head's prefix are then ignored, with a warning)."""
     V, Vd = config.vocab_size, config.draft_vocab_size
@@ -407,7 +407,7 @@ def convert_checkpoint(
     source = open_source(src_p)
     for note in source.notes:
         warn(note)
-    given, where = _given_config(config, source)
+    given, where = given_config(config, source)
     layout = None
     if is_speculators_config(given):  # its model type and layout are checked before the tensors
         speculators_hf_config(given, where)
@@ -418,7 +418,7 @@ def convert_checkpoint(
     resolved = resolve(config, source, overrides, sel.head, sel.layout)
     cfg, cfg_from = resolved.config, resolved.where
     _check_head(sel, cfg)
-    map_refs = _vocab_map_refs(sel, cfg, warn)
+    map_refs = vocab_map_refs(sel, cfg, warn)
 
     total, tensors = sum(ref.nbytes for ref in sel.head.values()), {}
     for name in HYBRID_KEY_MAP:  # with a progress bar on a terminal

@@ -27,7 +27,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from xpress_jax.params import HYBRID_KEY_MAP, _to_numpy
+from xpress_jax.params import HYBRID_KEY_MAP, to_numpy
 
 from .errors import ConversionError
 from .safetensors_io import SAFETENSORS_DTYPES, SafetensorsFile
@@ -217,7 +217,7 @@ def _add_torch(source: Source, path: Path) -> None:
     for key, t in obj.items():
         if isinstance(t, torch.Tensor):
             _add(source, str(key), str(t.dtype).removeprefix("torch."), t.shape, t.numel() * t.element_size(), path,
-                 lambda t=t: np.array(_to_numpy(t), copy=True))
+                 lambda t=t: np.array(to_numpy(t), copy=True))
     if skipped:
         source.notes.append(f"{path.name}: ignored {len(skipped)} non-tensor entries ({', '.join(skipped[:5])})")
     source.files.append(path)

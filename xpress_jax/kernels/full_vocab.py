@@ -225,7 +225,7 @@ def _fused_kernel(
     sample, extras = launch.sample, launch.extras
     if sample:  # no v_steps_full with sample: the flags operand is absent
         seeds_ref, invt_ref = refs.pop(0), refs.pop(0)
-    if counted:  # the counted launch (`_fused_launch`): tokens and counter aliased in and out
+    if counted:  # the counted launch (`_fused_call`): tokens and counter aliased in and out
         mv_ref, mi_ref, tok_ref, cnt_ref = refs[-4:]
     else:
         mv_ref, mi_ref, *x_refs = refs[-launch.n_out:]
@@ -543,7 +543,7 @@ def combine_partials(mv: jax.Array, mi: jax.Array, *, interpret: bool = False, a
     """[parts, rows_pad] float32 best values + int32 ids -> [rows_pad] int32 winners. ``active``, ``fallback``
     ([rows <= rows_pad], both or neither): row q gets ``fallback[q]`` where ``active[q]`` is false."""
     parts, rows_pad = mv.shape
-    extra, operands = {}, (mv, mi)
+    operands, fallback_rows = (mv, mi), None
     if (active is None) != (fallback is None):
         raise ValueError("combine_partials: give both active and fallback, or neither")
     if active is not None:
@@ -554,18 +554,27 @@ def combine_partials(mv: jax.Array, mi: jax.Array, *, interpret: bool = False, a
         if parts == 1:
             return jnp.concatenate([jnp.where(active, mi[0, :n], fallback.astype(jnp.int32)), mi[0, n:]])
         operands = (mv, mi, active.astype(jnp.int32), fallback.astype(jnp.int32))
-        extra["fallback_rows"] = n
+        fallback_rows = n
+    call = _combine_call(parts, rows_pad, interpret=interpret, fallback_rows=fallback_rows)
+    return mi[0] if call is None else common.pallas_call(**call)(*operands)
+
+
+def _combine_call(parts: int, rows_pad: int, *, interpret: bool, fallback_rows: int | None = None) -> dict | None:
+    """The `common.pallas_call` arguments of the combine launch on (value, id) [parts, rows_pad] (with
+    ``fallback_rows``, also on that many active and fallback rows: `combine_partials`), which the caller calls with
+    them; None for one part (its ids win)."""
     if parts == 1:
-        return mi[0]
+        return None
     row_tile = _combine_row_tile(rows_pad)
     # Up to 16K partials per load: few sequential steps even for ~2K parts (N=1, 64-wide tiles).
     part_tile = min(next_pow2(parts), max(1, 16384 // row_tile))
-    return common.pallas_call(
-        functools.partial(_combine_kernel, parts=parts, row_tile=row_tile, part_tile=part_tile, **extra),
+    extra = {} if fallback_rows is None else dict(fallback_rows=fallback_rows)
+    return dict(
+        kernel=functools.partial(_combine_kernel, parts=parts, row_tile=row_tile, part_tile=part_tile, **extra),
         name="xpress_pick_combine", num_warps=8 if part_tile * row_tile >= 8192 else 4, interpret=interpret,
-        grid=(rows_pad // row_tile,), in_specs=[pl.no_block_spec] * len(operands),
+        grid=(rows_pad // row_tile,), in_specs=[pl.no_block_spec] * (2 if fallback_rows is None else 4),
         out_specs=pl.BlockSpec((row_tile,), lambda i: (i,)), out_shape=jax.ShapeDtypeStruct((rows_pad,), jnp.int32),
-    )(*operands)
+    )
 
 
 # Wrappers.
@@ -589,16 +598,16 @@ def _check_inputs(base, lat, w2, slot_stride: int, who: str):
     return dtype
 
 
-def _fused_launch(operands, cfg: FullVocabConfig, launch: _Launch, *, interpret: bool, parts: int | None = None,
-                  counted=()):
-    """One launch of `_fused_kernel`: the [parts, rows_pad] float32 best values and int32 ids. ``counted``: the
+def _fused_call(n: int, cfg: FullVocabConfig, launch: _Launch, *, interpret: bool, parts: int | None = None,
+                counted=()) -> dict:
+    """The `common.pallas_call` arguments of one `_fused_kernel` launch on ``n`` operands, which the wrapper calls
+    with the operands and ``counted``: the [parts, rows_pad] float32 best values and int32 ids. ``counted``: the
     counted pick's (tokens, counter) (`full_vocab_pick`'s ``counter``, `scan_failing`), aliased in and out and
     returned after them; the last program of each row tile combines its parts (`_combine_if_last`). ``launch.extras``:
     three more float32 [parts, rows_pad] outputs, and with "scores" the scores [rows, V] (`_Launch`)."""
     parts = cdiv(launch.vocab, cfg.v_tile * cfg.v_steps) if parts is None else parts
     row_tiles = cdiv(launch.rows, cfg.row_tile)
     shape = (parts, row_tiles * cfg.row_tile)
-    n = len(operands)
     more = ()
     if counted:
         launch = dataclasses.replace(launch, has_active=True, counted=parts, barrier=not interpret)
@@ -611,15 +620,15 @@ def _fused_launch(operands, cfg: FullVocabConfig, launch: _Launch, *, interpret:
         if launch.extras == "scores":
             out_specs = (*out_specs, pl.no_block_spec)
             more = (*more, jax.ShapeDtypeStruct((launch.rows, launch.vocab), launch.dtype))
-    return common.pallas_call(
-        functools.partial(_fused_kernel, cfg=cfg, launch=launch),
+    return dict(
+        kernel=functools.partial(_fused_kernel, cfg=cfg, launch=launch),
         name="xpress_full_vocab_counted" if counted else
         ("xpress_full_vocab_sample" if launch.sample else "xpress_full_vocab_fused"),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, interpret=interpret, grid=(row_tiles, parts),
         in_specs=[pl.no_block_spec] * (n + len(counted)), out_specs=out_specs,
         out_shape=(jax.ShapeDtypeStruct(shape, jnp.float32), jax.ShapeDtypeStruct(shape, jnp.int32), *more),
         input_output_aliases={n: 2, n + 1: 3} if counted else {},
-    )(*operands, *counted)
+    )
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "config", "slot_stride", "partials", "capacity", "reverse",
@@ -661,7 +670,7 @@ def full_vocab_pick(
     ``row_ids`` ([M] int32 in [0, rows)): pick only these rows, in this order (``active`` then by position).
     ``counter`` (int32 [k], with ``active`` and ``fallback``, without ``capacity``, ``partials``, ``row_ids``;
     entries ``counter_at`` .. ``counter_at + row tiles - 1`` zero, and zero again after): one launch returning
-    ``(tokens, counter)`` (`_fused_launch`) that writes nothing where no row is active.
+    ``(tokens, counter)`` (`_fused_call`) that writes nothing where no row is active.
     ``seeds`` ([rows] int32, by draft row = lat row), ``inv_t`` (float32 scalar, 1 / T; 0 = greedy): the sampled
     pick, the largest ``common.sample_key(s, inv_t, common.gumbel(seeds[row], id))``, lowest id on ties (with
     ``row_ids``, ``reverse``, ``keep``, ``partials``: the keys; not with ``active``, ``capacity``, ``fallback``,
@@ -704,8 +713,9 @@ def full_vocab_pick(
                              f"{counter.shape} {counter.dtype}, counter_at={counter_at!r}")
         act = active if active.dtype == jnp.int32 else (active != 0).astype(jnp.int32)
         launch = _Launch(rows, vocab, rank, dtype, slot_stride, reverse=reverse, keep=keep, counter_at=counter_at)
-        return tuple(_fused_launch((base, lat, w2, act), cfg, launch, interpret=interpret,
-                                   counted=(fallback.astype(jnp.int32), counter))[2:])
+        counted = (fallback.astype(jnp.int32), counter)
+        return tuple(common.pallas_call(**_fused_call(4, cfg, launch, interpret=interpret, counted=counted))(
+            base, lat, w2, act, *counted)[2:])
     if row_ids is not None:
         if (capacity is not None or fallback is not None or row_ids.ndim != 1 or row_ids.shape[0] < 1
                 or row_ids.dtype != jnp.int32):
@@ -719,10 +729,11 @@ def full_vocab_pick(
             operands = (*operands, active if active.dtype == jnp.int32 else (active != 0).astype(jnp.int32))
         launch = _Launch(cap, vocab, rank, dtype, slot_stride, has_active=active is not None, row_map=True,
                          lat_map=True, reverse=reverse, keep=keep)
-        mv, mi = _fused_launch(operands, cfg, launch, interpret=interpret)
+        mv, mi = common.pallas_call(**_fused_call(len(operands), cfg, launch, interpret=interpret))(*operands)
         if partials:
             return mv[:, :cap], mi[:, :cap]
-        return combine_partials(mv, mi, interpret=interpret)[:cap]
+        call = _combine_call(*mv.shape, interpret=interpret)  # the parts' winners (`combine_partials`)
+        return (mi[0] if call is None else common.pallas_call(**call)(mv, mi))[:cap]
     cap = rows if capacity is None else min(capacity, rows)  # the rows the kernel runs on
     cfg = config or default_config(cap, vocab, rank, dtype)
     cfg.check_shape(cap, vocab, rank, dtype)
@@ -740,12 +751,13 @@ def full_vocab_pick(
         operands = (*operands, act if act.dtype == jnp.int32 else (act != 0).astype(jnp.int32))
         extra["has_active"] = True
     launch = _Launch(cap, vocab, rank, dtype, slot_stride, reverse=reverse, keep=keep, **extra)
-    mv, mi = _fused_launch(operands, cfg, launch, interpret=interpret)
+    mv, mi = common.pallas_call(**_fused_call(len(operands), cfg, launch, interpret=interpret))(*operands)
     if partials:
         return mv[:, :cap], mi[:, :cap]
     if fallback is not None:
         return combine_partials(mv, mi, interpret=interpret, active=active, fallback=fallback)[:rows]
-    tok = combine_partials(mv, mi, interpret=interpret)[:cap]
+    call = _combine_call(*mv.shape, interpret=interpret)  # the parts' winners (`combine_partials`)
+    tok = (mi[0] if call is None else common.pallas_call(**call)(mv, mi))[:cap]
     return tok if pos is None else jnp.where(pos < cap, tok[jnp.minimum(pos, cap - 1)], BIG)
 
 
@@ -773,11 +785,13 @@ def _sample(base, lat, w2, seeds, inv_t, proposal, *, config, interpret, slot_st
     cfg.check_shape(cap, vocab, rank, dtype)
     launch = _Launch(cap, vocab, rank, dtype, slot_stride, reverse=reverse, keep=keep, sample=True, extras=proposal,
                      **extra)
-    out = _fused_launch((*operands, seeds.astype(jnp.int32), inv_t), cfg, launch, interpret=interpret)
+    operands = (*operands, seeds.astype(jnp.int32), inv_t)
+    out = common.pallas_call(**_fused_call(len(operands), cfg, launch, interpret=interpret))(*operands)
     mv, mi = out[:2]
     if partials:
         return mv[:, :cap], mi[:, :cap]
-    tok = combine_partials(mv, mi, interpret=interpret)[:cap]
+    call = _combine_call(*mv.shape, interpret=interpret)  # the parts' winners (`combine_partials`)
+    tok = (mi[0] if call is None else common.pallas_call(**call)(mv, mi))[:cap]
     if proposal is None:
         return tok
     ms, mm, ml = (x[:, :cap] for x in out[2:5])
@@ -880,8 +894,9 @@ def scan_failing(base: jax.Array, lat: jax.Array, w2: jax.Array, fail: jax.Array
     # The kernel reads rows < `rows` of src and act_p ([n_pad]) and element 0 of flags (the pass's full).
     operands = (base, lat, w2, src, act_p, *((flags,) if vs_full else ()))
     launch = _Launch(rows, vocab, rank, dtype, slot_stride, row_map=True, lat_map=True, v_steps_full=vs_full)
-    tok = _fused_launch(operands, cfg, launch, interpret=interpret, parts=parts,
-                        counted=(fallback.astype(jnp.int32), counters))[2]
+    counted = (fallback.astype(jnp.int32), counters)
+    tok = common.pallas_call(**_fused_call(len(operands), cfg, launch, interpret=interpret, parts=parts,
+                                           counted=counted))(*operands, *counted)[2]
     return tok, flags
 
 

@@ -250,13 +250,16 @@ def topc_pick(
                              "goes without them")
         if proposal is not None and partials:
             raise ValueError("proposal goes without partials (the extras need the splits combined)")
-    out = _partials(base_c, cand, lat, w2, interpret=interpret, config=config, ties=ties, skip=skip,
-                    lat_add=lat_add, row_ids=row_ids, keep=keep, sample=(seeds, inv_t, proposal) if sampled else None)
+    call, operands = _pick_call(base_c, cand, lat, w2, interpret=interpret, config=config, ties=ties, skip=skip,
+                                lat_add=lat_add, row_ids=row_ids, keep=keep,
+                                sample=(seeds, inv_t, proposal) if sampled else None)
+    out = common.pallas_call(**call)(*operands)
     mv, mb, mi = out[:3]
     rows = base_c.shape[0] if row_ids is None else row_ids.shape[0]
     if partials:
         return mv[:, :rows], mb[:, :rows], mi[:, :rows]
-    tok = combine_splits(mv, mb, mi, interpret=interpret)[:rows]
+    call = _combine_call(*mv.shape, interpret=interpret)  # the splits' winners by the top-C rule (`combine_splits`)
+    tok = (mi[0] if call is None else common.pallas_call(**call)(mv, mb, mi))[:rows]
     if proposal is None:
         return tok
     ms, mm, ml = (x[:, :rows] for x in out[3:6])
@@ -265,9 +268,10 @@ def topc_pick(
     return tok, (token_score, lse, out[6] if proposal == "scores" else None)
 
 
-def _partials(base_c, cand, lat, w2, *, interpret, config, ties, skip, lat_add=None, row_ids=None, keep=None,
-              sample=None):
-    """The pick kernel's launch: ``(score, base, id)`` each [splits, rows_pad] (rows_pad: rows rounded up to 16).
+def _pick_call(base_c, cand, lat, w2, *, interpret, config, ties, skip, lat_add=None, row_ids=None, keep=None,
+               sample=None) -> tuple[dict, tuple]:
+    """The pick kernel's launch, checked: its `common.pallas_call` arguments and its operands, which the wrapper
+    calls. It returns ``(score, base, id)`` each [splits, rows_pad] (rows_pad: rows rounded up to 16).
     ``sample`` = (seeds, inv_t, proposal): the keys; with a proposal three more [splits, rows_pad] float32 (the
     winner's score, the running max and sum of exp) and with "scores" the [rows, C] scores."""
     if ties not in TIES:
@@ -333,11 +337,12 @@ def _partials(base_c, cand, lat, w2, *, interpret, config, ties, skip, lat_add=N
         out_specs, out_shape = (*out_specs, *(out_spec,) * 3), (*out_shape, f32, f32, f32)
     if proposal == "scores":
         out_specs, out_shape = (*out_specs, pl.no_block_spec), (*out_shape, jax.ShapeDtypeStruct((rows, c), dtype))
-    return common.pallas_call(
-        kernel, name="xpress_topc_sample" if sample is not None else "xpress_topc_pick", num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, interpret=interpret, grid=(rows, splits),
+    call = dict(
+        kernel=kernel, name="xpress_topc_sample" if sample is not None else "xpress_topc_pick",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, interpret=interpret, grid=(rows, splits),
         in_specs=[pl.no_block_spec] * len(operands), out_specs=out_specs, out_shape=out_shape,
-    )(*operands)
+    )
+    return call, operands
 
 
 def _combine_kernel(mv_ref, mb_ref, mi_ref, o_ref, *, splits: int, row_tile: int, split_tile: int):
@@ -365,21 +370,27 @@ def _combine_kernel(mv_ref, mb_ref, mi_ref, o_ref, *, splits: int, row_tile: int
     o_ref[...] = bidx
 
 
-def combine_splits(mv: jax.Array, mb: jax.Array, mi: jax.Array, *, interpret: bool = False) -> jax.Array:
-    """[splits, rows_pad] (score, base logit, id) -> [rows_pad] int32 by the top-C rule (rows_pad: a multiple of 16)."""
-    splits, rows_pad = mv.shape
+def _combine_call(splits: int, rows_pad: int, *, interpret: bool) -> dict | None:
+    """The `common.pallas_call` arguments of the combine launch on (score, base, id) [splits, rows_pad], which the
+    caller calls with the three; None for one split (its ids are the winners)."""
     if splits == 1:
-        return mi[0]
+        return None
     row_tile = 16
     while row_tile < 128 and rows_pad % (2 * row_tile) == 0:
         row_tile *= 2
     split_tile = min(next_pow2(splits), max(1, 8192 // row_tile))
-    return common.pallas_call(
-        functools.partial(_combine_kernel, splits=splits, row_tile=row_tile, split_tile=split_tile),
+    return dict(
+        kernel=functools.partial(_combine_kernel, splits=splits, row_tile=row_tile, split_tile=split_tile),
         name="xpress_topc_combine", interpret=interpret, grid=(rows_pad // row_tile,),
         in_specs=[pl.no_block_spec] * 3, out_specs=pl.BlockSpec((row_tile,), lambda i: (i,)),
         out_shape=jax.ShapeDtypeStruct((rows_pad,), jnp.int32),
-    )(mv, mb, mi)
+    )
+
+
+def combine_splits(mv: jax.Array, mb: jax.Array, mi: jax.Array, *, interpret: bool = False) -> jax.Array:
+    """[splits, rows_pad] (score, base logit, id) -> [rows_pad] int32 by the top-C rule (rows_pad: a multiple of 16)."""
+    call = _combine_call(*mv.shape, interpret=interpret)
+    return mi[0] if call is None else common.pallas_call(**call)(mv, mb, mi)
 
 
 # The certified exact mode's per-pass decision (`xpress_jax.exact`), in one launch after the pick.
@@ -466,7 +477,8 @@ def certify(base_c: jax.Array, cand: jax.Array, lat: jax.Array, w2: jax.Array, t
     if limit is not None and rows > CERTIFY_SINGLE_ROWS:
         raise ValueError(f"certify: limit needs rows <= {CERTIFY_SINGLE_ROWS} (one program), got {rows}")
     fallen = common.flag_operand(fallen, "fallen")
-    mv, _, mi = _partials(base_c, cand, lat, w2, interpret=interpret, config=config, ties="id", skip=fallen)
+    call, operands = _pick_call(base_c, cand, lat, w2, interpret=interpret, config=config, ties="id", skip=fallen)
+    mv, _, mi = common.pallas_call(**call)(*operands)
     splits, rows_pad = mv.shape
     if limit is not None:
         row_tile = next_pow2(rows_pad)
