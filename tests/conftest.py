@@ -166,9 +166,10 @@ def _slow_here(mark, item) -> bool:
 
 
 #: The end-of-run summary's skip categories: (pattern in the reason, label), the first match wins. A
-#: reason starts with its category: "slow sweep: ...", "GPU only: ...", "needs torch: ...", "CPU only: ...".
-SKIP_CATEGORIES = (("slow sweep", "slow sweeps (run with -m slow)"), ("GPU", "GPU only"), ("CUDA", "GPU only"),
-                   ("compiled kernel", "GPU only"), ("torch", "need torch"), ("CPU", "CPU only"))
+#: reason starts with its category: "slow sweep: ...", "newer JAX: ...", "GPU only: ...", "needs torch: ...",
+#: "CPU only: ...".
+SKIP_CATEGORIES = (("slow sweep", "slow sweeps (run with -m slow)"), ("newer JAX", "need a newer JAX"), ("GPU", "GPU only"),
+                   ("CUDA", "GPU only"), ("compiled kernel", "GPU only"), ("torch", "need torch"), ("CPU", "CPU only"))
 
 
 def skip_summary(reasons: list[str]) -> str:
