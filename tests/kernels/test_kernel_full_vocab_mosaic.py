@@ -73,14 +73,39 @@ CASES = [
 FAST = {0, 2, 3}
 
 
+def _hopper() -> bool:
+    """A GPU of compute capability 9.x (the kernel's wgmma and TMA): the compiled twin runs there."""
+    return any(d.platform == "gpu" and str(getattr(d, "compute_capability", "")).startswith("9.")
+               for d in jax.devices())
+
+
+CASE_PARAMS = [pytest.param(*c, marks=() if i in FAST else pytest.mark.slow, id=f"{c[0]}x{c[1]}x{c[2]}-{c[3]}-{i}")
+               for i, c in enumerate(CASES)]
+
+
 @pytest.mark.interpret
-@pytest.mark.parametrize("rows,vocab,rank,kind,cfg", [
-    pytest.param(*c, marks=() if i in FAST else pytest.mark.slow) for i, c in enumerate(CASES)],
-    ids=[f"{c[0]}x{c[1]}x{c[2]}-{c[3]}-{i}" for i, c in enumerate(CASES)])
+@pytest.mark.parametrize("rows,vocab,rank,kind,cfg", CASE_PARAMS)
 def test_pick_interpret(rows, vocab, rank, kind, cfg):
     base, lat, w2 = _inputs(rows, vocab, rank, kind)
     got = fm.full_vocab_pick(base, lat, w2, config=cfg, interpret=True)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(R.full_vocab_pick(base, lat, w2)))
+
+
+@pytest.mark.parametrize("rows,vocab,rank,kind,cfg", [pytest.param(*p.values, id=p.id) for p in CASE_PARAMS])
+def test_pick_compiled(rows, vocab, rank, kind, cfg):
+    """The compiled kernel on a Hopper GPU: the same tokens as the jnp oracle (exact inputs: no rounding can differ)."""
+    if not _hopper():
+        pytest.skip("GPU only: the Mosaic GPU kernel compiles for sm90")
+    base, lat, w2 = _inputs(rows, vocab, rank, kind)
+    got = jax.jit(functools.partial(fm.full_vocab_pick, config=cfg))(base, lat, w2)
+    want = jax.jit(R.full_vocab_pick)(base, lat, w2)
+    if kind == "random":  # float reassociation (wgmma vs XLA's dot) may flip near ties: a one-rounding margin
+        s = np.asarray(jax.jit(lambda b, l, w: R.round_sum(b, R.readout(l, w, b.dtype)))(base, lat, w2), np.float32)
+        g, w = np.asarray(got), np.asarray(want)
+        gap = np.abs(s[np.arange(len(g)), g] - s[np.arange(len(w)), w])
+        assert np.all((g == w) | (gap <= np.abs(s[np.arange(len(w)), w]) * 2.0 ** -7)), (g, w, gap)
+    else:
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 @pytest.mark.parametrize("rows,vocab,cfg", [
