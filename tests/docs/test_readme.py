@@ -108,6 +108,11 @@ def test_every_readme_block_runs(tmp_path, monkeypatch, capsys):
                     proc = subprocess.run(words[1:], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
                     code_ = proc.returncode
                     print(proc.stdout, proc.stderr)
+                    # The output the README promises in the line's comment ("# ... equal to one device's: True").
+                    promised = re.search(re.escape(words[-1]) + r"\s*#\s*\.\.\.\s*(.+)$", code, re.M)
+                    if promised:
+                        assert promised.group(1).strip() in proc.stdout, (
+                            f"{where}: {cmd!r} did not print {promised.group(1).strip()!r}:\n{proc.stdout}")
                 elif words[0] == "xpress":
                     code_ = xpress_main(words[1:])
                 elif words[0] == "xpress-convert":
