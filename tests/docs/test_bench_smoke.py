@@ -82,7 +82,7 @@ def test_fixed_point_study_matches_refine_early_exit(tmp_path, std, topc):
     import xpress_jax as xj
     from benchmarks import fixed_point
     from xpress_jax.ops import Ops
-    from xpress_jax.refine import _refine, resolve_call
+    from xpress_jax.refine import prepare, resolve_call, run_passes
     from xpress_jax.toy import ToyConfig, ToyTask
 
     task = ToyTask(ToyConfig(vocab_size=16, block_size=5, hidden_size=8))
@@ -92,7 +92,8 @@ def test_fixed_point_study_matches_refine_early_exit(tmp_path, std, topc):
     first = fixed_point.block_fixed_pass(head, batch, 4, topc)
     x = (batch.logits[:1], batch.h[:1], batch.anchors[:1], batch.prev_ids[:1])
     p, _, k, c, _ = resolve_call(head, *x, topc=topc, unroll=False)
-    one = jax.jit(lambda p, *x: _refine(Ops.xla(), p, *x, k, c, False, early_exit=True, return_passes=True)[1])
+    one = jax.jit(lambda p, *x: run_passes(prepare(Ops.xla(), p, *x, k, c, False, early_exit=True,
+                                                   return_passes=True))[1])
     for i in range(6):
         passes = one(p, *(a[i:i + 1] for a in (batch.logits, batch.h, batch.anchors, batch.prev_ids)))
         assert int(passes) == min(first[i], 4), (std, topc, i)
