@@ -30,7 +30,7 @@ from .sources import (RELEASE, SPECULATORS, HeadSelection, Source, TensorRef, op
 from .speculators_format import is_speculators_config, speculators_hf_config
 
 __all__ = ["DTYPES", "MIXER_MODES", "RELEASE_VARIANT", "ConvertReport", "ResolvedConfig", "convert_checkpoint",
-           "mixer_looks_folded", "resolve", "resolve_config", "given_config", "vocab_map_refs"]
+           "mixer_looks_folded", "resolve", "resolve_config", "sizing_config", "vocab_map_refs"]
 
 DTYPES = ("keep", "bfloat16", "float32")
 MIXER_MODES = ("auto", "raw", "folded")
@@ -197,8 +197,8 @@ class ResolvedConfig:
     fields: list[str] = dataclasses.field(default_factory=list)
 
 
-def given_config(config: HeadConfig | Mapping[str, Any] | str | os.PathLike | None,
-                  source: Source | None) -> tuple[HeadConfig | dict | None, str]:
+def sizing_config(config: HeadConfig | Mapping[str, Any] | str | os.PathLike | None,
+                   source: Source | None) -> tuple[HeadConfig | dict | None, str]:
     """The config to size the head with: ``config`` (a HeadConfig, a dict, a config.json path), else the source's
     config.json, else None; and where it came from."""
     if isinstance(config, HeadConfig):
@@ -245,7 +245,7 @@ def resolve(config: HeadConfig | Mapping[str, Any] | str | os.PathLike | None, s
     overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
     if source is not None and source.kind == RELEASE:
         _check_release_args(source, head or {})
-    given, where = given_config(config, source)
+    given, where = sizing_config(config, source)
     if isinstance(given, HeadConfig):
         try:
             return ResolvedConfig(dataclasses.replace(given, **overrides), where + (" + flags" if overrides else ""))
@@ -407,7 +407,7 @@ def convert_checkpoint(
     source = open_source(src_p)
     for note in source.notes:
         warn(note)
-    given, where = given_config(config, source)
+    given, where = sizing_config(config, source)
     layout = None
     if is_speculators_config(given):  # its model type and layout are checked before the tensors
         speculators_hf_config(given, where)

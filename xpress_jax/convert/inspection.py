@@ -21,8 +21,8 @@ import numpy as np
 from xpress_jax.checkpoint import is_checkpoint, read_checkpoint_info, stored_param_metadata
 from xpress_jax.params import HYBRID_KEY_MAP, check_vocab_map, source_shapes
 
-from .convert import (RELEASE_VARIANT, config_line, given_config, human_bytes, mixer_looks_folded, resolve, source_line,
-                      vocab_map_refs)
+from .convert import (RELEASE_VARIANT, config_line, human_bytes, mixer_looks_folded, resolve, sizing_config,
+                      source_line, vocab_map_refs)
 from .errors import ConversionError
 from .sources import RELEASE, SPECULATORS, open_source, select_in
 from .speculators_format import is_speculators_config, speculators_hf_config
@@ -56,7 +56,7 @@ def _inspect_source(path: Path, config: Any, prefix: str | None) -> dict:
     problems: list[str] = []
     layout = None
     try:
-        given, where = given_config(config, source)
+        given, where = sizing_config(config, source)
         if is_speculators_config(given):
             layout = SPECULATORS
             speculators_hf_config(given, where)
