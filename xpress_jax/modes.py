@@ -71,6 +71,8 @@ class Mode:
     ``first``: the seed block's draft slots, [N*(B-1)] draft ids; ``state``: the mode's initial state;
     ``with_passes``: `finish` also returns the passes run (an int32 scalar; benchmarks)."""
 
+    topc: int = 0  # C, where a mode scores candidates (0: the full vocabulary)
+
     def __init__(self, call: Call, first: jax.Array, loop: Loop, state: Any = (), with_passes: bool = False):
         self.call, self.first, self.loop, self.state, self.with_passes = call, first, loop, state, with_passes
         self.n, self.b = call.logits.shape[:2]
@@ -93,11 +95,11 @@ class Mode:
         """The draft [N, B-1] of ``blk``, `INVALID_TOKEN` in invalid rows."""
         return jnp.where(self.call.valid[:, None], blk[:, 1:], INVALID_TOKEN)
 
-    def latent(self, blk: jax.Array, terms: bool = False):
-        """The pass's latent of every draft row, [N*(B-1), r]; with ``terms`` (top-C passes of `Ops` with
-        ``latent_terms``) possibly its residual's two terms (`xpress_jax.reference.LatentSum`), which the pick adds."""
+    def latent(self, blk: jax.Array):
+        """The pass's latent of every draft row, [N*(B-1), r]; in the top-C passes of `Ops` with ``latent_terms``
+        possibly its residual's two terms (`xpress_jax.reference.LatentSum`), which the pick adds."""
         c = self.call
-        lat = c.ops.latent(c.params, c.xh, blk, c.prev_ids, terms=True) if terms else \
+        lat = c.ops.latent(c.params, c.xh, blk, c.prev_ids, terms=True) if self.topc and c.ops.latent_terms else \
             c.ops.latent(c.params, c.xh, blk, c.prev_ids)
         return lat.reshape(self.n * self.slots, c.params["w1"].shape[1])
 
@@ -123,7 +125,7 @@ class Greedy(Mode):
         if q is None and c.ops.numbered:  # in a loop the numbered picks run as pass 0: every slot, its read order
             q = 0
         if self.topc:
-            lat = self.latent(blk, terms=c.ops.latent_terms)
+            lat = self.latent(blk)
             tok, s = c.ops.topc_pick(self.base_c, self.cand, lat, self.prepared, q=q, slots=self.slots)
         else:
             tok, s = c.ops.full_vocab_pick(c.logits, self.latent(blk), self.prepared, q=q)
@@ -161,7 +163,7 @@ class Sampled(Mode):
 
     def pass_(self, carry, q):
         blk, state = carry
-        tok, _, s = self._pick(self.latent(blk, terms=bool(self.topc) and self.call.ops.latent_terms), q=q)
+        tok, _, s = self._pick(self.latent(blk), q=q)
         return write_slots(blk, tok, s, self.call.d2t), state
 
     def finish(self, carry, passes):
@@ -170,7 +172,7 @@ class Sampled(Mode):
             return super().finish(carry, passes)
         blk, extras = carry[0], self.seed_extras
         if self.num_passes:  # the last pass, with the proposal's extras
-            lat = self.latent(blk, terms=bool(self.topc) and self.call.ops.latent_terms)
+            lat = self.latent(blk)
             tok, extras, s = self._pick(lat, proposal)
             blk = write_slots(blk, tok, s, self.call.d2t)
         out = self.tokens(blk)
